@@ -1,0 +1,1 @@
+"""The batchgate GPU worker: intake from lane streams, a pure scheduler, model runners, result publisher."""

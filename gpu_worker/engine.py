@@ -1,0 +1,339 @@
+"""Continuous batching for any Hugging Face causal LM (torch only; scheduling decisions live elsewhere).
+
+The engine holds the running batch. `prefill(specs)` runs new prompts, right-aligned, straight into
+free rows of the preallocated `SlotKVCache` and merges them into the batch; `step()` advances every
+running row by one token; a row leaves the moment it is done (length, EOS, stop string), cancelled,
+or past its deadline, and its outcome is returned at once.
+
+What the caller decides (see `gpu_worker.scheduler`): which requests to prefill and when. What the
+engine guarantees: it never allocates beyond `max_rows` x `max_width` cache positions, so load
+cannot make it run out of memory; a row never attends to another row's tokens or its own padding.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_worker.kv_cache import SlotKVCache
+from gpu_worker.sampling import SamplingParams, make_generator, select_tokens
+from shared.states import FinishReason
+
+# Prefill sub-batches: rows are grouped by prompt length so that padding stays under this fraction.
+PREFILL_PAD_TOLERANCE = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class GenSpec:
+    """What the engine needs to generate one sequence."""
+
+    id: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    eos_ids: frozenset[int] = frozenset()
+    deadline: float | None = None  # wall-clock seconds
+
+    @property
+    def total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.max_new_tokens
+
+
+@dataclass(slots=True)
+class GenResult:
+    id: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0  # from prefill start to the first token
+    decode_s: float = 0.0  # from the first token to the last
+    admitted_at: float = 0.0
+
+
+@dataclass(slots=True)
+class _Row:
+    spec: GenSpec
+    start: int
+    tokens: list[int]
+    generator: torch.Generator | None
+    admitted_at: float
+    prefill_s: float
+    first_token_at: float
+    stop_tail: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    forward_s: float = 0.0
+    steps: int = 0
+    prefill_tokens: int = 0
+    prefill_padded_tokens: int = 0
+    decode_tokens: int = 0
+    kv_real: int = 0  # sum over steps of the real tokens attended
+    kv_padded: int = 0  # sum over steps of the cache positions attended
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kv_padding_fraction(self) -> float:
+        return 1.0 - self.kv_real / self.kv_padded if self.kv_padded else 0.0
+
+
+class EngineFull(RuntimeError):
+    """Raised when asked to prefill beyond the engine's row or width capacity (a scheduler bug)."""
+
+
+class GenerationEngine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_rows: int,
+        max_seq_len: int,
+        decode_tail: Callable[[list[int]], str] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        cfg = model.config
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        heads = text_cfg.num_attention_heads
+        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads
+        param = next(model.parameters())
+        self.model = model
+        self.device = param.device
+        self.max_rows = max_rows
+        self.max_seq_len = max_seq_len
+        self.cache = SlotKVCache(
+            layers=text_cfg.num_hidden_layers,
+            kv_heads=getattr(text_cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            dtype=param.dtype,
+            device=param.device,
+            max_rows=max_rows,
+            max_width=2 * max_seq_len,
+        )
+        self._decode_tail = decode_tail
+        self._clock = clock
+        self.rows: list[_Row] = []
+        self.end = 0  # the column after every row's last cached token
+        self.stats = EngineStats()
+
+    # --- capacity ------------------------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return len(self.rows)
+
+    @property
+    def free_rows(self) -> int:
+        return self.max_rows - len(self.rows)
+
+    def fits(self, spec: GenSpec) -> bool:
+        return spec.total_tokens <= self.max_seq_len and len(spec.prompt_ids) >= 1
+
+    @staticmethod
+    def bytes_per_row(model: torch.nn.Module, max_seq_len: int) -> int:
+        """Cache bytes one row can cost at most (the cache is `2 * max_seq_len` wide)."""
+        cfg = model.config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        elem = next(model.parameters()).element_size()
+        return 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem * 2 * max_seq_len
+
+    # --- prefill -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, specs: Iterable[GenSpec]) -> list[GenResult]:
+        """Prefill new sequences and merge them into the running batch. Returns the ones already done."""
+        specs = list(specs)
+        if len(specs) > self.free_rows:
+            raise EngineFull(f"{len(specs)} new rows but {self.free_rows} free")
+        for spec in specs:
+            if not self.fits(spec):
+                raise EngineFull(f"{spec.id}: {spec.total_tokens} tokens exceed max_seq_len {self.max_seq_len}")
+        done: list[GenResult] = []
+        for group in group_by_length([len(s.prompt_ids) for s in specs], PREFILL_PAD_TOLERANCE):
+            done.extend(self._prefill_group([specs[i] for i in group]))
+        return done
+
+    def _prefill_group(self, specs: list[GenSpec]) -> list[GenResult]:
+        t0 = self._clock()
+        lens = [len(s.prompt_ids) for s in specs]
+        width = max(lens)
+        n = len(specs)
+        self._make_room_left(width)
+        first = len(self.rows)
+        self.cache.ensure(first + n, self.end + 1, first)
+        self.cache.clear_left(slice(first, first + n), self.end - width)
+
+        ids = torch.zeros((n, width), dtype=torch.long)
+        pads = [width - ln for ln in lens]
+        for i, spec in enumerate(specs):
+            ids[i, pads[i]:] = torch.tensor(spec.prompt_ids, dtype=torch.long)
+        pad_t = torch.tensor(pads, dtype=torch.long, device=self.device)
+        cols = torch.arange(width, device=self.device)
+        positions = (cols[None, :] - pad_t[:, None]).clamp(min=0)
+        causal = cols[None, :, None] >= cols[None, None, :]  # [1, q, k]
+        mask = causal & (cols[None, None, :] >= pad_t[:, None, None])
+        mask |= torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padded queries see themselves
+        window = self.cache.window(slice(first, first + n), self.end - width, self.end, self.end - width)
+        f0 = time.perf_counter()
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask[:, None],
+            position_ids=positions,
+            past_key_values=window,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        params = [s.sampling for s in specs]
+        gens = [make_generator(p, self.device) for p in params]
+        tokens = select_tokens(out.logits[:, -1, :], params, gens)
+        now = self._clock()
+        self.stats.forward_s += time.perf_counter() - f0
+        self.stats.prefill_s += now - t0
+        self.stats.prefill_tokens += sum(lens)
+        self.stats.prefill_padded_tokens += n * width
+
+        for i, spec in enumerate(specs):
+            self.rows.append(_Row(
+                spec=spec, start=self.end - lens[i], tokens=[tokens[i]], generator=gens[i],
+                admitted_at=t0, prefill_s=now - t0, first_token_at=now,
+                stop_tail=max((len(s) for s in spec.stop), default=0) + 8,
+            ))
+        return self._retire([r for r in range(first, first + n) if self._finished(self.rows[r])], now)
+
+    def _make_room_left(self, width: int) -> None:
+        """Ensure `width` free columns left of `end` for a right-aligned prefill."""
+        if not self.rows:
+            self.end = width
+            return
+        if self.end >= width:
+            return
+        shift = width - self.end
+        lo = min(r.start for r in self.rows)
+        self.cache.ensure(len(self.rows), self.end + shift + 1, len(self.rows))
+        self.cache.shift_columns(len(self.rows), lo, self.end, shift)
+        for row in self.rows:
+            row.start += shift
+        self.end += shift
+
+    # --- decode --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[GenResult]:
+        """Advance every running row by one token; return the rows that finished."""
+        if not self.rows:
+            return []
+        t0 = self._clock()
+        self._make_room_right()
+        n = len(self.rows)
+        lo = min(r.start for r in self.rows)
+        starts = torch.tensor([r.start for r in self.rows], dtype=torch.long, device=self.device)
+        cols = torch.arange(lo, self.end + 1, device=self.device)
+        mask = (cols[None, :] >= starts[:, None])[:, None, None, :]
+        positions = (self.end - starts)[:, None]
+        ids = torch.tensor([[r.tokens[-1]] for r in self.rows], dtype=torch.long, device=self.device)
+        window = self.cache.window(slice(0, n), self.end, self.end + 1, lo)
+        f0 = time.perf_counter()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=window, use_cache=True)
+        tokens = select_tokens(out.logits[:, -1, :], [r.spec.sampling for r in self.rows],
+                               [r.generator for r in self.rows])
+        self.stats.forward_s += time.perf_counter() - f0
+        self.stats.kv_padded += n * (self.end + 1 - lo)
+        self.stats.kv_real += sum(self.end + 1 - r.start for r in self.rows)
+        self.end += 1
+        finished = []
+        for i, (row, tok) in enumerate(zip(self.rows, tokens, strict=True)):
+            row.tokens.append(tok)
+            if self._finished(row):
+                finished.append(i)
+        now = self._clock()
+        self.stats.decode_s += now - t0
+        self.stats.steps += 1
+        self.stats.decode_tokens += n
+        return self._retire(finished, now)
+
+    def _make_room_right(self) -> None:
+        """Ensure column `end` exists: compact to the left, or grow the cache."""
+        if self.end < self.cache.width:
+            return
+        lo = min(r.start for r in self.rows)
+        if lo > 0:
+            self.cache.shift_columns(len(self.rows), lo, self.end, -lo)
+            for row in self.rows:
+                row.start -= lo
+            self.end -= lo
+        if self.end >= self.cache.width:
+            self.cache.ensure(len(self.rows), self.end + 1, len(self.rows))
+
+    # --- leaving the batch ---------------------------------------------------------------------
+    def _finished(self, row: _Row) -> bool:
+        return self._finish_reason(row) is not None
+
+    def _finish_reason(self, row: _Row) -> FinishReason | None:
+        spec = row.spec
+        if row.tokens[-1] in spec.eos_ids:
+            return FinishReason.EOS
+        if spec.stop and self._decode_tail is not None:
+            tail = self._decode_tail(row.tokens[-row.stop_tail:])
+            if any(s in tail for s in spec.stop):
+                return FinishReason.STOP
+        if len(row.tokens) >= spec.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _retire(self, indices: list[int], now: float,
+                reason: FinishReason | None = None) -> list[GenResult]:
+        results = []
+        for i in sorted(indices, reverse=True):
+            row = self.rows[i]
+            why = reason or self._finish_reason(row) or FinishReason.LENGTH
+            results.append(GenResult(
+                id=row.spec.id, token_ids=row.tokens, finish_reason=why,
+                prompt_tokens=len(row.spec.prompt_ids), prefill_s=row.prefill_s,
+                ttft_s=row.first_token_at - row.admitted_at, decode_s=now - row.first_token_at,
+                admitted_at=row.admitted_at,
+            ))
+            last = len(self.rows) - 1
+            if i != last:
+                moved = self.rows[last]
+                self.cache.move_row(last, i, moved.start, self.end)
+                self.rows[i] = moved
+            self.rows.pop()
+        results.reverse()
+        return results
+
+    def cancel(self, ids: Iterable[str]) -> list[GenResult]:
+        wanted = set(ids)
+        hits = [i for i, r in enumerate(self.rows) if r.spec.id in wanted]
+        return self._retire(hits, self._clock(), FinishReason.CANCELLED)
+
+    def expire(self, now: float) -> list[GenResult]:
+        """Rows whose deadline has passed leave with the tokens they have."""
+        hits = [i for i, r in enumerate(self.rows) if r.spec.deadline is not None and r.spec.deadline <= now]
+        return self._retire(hits, now, FinishReason.DEADLINE)
+
+    def running_ids(self) -> list[str]:
+        return [r.spec.id for r in self.rows]
+
+
+def group_by_length(lengths: list[int], tolerance: float) -> list[list[int]]:
+    """Indices grouped (longest first) so each group's padding stays within `tolerance` of its width."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            g = groups[-1]
+            width = lengths[g[0]]
+            padded = width * (len(g) + 1)
+            real = sum(lengths[j] for j in g) + lengths[i]
+            if padded - real <= tolerance * padded:
+                g.append(i)
+                continue
+        groups.append([i])
+    return groups

@@ -1,0 +1,113 @@
+"""A preallocated, right-aligned KV cache for a running batch of sequences (torch only).
+
+Layout per layer: keys/values `[rows, kv_heads, width, head_dim]`. Every running row ends at the
+same column `end` (exclusive); row r holds its tokens in `[start[r], end)` and padding to the left.
+A decode step writes column `end` for all rows at once (no torch.cat, no reallocation), and
+attention reads only `[min(start), end + 1)`, so a short batch never attends over columns that no
+row uses. New rows are prefilled straight into their own rows, right-aligned at `end`.
+
+Invariants: rows `[0, n_rows)` are live; `start[r] <= end`; `end <= width`; every column a live
+row can read holds finite values.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+
+class SlotKVCache:
+    def __init__(self, *, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, max_rows: int, max_width: int) -> None:
+        self.layers = layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.max_rows = max_rows
+        self.max_width = max_width
+        self.rows_cap = 0
+        self.width = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    @property
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.layers * self.kv_heads * self.head_dim * elem
+
+    def ensure(self, rows: int, width: int, live_rows: int) -> None:
+        """Grow (by doubling, up to the maxima) so that `rows` x `width` fits; keeps live content."""
+        if rows > self.max_rows or width > self.max_width:
+            raise ValueError(f"cache request {rows}x{width} exceeds its maxima {self.max_rows}x{self.max_width}")
+        if rows <= self.rows_cap and width <= self.width:
+            return
+        new_rows = min(self.max_rows, max(rows, 2 * self.rows_cap, 4))
+        new_width = min(self.max_width, max(width, 2 * self.width, 64))
+        shape = (new_rows, self.kv_heads, new_width, self.head_dim)
+        for i in range(self.layers):
+            k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            if self.keys and live_rows:
+                k[:live_rows, :, : self.width] = self.keys[i][:live_rows]
+                v[:live_rows, :, : self.width] = self.values[i][:live_rows]
+            if i < len(self.keys):
+                self.keys[i], self.values[i] = k, v
+            else:
+                self.keys.append(k)
+                self.values.append(v)
+        self.rows_cap, self.width = new_rows, new_width
+
+    def clear_left(self, rows: slice, hi: int) -> None:
+        """Zero columns [0, hi) of new rows. Masked positions still enter attention's matmuls and
+        0 * NaN is NaN, so memory a row may read but never wrote must hold finite values."""
+        if hi > 0:
+            for k, v in zip(self.keys, self.values, strict=True):
+                k[rows, :, :hi] = 0
+                v[rows, :, :hi] = 0
+
+    def move_row(self, src: int, dst: int, lo: int, hi: int) -> None:
+        """Copy row `src` into row `dst` over columns [lo, hi) (swap-remove of a finished row)."""
+        for k, v in zip(self.keys, self.values, strict=True):
+            k[dst, :, lo:hi] = k[src, :, lo:hi]
+            v[dst, :, lo:hi] = v[src, :, lo:hi]
+
+    def shift_columns(self, rows: int, lo: int, hi: int, offset: int) -> None:
+        """Move columns [lo, hi) of rows [0, rows) by `offset` (either direction)."""
+        if offset == 0 or rows == 0 or hi <= lo:
+            return
+        for k, v in zip(self.keys, self.values, strict=True):
+            k[:rows, :, lo + offset: hi + offset] = k[:rows, :, lo:hi].clone()
+            v[:rows, :, lo + offset: hi + offset] = v[:rows, :, lo:hi].clone()
+
+    def window(self, rows: slice, write_lo: int, write_hi: int, read_lo: int) -> CacheWindow:
+        return CacheWindow(self, rows, write_lo, write_hi, read_lo)
+
+
+class CacheWindow(Cache):
+    """What one forward sees: new keys/values go to columns [write_lo, write_hi) of `rows`; attention
+    reads [read_lo, write_hi). Implements the part of transformers' `Cache` that decoder layers call."""
+
+    def __init__(self, cache: SlotKVCache, rows: slice, write_lo: int, write_hi: int, read_lo: int) -> None:
+        # Cache.__init__ wants layer classes; this window owns no storage of its own.
+        self.layers = []
+        self._cache = cache
+        self._rows = rows
+        self._write = (write_lo, write_hi)
+        self._read_lo = read_lo
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = self._write
+        k = self._cache.keys[layer_idx]
+        v = self._cache.values[layer_idx]
+        k[self._rows, :, lo:hi] = key_states
+        v[self._rows, :, lo:hi] = value_states
+        return k[self._rows, :, self._read_lo:hi], v[self._rows, :, self._read_lo:hi]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._write[1] - self._read_lo
+
+    @property
+    def is_compileable(self) -> bool:
+        return False

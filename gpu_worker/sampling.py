@@ -1,0 +1,58 @@
+"""Next-token selection per row: greedy, or temperature / top-k / top-p sampling with a per-row seed."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """A generator of the row's own, so its draws do not depend on its batch-mates."""
+    if params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+    return gen
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw from a 1-D logits vector; returns a 0-d long tensor (no host sync)."""
+    scores = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        cum = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
+        drop = cum > params.top_p
+        drop[1:] = drop[:-1].clone()  # keep the token that crosses the threshold
+        drop[0] = False
+        scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def select_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> list[int]:
+    """Tokens for every row of `logits` [rows, vocab]: one vectorised argmax, then the sampled rows."""
+    chosen = torch.argmax(logits, dim=-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        chosen = chosen.clone()
+        for i in sampled:
+            chosen[i] = sample_row(logits[i], params[i], generators[i])
+    return chosen.tolist()

@@ -1,0 +1,283 @@
+"""Configuration: one frozen dataclass per process, built at start-up from an injectable environ.
+
+Models come from a YAML or TOML file (`BATCHGATE_CONFIG`) and/or environment variables:
+- `BATCHGATE_MODELS=minilm,tiny-llama` picks which models this process serves (built-ins or names
+  defined in the file);
+- `BATCHGATE_MODEL__<NAME>__<FIELD>=value` sets one field of a model (NAME upper-case, `-` as `_`),
+  and defines a new model when NAME is not known yet, e.g.
+  `BATCHGATE_MODEL__MY_LM__SOURCE=/models/my-lm` + `BATCHGATE_MODEL__MY_LM__TASK=generate`.
+Nothing here is read at import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shared.errors import ConfigError
+from shared.lanes import DEFAULT_LANES, LaneSpec
+from shared.states import Task
+
+ENV_PREFIX = "BATCHGATE_"
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    task: Task
+    source: str
+    device: str = "auto"
+    dtype: str = "auto"
+    lanes: tuple[LaneSpec, ...] = DEFAULT_LANES
+    max_batch_size: int = 32  # requests per prefill (generate) or texts per forward (embed)
+    max_batch_tokens: int = 8192  # padded tokens per prefill / encoder forward
+    max_running: int = 64  # generate: rows in the running decode batch
+    kv_budget_tokens: int | None = None  # generate: KV cache size in tokens; None = sized from the device
+    max_input_tokens: int = 512
+    max_new_tokens: int = 512
+    default_max_new_tokens: int = 64
+    max_texts: int = 64
+    default_timeout_s: float = 60.0
+    max_timeout_s: float = 3600.0
+
+    def lane(self, name: str) -> LaneSpec | None:
+        return next((lane for lane in self.lanes if lane.name == name), None)
+
+    @property
+    def lane_names(self) -> tuple[str, ...]:
+        return tuple(lane.name for lane in self.lanes)
+
+    def validate(self) -> ModelSpec:
+        if not _NAME_RE.match(self.name):
+            raise ConfigError(f"model name {self.name!r}: use lower-case letters, digits, '.', '_' or '-'")
+        if not self.lanes:
+            raise ConfigError(f"model {self.name}: needs at least one lane")
+        names = [lane.name for lane in self.lanes]
+        if len(set(names)) != len(names) or not all(_NAME_RE.match(n) for n in names):
+            raise ConfigError(f"model {self.name}: lane names must be unique and simple, got {names}")
+        bounds = [lane.max_tokens for lane in self.lanes[:-1]]
+        if any(b is None for b in bounds) or bounds != sorted(bounds):  # type: ignore[type-var]
+            raise ConfigError(f"model {self.name}: lane bounds must increase; only the last may be open")
+        for attr in ("max_batch_size", "max_batch_tokens", "max_running", "max_input_tokens",
+                     "max_new_tokens", "default_max_new_tokens", "max_texts"):
+            if getattr(self, attr) < 1:
+                raise ConfigError(f"model {self.name}: {attr} must be >= 1")
+        if not 0 < self.default_timeout_s <= self.max_timeout_s:
+            raise ConfigError(f"model {self.name}: need 0 < default_timeout_s <= max_timeout_s")
+        return self
+
+    def to_public(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "task": self.task.value,
+            "lanes": [{"name": lane.name, "max_tokens": lane.max_tokens, "window_ms": lane.window_ms}
+                      for lane in self.lanes],
+            "limits": {
+                "max_input_tokens": self.max_input_tokens,
+                "max_new_tokens": self.max_new_tokens,
+                "max_texts": self.max_texts,
+                "default_timeout_s": self.default_timeout_s,
+                "max_timeout_s": self.max_timeout_s,
+            },
+        }
+
+
+BUILTIN_MODELS: dict[str, ModelSpec] = {
+    "minilm": ModelSpec(
+        name="minilm", task=Task.EMBED, source="builtin:minilm",
+        lanes=(LaneSpec("short", 64, 5.0), LaneSpec("long", None, 15.0)),
+        max_batch_size=64, max_batch_tokens=8192, max_input_tokens=512,
+    ),
+    "tiny-llama": ModelSpec(
+        name="tiny-llama", task=Task.GENERATE, source="builtin:tiny-llama",
+        max_input_tokens=384, max_new_tokens=256, max_batch_tokens=4096,
+    ),
+    "bench-llama": ModelSpec(
+        name="bench-llama", task=Task.GENERATE, source="builtin:bench-llama",
+        max_input_tokens=384, max_new_tokens=256, max_batch_tokens=4096,
+    ),
+}
+DEFAULT_MODELS = ("minilm", "tiny-llama")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "bg"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    result_ttl_s: int = 3600
+    max_body_bytes: int = 1 << 20
+    max_wait_s: float = 60.0
+    expiry_grace_s: float = 2.0
+    log_level: str = "info"
+    log_format: str = "auto"  # json | console | auto (console on a TTY)
+    worker_name: str = ""
+    worker_metrics_port: int = 9464  # 0 disables the worker's /metrics listener
+    intake_block_ms: int = 1000
+    models: tuple[ModelSpec, ...] = field(default_factory=lambda: tuple(BUILTIN_MODELS[n] for n in DEFAULT_MODELS))
+    model_cache_dir: str = ""
+
+    def model(self, name: str) -> ModelSpec | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = dict(os.environ if environ is None else environ)
+        get = env.get
+        models = load_models(env)
+        cache_dir = get(ENV_PREFIX + "MODEL_CACHE") or str(Path.home() / ".cache" / "batchgate" / "models")
+        try:
+            return cls(
+                redis_url=get(ENV_PREFIX + "REDIS_URL") or get("REDIS_URL") or cls.redis_url,
+                key_prefix=get(ENV_PREFIX + "KEY_PREFIX", cls.key_prefix),
+                host=get(ENV_PREFIX + "HOST", cls.host),
+                port=int(get(ENV_PREFIX + "PORT", cls.port)),
+                result_ttl_s=int(get(ENV_PREFIX + "RESULT_TTL_S", cls.result_ttl_s)),
+                max_body_bytes=int(get(ENV_PREFIX + "MAX_BODY_BYTES", cls.max_body_bytes)),
+                max_wait_s=float(get(ENV_PREFIX + "MAX_WAIT_S", cls.max_wait_s)),
+                expiry_grace_s=float(get(ENV_PREFIX + "EXPIRY_GRACE_S", cls.expiry_grace_s)),
+                log_level=get(ENV_PREFIX + "LOG_LEVEL", cls.log_level).lower(),
+                log_format=get(ENV_PREFIX + "LOG_FORMAT", cls.log_format).lower(),
+                worker_name=get(ENV_PREFIX + "WORKER_NAME") or f"{socket.gethostname()}-{os.getpid()}",
+                worker_metrics_port=int(get(ENV_PREFIX + "WORKER_METRICS_PORT", cls.worker_metrics_port)),
+                intake_block_ms=int(get(ENV_PREFIX + "INTAKE_BLOCK_MS", cls.intake_block_ms)),
+                models=models,
+                model_cache_dir=cache_dir,
+            ).validate()
+        except ValueError as exc:
+            raise ConfigError(f"invalid setting: {exc}") from exc
+
+    def validate(self) -> Settings:
+        if not re.match(r"^[A-Za-z0-9_.-]{1,32}$", self.key_prefix):
+            raise ConfigError(f"key prefix {self.key_prefix!r}: 1-32 letters, digits, '_', '.', '-'")
+        if self.result_ttl_s < 1 or self.max_body_bytes < 1024 or self.max_wait_s < 0:
+            raise ConfigError("result_ttl_s >= 1, max_body_bytes >= 1024 and max_wait_s >= 0 are required")
+        if self.log_format not in ("json", "console", "auto"):
+            raise ConfigError("log format must be json, console or auto")
+        names = [m.name for m in self.models]
+        if len(names) != len(set(names)):
+            raise ConfigError(f"model names must be unique, got {names}")
+        return self
+
+
+# --- model configuration -------------------------------------------------------------------------
+
+def _lane_from(raw: Any, model: str) -> LaneSpec:
+    if not isinstance(raw, Mapping) or "name" not in raw:
+        raise ConfigError(f"model {model}: each lane needs at least a name")
+    unknown = set(raw) - {f.name for f in dataclasses.fields(LaneSpec)}
+    if unknown:
+        raise ConfigError(f"model {model}: unknown lane field(s) {sorted(unknown)}")
+    return LaneSpec(
+        name=str(raw["name"]),
+        max_tokens=None if raw.get("max_tokens") is None else int(raw["max_tokens"]),
+        window_ms=float(raw.get("window_ms", 10.0)),
+        max_backlog=int(raw.get("max_backlog", 10_000)),
+    )
+
+
+_FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(ModelSpec)}
+
+
+def _coerce(model: str, name: str, value: Any) -> Any:
+    if name not in _FIELD_TYPES:
+        raise ConfigError(f"model {model}: unknown field {name!r}")
+    if name == "lanes":
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"model {model}: lanes must be a list")
+        return tuple(_lane_from(lane, model) for lane in value)
+    if name == "task":
+        try:
+            return Task(str(value))
+        except ValueError as exc:
+            raise ConfigError(f"model {model}: task must be generate or embed, got {value!r}") from exc
+    kind = str(_FIELD_TYPES[name])
+    try:
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "auto") and "None" in kind):
+            return None
+        if kind.startswith("int"):
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"model {model}: {name} has a bad value {value!r}") from exc
+    return str(value)
+
+
+def _spec_from(name: str, fields: Mapping[str, Any], base: ModelSpec | None) -> ModelSpec:
+    values = {k: _coerce(name, k, v) for k, v in fields.items() if k != "name"}
+    if base is not None:
+        return replace(base, name=name, **values)
+    missing = {"task", "source"} - set(values)
+    if missing:
+        raise ConfigError(f"model {name}: {', '.join(sorted(missing))} required for a model that is not built in")
+    return ModelSpec(name=name, **values)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc}") from exc
+    try:
+        data = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {p} does not parse: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p}: top level must be a mapping")
+    return data
+
+
+def load_models(env: Mapping[str, str]) -> tuple[ModelSpec, ...]:
+    """Built-ins, then the config file, then `BATCHGATE_MODEL__*` overrides; `BATCHGATE_MODELS` selects."""
+    known: dict[str, ModelSpec] = dict(BUILTIN_MODELS)
+    selected: list[str] = list(DEFAULT_MODELS)
+    path = env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        data = read_config_file(path)
+        entries = data.get("models", [])
+        if not isinstance(entries, list):
+            raise ConfigError("config file: `models` must be a list")
+        file_names = []
+        for entry in entries:
+            if not isinstance(entry, Mapping) or "name" not in entry:
+                raise ConfigError("config file: every model needs a name")
+            name = str(entry["name"])
+            known[name] = _spec_from(name, entry, known.get(name))
+            file_names.append(name)
+        if file_names:
+            selected = file_names
+    overrides: dict[str, dict[str, str]] = {}
+    for key, value in env.items():
+        if key.startswith(ENV_PREFIX + "MODEL__"):
+            parts = key[len(ENV_PREFIX + "MODEL__"):].split("__")
+            if len(parts) != 2 or not all(parts):
+                raise ConfigError(f"{key}: expected BATCHGATE_MODEL__<NAME>__<FIELD>")
+            name = parts[0].lower().replace("_", "-")
+            overrides.setdefault(name, {})[parts[1].lower()] = value
+    for name, fields in overrides.items():
+        known[name] = _spec_from(name, fields, known.get(name))
+        if name not in selected:
+            selected.append(name)
+    if env.get(ENV_PREFIX + "MODELS"):
+        selected = [n.strip() for n in env[ENV_PREFIX + "MODELS"].split(",") if n.strip()]
+    missing = [n for n in selected if n not in known]
+    if missing:
+        raise ConfigError(f"unknown model(s) {missing}; known: {sorted(known)}")
+    return tuple(known[n].validate() for n in selected)

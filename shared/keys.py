@@ -1,0 +1,60 @@
+"""Every Redis key and channel name batchgate uses, built in this one module.
+
+Hash tags keep the keys that one command or script touches in one Redis Cluster slot:
+- `{m:<model>}`: a model's lane streams, dead-letter stream, stats and cancel channel. A worker
+  reads all lanes of a model with one XREADGROUP, so they must share a slot.
+- `{r:<id>}`: one request's record and its "done" channel (the finish script writes and
+  publishes atomically).
+- `{i:<tenant>:<hash>}`: an idempotency key.
+The prefix (default "bg") lets several deployments, or tests, share one Redis without touching
+each other's data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+GROUP = "workers"
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    prefix: str = "bg"
+
+    # --- per model ---------------------------------------------------------------------------
+    def lane_stream(self, model: str, lane: str) -> str:
+        return f"{self.prefix}:{{m:{model}}}:lane:{lane}"
+
+    def lane_streams(self, model: str, lanes: list[str] | tuple[str, ...]) -> list[str]:
+        return [self.lane_stream(model, lane) for lane in lanes]
+
+    def dead_letter(self, model: str) -> str:
+        return f"{self.prefix}:{{m:{model}}}:dead"
+
+    def lane_stats(self, model: str) -> str:
+        return f"{self.prefix}:{{m:{model}}}:stats"
+
+    def cancel_channel(self, model: str) -> str:
+        return f"{self.prefix}:{{m:{model}}}:cancel"
+
+    # --- per request -------------------------------------------------------------------------
+    def record(self, request_id: str) -> str:
+        return f"{self.prefix}:{{r:{request_id}}}:rec"
+
+    def done_channel(self, request_id: str) -> str:
+        return f"{self.prefix}:{{r:{request_id}}}:done"
+
+    def idempotency(self, tenant: str, key: str) -> str:
+        digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+        return f"{self.prefix}:{{i:{tenant}:{digest}}}"
+
+    # --- deployment-wide ---------------------------------------------------------------------
+    def model_registry(self) -> str:
+        return f"{self.prefix}:models"
+
+    def workers(self) -> str:
+        return f"{self.prefix}:workers"
+
+    def done_channel_prefix(self) -> str:
+        return f"{self.prefix}:{{r:"

@@ -1,0 +1,59 @@
+"""Length-class lanes: which stream a request goes to, by its estimated token count.
+
+Pure functions. The gateway uses the cheap estimate (no tokenizer, no model); the worker re-checks
+with the model's real tokenizer and files the request under the lane its true size belongs to.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# A byte-level or WordPiece tokenizer yields about one token per 3-5 bytes of English text; dividing
+# by 3 errs towards the longer lane, which protects the short lane from misfiled long requests.
+BYTES_PER_TOKEN_ESTIMATE = 3
+
+
+@dataclass(frozen=True, slots=True)
+class LaneSpec:
+    name: str
+    max_tokens: int | None  # None: unbounded (the last lane)
+    window_ms: float = 10.0
+    max_backlog: int = 10_000
+
+
+DEFAULT_LANES: tuple[LaneSpec, ...] = (
+    LaneSpec("short", 128, window_ms=5.0),
+    LaneSpec("medium", 512, window_ms=15.0),
+    LaneSpec("long", None, window_ms=30.0),
+)
+
+
+def assign_lane(tokens: int, lanes: Sequence[LaneSpec]) -> LaneSpec:
+    """The first lane whose bound holds `tokens`; the last lane takes everything larger."""
+    if not lanes:
+        raise ValueError("a model needs at least one lane")
+    for lane in lanes:
+        if lane.max_tokens is None or tokens <= lane.max_tokens:
+            return lane
+    return lanes[-1]
+
+
+def estimate_text_tokens(text: str) -> int:
+    return max(1, math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN_ESTIMATE))
+
+
+def estimate_generate_tokens(inp: dict[str, Any], max_new_tokens: int) -> tuple[int, int]:
+    """(prompt tokens, prompt + max_new_tokens) from a validated generate input."""
+    if "input_ids" in inp:
+        prompt = len(inp["input_ids"])
+    else:
+        prompt = estimate_text_tokens(inp["prompt"]) + 1
+    return prompt, prompt + max_new_tokens
+
+
+def estimate_embed_tokens(inp: dict[str, Any]) -> int:
+    """Input tokens of a validated embed input (+2 per text for the special tokens)."""
+    return sum(estimate_text_tokens(t) + 2 for t in inp["texts"])

@@ -1,0 +1,115 @@
+"""Typed messages for every hop through Redis. Encoded by `shared.codec`, never pickled.
+
+gateway --InferenceRequest--> lane stream --> worker
+worker  --RequestResult-----> result record (+ "done" event) --> gateway / callback dispatcher
+gateway --RequestMeta-------> result record (what GET shows while the request is queued)
+worker  --LaneStats---------> stats hash --> gateway admission
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from shared.states import FinishReason, Priority, Status, Task
+
+
+@dataclass(frozen=True, slots=True)
+class Callback:
+    url: str
+    events: tuple[str, ...] = ("completed",)
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    """One accepted request, as the gateway puts it on its lane stream."""
+
+    KIND: ClassVar[str] = "request"
+    id: str
+    tenant: str
+    model: str
+    task: Task
+    input: dict[str, Any]
+    params: dict[str, Any]
+    lane: str
+    priority: Priority
+    created_ms: int
+    deadline_ms: int
+    est_tokens: int
+    callback: Callback | None = None
+    idempotency_key: str | None = None
+
+    def meta(self) -> RequestMeta:
+        return RequestMeta(
+            id=self.id,
+            tenant=self.tenant,
+            model=self.model,
+            task=self.task,
+            lane=self.lane,
+            priority=self.priority,
+            created_ms=self.created_ms,
+            deadline_ms=self.deadline_ms,
+            est_tokens=self.est_tokens,
+            callback=self.callback,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMeta:
+    """What the result record keeps about a request besides its result (no input: inputs can be large)."""
+
+    KIND: ClassVar[str] = "meta"
+    id: str
+    tenant: str
+    model: str
+    task: Task
+    lane: str
+    priority: Priority
+    created_ms: int
+    deadline_ms: int
+    est_tokens: int
+    callback: Callback | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResult:
+    """The terminal outcome of a request. The first one written for an id wins."""
+
+    KIND: ClassVar[str] = "result"
+    id: str
+    status: Status
+    output: dict[str, Any] | None = None
+    error: ErrorInfo | None = None
+    finish_reason: FinishReason | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    started_ms: int | None = None
+    finished_ms: int = 0
+    worker: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LaneStat:
+    lane: str
+    backlog: int
+    in_flight: int
+    service_rate_rps: float
+    est_wait_ms: float
+    prefill_ms_per_token: float
+    decode_ms_per_step: float
+
+
+@dataclass(frozen=True, slots=True)
+class LaneStats:
+    """Per-lane load figures a worker publishes at a steady interval; the gateway's admission input."""
+
+    KIND: ClassVar[str] = "lane_stats"
+    model: str
+    worker: str
+    at_ms: int
+    lanes: tuple[LaneStat, ...] = ()
