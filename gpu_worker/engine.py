@@ -33,7 +33,7 @@ class GenSpec:
     id: str
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     eos_ids: frozenset[int] = frozenset()
     deadline: float | None = None  # wall-clock seconds

@@ -135,23 +135,24 @@ class Settings:
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = dict(os.environ if environ is None else environ)
         get = env.get
+        d = cls(models=())
         models = load_models(env)
         cache_dir = get(ENV_PREFIX + "MODEL_CACHE") or str(Path.home() / ".cache" / "batchgate" / "models")
         try:
             return cls(
-                redis_url=get(ENV_PREFIX + "REDIS_URL") or get("REDIS_URL") or cls.redis_url,
-                key_prefix=get(ENV_PREFIX + "KEY_PREFIX", cls.key_prefix),
-                host=get(ENV_PREFIX + "HOST", cls.host),
-                port=int(get(ENV_PREFIX + "PORT", cls.port)),
-                result_ttl_s=int(get(ENV_PREFIX + "RESULT_TTL_S", cls.result_ttl_s)),
-                max_body_bytes=int(get(ENV_PREFIX + "MAX_BODY_BYTES", cls.max_body_bytes)),
-                max_wait_s=float(get(ENV_PREFIX + "MAX_WAIT_S", cls.max_wait_s)),
-                expiry_grace_s=float(get(ENV_PREFIX + "EXPIRY_GRACE_S", cls.expiry_grace_s)),
-                log_level=get(ENV_PREFIX + "LOG_LEVEL", cls.log_level).lower(),
-                log_format=get(ENV_PREFIX + "LOG_FORMAT", cls.log_format).lower(),
+                redis_url=get(ENV_PREFIX + "REDIS_URL") or get("REDIS_URL") or d.redis_url,
+                key_prefix=get(ENV_PREFIX + "KEY_PREFIX", d.key_prefix),
+                host=get(ENV_PREFIX + "HOST", d.host),
+                port=int(get(ENV_PREFIX + "PORT", d.port)),
+                result_ttl_s=int(get(ENV_PREFIX + "RESULT_TTL_S", d.result_ttl_s)),
+                max_body_bytes=int(get(ENV_PREFIX + "MAX_BODY_BYTES", d.max_body_bytes)),
+                max_wait_s=float(get(ENV_PREFIX + "MAX_WAIT_S", d.max_wait_s)),
+                expiry_grace_s=float(get(ENV_PREFIX + "EXPIRY_GRACE_S", d.expiry_grace_s)),
+                log_level=get(ENV_PREFIX + "LOG_LEVEL", d.log_level).lower(),
+                log_format=get(ENV_PREFIX + "LOG_FORMAT", d.log_format).lower(),
                 worker_name=get(ENV_PREFIX + "WORKER_NAME") or f"{socket.gethostname()}-{os.getpid()}",
-                worker_metrics_port=int(get(ENV_PREFIX + "WORKER_METRICS_PORT", cls.worker_metrics_port)),
-                intake_block_ms=int(get(ENV_PREFIX + "INTAKE_BLOCK_MS", cls.intake_block_ms)),
+                worker_metrics_port=int(get(ENV_PREFIX + "WORKER_METRICS_PORT", d.worker_metrics_port)),
+                intake_block_ms=int(get(ENV_PREFIX + "INTAKE_BLOCK_MS", d.intake_block_ms)),
                 models=models,
                 model_cache_dir=cache_dir,
             ).validate()
@@ -244,6 +245,19 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def env_model_overrides(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """`BATCHGATE_MODEL__<NAME>__<FIELD>=value` variables, grouped by model name."""
+    overrides: dict[str, dict[str, str]] = {}
+    for key, value in env.items():
+        if key.startswith(ENV_PREFIX + "MODEL__"):
+            parts = key[len(ENV_PREFIX + "MODEL__"):].split("__")
+            if len(parts) != 2 or not all(parts):
+                raise ConfigError(f"{key}: expected BATCHGATE_MODEL__<NAME>__<FIELD>")
+            name = parts[0].lower().replace("_", "-")
+            overrides.setdefault(name, {})[parts[1].lower()] = value
+    return overrides
+
+
 def load_models(env: Mapping[str, str]) -> tuple[ModelSpec, ...]:
     """Built-ins, then the config file, then `BATCHGATE_MODEL__*` overrides; `BATCHGATE_MODELS` selects."""
     known: dict[str, ModelSpec] = dict(BUILTIN_MODELS)
@@ -263,15 +277,7 @@ def load_models(env: Mapping[str, str]) -> tuple[ModelSpec, ...]:
             file_names.append(name)
         if file_names:
             selected = file_names
-    overrides: dict[str, dict[str, str]] = {}
-    for key, value in env.items():
-        if key.startswith(ENV_PREFIX + "MODEL__"):
-            parts = key[len(ENV_PREFIX + "MODEL__"):].split("__")
-            if len(parts) != 2 or not all(parts):
-                raise ConfigError(f"{key}: expected BATCHGATE_MODEL__<NAME>__<FIELD>")
-            name = parts[0].lower().replace("_", "-")
-            overrides.setdefault(name, {})[parts[1].lower()] = value
-    for name, fields in overrides.items():
+    for name, fields in env_model_overrides(env).items():
         known[name] = _spec_from(name, fields, known.get(name))
         if name not in selected:
             selected.append(name)

@@ -47,10 +47,7 @@ def estimate_text_tokens(text: str) -> int:
 
 def estimate_generate_tokens(inp: dict[str, Any], max_new_tokens: int) -> tuple[int, int]:
     """(prompt tokens, prompt + max_new_tokens) from a validated generate input."""
-    if "input_ids" in inp:
-        prompt = len(inp["input_ids"])
-    else:
-        prompt = estimate_text_tokens(inp["prompt"]) + 1
+    prompt = len(inp["input_ids"]) if "input_ids" in inp else estimate_text_tokens(inp["prompt"]) + 1
     return prompt, prompt + max_new_tokens
 
 

@@ -1,0 +1,112 @@
+"""A thin Starlette app over the handlers. Run it with `batchgate gateway` (uvicorn + uvloop)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway import handlers, metrics
+from gateway.api import ApiError, ApiRequest, ApiResponse, PayloadTooLarge
+from gateway.handlers import Handler
+from gateway.service import GatewayService
+from shared.config import Settings
+from shared.redis_io import UNAVAILABLE
+
+log = structlog.get_logger(__name__)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing early (413) once it passes `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body is {declared} bytes; the limit is {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _send(resp: ApiResponse, accept: str | None) -> Response:
+    body, ctype = resp.render(accept)
+    return Response(body, status_code=resp.status, media_type=ctype, headers=resp.headers)
+
+
+def create_app(settings: Settings | None = None, *, service: GatewayService | None = None) -> Starlette:
+    settings = settings or (service.settings if service else Settings.from_environ())
+    svc = service or GatewayService(settings)
+
+    def route(handler: Handler, *params: str, with_body: bool = False):  # type: ignore[no-untyped-def]
+        name = handler.__name__
+
+        async def endpoint(request: Request) -> Response:
+            t0 = time.perf_counter()
+            try:
+                body = await read_body(request, settings.max_body_bytes) if with_body else b""
+                api_req = ApiRequest(
+                    method=request.method, path=request.url.path, query=dict(request.query_params),
+                    headers={k.lower(): v for k, v in request.headers.items()}, body=body,
+                )
+                resp = await handlers.dispatch(handler, svc, api_req, *(request.path_params[p] for p in params))
+            except ApiError as exc:
+                resp = exc.to_response()
+            metrics.HTTP_LATENCY.labels(name, str(resp.status)).observe(time.perf_counter() - t0)
+            return _send(resp, request.headers.get("accept"))
+
+        endpoint.__name__ = name
+        return endpoint
+
+    async def metrics_endpoint(request: Request) -> Response:
+        with contextlib.suppress(*UNAVAILABLE):
+            for spec in settings.models:
+                for lane, n in (await svc.backlog(spec.name, spec.lane_names)).items():
+                    metrics.BACKLOG.labels(spec.name, lane).set(n)
+        metrics.WAITERS.set(svc.hub.waiting)
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        message = exc.detail if isinstance(exc, HTTPException) else "internal error"
+        if status == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return _send(ApiResponse(status, {"error": {"code": codes.get(status, "error"), "message": message}}),
+                     None)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error", path=request.url.path)
+        return _send(ApiResponse(500, {"error": {"code": "internal", "message": "internal error"}}), None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await svc.start()
+        try:
+            yield
+        finally:
+            await svc.close()
+
+    routes = [
+        Route("/v1/models/{model}/requests", route(handlers.submit, "model", with_body=True), methods=["POST"]),
+        Route("/v1/requests/{request_id}", route(handlers.get_request, "request_id"), methods=["GET"]),
+        Route("/v1/requests/{request_id}", route(handlers.cancel_request, "request_id"), methods=["DELETE"]),
+        Route("/v1/models", route(handlers.list_models), methods=["GET"]),
+        Route("/healthz", route(handlers.healthz), methods=["GET"]),
+        Route("/readyz", route(handlers.readyz), methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error, Exception: internal_error})
+    app.state.service = svc
+    return app

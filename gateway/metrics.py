@@ -1,0 +1,14 @@
+"""The gateway's Prometheus metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+SUBMITTED = Counter("batchgate_submitted_total", "Requests accepted (202/200) by the gateway", ["model", "lane"])
+CANCELLED = Counter("batchgate_cancelled_total", "Requests cancelled by callers", ["model"])
+ERRORS = Counter("batchgate_gateway_errors_total", "Error responses by code", ["code"])
+REJECTED = Counter("batchgate_rejected_total", "Submits rejected at admission", ["model", "lane", "reason"])
+BACKLOG = Gauge("batchgate_backlog", "Entries in a lane stream (queued + in progress)", ["model", "lane"])
+HTTP_LATENCY = Histogram("batchgate_http_seconds", "Gateway handler latency", ["route", "status"],
+                         buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5, 30, 60))
+WAITERS = Gauge("batchgate_waiters", "Long-poll / sync-wait requests currently waiting")

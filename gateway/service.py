@@ -1,0 +1,117 @@
+"""The gateway's Redis side: store a request, read, wait on and cancel records. No HTTP here.
+
+Submit order: XADD the request to its lane stream, then write the queued record if none exists
+yet, in one pipeline. The caller gets 202 only after both succeeded, so an id it holds always
+has a stream entry; a worker that finishes before the record exists simply creates it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from gateway.waiters import SubscriptionUnavailable, WaiterHub
+from shared.codec import encode
+from shared.config import Settings
+from shared.keys import Keys
+from shared.messages import ErrorInfo, InferenceRequest, RequestResult
+from shared.records import RecordStore, StoredRecord
+from shared.redis_io import make_redis
+from shared.states import FinishReason, Status
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    request: InferenceRequest
+    queue_position: int
+
+
+class GatewayService:
+    def __init__(self, settings: Settings, *, redis: aioredis.Redis | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        self.redis = redis or make_redis(settings.redis_url)
+        self._own_redis = redis is None
+        self.store = RecordStore(self.redis, self.keys, settings.result_ttl_s)
+        self.hub = WaiterHub(self.redis, f"{settings.key_prefix}:hub")
+        self.clock = clock
+
+    async def start(self) -> None:
+        await self.hub.start()
+
+    async def close(self) -> None:
+        await self.hub.close()
+        if self._own_redis:
+            await self.redis.aclose()
+
+    def now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    async def submit(self, req: InferenceRequest) -> Submitted:
+        stream = self.keys.lane_stream(req.model, req.lane)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(stream, {"m": encode(req)})
+        await self.store.init_in(pipe, req, self.now_ms())
+        pipe.xlen(stream)
+        _, _, position = await pipe.execute()
+        return Submitted(req, int(position))
+
+    async def get(self, request_id: str) -> StoredRecord | None:
+        """The record, expiring it first if its deadline (plus grace) passed with no result."""
+        rec = await self.store.get(request_id)
+        if rec is None or rec.terminal or rec.meta is None:
+            return rec
+        grace_ms = self.settings.expiry_grace_s * 1000
+        if self.now_ms() <= rec.meta.deadline_ms + grace_ms:
+            return rec
+        await self.store.finish(RequestResult(
+            id=request_id, status=Status.EXPIRED, finish_reason=FinishReason.DEADLINE,
+            error=ErrorInfo("deadline_exceeded", "no result by the deadline"), finished_ms=self.now_ms(),
+            worker="gateway",
+        ))
+        return await self.store.get(request_id)
+
+    async def wait(self, request_id: str, timeout: float) -> StoredRecord | None:
+        """Block until the record is terminal or `timeout` passes; woken by pub/sub, never by polling."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        try:
+            async with self.hub.subscribe(self.keys.done_channel(request_id)) as sub:
+                while True:
+                    rec = await self.get(request_id)
+                    if rec is None or rec.terminal:
+                        return rec
+                    remaining = end - loop.time()
+                    if rec.meta is not None:  # never wait past the point where get() would expire it
+                        expiry = (rec.meta.deadline_ms / 1000 + self.settings.expiry_grace_s) - self.clock()
+                        remaining = min(remaining, max(expiry, 0.0) + 0.05)
+                    if remaining <= 0 or (not await sub.wait(remaining) and loop.time() >= end):
+                        return await self.get(request_id)
+        except SubscriptionUnavailable:
+            return await self.get(request_id)
+
+    async def cancel(self, rec: StoredRecord) -> bool:
+        """Cancel unless already terminal. True if this call's write won."""
+        won = await self.store.finish(RequestResult(
+            id=rec.id, status=Status.CANCELLED, finish_reason=FinishReason.CANCELLED,
+            error=ErrorInfo("cancelled", "cancelled by the caller"), finished_ms=self.now_ms(),
+            worker="gateway",
+        ))
+        if won and rec.meta is not None:
+            await self.redis.publish(self.keys.cancel_channel(rec.meta.model), rec.id)
+        return won
+
+    async def backlog(self, model: str, lanes: tuple[str, ...]) -> dict[str, int]:
+        pipe = self.redis.pipeline(transaction=False)
+        for lane in lanes:
+            pipe.xlen(self.keys.lane_stream(model, lane))
+        counts = await pipe.execute()
+        return {lane: int(n) for lane, n in zip(lanes, counts, strict=True)}
+
+    async def ping(self) -> bool:
+        return bool(await self.redis.ping())

@@ -1,0 +1,146 @@
+"""Long-poll and sync-wait: one shared pub/sub connection per gateway process, many waiters.
+
+A waiter subscribes to its request's "done" channel and waits for the confirmation before it reads
+the record, so a result written after that read always produces an event it will see; a result
+written before it is in the record. If the pub/sub connection drops, every waiter is woken to
+re-read its record (events may have been missed while disconnected). No sleep loops: waiters block
+on events; the listener blocks on the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+import structlog
+
+from shared.redis_io import UNAVAILABLE
+
+log = structlog.get_logger(__name__)
+
+SUBSCRIBE_TIMEOUT_S = 2.0
+
+
+@dataclass(eq=False)
+class Subscription:
+    channel: str
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def wait(self, timeout: float) -> bool:
+        """True if woken (event or reconnect) before `timeout`; clears the event for the next wait."""
+        try:
+            await asyncio.wait_for(self.event.wait(), timeout)
+        except TimeoutError:
+            return False
+        self.event.clear()
+        return True
+
+
+class SubscriptionUnavailable(Exception):
+    """The hub could not confirm a subscription (Redis down or slow)."""
+
+
+class WaiterHub:
+    def __init__(self, redis: aioredis.Redis, heartbeat_channel: str) -> None:
+        self._redis = redis
+        self._heartbeat = heartbeat_channel
+        self._pubsub: aioredis.client.PubSub | None = None
+        self._subs: dict[str, set[Subscription]] = {}
+        self._confirm: dict[str, asyncio.Future[None]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._listen(), name="waiter-hub")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self._pubsub is not None:
+            with contextlib.suppress(Exception):
+                await self._pubsub.aclose()
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(s) for s in self._subs.values())
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self, channel: str):  # type: ignore[no-untyped-def]
+        sub = Subscription(channel)
+        first = channel not in self._subs
+        self._subs.setdefault(channel, set()).add(sub)
+        try:
+            if first or channel in self._confirm:
+                await self._confirmed(channel, send=first)
+            yield sub
+        finally:
+            subs = self._subs.get(channel)
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del self._subs[channel]
+                    self._confirm.pop(channel, None)
+                    if self._pubsub is not None and self._connected.is_set():
+                        with contextlib.suppress(*UNAVAILABLE):
+                            await self._pubsub.unsubscribe(channel)
+
+    async def _confirmed(self, channel: str, *, send: bool) -> None:
+        fut = self._confirm.get(channel)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._confirm[channel] = fut
+        try:
+            await asyncio.wait_for(self._connected.wait(), SUBSCRIBE_TIMEOUT_S)
+            if send and self._pubsub is not None:
+                await self._pubsub.subscribe(channel)
+            await asyncio.wait_for(asyncio.shield(fut), SUBSCRIBE_TIMEOUT_S)
+        except (TimeoutError, *UNAVAILABLE) as exc:
+            raise SubscriptionUnavailable(str(exc) or type(exc).__name__) from exc
+
+    async def _listen(self) -> None:
+        backoff = 0.05
+        while True:
+            self._pubsub = self._redis.pubsub()
+            try:
+                await self._pubsub.subscribe(self._heartbeat, *self._subs)
+                self._connected.set()
+                backoff = 0.05
+                while True:
+                    msg = await self._pubsub.get_message(timeout=5.0)
+                    if msg is not None:
+                        self._dispatch(msg)
+            except UNAVAILABLE as exc:
+                log.warning("waiter hub: redis unavailable", error=repr(exc), retry_in_s=backoff)
+            finally:
+                self._connected.clear()
+                with contextlib.suppress(Exception):
+                    await self._pubsub.aclose()
+                self._wake_all()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    def _dispatch(self, msg: dict) -> None:  # type: ignore[type-arg]
+        channel = msg.get("channel")
+        if isinstance(channel, bytes):
+            channel = channel.decode()
+        kind = msg.get("type")
+        if kind == "subscribe":
+            fut = self._confirm.pop(channel, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        elif kind == "message":
+            for sub in self._subs.get(channel, ()):
+                sub.event.set()
+
+    def _wake_all(self) -> None:
+        for subs in self._subs.values():
+            for sub in subs:
+                sub.event.set()
+        for fut in self._confirm.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError("pub/sub connection lost"))
+        self._confirm.clear()

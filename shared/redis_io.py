@@ -1,0 +1,33 @@
+"""Redis client construction: one place that sets timeouts, retries and backoff."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+# Errors that mean "Redis is not reachable right now" (as opposed to a bad command).
+UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
+
+
+def make_redis(url: str, *, socket_timeout: float = 10.0, retries: int = 2,
+               max_connections: int | None = 200) -> aioredis.Redis:
+    """An asyncio client with bounded timeouts and a short retry on connection errors.
+
+    `socket_timeout` must exceed the longest BLOCK a caller uses (intake blocks for ~1 s).
+    A thawed serverless container or a restarted Redis leaves dead connections in the pool: the
+    retry reconnects once or twice with jittered backoff before the error reaches the caller.
+    """
+    return aioredis.Redis.from_url(
+        url,
+        socket_connect_timeout=2.0,
+        socket_timeout=socket_timeout,
+        socket_keepalive=True,
+        health_check_interval=30,
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        max_connections=max_connections,
+        decode_responses=False,
+    )
