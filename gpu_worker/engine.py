@@ -308,11 +308,13 @@ class GenerationEngine:
         results.reverse()
         return results
 
+    @torch.inference_mode()
     def cancel(self, ids: Iterable[str]) -> list[GenResult]:
         wanted = set(ids)
         hits = [i for i, r in enumerate(self.rows) if r.spec.id in wanted]
         return self._retire(hits, self._clock(), FinishReason.CANCELLED)
 
+    @torch.inference_mode()
     def expire(self, now: float) -> list[GenResult]:
         """Rows whose deadline has passed leave with the tokens they have."""
         hits = [i for i, r in enumerate(self.rows) if r.spec.deadline is not None and r.spec.deadline <= now]

@@ -1,0 +1,90 @@
+"""An in-process stack for integration tests: a real uvicorn gateway and a real Worker, on real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+
+from gateway.app import create_app
+from gateway.service import GatewayService
+from gpu_worker.worker import Worker
+from shared.config import BUILTIN_MODELS, ModelSpec, Settings
+from shared.embedded_redis import free_port
+
+
+def make_settings(redis_url: str, prefix: str, models: tuple[ModelSpec, ...] | None = None,
+                  **overrides: Any) -> Settings:
+    models = models or (BUILTIN_MODELS["minilm"], BUILTIN_MODELS["tiny-llama"])
+    return Settings(redis_url=redis_url, key_prefix=prefix, models=models, worker_metrics_port=0,
+                    worker_name=f"{prefix}-w{free_port()}", intake_block_ms=200, **overrides).validate()
+
+
+def loader_for(loaded_models: dict[str, Any]) -> Any:
+    def load(spec: ModelSpec) -> Any:
+        base = loaded_models[spec.source.removeprefix("builtin:")]
+        return dataclasses.replace(base, spec=spec)
+
+    return load
+
+
+@dataclass
+class RunningWorker:
+    worker: Worker
+    stop: asyncio.Event
+    task: asyncio.Task[None]
+
+    def model_calls(self, model: str) -> dict[str, int]:
+        return self.worker.loops[model].runner.model_calls  # type: ignore[attr-defined]
+
+
+@contextlib.asynccontextmanager
+async def running_worker(settings: Settings, loaded_models: dict[str, Any],
+                         **kwargs: Any) -> AsyncIterator[RunningWorker]:
+    worker = Worker(settings, loader=loader_for(loaded_models), **kwargs)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    ready = asyncio.create_task(worker.ready.wait())
+    await asyncio.wait([task, ready], return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        task.result()  # raises the start-up error
+    try:
+        yield RunningWorker(worker, stop, task)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+
+
+@dataclass
+class RunningGateway:
+    base_url: str
+    service: GatewayService
+    client: httpx.AsyncClient
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(settings: Settings) -> AsyncIterator[RunningGateway]:
+    port = free_port()
+    service = GatewayService(settings)
+    app = create_app(settings, service=service)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False,
+                            lifespan="on")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    base = f"http://127.0.0.1:{port}"
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        try:
+            yield RunningGateway(base, service, client)
+        finally:
+            server.should_exit = True
+            await asyncio.wait_for(task, 30)

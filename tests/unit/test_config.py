@@ -1,0 +1,97 @@
+import pytest
+
+from shared.config import DEFAULT_MODELS, ModelSpec, Settings
+from shared.errors import ConfigError
+from shared.lanes import LaneSpec
+from shared.states import Task
+
+
+def test_defaults_serve_the_built_ins():
+    s = Settings.from_environ({})
+    assert tuple(m.name for m in s.models) == DEFAULT_MODELS
+    assert s.redis_url == "redis://127.0.0.1:6379/0"
+
+
+def test_redis_url_from_either_variable():
+    assert Settings.from_environ({"REDIS_URL": "redis://a:1/0"}).redis_url == "redis://a:1/0"
+    assert Settings.from_environ({"REDIS_URL": "redis://a:1/0",
+                                  "BATCHGATE_REDIS_URL": "redis://b:2/0"}).redis_url == "redis://b:2/0"
+
+
+def test_env_selects_and_overrides_models():
+    s = Settings.from_environ({"BATCHGATE_MODELS": "tiny-llama",
+                               "BATCHGATE_MODEL__TINY_LLAMA__MAX_BATCH_SIZE": "8",
+                               "BATCHGATE_MODEL__TINY_LLAMA__DTYPE": "bfloat16"})
+    (m,) = s.models
+    assert (m.name, m.max_batch_size, m.dtype) == ("tiny-llama", 8, "bfloat16")
+
+
+def test_env_defines_a_new_model():
+    s = Settings.from_environ({"BATCHGATE_MODEL__MY_LM__SOURCE": "/models/my-lm",
+                               "BATCHGATE_MODEL__MY_LM__TASK": "generate",
+                               "BATCHGATE_MODEL__MY_LM__LANES": '[{"name": "all"}]'})
+    m = s.model("my-lm")
+    assert m is not None and m.task is Task.GENERATE and m.lane_names == ("all",)
+
+
+@pytest.mark.parametrize("env", [
+    {"BATCHGATE_MODEL__NEW__SOURCE": "/x"},  # no task
+    {"BATCHGATE_MODEL__TINY_LLAMA__BOGUS": "1"},
+    {"BATCHGATE_MODEL__TINY_LLAMA__MAX_BATCH_SIZE": "many"},
+    {"BATCHGATE_MODEL__TINY_LLAMA__TASK": "classify"},
+    {"BATCHGATE_MODEL__BROKEN": "1"},
+    {"BATCHGATE_MODELS": "nope"},
+    {"BATCHGATE_PORT": "eighty"},
+    {"BATCHGATE_KEY_PREFIX": "bad prefix"},
+    {"BATCHGATE_LOG_FORMAT": "xml"},
+])
+def test_bad_config_is_a_config_error(env):
+    with pytest.raises(ConfigError):
+        Settings.from_environ(env)
+
+
+def test_yaml_file(tmp_path):
+    f = tmp_path / "models.yaml"
+    f.write_text("""
+models:
+  - name: minilm
+    max_batch_size: 16
+  - name: mygen
+    task: generate
+    source: /models/mygen
+    device: cuda:1
+    lanes:
+      - {name: short, max_tokens: 64, window_ms: 2}
+      - {name: long}
+""")
+    s = Settings.from_environ({"BATCHGATE_CONFIG": str(f)})
+    assert [m.name for m in s.models] == ["minilm", "mygen"]
+    assert s.model("minilm").max_batch_size == 16 and s.model("minilm").task is Task.EMBED
+    mygen = s.model("mygen")
+    assert mygen.device == "cuda:1"
+    assert mygen.lanes == (LaneSpec("short", 64, 2.0), LaneSpec("long", None, 10.0))
+
+
+def test_toml_file_with_env_override(tmp_path):
+    f = tmp_path / "models.toml"
+    f.write_text('[[models]]\nname = "tiny-llama"\nmax_running = 16\n')
+    s = Settings.from_environ({"BATCHGATE_CONFIG": str(f), "BATCHGATE_MODEL__TINY_LLAMA__MAX_RUNNING": "4"})
+    assert s.model("tiny-llama").max_running == 4
+
+
+def test_unreadable_or_invalid_file(tmp_path):
+    with pytest.raises(ConfigError):
+        Settings.from_environ({"BATCHGATE_CONFIG": str(tmp_path / "missing.yaml")})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [name: x: y")
+    with pytest.raises(ConfigError):
+        Settings.from_environ({"BATCHGATE_CONFIG": str(bad)})
+
+
+def test_lane_bounds_must_increase():
+    spec = ModelSpec(name="m", task=Task.EMBED, source="/x", lanes=(LaneSpec("a", 100), LaneSpec("b", 50),
+                                                                      LaneSpec("c", None)))
+    with pytest.raises(ConfigError):
+        spec.validate()
+    with pytest.raises(ConfigError):
+        ModelSpec(name="Bad Name", task=Task.EMBED, source="/x").validate()

@@ -1,0 +1,33 @@
+import re
+
+from shared.ids import is_request_id, new_request_id
+from shared.keys import Keys
+
+TAG = re.compile(r"\{([^}]*)\}")
+
+
+def test_keys_touched_together_share_a_hash_tag():
+    k = Keys("bg")
+    streams = k.lane_streams("tiny-llama", ["short", "medium", "long"])
+    tags = {TAG.search(s).group(1) for s in [*streams, k.dead_letter("tiny-llama"), k.lane_stats("tiny-llama")]}
+    assert tags == {"m:tiny-llama"}
+    assert TAG.search(k.record("req_a")).group(1) == TAG.search(k.done_channel("req_a")).group(1) == "r:req_a"
+
+
+def test_prefix_isolates_deployments():
+    assert Keys("a").record("req_x") != Keys("b").record("req_x")
+    assert Keys("a").record("req_x").startswith("a:")
+
+
+def test_idempotency_key_is_hashed_and_tenant_scoped():
+    k = Keys()
+    assert k.idempotency("t1", "key") != k.idempotency("t2", "key")
+    assert "key with spaces" not in k.idempotency("t1", "key with spaces")
+
+
+def test_request_ids_are_random_and_validated():
+    ids = {new_request_id() for _ in range(1000)}
+    assert len(ids) == 1000
+    assert all(is_request_id(i) for i in ids)
+    for bad in ("", "req_", "req_UPPERCASE0000000000000000", "../etc/passwd", "req_" + "a" * 27, "x" * 30):
+        assert not is_request_id(bad)

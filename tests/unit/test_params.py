@@ -1,0 +1,72 @@
+import pytest
+
+from shared.errors import ValidationError
+from shared.params import EmbedParams, GenerateParams, parse_embed_input, parse_generate_input
+
+
+def gen(raw):
+    return GenerateParams.parse(raw, limit=256, default_max_new_tokens=64)
+
+
+def test_generate_defaults():
+    p = gen(None)
+    assert p.max_new_tokens == 64 and p.greedy and p.stop == () and not p.ignore_eos
+
+
+def test_generate_full():
+    p = gen({"max_new_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 3, "stop": "\n",
+             "ignore_eos": True})
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop, p.ignore_eos) == (
+        8, 0.7, 0.9, 5, 3, ("\n",), True)
+    assert p.to_dict()["stop"] == ["\n"]
+
+
+@pytest.mark.parametrize(("raw", "field"), [
+    ({"max_new_tokens": 0}, "params.max_new_tokens"),
+    ({"max_new_tokens": 257}, "params.max_new_tokens"),
+    ({"max_new_tokens": "8"}, "params.max_new_tokens"),
+    ({"max_new_tokens": True}, "params.max_new_tokens"),
+    ({"max_new_tokens": 8.5}, "params.max_new_tokens"),
+    ({"temperature": -1}, "params.temperature"),
+    ({"temperature": float("nan")}, "params.temperature"),
+    ({"top_p": 0}, "params.top_p"),
+    ({"seed": -1}, "params.seed"),
+    ({"stop": [""]}, "params.stop"),
+    ({"stop": ["a"] * 5}, "params.stop"),
+    ({"stop": 3}, "params.stop"),
+    ({"ignore_eos": "yes"}, "params.ignore_eos"),
+    ({"bogus": 1}, "params.bogus"),
+    ([1, 2], "params"),
+])
+def test_generate_rejects(raw, field):
+    with pytest.raises(ValidationError) as err:
+        gen(raw)
+    assert err.value.field == field
+
+
+def test_embed_params():
+    assert EmbedParams.parse(None).normalize is True
+    assert EmbedParams.parse({"normalize": False}).normalize is False
+    with pytest.raises(ValidationError):
+        EmbedParams.parse({"normalize": 1})
+
+
+def test_generate_input():
+    kw = dict(max_prompt_chars=100, max_input_tokens=4)
+    assert parse_generate_input({"prompt": "hi"}, **kw) == {"prompt": "hi"}
+    assert parse_generate_input({"input_ids": [1, 2]}, **kw) == {"input_ids": [1, 2]}
+    for bad in ({}, {"prompt": ""}, {"prompt": 3}, {"prompt": "x" * 101}, {"prompt": "a", "input_ids": [1]},
+                {"input_ids": []}, {"input_ids": [1] * 5}, {"input_ids": [-1]}, {"input_ids": [True]},
+                {"input_ids": "12"}, "text", None, {"other": 1}):
+        with pytest.raises(ValidationError):
+            parse_generate_input(bad, **kw)
+
+
+def test_embed_input():
+    kw = dict(max_texts=2, max_text_chars=10)
+    assert parse_embed_input({"text": "a"}, **kw) == {"texts": ["a"]}
+    assert parse_embed_input({"texts": ["a", "b"]}, **kw) == {"texts": ["a", "b"]}
+    for bad in ({}, {"texts": []}, {"texts": ["a", "b", "c"]}, {"texts": [1]}, {"texts": [""]},
+                {"texts": "a"}, {"text": "x" * 11}, {"text": "a", "texts": ["a"]}, [], None):
+        with pytest.raises(ValidationError):
+            parse_embed_input(bad, **kw)
