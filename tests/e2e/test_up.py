@@ -16,9 +16,13 @@ from shared.embedded_redis import free_port
 pytestmark = [pytest.mark.slow]
 
 
-def test_up_serves_both_models_and_stops_cleanly(model_cache, tmp_path):
+@pytest.mark.parametrize("redis_mode", ["embedded", "external"])
+def test_up_serves_both_models_and_stops_cleanly(model_cache, tmp_path, redis_mode, request):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BATCHGATE_REDIS_URL")}
+    if redis_mode == "external":  # REDIS_URL points at an existing Redis: use it, under our own prefix
+        env["REDIS_URL"] = request.getfixturevalue("redis_url")
+        env["BATCHGATE_KEY_PREFIX"] = request.getfixturevalue("prefix")
     env["BATCHGATE_MODEL_CACHE"] = str(model_cache)
     env["BATCHGATE_LOG_FORMAT"] = "json"
     log = (tmp_path / "up.log").open("w+")
@@ -32,7 +36,10 @@ def test_up_serves_both_models_and_stops_cleanly(model_cache, tmp_path):
             assert time.monotonic() < end, "batchgate up did not become ready"
             time.sleep(0.2)
         text = (tmp_path / "up.log").read_text()
-        assert "embedded redis" in text  # says which Redis it started
+        if redis_mode == "embedded":
+            assert "embedded redis" in text  # says which Redis it started
+        else:
+            assert "embedded redis" not in text and "(external)" in text
         with httpx.Client(base_url=base, timeout=30) as client:
             r = client.post("/v1/models/minilm/requests", json={"input": {"texts": ["hello"]}})
             assert r.status_code == 202
