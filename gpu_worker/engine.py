@@ -138,7 +138,7 @@ class GenerationEngine:
     @staticmethod
     def bytes_per_row(model: torch.nn.Module, max_seq_len: int) -> int:
         """Cache bytes one row can cost at most (the cache is `2 * max_seq_len` wide)."""
-        cfg = model.config
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -168,7 +168,6 @@ class GenerationEngine:
         self._make_room_left(width)
         first = len(self.rows)
         self.cache.ensure(first + n, self.end + 1, first)
-        self.cache.clear_left(slice(first, first + n), self.end - width)
 
         ids = torch.zeros((n, width), dtype=torch.long)
         pads = [width - ln for ln in lens]

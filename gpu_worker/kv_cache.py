@@ -37,17 +37,20 @@ class SlotKVCache:
         return 2 * self.layers * self.kv_heads * self.head_dim * elem
 
     def ensure(self, rows: int, width: int, live_rows: int) -> None:
-        """Grow (by doubling, up to the maxima) so that `rows` x `width` fits; keeps live content."""
+        """Grow so that `rows` x `width` fits, keeping live content. Rows go straight to `max_rows` (the
+        memory budget the engine was sized for) and width doubles, so growth copies are rare."""
         if rows > self.max_rows or width > self.max_width:
             raise ValueError(f"cache request {rows}x{width} exceeds its maxima {self.max_rows}x{self.max_width}")
         if rows <= self.rows_cap and width <= self.width:
             return
-        new_rows = min(self.max_rows, max(rows, 2 * self.rows_cap, 4))
-        new_width = min(self.max_width, max(width, 2 * self.width, 64))
+        new_rows = self.max_rows
+        new_width = min(self.max_width, max(width, 2 * self.width, 128))
         shape = (new_rows, self.kv_heads, new_width, self.head_dim)
         for i in range(self.layers):
-            k = torch.empty(shape, dtype=self.dtype, device=self.device)
-            v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            # zeros, never empty: when a longer row joins, older rows attend (masked) over columns they
+            # never wrote, and a masked NaN still poisons the softmax-weighted sum (0 * NaN = NaN)
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
             if self.keys and live_rows:
                 k[:live_rows, :, : self.width] = self.keys[i][:live_rows]
                 v[:live_rows, :, : self.width] = self.values[i][:live_rows]
@@ -57,14 +60,6 @@ class SlotKVCache:
                 self.keys.append(k)
                 self.values.append(v)
         self.rows_cap, self.width = new_rows, new_width
-
-    def clear_left(self, rows: slice, hi: int) -> None:
-        """Zero columns [0, hi) of new rows. Masked positions still enter attention's matmuls and
-        0 * NaN is NaN, so memory a row may read but never wrote must hold finite values."""
-        if hi > 0:
-            for k, v in zip(self.keys, self.values, strict=True):
-                k[rows, :, :hi] = 0
-                v[rows, :, :hi] = 0
 
     def move_row(self, src: int, dst: int, lo: int, hi: int) -> None:
         """Copy row `src` into row `dst` over columns [lo, hi) (swap-remove of a finished row)."""

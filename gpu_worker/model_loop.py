@@ -12,6 +12,7 @@ checked for cancellation and its deadline at every decode step.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from gpu_worker import metrics
+from gpu_worker.engine import EngineStats
 from gpu_worker.runners import Outcome, Runner, expired_outcome
 from gpu_worker.scheduler import Pending, Scheduler
 from shared.messages import InferenceRequest
@@ -28,6 +30,7 @@ from shared.messages import InferenceRequest
 log = structlog.get_logger(__name__)
 
 IDLE_WAIT_S = 1.0
+METRICS_INTERVAL_S = 1.0
 
 
 @dataclass(slots=True)
@@ -90,6 +93,8 @@ class ModelLoop:
         self._thread: threading.Thread | None = None
         self.state = LoopState()
         self.crashed: BaseException | None = None
+        self._last_metrics = time.monotonic()
+        self._last_stats = EngineStats()
 
     # --- called from the asyncio side ----------------------------------------------------------
     def submit(self, cmd: Add | Cancel | Drain) -> None:
@@ -205,6 +210,21 @@ class ModelLoop:
     def _publish_state(self) -> None:
         self.state.backlog = self.scheduler.backlog()
         self.state.running = len(self.runner.running_ids())
+        now = time.monotonic()
+        if now - self._last_metrics < METRICS_INTERVAL_S:
+            return
         for lane, n in self.state.backlog.items():
             metrics.WORKER_BACKLOG.labels(self.name, lane).set(n)
         metrics.RUNNING.labels(self.name).set(self.state.running)
+        stats = self.runner.engine_stats()
+        if stats is not None:
+            prev = self._last_stats
+            dt = now - self._last_metrics
+            metrics.TOKENS_PER_S.labels(self.name).set((stats.decode_tokens - prev.decode_tokens) / dt)
+            metrics.PHASE_SECONDS.labels(self.name, "prefill").inc(stats.prefill_s - prev.prefill_s)
+            metrics.PHASE_SECONDS.labels(self.name, "decode").inc(stats.decode_s - prev.decode_s)
+            padded = stats.kv_padded - prev.kv_padded
+            if padded:
+                metrics.KV_PADDING.labels(self.name).set(1 - (stats.kv_real - prev.kv_real) / padded)
+            self._last_stats = dataclasses.replace(stats)
+        self._last_metrics = now

@@ -8,6 +8,7 @@ A failing batch is retried one request at a time, so one bad request fails alone
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,10 +17,11 @@ from typing import Any, Protocol
 import structlog
 import torch
 
-from gpu_worker.engine import GenerationEngine, GenResult, GenSpec
+from gpu_worker.engine import EngineStats, GenerationEngine, GenResult, GenSpec
 from gpu_worker.models import LoadedModel
 from gpu_worker.sampling import SamplingParams
 from gpu_worker.scheduler import Pending
+from shared.errors import ConfigError
 from shared.lanes import assign_lane
 from shared.messages import ErrorInfo, InferenceRequest, RequestResult
 from shared.params import EmbedParams, GenerateParams
@@ -53,6 +55,8 @@ class Runner(Protocol):
     def expire(self, now: float) -> list[Outcome]: ...
 
     def running_ids(self) -> list[str]: ...
+
+    def engine_stats(self) -> EngineStats | None: ...
 
 
 def _ms(seconds: float) -> int:
@@ -103,6 +107,9 @@ class EmbedRunner:
 
     def running_ids(self) -> list[str]:
         return []
+
+    def engine_stats(self) -> EngineStats | None:
+        return None
 
     def prepare(self, req: InferenceRequest, now: float) -> Pending | Outcome:
         texts = req.input["texts"]
@@ -169,6 +176,40 @@ class EmbedRunner:
         return []
 
 
+def kv_budget_bytes(spec_budget_tokens: int | None, bytes_per_token: int, device: Any) -> int:
+    """The KV cache memory this worker may use: from config, else sized from the device."""
+    if spec_budget_tokens is not None:
+        return spec_budget_tokens * bytes_per_token
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.7)  # the rest: activations, logits, allocator slack
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        available = 8 << 30
+    return min(int(available * 0.25), 8 << 30)
+
+
+def engine_rows(max_running: int, budget_bytes: int, bytes_per_row: int) -> int:
+    """Rows of the running batch that fit the budget (each row may use the cache's full width)."""
+    return max(0, min(max_running, budget_bytes // max(1, bytes_per_row)))
+
+
+def size_engine(loaded: LoadedModel) -> tuple[int, int]:
+    """(max rows, max sequence length) for a model's engine, so load can never exhaust memory."""
+    spec = loaded.spec
+    max_seq_len = spec.max_input_tokens + spec.max_new_tokens
+    per_row = GenerationEngine.bytes_per_row(loaded.model, max_seq_len)
+    budget = kv_budget_bytes(spec.kv_budget_tokens, per_row // (2 * max_seq_len), loaded.device)
+    rows = engine_rows(spec.max_running, budget, per_row)
+    if rows < 1:
+        raise ConfigError(f"model {spec.name}: a KV budget of {budget} bytes holds no sequence of "
+                          f"{max_seq_len} tokens ({per_row} bytes); raise kv_budget_tokens or lower the limits")
+    log.info("engine sized", model=spec.name, rows=rows, max_seq_len=max_seq_len,
+             kv_cache_mib=round(rows * per_row / 2**20, 1), budget_mib=round(budget / 2**20, 1))
+    return rows, max_seq_len
+
+
 class GenerateRunner:
     def __init__(self, loaded: LoadedModel, worker: str, *, max_rows: int, max_seq_len: int,
                  clock: Callable[[], float] = time.time) -> None:
@@ -199,6 +240,9 @@ class GenerateRunner:
 
     def running_ids(self) -> list[str]:
         return self.engine.running_ids()
+
+    def engine_stats(self) -> EngineStats | None:
+        return self.engine.stats
 
     def prepare(self, req: InferenceRequest, now: float) -> Pending | Outcome:
         params = GenerateParams(**{**req.params, "stop": tuple(req.params.get("stop", ()))})

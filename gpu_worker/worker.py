@@ -23,7 +23,7 @@ from redis.exceptions import ResponseError
 
 from gpu_worker import metrics
 from gpu_worker.model_loop import Add, Cancel, Drain, Emitted, HandBack, ModelLoop
-from gpu_worker.runners import EmbedRunner, GenerateRunner, Outcome, Runner, expired_outcome
+from gpu_worker.runners import EmbedRunner, GenerateRunner, Outcome, Runner, expired_outcome, size_engine
 from gpu_worker.scheduler import BatchLimits, LanePolicy, Scheduler
 from shared.codec import decode, encode
 from shared.config import ModelSpec, Settings
@@ -52,8 +52,8 @@ def build_runner(loaded: Any, worker: str) -> Runner:
     spec: ModelSpec = loaded.spec
     if spec.task is Task.EMBED:
         return EmbedRunner(loaded, worker)
-    return GenerateRunner(loaded, worker, max_rows=spec.max_running,
-                          max_seq_len=spec.max_input_tokens + spec.max_new_tokens)
+    rows, max_seq_len = size_engine(loaded)
+    return GenerateRunner(loaded, worker, max_rows=rows, max_seq_len=max_seq_len)
 
 
 def build_scheduler(spec: ModelSpec) -> Scheduler:

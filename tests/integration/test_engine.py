@@ -204,3 +204,21 @@ def test_group_by_length_bounds_padding():
     for g in groups:
         width = max(lengths[i] for i in g)
         assert width * len(g) - sum(lengths[i] for i in g) <= 0.25 * width * len(g)
+
+
+def test_a_long_prompt_joining_short_rows_reads_only_finite_cache(model):
+    """Regression: short rows, one step, then a long prompt shifts them right; every column any row
+    attends to (masked or not) must hold finite values, or a masked NaN poisons the attention sum."""
+    short = specs(3, seed=11, prompts=(4, 8), outputs=(6,))
+    long = GenSpec(id="long", prompt_ids=tuple(range(3, 103)), max_new_tokens=6)
+    engine = GenerationEngine(model, max_rows=8, max_seq_len=128)
+    results = {r.id: r for r in engine.prefill(short)}
+    results.update({r.id: r for r in engine.step()})
+    results.update({r.id: r for r in engine.prefill([long])})
+    lo = min(r.start for r in engine.rows)
+    for layer in range(len(engine.cache.keys)):
+        assert torch.isfinite(engine.cache.keys[layer][: engine.running, :, lo: engine.end]).all()
+        assert torch.isfinite(engine.cache.values[layer][: engine.running, :, lo: engine.end]).all()
+    results.update(run(engine, {0: []}))
+    for spec in [*short, long]:
+        assert results[spec.id].token_ids == reference(model, spec), spec.id

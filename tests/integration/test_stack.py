@@ -288,3 +288,19 @@ async def test_msgpack_in_and_out(redis_url, prefix, loaded_models):
                                  headers={"content-type": "application/msgpack", "accept": "application/msgpack"})
         assert r.status_code == 200 and r.headers["content-type"] == "application/msgpack"
         assert msgpack.unpackb(r.content)["status"] == "succeeded"
+
+
+async def test_a_flood_beyond_the_kv_budget_waits_instead_of_failing(redis_url, prefix, loaded_models):
+    """Admission within the memory budget: the running batch never outgrows its rows; the rest waits."""
+    import dataclasses
+
+    from shared.config import BUILTIN_MODELS
+
+    spec = dataclasses.replace(BUILTIN_MODELS["tiny-llama"], max_running=4, max_batch_size=4)
+    settings = make_settings(redis_url, prefix, models=(spec,))
+    async with running_worker(settings, loaded_models) as w, running_gateway(settings) as gw:
+        engine = w.worker.loops["tiny-llama"].runner.engine
+        responses = await asyncio.gather(*(gw.client.post("/v1/models/tiny-llama/requests?wait=60", json={
+            "input": {"input_ids": [3 + i, 4, 5]}, "params": {"max_new_tokens": 16}}) for i in range(40)))
+        assert all(r.status_code == 200 and r.json()["status"] == "succeeded" for r in responses)
+        assert engine.max_rows == 4 and engine.cache.rows_cap <= 4
