@@ -28,6 +28,7 @@ from gateway.api import (
     NotFound,
     PayloadTooLarge,
     ServiceUnavailable,
+    TooManyRequests,
     Unprocessable,
     UnsupportedMediaType,
 )
@@ -175,7 +176,12 @@ async def submit(svc: GatewayService, req: ApiRequest, model: str) -> ApiRespons
     except ValidationError as exc:
         raise Unprocessable(exc.message if not exc.field else f"{exc.field}: {exc.message}",
                             extra={"field": exc.field}) from exc
-    submitted = await svc.submit(inference)
+    decision, _ = await svc.admit(inference, spec)
+    if not decision.accept:
+        metrics.REJECTED.labels(spec.name, inference.lane, decision.code).inc()
+        raise TooManyRequests(decision.reason, code=decision.code, retry_after=decision.retry_after_s,
+                              extra={"lane": inference.lane})
+    submitted = await svc.submit(inference, decision)
     metrics.SUBMITTED.labels(spec.name, inference.lane).inc()
     structlog.contextvars.bind_contextvars(request_id=inference.id, model=spec.name, lane=inference.lane)
     log.info("request accepted", priority=inference.priority.value, est_tokens=inference.est_tokens)
@@ -183,16 +189,20 @@ async def submit(svc: GatewayService, req: ApiRequest, model: str) -> ApiRespons
         rec = await svc.wait(inference.id, wait)
         if rec is not None and rec.terminal:
             return ApiResponse(200, record_view(rec), {"Location": _links(inference.id)["self"]})
+    est = submitted.decision.estimate
     body_out = {
         "id": inference.id,
         "status": Status.QUEUED.value,
         "model": spec.name,
         "lane": inference.lane,
-        "eta_ms": None,
+        "eta_ms": round(est.finish_s * 1000) if est.basis == "stats" else None,
         "queue_position": submitted.queue_position,
         "deadline": inference.deadline_ms / 1000,
         "links": _links(inference.id),
     }
+    if est.basis != "stats":
+        body_out["admission"] = ("no worker has reported load recently: accepted without an estimate "
+                                 "(up to the lane's backlog cap)")
     return ApiResponse(202, body_out, {"Location": _links(inference.id)["self"]})
 
 
@@ -231,9 +241,16 @@ async def list_models(svc: GatewayService, req: ApiRequest) -> ApiResponse:
     out = []
     for spec in svc.settings.models:
         backlog = await svc.backlog(spec.name, spec.lane_names)
+        _, stats = await svc.load(spec.name, spec.lane_names[0])
         public = spec.to_public()
+        public["workers"] = len(stats)
         for lane in public["lanes"]:
-            lane["backlog"] = backlog[lane["name"]]
+            name = lane["name"]
+            loads = [ln for s in stats for ln in s.lanes if ln.lane == name]
+            lane["backlog"] = backlog[name]
+            lane["running"] = sum(ln.running for ln in loads)
+            lane["service_rate_rps"] = round(sum(ln.completed_rps for ln in loads), 3)
+            lane["est_wait_ms"] = round(min(ln.est_wait_ms for ln in loads)) if loads else None
         out.append(public)
     return ApiResponse(200, {"models": out})
 

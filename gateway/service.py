@@ -15,10 +15,13 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from gateway.waiters import SubscriptionUnavailable, WaiterHub
-from shared.codec import encode
-from shared.config import Settings
+from shared import admission
+from shared.admission import Decision
+from shared.codec import decode, encode
+from shared.config import ModelSpec, Settings
+from shared.errors import CodecError
 from shared.keys import Keys
-from shared.messages import ErrorInfo, InferenceRequest, RequestResult
+from shared.messages import ErrorInfo, InferenceRequest, LaneStats, RequestResult
 from shared.records import RecordStore, StoredRecord
 from shared.redis_io import make_redis
 from shared.states import FinishReason, Status
@@ -28,6 +31,7 @@ from shared.states import FinishReason, Status
 class Submitted:
     request: InferenceRequest
     queue_position: int
+    decision: Decision
 
 
 class GatewayService:
@@ -52,14 +56,39 @@ class GatewayService:
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
 
-    async def submit(self, req: InferenceRequest) -> Submitted:
+    async def load(self, model: str, lane: str) -> tuple[int, list[LaneStats]]:
+        """The lane's stream length and the fresh per-worker stats of the model, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xlen(self.keys.lane_stream(model, lane))
+        pipe.hgetall(self.keys.lane_stats(model))
+        queued, raw = await pipe.execute()
+        stats = []
+        for blob in raw.values():
+            try:
+                stats.append(decode(blob, LaneStats))
+            except CodecError:
+                continue  # a worker of another schema version: its figures do not count
+        return int(queued), admission.fresh(stats, self.now_ms())
+
+    async def admit(self, req: InferenceRequest, spec: ModelSpec) -> tuple[Decision, int]:
+        queued, stats = await self.load(req.model, req.lane)
+        lane = spec.lane(req.lane)
+        new_tokens = int(req.params.get("max_new_tokens", 0))
+        est = admission.estimate(stats, req.lane, queued, max(1, req.est_tokens - new_tokens), new_tokens,
+                                 (lane.window_ms if lane else 10.0) / 1000)
+        decision = admission.decide(now_s=self.clock(), deadline_s=req.deadline_ms / 1000, est=est, queued=queued,
+                                    max_backlog=lane.max_backlog if lane else 10_000,
+                                    deadline_aware=spec.deadline_aware)
+        return decision, queued
+
+    async def submit(self, req: InferenceRequest, decision: Decision) -> Submitted:
         stream = self.keys.lane_stream(req.model, req.lane)
         pipe = self.redis.pipeline(transaction=False)
         pipe.xadd(stream, {"m": encode(req)})
         await self.store.init_in(pipe, req, self.now_ms())
         pipe.xlen(stream)
         _, _, position = await pipe.execute()
-        return Submitted(req, int(position))
+        return Submitted(req, int(position), decision)
 
     async def get(self, request_id: str) -> StoredRecord | None:
         """The record, expiring it first if its deadline (plus grace) passed with no result."""

@@ -115,8 +115,9 @@ class GenerationEngine:
             dtype=param.dtype,
             device=param.device,
             max_rows=max_rows,
-            max_width=2 * max_seq_len,
+            max_width=2 * max_seq_len,  # room to run max_seq_len steps between compactions
         )
+        self.cache.allocate()
         self._decode_tail = decode_tail
         self._clock = clock
         self.rows: list[_Row] = []
@@ -167,7 +168,6 @@ class GenerationEngine:
         n = len(specs)
         self._make_room_left(width)
         first = len(self.rows)
-        self.cache.ensure(first + n, self.end + 1, first)
 
         ids = torch.zeros((n, width), dtype=torch.long)
         pads = [width - ln for ln in lens]
@@ -215,7 +215,6 @@ class GenerationEngine:
             return
         shift = width - self.end
         lo = min(r.start for r in self.rows)
-        self.cache.ensure(len(self.rows), self.end + shift + 1, len(self.rows))
         self.cache.shift_columns(len(self.rows), lo, self.end, shift)
         for row in self.rows:
             row.start += shift
@@ -258,17 +257,15 @@ class GenerationEngine:
         return self._retire(finished, now)
 
     def _make_room_right(self) -> None:
-        """Ensure column `end` exists: compact to the left, or grow the cache."""
+        """Ensure column `end` exists by compacting left. A row is at most `max_seq_len` long and the
+        cache is twice that wide, so a compaction always frees at least `max_seq_len` columns."""
         if self.end < self.cache.width:
             return
         lo = min(r.start for r in self.rows)
-        if lo > 0:
-            self.cache.shift_columns(len(self.rows), lo, self.end, -lo)
-            for row in self.rows:
-                row.start -= lo
-            self.end -= lo
-        if self.end >= self.cache.width:
-            self.cache.ensure(len(self.rows), self.end + 1, len(self.rows))
+        self.cache.shift_columns(len(self.rows), lo, self.end, -lo)
+        for row in self.rows:
+            row.start -= lo
+        self.end -= lo
 
     # --- leaving the batch ---------------------------------------------------------------------
     def _finished(self, row: _Row) -> bool:

@@ -36,30 +36,14 @@ class SlotKVCache:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.layers * self.kv_heads * self.head_dim * elem
 
-    def ensure(self, rows: int, width: int, live_rows: int) -> None:
-        """Grow so that `rows` x `width` fits, keeping live content. Rows go straight to `max_rows` (the
-        memory budget the engine was sized for) and width doubles, so growth copies are rare."""
-        if rows > self.max_rows or width > self.max_width:
-            raise ValueError(f"cache request {rows}x{width} exceeds its maxima {self.max_rows}x{self.max_width}")
-        if rows <= self.rows_cap and width <= self.width:
-            return
-        new_rows = self.max_rows
-        new_width = min(self.max_width, max(width, 2 * self.width, 128))
-        shape = (new_rows, self.kv_heads, new_width, self.head_dim)
-        for i in range(self.layers):
-            # zeros, never empty: when a longer row joins, older rows attend (masked) over columns they
-            # never wrote, and a masked NaN still poisons the softmax-weighted sum (0 * NaN = NaN)
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            if self.keys and live_rows:
-                k[:live_rows, :, : self.width] = self.keys[i][:live_rows]
-                v[:live_rows, :, : self.width] = self.values[i][:live_rows]
-            if i < len(self.keys):
-                self.keys[i], self.values[i] = k, v
-            else:
-                self.keys.append(k)
-                self.values.append(v)
-        self.rows_cap, self.width = new_rows, new_width
+    def allocate(self) -> None:
+        """Allocate the whole cache up front: the memory budget is reserved at start, and serving
+        never stalls on a growth copy. Zeros, never `empty`: when a longer row joins, older rows attend
+        (masked) over columns they never wrote, and a masked NaN still poisons the weighted sum."""
+        shape = (self.max_rows, self.kv_heads, self.max_width, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        self.rows_cap, self.width = self.max_rows, self.max_width
 
     def move_row(self, src: int, dst: int, lo: int, hi: int) -> None:
         """Copy row `src` into row `dst` over columns [lo, hi) (swap-remove of a finished row)."""

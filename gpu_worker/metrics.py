@@ -30,3 +30,6 @@ DEADLINE_MISSES = Counter("batchgate_deadline_misses_total", "Requests that reac
 REDELIVERIES = Counter("batchgate_redeliveries_total", "Stream entries read again after a worker lost them",
                        ["model"])
 DEAD_LETTERS = Counter("batchgate_dead_letters_total", "Entries moved to the dead-letter stream", ["model"])
+COMPUTE_ON_EXPIRED = Counter("batchgate_compute_on_expired_total",
+                             "Requests whose compute started after their deadline (FIFO baseline only)", ["model"])
+PREEMPTIONS = Counter("batchgate_preemptions_total", "Batch-priority rows preempted for interactive work", ["model"])

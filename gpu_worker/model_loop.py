@@ -5,9 +5,11 @@ leave through `emit`. The loop reads as the data flow:
 
     receive commands -> plan (pure scheduler) -> gate (Redis: still live?) -> prefill/decode -> emit
 
-Invariant: a request reaches the model only if, just before its prefill, its deadline has not
-passed and its record is not terminal (cancelled requests are never computed); a running row is
-checked for cancellation and its deadline at every decode step.
+Invariant: in deadline-aware mode a request reaches the model only if, just before its prefill,
+its deadline has not passed and its record is not terminal (cancelled requests are never
+computed); a running row is checked for cancellation and its deadline at every decode step.
+The loop also measures the service-time model (prefill and decode cost) and keeps a snapshot of
+its load that the worker publishes for the gateway's admission control.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import dataclasses
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +28,7 @@ from gpu_worker import metrics
 from gpu_worker.engine import EngineStats
 from gpu_worker.runners import Outcome, Runner, expired_outcome
 from gpu_worker.scheduler import Pending, Scheduler
+from gpu_worker.service_model import ServiceTracker, lane_wait_ms
 from shared.messages import InferenceRequest
 
 log = structlog.get_logger(__name__)
@@ -65,11 +69,25 @@ class HandBack:
     requests: list[InferenceRequest]
 
 
-@dataclass(slots=True)
-class LoopState:
-    backlog: dict[str, int] = field(default_factory=dict)
-    running: int = 0
-    stopped: bool = False
+@dataclass(frozen=True, slots=True)
+class LaneLoad:
+    waiting: int
+    running: int
+    completed_rps: float
+    est_wait_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The loop's load, replaced whole (never mutated) so other threads can read it safely."""
+
+    at: float = 0.0
+    lanes: dict[str, LaneLoad] = field(default_factory=dict)
+    max_rows: int = 0
+    free_rows: int = 0
+    prefill_fixed_ms: float = 0.0
+    prefill_ms_per_token: float = 0.0
+    decode_ms_per_step: float = 0.0
 
 
 Emitted = Outcome | Ack | HandBack
@@ -91,7 +109,11 @@ class ModelLoop:
         self._inbox: queue.SimpleQueue[Add | Cancel | Drain] = queue.SimpleQueue()
         self._drain_until: float | None = None
         self._thread: threading.Thread | None = None
-        self.state = LoopState()
+        self._running: dict[str, Pending] = {}  # started, not finished
+        self.tracker = ServiceTracker(tuple(scheduler.queues))
+        self.max_rows = runner.free_rows
+        self.snapshot = Snapshot()
+        self.stopped = False
         self.crashed: BaseException | None = None
         self._last_metrics = time.monotonic()
         self._last_stats = EngineStats()
@@ -112,33 +134,44 @@ class ModelLoop:
 
     @property
     def buffered(self) -> int:
-        return sum(self.state.backlog.values()) + self.state.running
+        snap = self.snapshot
+        return sum(ln.waiting + ln.running for ln in snap.lanes.values())
 
     # --- the loop ------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while not self.state.stopped:
+            while not self.stopped:
                 self._iterate()
         except BaseException as exc:  # the worker notices and exits non-zero; entries get reclaimed
             self.crashed = exc
             log.exception("model loop crashed", model=self.name)
             self._on_crash()
         finally:
-            self.state.stopped = True
+            self.stopped = True
 
     def _iterate(self) -> None:
         self._receive(block=False, timeout=0)
         now = self._clock()
         out: list[Emitted] = list(self.runner.expire(now))
         draining = self._drain_until is not None
-        plan = self.scheduler.plan(now, 0 if draining else self.runner.free_rows)
+        preemptible = [p for p in self._running.values() if p.rank > 0]
+        plan = self.scheduler.plan(now, 0 if draining else self.runner.free_rows,
+                                   0 if draining else len(preemptible))
         out.extend(expired_outcome(p.payload[0], self._worker, now, "while queued at the worker")
                    for p in plan.expired)
+        for p in plan.expired:
+            metrics.EXPIRED_BEFORE_COMPUTE.labels(self.name, p.lane).inc()
+        if plan.preempt:
+            self._preempt(preemptible, plan.preempt)
         if plan.batch:
-            out.extend(self._start(plan.batch, now))
+            out.extend(self._start(plan.batch))
         if self.runner.busy:
+            rows = len(self._running)
+            t0 = time.perf_counter()
             out.extend(self.runner.step())
-        self._publish_state()
+            self.tracker.observe_step(rows, time.perf_counter() - t0)
+        self._finished(out)
+        self._refresh()
         if out:
             self._emit(out)
         if draining and (not self.runner.busy or self._clock() >= (self._drain_until or 0)):
@@ -148,22 +181,48 @@ class ModelLoop:
             wait = IDLE_WAIT_S if plan.wake_at is None else max(0.0, min(IDLE_WAIT_S, plan.wake_at - now))
             self._receive(block=True, timeout=wait)
 
-    def _start(self, batch: list[Pending], now: float) -> list[Emitted]:
+    def _start(self, batch: list[Pending]) -> list[Emitted]:
         reqs = [p.payload[0] for p in batch]
         live = self._gate(reqs)
         out: list[Emitted] = [Ack(r) for r, ok in zip(reqs, live, strict=True) if not ok]
         batch = [p for p, ok in zip(batch, live, strict=True) if ok]
         # the gate took a round trip: re-check deadlines right before the model sees the batch
         now = self._clock()
-        keep = [p for p in batch if p.deadline > now]
-        out.extend(expired_outcome(p.payload[0], self._worker, now, "before prefill")
-                   for p in batch if p.deadline <= now)
-        if keep:
-            metrics.BATCH_SIZE.labels(self.name, keep[0].lane).observe(sum(p.size for p in keep))
-            for p in keep:
-                metrics.QUEUE_WAIT.labels(self.name, p.lane).observe(max(0.0, now - p.payload[0].created_ms / 1000))
-            out.extend(self.runner.start(keep, now))
+        if self.scheduler.deadline_aware:
+            late = [p for p in batch if p.deadline <= now]
+            out.extend(expired_outcome(p.payload[0], self._worker, now, "before prefill") for p in late)
+            for p in late:
+                metrics.EXPIRED_BEFORE_COMPUTE.labels(self.name, p.lane).inc()
+            batch = [p for p in batch if p.deadline > now]
+        if not batch:
+            return out
+        metrics.BATCH_SIZE.labels(self.name, batch[0].lane).observe(sum(p.size for p in batch))
+        for p in batch:
+            metrics.QUEUE_WAIT.labels(self.name, p.lane).observe(max(0.0, now - p.payload[0].created_ms / 1000))
+            if p.deadline <= now:  # only possible in FIFO mode: the baseline's wasted work
+                metrics.COMPUTE_ON_EXPIRED.labels(self.name).inc()
+            self._running[p.id] = p
+        t0 = time.perf_counter()
+        out.extend(self.runner.start(batch, now))
+        self.tracker.observe_prefill(sum(p.prompt_tokens * p.size for p in batch), time.perf_counter() - t0)
         return out
+
+    def _preempt(self, candidates: list[Pending], rows: int) -> None:
+        """Give rows of running batch-priority work to urgent interactive work; re-queue the victims."""
+        victims = sorted(candidates, key=lambda p: -p.deadline)[:rows]
+        self.runner.cancel({p.id for p in victims})  # their partial work is dropped, not published
+        for p in victims:
+            self._running.pop(p.id, None)
+            self.scheduler.add(p)
+            metrics.PREEMPTIONS.labels(self.name).inc()
+        log.info("preempted batch-priority rows for interactive work", model=self.name, count=len(victims))
+
+    def _finished(self, out: list[Emitted]) -> None:
+        for item in out:
+            if isinstance(item, Outcome):
+                p = self._running.pop(item.request.id, None)
+                if p is not None and item.computed:
+                    self.tracker.observe_completion(p.lane)
 
     def _receive(self, *, block: bool, timeout: float) -> None:
         try:
@@ -194,7 +253,10 @@ class ModelLoop:
                 item = self.scheduler.cancel(rid)
                 if item is not None:
                     acks.append(Ack(item.payload[0]))
-            acks.extend(self.runner.cancel(cmd.ids))
+            cancelled = self.runner.cancel(cmd.ids)
+            for o in cancelled:
+                self._running.pop(o.request.id, None)
+            acks.extend(cancelled)
             if acks:
                 self._emit(acks)
         else:
@@ -204,27 +266,49 @@ class ModelLoop:
         waiting = [p.payload[0] for p in self.scheduler.drain()]
         running = self.runner.cancel(set(self.runner.running_ids()))
         reqs = waiting + [o.request for o in running]
+        self._running.clear()
         self._emit([HandBack(reqs)])
-        self.state.stopped = True
+        self.stopped = True
 
-    def _publish_state(self) -> None:
-        self.state.backlog = self.scheduler.backlog()
-        self.state.running = len(self.runner.running_ids())
+    # --- load figures --------------------------------------------------------------------------
+    def _refresh(self) -> None:
         now = time.monotonic()
-        if now - self._last_metrics < METRICS_INTERVAL_S:
+        dt = now - self._last_metrics
+        if dt < METRICS_INTERVAL_S and self.snapshot.at:
             return
-        for lane, n in self.state.backlog.items():
-            metrics.WORKER_BACKLOG.labels(self.name, lane).set(n)
-        metrics.RUNNING.labels(self.name).set(self.state.running)
-        stats = self.runner.engine_stats()
-        if stats is not None:
-            prev = self._last_stats
-            dt = now - self._last_metrics
-            metrics.TOKENS_PER_S.labels(self.name).set((stats.decode_tokens - prev.decode_tokens) / dt)
-            metrics.PHASE_SECONDS.labels(self.name, "prefill").inc(stats.prefill_s - prev.prefill_s)
-            metrics.PHASE_SECONDS.labels(self.name, "decode").inc(stats.decode_s - prev.decode_s)
-            padded = stats.kv_padded - prev.kv_padded
-            if padded:
-                metrics.KV_PADDING.labels(self.name).set(1 - (stats.kv_real - prev.kv_real) / padded)
-            self._last_stats = dataclasses.replace(stats)
         self._last_metrics = now
+        self.tracker.tick(dt)
+        running_lanes = Counter(p.lane for p in self._running.values())
+        rows = max(1, len(self._running))
+        self.scheduler.service = self.tracker.service_model(rows)
+        free = self.runner.free_rows
+        step_ms = self.tracker.step_seconds(max(rows, 1)) * 1000
+        work = [*self._running.values(), *(p for q in self.scheduler.queues.values() for p in q.items())]
+        mean_s = sum(self.scheduler.service.estimate(p) for p in work) / len(work) if work else 1.0
+        lanes: dict[str, LaneLoad] = {}
+        for lane, q in self.scheduler.queues.items():
+            rate = self.tracker.counters[lane].rate if lane in self.tracker.counters else 0.0
+            wait_ms = lane_wait_ms(window_s=q.policy.window_s, waiting=len(q), free_rows=free,
+                                   drain_rps=self.tracker.total_rate(), max_rows=self.max_rows, mean_service_s=mean_s)
+            lanes[lane] = LaneLoad(len(q), running_lanes.get(lane, 0), rate, wait_ms)
+            metrics.WORKER_BACKLOG.labels(self.name, lane).set(len(q))
+        self.snapshot = Snapshot(
+            at=time.time(), lanes=lanes, max_rows=self.max_rows, free_rows=free,
+            prefill_fixed_ms=self.tracker.prefill.intercept * 1000,
+            prefill_ms_per_token=self.tracker.prefill.slope * 1000, decode_ms_per_step=step_ms,
+        )
+        metrics.RUNNING.labels(self.name).set(len(self._running))
+        self._engine_metrics(dt)
+
+    def _engine_metrics(self, dt: float) -> None:
+        stats = self.runner.engine_stats()
+        if stats is None or dt <= 0:
+            return
+        prev = self._last_stats
+        metrics.TOKENS_PER_S.labels(self.name).set((stats.decode_tokens - prev.decode_tokens) / dt)
+        metrics.PHASE_SECONDS.labels(self.name, "prefill").inc(stats.prefill_s - prev.prefill_s)
+        metrics.PHASE_SECONDS.labels(self.name, "decode").inc(stats.decode_s - prev.decode_s)
+        padded = stats.kv_padded - prev.kv_padded
+        if padded:
+            metrics.KV_PADDING.labels(self.name).set(1 - (stats.kv_real - prev.kv_real) / padded)
+        self._last_stats = dataclasses.replace(stats)

@@ -261,7 +261,7 @@ class GenerateRunner:
             id=req.id, prompt_ids=tuple(ids), max_new_tokens=params.max_new_tokens,
             sampling=SamplingParams(params.temperature, params.top_p, params.top_k, params.seed),
             stop=params.stop, eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
-            deadline=req.deadline_ms / 1000,
+            deadline=req.deadline_ms / 1000 if self.spec.deadline_aware else None,
         )
         if not self.engine.fits(spec):
             return failed_outcome(req, self.worker, now, "input_too_long",
@@ -269,7 +269,8 @@ class GenerateRunner:
                                   f"{self.engine.max_seq_len} tokens")
         lane = assign_lane(spec.total_tokens, self.spec.lanes).name
         return Pending(id=req.id, lane=lane, rank=Priority(req.priority).rank, deadline=req.deadline_ms / 1000,
-                       arrived=now, tokens=spec.total_tokens, prompt_tokens=len(ids), payload=(req, spec))
+                       arrived=now, tokens=spec.total_tokens, prompt_tokens=len(ids),
+                       new_tokens=params.max_new_tokens, payload=(req, spec))
 
     def start(self, batch: list[Pending], now: float) -> list[Outcome]:
         for p in batch:

@@ -5,9 +5,16 @@ No Redis, no torch, no clock reads. Per lane, waiting requests are ordered by (p
 1. which waiting requests are already past their deadline (expire them without compute);
 2. is some lane's dynamic window closed (its batch is full, its token budget is full, its oldest
    request has waited the lane's window, or the earliest deadline's slack says waiting longer would
-   miss it), and if several are, which lane is most urgent (head priority, then deadline moved
-   earlier by how long the lane has waited, so no lane starves);
+   miss it), and if several are, which lane is most urgent: interactive before batch; then a lane
+   whose slack has run out (most overdue first); then the lane whose oldest request has waited the
+   most *windows* (short lanes have short windows, so short work goes first, and every lane's
+   urgency grows while it waits, so none starves);
 3. if nothing is ready, when to ask again.
+With `deadline_aware=False` (the FIFO baseline the benchmarks compare against) requests are taken
+in arrival order and deadlines are ignored: nothing expires, no slack closes a window early.
+Priorities: when no row is free and an interactive request has no slack left, the plan asks the
+caller to preempt running batch-priority rows (they are re-queued), so batch work never pushes
+interactive work past its deadline.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class Pending:
     tokens: int  # estimated total tokens (prompt + max_new_tokens, or input tokens)
     prompt_tokens: int  # longest sequence to prefill / encode (sets the padded width)
     size: int = 1  # rows it occupies in a batch (texts for embeddings)
+    new_tokens: int = 0  # tokens to generate (0 for encoders)
     payload: Any = None
 
 
@@ -46,13 +54,16 @@ class BatchLimits:
 
 @dataclass(frozen=True, slots=True)
 class ServiceModel:
-    """Estimated compute time of a request: `fixed_s + per_token_s * tokens`. Updated by the worker."""
+    """Estimated compute time of a request: its prefill (fixed + per padded prompt token) plus one
+    decode step per new token. Measured by the worker (`gpu_worker.service_model`)."""
 
     fixed_s: float = 0.0
     per_token_s: float = 0.0
+    decode_s_per_token: float = 0.0
 
     def estimate(self, item: Pending) -> float:
-        return self.fixed_s + self.per_token_s * item.tokens
+        return (self.fixed_s + self.per_token_s * item.prompt_tokens * item.size
+                + self.decode_s_per_token * item.new_tokens)
 
 
 @dataclass(slots=True)
@@ -61,14 +72,16 @@ class Plan:
     batch: list[Pending] = field(default_factory=list)
     lane: str | None = None
     wake_at: float | None = None  # ask again at this time if nothing else happens first
+    preempt: int = 0  # rows of running batch-priority work to give back to urgent interactive work
 
 
 class LaneQueue:
     """Waiting requests of one lane, popped in (priority, deadline, arrival) order."""
 
-    def __init__(self, policy: LanePolicy) -> None:
+    def __init__(self, policy: LanePolicy, *, fifo: bool = False) -> None:
         self.policy = policy
-        self._heap: list[tuple[int, float, int, Pending]] = []
+        self.fifo = fifo
+        self._heap: list[tuple[int, float, int, Pending]] = []  # (rank, deadline | arrival, seq, item)
         self._live: dict[str, Pending] = {}
         self._seq = itertools.count()
 
@@ -77,7 +90,8 @@ class LaneQueue:
 
     def push(self, item: Pending) -> None:
         self._live[item.id] = item
-        heapq.heappush(self._heap, (item.rank, item.deadline, next(self._seq), item))
+        key = (0, item.arrived) if self.fifo else (item.rank, item.deadline)
+        heapq.heappush(self._heap, (*key, next(self._seq), item))
 
     def remove(self, request_id: str) -> Pending | None:
         return self._live.pop(request_id, None)  # its heap entry is skipped when it surfaces
@@ -111,8 +125,9 @@ class LaneQueue:
 
 class Scheduler:
     def __init__(self, lanes: Iterable[LanePolicy], limits: BatchLimits, *, aging: float = 1.0,
-                 service: ServiceModel | None = None) -> None:
-        self.queues = {lane.name: LaneQueue(lane) for lane in lanes}
+                 service: ServiceModel | None = None, deadline_aware: bool = True) -> None:
+        self.deadline_aware = deadline_aware
+        self.queues = {lane.name: LaneQueue(lane, fifo=not deadline_aware) for lane in lanes}
         self.limits = limits
         self.aging = aging
         self.service = service or ServiceModel()
@@ -155,23 +170,36 @@ class Scheduler:
         if size >= self.limits.max_batch_size or size * width >= self.limits.max_batch_tokens:
             return now
         close = min(p.arrived for p in items) + queue.policy.window_s
+        if not self.deadline_aware:
+            return close
         # Slack: start early enough that the most pressing request can still finish in time.
-        latest_start = min(p.deadline - self.service.estimate(p) for p in items)
-        return min(close, latest_start)
+        return min(close, min(self.latest_start(p) for p in items))
 
-    def urgency(self, queue: LaneQueue, now: float) -> tuple[int, float]:
-        """Lower is more urgent: head priority, then head deadline moved earlier by the lane's wait."""
+    def latest_start(self, item: Pending) -> float:
+        return item.deadline - self.service.estimate(item)
+
+    def urgency(self, queue: LaneQueue, now: float) -> tuple[int, int, float]:
+        """Lower is more urgent: (head priority, 0 if out of slack else 1, overdue time or -waited windows)."""
         head = queue.peek()
         oldest = queue.oldest_arrival()
         if head is None or oldest is None:
-            return (1 << 30, float("inf"))
-        return head.rank, head.deadline - self.aging * (now - oldest)
+            return (1 << 30, 1, float("inf"))
+        if not self.deadline_aware:
+            return 0, 1, oldest
+        latest = min(self.latest_start(p) for p in queue.items() if p.rank == head.rank)
+        if latest <= now:
+            return head.rank, 0, latest
+        return head.rank, 1, -self.aging * (now - oldest) / max(queue.policy.window_s, 1e-3)
 
-    def plan(self, now: float, free_rows: int) -> Plan:
+    def plan(self, now: float, free_rows: int, preemptible: int = 0) -> Plan:
+        """`preemptible`: running batch-priority rows the caller could give back if asked."""
         plan = Plan()
-        for queue in self.queues.values():
-            plan.expired.extend(queue.pop_expired(now))
+        if self.deadline_aware:
+            for queue in self.queues.values():
+                plan.expired.extend(queue.pop_expired(now))
         if free_rows <= 0:
+            if self.deadline_aware and preemptible:
+                plan.preempt = min(preemptible, self._urgent_interactive_rows(now))
             return plan
         ready: list[LaneQueue] = []
         wake: list[float] = []
@@ -189,6 +217,11 @@ class Scheduler:
         plan.lane = lane.policy.name
         plan.batch = self._take(lane, free_rows)
         return plan
+
+    def _urgent_interactive_rows(self, now: float) -> int:
+        """Rows wanted by interactive requests that cannot wait for a row to free up on its own."""
+        return sum(p.size for q in self.queues.values() for p in q.items()
+                   if p.rank == 0 and self.latest_start(p) <= now)
 
     def _take(self, queue: LaneQueue, free_rows: int) -> list[Pending]:
         batch: list[Pending] = []

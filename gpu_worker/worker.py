@@ -22,14 +22,14 @@ import structlog
 from redis.exceptions import ResponseError
 
 from gpu_worker import metrics
-from gpu_worker.model_loop import Add, Cancel, Drain, Emitted, HandBack, ModelLoop
+from gpu_worker.model_loop import Add, Cancel, Drain, Emitted, HandBack, ModelLoop, Snapshot
 from gpu_worker.runners import EmbedRunner, GenerateRunner, Outcome, Runner, expired_outcome, size_engine
 from gpu_worker.scheduler import BatchLimits, LanePolicy, Scheduler
 from shared.codec import decode, encode
 from shared.config import ModelSpec, Settings
 from shared.errors import CodecError
 from shared.keys import GROUP, Keys
-from shared.messages import InferenceRequest
+from shared.messages import InferenceRequest, LaneStat, LaneStats
 from shared.records import RecordStore
 from shared.redis_io import UNAVAILABLE, make_redis
 from shared.states import Status, Task
@@ -38,6 +38,8 @@ log = structlog.get_logger(__name__)
 
 GATE_TIMEOUT_S = 2.0
 HEARTBEAT_S = 2.0
+STATS_INTERVAL_S = 0.5
+STATS_TTL_MS = 30_000
 
 
 @dataclass(slots=True)
@@ -58,7 +60,17 @@ def build_runner(loaded: Any, worker: str) -> Runner:
 
 def build_scheduler(spec: ModelSpec) -> Scheduler:
     return Scheduler([LanePolicy(lane.name, lane.window_ms / 1000) for lane in spec.lanes],
-                     BatchLimits(spec.max_batch_size, spec.max_batch_tokens))
+                     BatchLimits(spec.max_batch_size, spec.max_batch_tokens), deadline_aware=spec.deadline_aware)
+
+
+def lane_stats(spec: ModelSpec, worker: str, snap: Snapshot) -> LaneStats:
+    return LaneStats(
+        model=spec.name, worker=worker, at_ms=int(snap.at * 1000), max_rows=snap.max_rows,
+        free_rows=snap.free_rows, deadline_aware=spec.deadline_aware, prefill_fixed_ms=snap.prefill_fixed_ms,
+        prefill_ms_per_token=snap.prefill_ms_per_token, decode_ms_per_step=snap.decode_ms_per_step,
+        lanes=tuple(LaneStat(lane, load.waiting, load.running, load.completed_rps, load.est_wait_ms)
+                    for lane, load in snap.lanes.items()),
+    )
 
 
 class Worker:
@@ -95,6 +107,7 @@ class Worker:
         publisher = asyncio.create_task(self._publisher(), name="publisher")
         cancels = asyncio.create_task(self._cancel_listener(), name="cancels")
         heartbeat = asyncio.create_task(self._heartbeat(), name="heartbeat")
+        stats = asyncio.create_task(self._publish_stats(), name="stats")
         self.ready.set()
         log.info("worker ready", worker=self.name, models=list(self.loops))
         stopper = asyncio.create_task(stop.wait())
@@ -109,12 +122,14 @@ class Worker:
             lp.submit(Drain(until))
         await asyncio.to_thread(self._join_loops, self.drain_budget_s + 10)
         await self._flush()
-        background = (publisher, cancels, heartbeat, stopper, crashed)
+        background = (publisher, cancels, heartbeat, stats, stopper, crashed)
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
         with contextlib.suppress(*UNAVAILABLE):
             await self.redis.hdel(self.keys.workers(), self.name)
+            for name in self.loops:
+                await self.redis.hdel(self.keys.lane_stats(name), self.name)
         if self._own_redis:
             await self.redis.aclose()
         log.info("worker stopped", worker=self.name, still_held=len(self.held))
@@ -129,6 +144,21 @@ class Worker:
             with contextlib.suppress(*UNAVAILABLE):
                 await self.redis.hset(self.keys.workers(), self.name, info)
             await asyncio.sleep(HEARTBEAT_S)
+
+    async def _publish_stats(self) -> None:
+        """Per-lane load and service figures for the gateway's admission control, at a steady interval."""
+        while True:
+            pipe = self.redis.pipeline(transaction=False)
+            for name, lp in self.loops.items():
+                spec = self.settings.model(name)
+                if spec is None or not lp.snapshot.at:
+                    continue
+                key = self.keys.lane_stats(name)
+                pipe.hset(key, self.name, encode(lane_stats(spec, self.name, lp.snapshot)))
+                pipe.pexpire(key, STATS_TTL_MS)
+            with contextlib.suppress(*UNAVAILABLE):
+                await pipe.execute()
+            await asyncio.sleep(STATS_INTERVAL_S)
 
     def _join_loops(self, timeout: float) -> None:
         for lp in self.loops.values():
@@ -246,7 +276,7 @@ class Worker:
                 if req is None:
                     continue
                 self.held[req.id] = Held(model, stream, entry_id, req)
-                if req.deadline_ms <= now * 1000:
+                if req.deadline_ms <= now * 1000 and lp.scheduler.deadline_aware:
                     metrics.EXPIRED_BEFORE_COMPUTE.labels(model, req.lane).inc()
                     late.append(expired_outcome(req, self.name, now, "before the worker read it"))
                 else:

@@ -199,6 +199,9 @@ def run_hf_continuous(model: Any, reqs: list[Req], max_batch_tokens: int) -> Run
     return res
 
 
+_RUNNERS: dict[int, Any] = {}
+
+
 def run_batchgate(loaded: Any, reqs: list[Req]) -> RunResult:
     """The worker's own compute loop (ModelLoop + scheduler + GenerateRunner), fed without Redis."""
     from gpu_worker.model_loop import Add, Drain, ModelLoop
@@ -211,8 +214,11 @@ def run_batchgate(loaded: Any, reqs: list[Req]) -> RunResult:
     from shared.states import Priority
 
     spec = loaded.spec
-    runner = GenerateRunner(loaded, "bench", max_rows=spec.max_running,
-                            max_seq_len=spec.max_input_tokens + spec.max_new_tokens)
+    # one engine for the whole benchmark, as in a long-running worker (its cache is allocated once)
+    runner = _RUNNERS.get(id(loaded))
+    if runner is None:
+        runner = _RUNNERS[id(loaded)] = GenerateRunner(loaded, "bench", max_rows=spec.max_running,
+                                                       max_seq_len=spec.max_input_tokens + spec.max_new_tokens)
     done: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
     loop = ModelLoop(spec.name, runner, build_scheduler(spec), gate=lambda rs: [True] * len(rs), emit=done.put,
                      worker="bench")

@@ -49,6 +49,13 @@ class ModelSpec:
     max_texts: int = 64
     default_timeout_s: float = 60.0
     max_timeout_s: float = 3600.0
+    # "deadline": EDF lanes, expiry without compute, admission control. "fifo": arrival order, deadlines
+    # ignored (the baseline the overload benchmark compares against; not for production).
+    scheduling: str = "deadline"
+
+    @property
+    def deadline_aware(self) -> bool:
+        return self.scheduling == "deadline"
 
     def lane(self, name: str) -> LaneSpec | None:
         return next((lane for lane in self.lanes if lane.name == name), None)
@@ -72,6 +79,8 @@ class ModelSpec:
                      "max_new_tokens", "default_max_new_tokens", "max_texts"):
             if getattr(self, attr) < 1:
                 raise ConfigError(f"model {self.name}: {attr} must be >= 1")
+        if self.scheduling not in ("deadline", "fifo"):
+            raise ConfigError(f"model {self.name}: scheduling must be deadline or fifo")
         if not 0 < self.default_timeout_s <= self.max_timeout_s:
             raise ConfigError(f"model {self.name}: need 0 < default_timeout_s <= max_timeout_s")
         return self
@@ -80,8 +89,9 @@ class ModelSpec:
         return {
             "name": self.name,
             "task": self.task.value,
-            "lanes": [{"name": lane.name, "max_tokens": lane.max_tokens, "window_ms": lane.window_ms}
-                      for lane in self.lanes],
+            "scheduling": self.scheduling,
+            "lanes": [{"name": lane.name, "max_tokens": lane.max_tokens, "window_ms": lane.window_ms,
+                       "max_backlog": lane.max_backlog} for lane in self.lanes],
             "limits": {
                 "max_input_tokens": self.max_input_tokens,
                 "max_new_tokens": self.max_new_tokens,

@@ -96,20 +96,24 @@ class RequestResult:
 @dataclass(frozen=True, slots=True)
 class LaneStat:
     lane: str
-    backlog: int
-    in_flight: int
-    service_rate_rps: float
-    est_wait_ms: float
-    prefill_ms_per_token: float
-    decode_ms_per_step: float
+    waiting: int  # read by the worker, not started yet
+    running: int  # in the running batch
+    completed_rps: float  # completions per second, exponentially weighted
+    est_wait_ms: float  # the worker's estimate of queueing delay for a new request in this lane
 
 
 @dataclass(frozen=True, slots=True)
 class LaneStats:
-    """Per-lane load figures a worker publishes at a steady interval; the gateway's admission input."""
+    """One worker's load figures for one model, published at a steady interval; admission reads them."""
 
     KIND: ClassVar[str] = "lane_stats"
     model: str
     worker: str
     at_ms: int
+    max_rows: int
+    free_rows: int
+    deadline_aware: bool
+    prefill_fixed_ms: float
+    prefill_ms_per_token: float
+    decode_ms_per_step: float
     lanes: tuple[LaneStat, ...] = ()

@@ -31,7 +31,8 @@ def _request(**kw):
                   finish_reason=FinishReason.LENGTH, timings={"ttft_ms": 1.5}, started_ms=3, finished_ms=4,
                   worker="w"),
     RequestResult(id="req_x", status=Status.FAILED, error=ErrorInfo("model_error", "boom")),
-    LaneStats(model="m", worker="w", at_ms=5, lanes=(LaneStat("short", 1, 2, 3.0, 4.0, 0.1, 0.2),)),
+    LaneStats(model="m", worker="w", at_ms=5, max_rows=8, free_rows=2, deadline_aware=True, prefill_fixed_ms=1.0,
+              prefill_ms_per_token=0.1, decode_ms_per_step=20.0, lanes=(LaneStat("short", 1, 2, 3.0, 4.0),)),
 ])
 def test_round_trip(msg):
     assert decode(encode(msg), type(msg)) == msg

@@ -7,9 +7,9 @@ from gpu_worker.scheduler import BatchLimits, LanePolicy, Pending, Scheduler, Se
 LANES = [LanePolicy("short", 0.010), LanePolicy("long", 0.050)]
 
 
-def item(i, lane="short", *, arrived=0.0, deadline=100.0, rank=0, tokens=10, prompt=5, size=1):
+def item(i, lane="short", *, arrived=0.0, deadline=100.0, rank=0, tokens=10, prompt=5, size=1, new=0):
     return Pending(id=f"r{i}", lane=lane, rank=rank, deadline=deadline, arrived=arrived, tokens=tokens,
-                   prompt_tokens=prompt, size=size)
+                   prompt_tokens=prompt, size=size, new_tokens=new)
 
 
 def sched(max_batch=4, max_tokens=1000, **kw):
@@ -84,20 +84,26 @@ def test_expiry_happens_even_without_free_rows():
 
 
 def test_slack_closes_the_window_early():
-    s = sched(service=ServiceModel(fixed_s=0.0, per_token_s=0.001))
-    s.add(item(1, lane="long", arrived=0.0, deadline=0.030, tokens=20))  # needs 20 ms; window 50 ms
+    s = sched(service=ServiceModel(fixed_s=0.002, per_token_s=0.0001, decode_s_per_token=0.001))
+    s.add(item(1, lane="long", arrived=0.0, deadline=0.030, prompt=20, new=16))  # needs 20 ms; window 50 ms
     plan = s.plan(0.005, free_rows=8)
     assert plan.batch == [] and plan.wake_at == pytest.approx(0.010)
     assert [p.id for p in s.plan(0.010, free_rows=8).batch] == ["r1"]
 
 
-def test_most_urgent_ready_lane_goes_first():
+def test_short_lane_goes_first_when_both_have_slack():
     s = sched()
-    s.add(item(1, "short", deadline=10))
-    s.add(item(2, "long", deadline=5))
-    plan = s.plan(1.0, free_rows=8)
-    assert plan.lane == "long"
+    s.add(item(1, "short", arrived=0.9, deadline=10))  # waited 10 of its 10 ms windows
+    s.add(item(2, "long", arrived=0.8, deadline=5))  # waited 200 ms = 4 of its 50 ms windows
     assert s.plan(1.0, free_rows=8).lane == "short"
+    assert s.plan(1.0, free_rows=8).lane == "long"
+
+
+def test_a_lane_out_of_slack_goes_first():
+    s = sched(service=ServiceModel(decode_s_per_token=0.01))
+    s.add(item(1, "short", arrived=0.0, deadline=10))
+    s.add(item(2, "long", arrived=0.9, deadline=2.0, new=100))  # must start by 1.0
+    assert s.plan(1.0, free_rows=1).lane == "long"
 
 
 def test_aging_prevents_starvation():
@@ -142,3 +148,28 @@ def test_drain_returns_everything():
         s.add(item(i, "short" if i % 2 else "long"))
     assert sorted(p.id for p in s.drain()) == [f"r{i}" for i in range(5)]
     assert len(s) == 0
+
+
+def test_service_estimate_counts_prefill_and_decode():
+    model = ServiceModel(fixed_s=0.01, per_token_s=0.001, decode_s_per_token=0.02)
+    assert model.estimate(item(1, prompt=100, new=10)) == pytest.approx(0.01 + 0.1 + 0.2)
+    assert model.estimate(item(2, prompt=10, size=4)) == pytest.approx(0.01 + 0.04)  # an encoder batch of 4
+
+
+def test_fifo_baseline_ignores_deadlines_and_priorities():
+    s = sched(max_batch=8, deadline_aware=False)
+    s.add(item(1, arrived=0.0, deadline=0.5, rank=1))
+    s.add(item(2, arrived=0.1, deadline=0.2))
+    s.add(item(3, arrived=0.2, deadline=50))
+    plan = s.plan(1.0, free_rows=8)
+    assert plan.expired == [] and [p.id for p in plan.batch] == ["r1", "r2", "r3"]
+
+
+def test_urgent_interactive_work_asks_for_preemption_of_batch_rows():
+    s = sched(service=ServiceModel(decode_s_per_token=0.01))
+    s.add(item(1, arrived=0.0, deadline=1.0, new=50))  # needs 0.5 s: must start by 0.5
+    assert s.plan(0.1, free_rows=0, preemptible=3).preempt == 0  # still has slack
+    assert s.plan(0.6, free_rows=0, preemptible=3).preempt == 1
+    assert s.plan(0.6, free_rows=0, preemptible=0).preempt == 0  # nothing to give back
+    s.add(item(2, arrived=0.0, deadline=1.0, new=50, rank=1))
+    assert s.plan(0.6, free_rows=0, preemptible=3).preempt == 1  # batch work never preempts

@@ -1,0 +1,102 @@
+"""The worker's service-time model, measured as it runs. Pure: no clock reads, no torch, no Redis.
+
+- prefill (or encoder forward) time as a linear function of the batch's padded tokens;
+- decode step time as a linear function of the running rows;
+- completions per second per lane (exponentially weighted).
+From these: the estimated compute time of a request (for the scheduler's slack) and the figures a
+worker publishes for the gateway's admission control.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpu_worker.scheduler import ServiceModel
+
+
+class RunningFit:
+    """y ~ intercept + slope * x, over exponentially weighted moments (recent samples count most)."""
+
+    def __init__(self, alpha: float = 0.05) -> None:
+        self.alpha = alpha
+        self.n = 0
+        self._mx = self._my = self._mxx = self._mxy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        a = 1.0 if self.n == 0 else max(self.alpha, 1.0 / (self.n + 1))
+        self._mx += a * (x - self._mx)
+        self._my += a * (y - self._my)
+        self._mxx += a * (x * x - self._mxx)
+        self._mxy += a * (x * y - self._mxy)
+        self.n += 1
+
+    @property
+    def slope(self) -> float:
+        var = self._mxx - self._mx * self._mx
+        if self.n < 3 or var <= 1e-9 * max(1.0, self._mxx):
+            return self._my / self._mx if self._mx > 0 else 0.0  # one x seen so far: proportional
+        return max(0.0, (self._mxy - self._mx * self._my) / var)
+
+    @property
+    def intercept(self) -> float:
+        return max(0.0, self._my - self.slope * self._mx)
+
+    def predict(self, x: float) -> float:
+        return self.intercept + self.slope * x
+
+
+@dataclass
+class LaneCounters:
+    completed: int = 0
+    rate: float = 0.0  # completions per second, exponentially weighted
+
+
+@dataclass
+class ServiceTracker:
+    lanes: tuple[str, ...]
+    prefill: RunningFit = field(default_factory=RunningFit)
+    decode: RunningFit = field(default_factory=RunningFit)
+    counters: dict[str, LaneCounters] = field(default_factory=dict)
+    rate_alpha: float = 0.3
+
+    def __post_init__(self) -> None:
+        self.counters = {lane: LaneCounters() for lane in self.lanes}
+
+    def observe_prefill(self, padded_tokens: int, seconds: float) -> None:
+        self.prefill.add(padded_tokens, seconds)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        self.decode.add(rows, seconds)
+
+    def observe_completion(self, lane: str) -> None:
+        self.counters.setdefault(lane, LaneCounters()).completed += 1
+
+    def tick(self, dt: float) -> None:
+        """Fold the completions of the last `dt` seconds into each lane's rate."""
+        if dt <= 0:
+            return
+        for c in self.counters.values():
+            c.rate += self.rate_alpha * (c.completed / dt - c.rate)
+            c.completed = 0
+
+    def step_seconds(self, rows: int) -> float:
+        return self.decode.predict(max(1, rows))
+
+    def service_model(self, rows: int) -> ServiceModel:
+        return ServiceModel(fixed_s=self.prefill.intercept, per_token_s=self.prefill.slope,
+                            decode_s_per_token=self.step_seconds(rows))
+
+    def total_rate(self) -> float:
+        return sum(c.rate for c in self.counters.values())
+
+
+def lane_wait_ms(*, window_s: float, waiting: int, free_rows: int, drain_rps: float, max_rows: int,
+                 mean_service_s: float) -> float:
+    """Expected queueing delay of a new request in a lane: its window, plus, when the rows are taken,
+    the time for the queue ahead of it to drain (at the measured rate, else what the rows can do)."""
+    wait = window_s
+    short_of_rows = waiting + 1 - free_rows
+    if short_of_rows > 0:
+        rate = drain_rps if drain_rps > 0 else max_rows / max(mean_service_s, 1e-3)
+        wait += short_of_rows / rate
+    return wait * 1000

@@ -1,0 +1,147 @@
+"""End-to-end benchmark: the whole stack (gateway over HTTP, Redis, one worker with the engine
+benchmark's model) under open-loop Poisson arrivals of a mixed workload, in three configurations
+in one run: lanes on; lanes off (one stream, FIFO); batching off (max batch 1).
+
+Workload: 70% short (prompt <= 64, output <= 32), 30% long (prompt 256, output 128), at --load of
+the capacity measured first (all requests at once through the lanes-on stack).
+
+    python scripts/bench_e2e.py --requests 300 --json docs/bench/e2e.json --plot docs/e2e_latency_cdf.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import benchlib as bl
+
+CONFIGS = {
+    "lanes_on": dict(lanes=True),
+    "lanes_off": dict(lanes=False, scheduling="fifo"),
+    "batch1": dict(lanes=True, max_running=1, max_batch_size=1),
+}
+
+
+def measure_capacity(url: str, n: int, seed: int) -> float:
+    jobs = bl.mix(n, seed + 7)
+    for j in jobs:
+        j.timeout_s = 600
+    outs, wall = asyncio.run(bl.drive(url, jobs))
+    done = sum(o.status == "succeeded" for o in outs)
+    return done / wall
+
+
+def run_config(name: str, args: argparse.Namespace, rate: float | None) -> tuple[dict[str, Any], float | None]:
+    cfg = bl.model_config(**CONFIGS[name], max_batch_tokens=args.max_batch_tokens)
+    with bl.stack(cfg, args.redis_url) as st:
+        warm = bl.mix(8, 99)
+        asyncio.run(bl.drive(st.url, warm))  # first-call paths, cache allocation
+        capacity = None
+        if rate is None:
+            capacity = measure_capacity(st.url, args.capacity_requests, args.seed)
+            rate = args.load * capacity
+            print(f"capacity (lanes on, all at once): {capacity:.2f} req/s -> offered {rate:.2f} req/s", flush=True)
+        jobs = bl.mix(args.requests, args.seed)
+        for j in jobs:
+            j.timeout_s = args.timeout
+        bl.poisson(jobs, rate, args.seed)
+        span = jobs[-1].at
+        expired0 = bl.scrape(st.worker_metrics, "batchgate_expired_before_compute_total")
+        t0 = time.perf_counter()
+        outs, _ = asyncio.run(bl.drive(st.url, jobs))
+        wall = time.perf_counter() - t0
+        summary = bl.summarise(outs, span)
+        summary["offered_rps"] = rate
+        summary["wall_s"] = wall
+        summary["expired_without_compute"] = bl.scrape(st.worker_metrics,
+                                                       "batchgate_expired_before_compute_total") - expired0
+        summary["compute_on_expired"] = bl.scrape(st.worker_metrics, "batchgate_compute_on_expired_total")
+        short, all_ = summary["classes"].get("short", {}), summary["classes"]["all"]
+        summary.update({"short_p99_ms": short.get("latency_p99_ms"), "short_ttft_p99_ms": short.get("ttft_p99_ms"),
+                        "goodput_rps": all_["goodput_rps"], "throughput_rps": all_["throughput_rps"]})
+        summary["_latencies"] = {cls: sorted(o.latency_ms for o in outs if o.job.cls == cls and o.status == "succeeded")
+                                 for cls in ("short", "long")}
+        return summary, capacity
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    styles = {"lanes_on": "-", "lanes_off": "--"}
+    colors = {"short": "tab:blue", "long": "tab:orange"}
+    for cfg, style in styles.items():
+        for cls, color in colors.items():
+            xs = report[cfg]["_latencies"].get(cls) or []
+            if xs:
+                ys = [(i + 1) / len(xs) for i in range(len(xs))]
+                ax.plot([x / 1000 for x in xs], ys, style, color=color, label=f"{cls}, {cfg.replace('_', ' ')}")
+    ax.set_xscale("log")
+    ax.set_xlabel("end-to-end latency (s, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"batchgate e2e: latency CDF per lane, lanes on vs off ({report['offered_rps']:.2f} req/s offered)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--capacity-requests", type=int, default=80)
+    ap.add_argument("--load", type=float, default=0.7)
+    ap.add_argument("--timeout", type=float, default=60.0, help="per-request timeout_s (the deadline)")
+    ap.add_argument("--max-batch-tokens", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--configs", default="lanes_on,lanes_off,batch1")
+    ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    ap.add_argument("--json")
+    ap.add_argument("--plot")
+    args = ap.parse_args()
+    report: dict[str, Any] = {"requests": args.requests, "load": args.load, "timeout_s": args.timeout}
+    rate = None
+    for name in [c for c in args.configs.split(",") if c]:
+        print(f"--- {name}", flush=True)
+        summary, capacity = run_config(name, args, rate)
+        if capacity is not None:
+            report["capacity_rps"] = capacity
+            rate = args.load * capacity
+            report["offered_rps"] = rate
+        report[name] = summary
+        print_config(name, summary)
+    if "lanes_on" in report and "lanes_off" in report and report["lanes_on"]["short_p99_ms"]:
+        report["short_p99_ratio_on_vs_off"] = report["lanes_on"]["short_p99_ms"] / report["lanes_off"]["short_p99_ms"]
+        print(f"\nshort-lane p99, lanes on / lanes off: {report['short_p99_ratio_on_vs_off']:.3f} (target <= 0.333)")
+    if args.plot and "lanes_on" in report and "lanes_off" in report:
+        plot(report, args.plot)
+    if args.json:
+        clean = {k: ({kk: vv for kk, vv in v.items() if not kk.startswith("_")} if isinstance(v, dict) else v)
+                 for k, v in report.items()}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(clean, indent=2))
+
+
+def print_config(name: str, s: dict[str, Any]) -> None:
+    print(f"{name}: offered {s['offered_rps']:.2f} req/s, throughput {s['throughput_rps']:.2f}, goodput "
+          f"{s['goodput_rps']:.2f}, expired w/o compute {s['expired_without_compute']:.0f}")
+    print(f"  {'class':<6}{'n':>5}{'ok':>5}{'lat p50':>9}{'p95':>9}{'p99':>9}{'TTFT p50':>10}{'p99':>9}{'miss':>7}")
+    for cls, row in s["classes"].items():
+        def f(v: float | None) -> str:
+            return f"{v:9.0f}" if v is not None else f"{'-':>9}"
+        lat = f(row["latency_p50_ms"]) + f(row["latency_p95_ms"]) + f(row["latency_p99_ms"])
+        ttft = f(row["ttft_p50_ms"]) + f(row["ttft_p99_ms"])
+        print(f"  {cls:<6}{row['requests']:>5}{row['succeeded']:>5}{lat} {ttft}{row['deadline_miss_rate']:>7.1%}")
+
+
+if __name__ == "__main__":
+    main()

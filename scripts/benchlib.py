@@ -1,0 +1,239 @@
+"""Shared pieces of the whole-stack benchmarks: start a stack, drive open-loop load, summarise."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+import yaml
+
+MODEL = "bench-llama"
+SHORT_PROMPTS = (16, 32, 64)
+SHORT_OUTPUTS = (8, 16, 32)
+LONG_PROMPT = 256
+LONG_OUTPUT = 128
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Job:
+    idx: int
+    cls: str  # "short" | "long"
+    prompt: list[int]
+    out: int
+    at: float = 0.0  # arrival, seconds after the start
+    timeout_s: float = 30.0
+
+
+@dataclass
+class Outcome:
+    job: Job
+    http: int = 0
+    status: str = ""
+    submitted: float = 0.0  # perf_counter
+    done: float = 0.0
+    ttft_ms: float | None = None
+    finished_at: float | None = None  # epoch seconds, from the record
+    deadline: float | None = None
+    error: str = ""
+
+    @property
+    def latency_ms(self) -> float:
+        return (self.done - self.submitted) * 1000
+
+    @property
+    def in_deadline(self) -> bool:
+        return (self.status == "succeeded" and self.finished_at is not None and self.deadline is not None
+                and self.finished_at <= self.deadline)
+
+
+def mix(n: int, seed: int, long_share: float = 0.3, vocab: int = 8192, long: bool = True) -> list[Job]:
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(n):
+        if long and rng.random() < long_share:
+            cls, plen, out = "long", LONG_PROMPT, LONG_OUTPUT
+        else:
+            cls, plen, out = "short", rng.choice(SHORT_PROMPTS), rng.choice(SHORT_OUTPUTS)
+        jobs.append(Job(i, cls, [rng.randrange(3, vocab) for _ in range(plen)], out))
+    return jobs
+
+
+def poisson(jobs: list[Job], rate: float, seed: int) -> None:
+    rng = random.Random(seed)
+    t = 0.0
+    for job in jobs:
+        t += rng.expovariate(rate)
+        job.at = t
+
+
+def model_config(*, lanes: bool, scheduling: str = "deadline", max_running: int = 64, max_batch_size: int = 32,
+                 max_batch_tokens: int = 1024) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": MODEL, "task": "generate", "source": "builtin:bench-llama", "scheduling": scheduling,
+        "max_running": max_running, "max_batch_size": max_batch_size, "max_batch_tokens": max_batch_tokens,
+        "max_input_tokens": 384, "max_new_tokens": 256, "max_timeout_s": 600,
+    }
+    if lanes:
+        spec["lanes"] = [{"name": "short", "max_tokens": 128, "window_ms": 5, "max_backlog": 100_000},
+                         {"name": "medium", "max_tokens": 512, "window_ms": 15, "max_backlog": 100_000},
+                         {"name": "long", "window_ms": 30, "max_backlog": 100_000}]
+    else:
+        spec["lanes"] = [{"name": "all", "window_ms": 10, "max_backlog": 100_000}]
+    return {"models": [spec]}
+
+
+@dataclass
+class Stack:
+    url: str
+    worker_metrics: str
+    prefix: str
+    redis_url: str
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def stack(config: dict[str, Any], redis_url: str, *, log_dir: Path | None = None) -> Iterator[Stack]:
+    """A gateway and a worker as subprocesses (`batchgate gateway` / `batchgate worker`), own key prefix."""
+    prefix = f"bgbench-{secrets.token_hex(3)}"
+    port, mport = free_port(), free_port()
+    tmp = tempfile.TemporaryDirectory(prefix="batchgate-bench-")
+    cfg = Path(tmp.name) / "models.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "BATCHGATE_CONFIG": str(cfg), "BATCHGATE_REDIS_URL": redis_url,
+           "BATCHGATE_KEY_PREFIX": prefix, "BATCHGATE_PORT": str(port), "BATCHGATE_WORKER_METRICS_PORT": str(mport),
+           "BATCHGATE_LOG_LEVEL": "warning", "BATCHGATE_LOG_FORMAT": "json", "BATCHGATE_MAX_WAIT_S": "600"}
+    logs = log_dir or Path(tmp.name)
+    cli = [sys.executable, "-m", "shared.cli"]
+    procs = [subprocess.Popen([*cli, role], env=env, stdout=(logs / f"{prefix}-{role}.log").open("w"),
+                              stderr=subprocess.STDOUT) for role in ("worker", "gateway")]
+    st = Stack(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics", prefix, redis_url, procs)
+    try:
+        _wait_ready(st)
+        yield st
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        client = redis.Redis.from_url(redis_url)
+        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
+        tmp.cleanup()
+
+
+def _wait_ready(st: Stack, timeout: float = 300) -> None:
+    client = redis.Redis.from_url(st.redis_url)
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if any(p.poll() is not None for p in st.procs):
+            raise RuntimeError("a stack process exited during start-up")
+        try:
+            ok = httpx.get(st.url + "/readyz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok and client.hlen(f"{st.prefix}:workers"):
+            client.close()
+            return
+        time.sleep(0.2)
+    raise RuntimeError("stack did not become ready")
+
+
+def scrape(url: str, name: str) -> float:
+    """Sum of a Prometheus counter/gauge over its labels."""
+    text = httpx.get(url, timeout=5).text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+async def run_one(client: httpx.AsyncClient, job: Job, t0: float, wait_s: float = 600) -> Outcome:
+    delay = t0 + job.at - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    o = Outcome(job, submitted=time.perf_counter())
+    body = {"input": {"input_ids": job.prompt}, "params": {"max_new_tokens": job.out, "ignore_eos": True},
+            "timeout_s": job.timeout_s}
+    try:
+        r = await client.post(f"/v1/models/{MODEL}/requests", params={"wait": wait_s}, json=body)
+        o.http = r.status_code
+        data = r.json()
+        while r.status_code == 202 or (r.status_code == 200 and data.get("status") in ("queued", "running")):
+            r = await client.get(f"/v1/requests/{data['id']}", params={"wait": wait_s})
+            data = r.json()
+        o.status = data.get("status") or data.get("error", {}).get("code", "")
+        timings = data.get("timings") or {}
+        if "ttft_ms" in timings and "queue_ms" in timings:
+            o.ttft_ms = timings["queue_ms"] + timings["ttft_ms"]
+        o.finished_at = data.get("finished_at")
+        o.deadline = data.get("deadline")
+    except (httpx.HTTPError, ValueError) as exc:
+        o.status, o.error = "client_error", repr(exc)
+    o.done = time.perf_counter()
+    return o
+
+
+async def drive(url: str, jobs: list[Job], wait_s: float = 600) -> tuple[list[Outcome], float]:
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
+    async with httpx.AsyncClient(base_url=url, timeout=wait_s + 30, limits=limits) as client:
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(run_one(client, j, t0, wait_s) for j in jobs))
+        return list(outs), time.perf_counter() - t0
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def summarise(outs: list[Outcome], span_s: float) -> dict[str, Any]:
+    """Per class (short/long) and overall: latency and TTFT percentiles, throughput, goodput."""
+    result: dict[str, Any] = {"classes": {}}
+    for cls in ("short", "long", "all"):
+        sel = [o for o in outs if cls == "all" or o.job.cls == cls]
+        if not sel:
+            continue
+        ok = [o for o in sel if o.status == "succeeded"]
+        lat = [o.latency_ms for o in ok]
+        ttft = [o.ttft_ms for o in ok if o.ttft_ms is not None]
+        row = {
+            "requests": len(sel), "succeeded": len(ok),
+            "in_deadline": sum(o.in_deadline for o in sel),
+            "expired": sum(o.status == "expired" for o in sel),
+            "rejected_429": sum(o.http == 429 for o in sel),
+            "failed": sum(o.status not in ("succeeded", "expired") and o.http != 429 for o in sel),
+            "throughput_rps": len(ok) / span_s, "goodput_rps": sum(o.in_deadline for o in sel) / span_s,
+            "deadline_miss_rate": 1 - sum(o.in_deadline for o in sel) / len(sel),
+        }
+        for q, name in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
+            row[f"latency_{name}_ms"] = pct(lat, q)
+            row[f"ttft_{name}_ms"] = pct(ttft, q)
+        result["classes"][cls] = row
+    return result

@@ -1,0 +1,84 @@
+"""Admission at the gateway: will this request finish by its deadline? Pure: stats and numbers in.
+
+Inputs are the workers' published `LaneStats` for the model (only fresh ones count) and the lane's
+stream length. The estimate:
+    start  = the lane window, plus, when no row is free for it, the time for the rows to drain the
+             requests queued ahead of it (at the model's measured completion rate);
+    finish = start + its own compute (prefill of its prompt + one decode step per new token).
+A request is refused (429 + Retry-After) when `now + finish` passes its deadline or its lane's
+backlog is at the cap. Without fresh stats (no worker alive) it is accepted up to the backlog cap,
+and the response says there was no estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from shared.messages import LaneStats
+
+STATS_MAX_AGE_MS = 5_000
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    start_s: float
+    finish_s: float
+    basis: str  # "stats" | "none"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    accept: bool
+    estimate: Estimate
+    reason: str = ""
+    code: str = ""
+    retry_after_s: float | None = None
+
+
+def fresh(stats: Iterable[LaneStats], now_ms: int, max_age_ms: int = STATS_MAX_AGE_MS) -> list[LaneStats]:
+    return [s for s in stats if now_ms - s.at_ms <= max_age_ms]
+
+
+def drain_rate(stats: list[LaneStats], service_s: float) -> float:
+    """Requests per second the workers finish: measured, else what their rows could do."""
+    measured = sum(lane.completed_rps for s in stats for lane in s.lanes)
+    capacity = sum(s.max_rows for s in stats) / max(service_s, 1e-3)
+    return measured if measured > 0 else capacity
+
+
+def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int, new_tokens: int,
+             window_s: float) -> Estimate:
+    """`queued`: entries already in the lane's stream (waiting or running) before this request."""
+    if not stats:
+        return Estimate(0.0, 0.0, "none")
+    prefill = max(s.prefill_fixed_ms + s.prefill_ms_per_token * prompt_tokens for s in stats) / 1000
+    decode = max(s.decode_ms_per_step for s in stats) / 1000 * new_tokens
+    service = prefill + decode
+    running = sum(ln.running for s in stats for ln in s.lanes if ln.lane == lane)
+    ahead = max(0, queued - running)
+    free = sum(s.free_rows for s in stats)
+    start = window_s
+    if ahead >= free:
+        start += (ahead - free + 1) / drain_rate(stats, service)
+    return Estimate(start, start + service, "stats")
+
+
+def decide(*, now_s: float, deadline_s: float, est: Estimate, queued: int, max_backlog: int,
+           deadline_aware: bool = True) -> Decision:
+    if queued >= max_backlog:
+        wait = est.start_s if est.basis == "stats" else 1.0
+        return Decision(False, est, f"lane backlog is full ({queued} >= {max_backlog} requests)", "backlog_full",
+                        max(1.0, wait))
+    if deadline_aware and est.basis == "stats" and now_s + est.finish_s > deadline_s:
+        budget_ms = (deadline_s - now_s) * 1000
+        compute_ms = (est.finish_s - est.start_s) * 1000
+        if compute_ms > budget_ms:
+            reason = (f"deadline infeasible: this request needs about {compute_ms:.0f} ms of compute and its "
+                      f"deadline is {budget_ms:.0f} ms away")
+        else:
+            reason = (f"deadline infeasible: estimated finish in {est.finish_s * 1000:.0f} ms (queue "
+                      f"{est.start_s * 1000:.0f} ms + compute {compute_ms:.0f} ms), deadline in {budget_ms:.0f} ms")
+        return Decision(False, est, reason, "deadline_infeasible", max(1.0, math.ceil(est.start_s)))
+    return Decision(True, est)

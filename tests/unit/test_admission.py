@@ -1,0 +1,75 @@
+"""The admission estimate, as a table of cases with plain numbers (no Redis, no clock)."""
+
+import pytest
+
+from shared.admission import Estimate, decide, estimate, fresh
+from shared.messages import LaneStat, LaneStats
+
+
+def stats(*, free=4, max_rows=8, rps=0.0, running=0, at_ms=10_000, fixed=10.0, per_tok=0.1, step=20.0,
+          lane="short"):
+    return LaneStats(model="m", worker="w", at_ms=at_ms, max_rows=max_rows, free_rows=free, deadline_aware=True,
+                     prefill_fixed_ms=fixed, prefill_ms_per_token=per_tok, decode_ms_per_step=step,
+                     lanes=(LaneStat(lane, 0, running, rps, 0.0),))
+
+
+def test_only_fresh_stats_count():
+    assert fresh([stats(at_ms=1_000), stats(at_ms=9_000)], now_ms=10_000, max_age_ms=5_000) == [stats(at_ms=9_000)]
+
+
+def test_no_stats_means_no_estimate():
+    assert estimate([], "short", 3, 10, 10, 0.005) == Estimate(0.0, 0.0, "none")
+
+
+@pytest.mark.parametrize(("kw", "queued", "prompt", "new", "start", "finish"), [
+    # a free row: start after the window; compute = 10 ms + 100 x 0.1 ms + 32 x 20 ms = 660 ms
+    ({}, 0, 100, 32, 0.005, 0.665),
+    # 6 queued, 4 free: 3 must drain first at the measured 10/s
+    ({"rps": 10.0}, 6, 100, 32, 0.305, 0.965),
+    # same, no completions measured yet: drain at what 8 rows can do (8 / 0.66 s)
+    ({}, 6, 100, 32, 0.005 + 3 / (8 / 0.66), 0.005 + 3 / (8 / 0.66) + 0.66),
+    # the queued entries are running ones, not waiting ones: nobody ahead
+    ({"running": 6, "rps": 10.0}, 6, 100, 32, 0.005, 0.665),
+])
+def test_estimate(kw, queued, prompt, new, start, finish):
+    est = estimate([stats(**kw)], "short", queued, prompt, new, 0.005)
+    assert est.basis == "stats"
+    assert est.start_s == pytest.approx(start) and est.finish_s == pytest.approx(finish)
+
+
+def test_workers_add_up():
+    one = estimate([stats(free=0, rps=5.0)], "short", 10, 10, 1, 0.0)
+    two = estimate([stats(free=0, rps=5.0), stats(free=0, rps=5.0)], "short", 10, 10, 1, 0.0)
+    assert two.start_s == pytest.approx(one.start_s / 2)
+
+
+@pytest.mark.parametrize(("deadline", "queued", "accept", "code"), [
+    (100.0 + 0.7, 0, True, ""),
+    (100.0 + 0.5, 0, False, "deadline_infeasible"),
+    (100.0 + 60, 50, False, "backlog_full"),
+])
+def test_decide(deadline, queued, accept, code):
+    est = Estimate(0.005, 0.665, "stats")
+    d = decide(now_s=100.0, deadline_s=deadline, est=est, queued=queued, max_backlog=50)
+    assert d.accept is accept and d.code == code
+    if not accept:
+        assert d.retry_after_s >= 1 and d.reason
+
+
+def test_infeasible_message_says_why():
+    d = decide(now_s=0, deadline_s=1.0, est=Estimate(2.0, 2.5, "stats"), queued=3, max_backlog=100)
+    assert "estimated finish in 2500 ms" in d.reason and d.retry_after_s == 2
+    d = decide(now_s=0, deadline_s=0.1, est=Estimate(0.0, 0.5, "stats"), queued=0, max_backlog=100)
+    assert "needs about 500 ms of compute" in d.reason
+
+
+def test_without_stats_accept_up_to_the_cap():
+    none = Estimate(0.0, 0.0, "none")
+    assert decide(now_s=0, deadline_s=0.001, est=none, queued=1, max_backlog=5).accept
+    assert not decide(now_s=0, deadline_s=100, est=none, queued=5, max_backlog=5).accept
+
+
+def test_fifo_baseline_is_not_refused_for_deadlines():
+    d = decide(now_s=0, deadline_s=0.1, est=Estimate(2.0, 2.5, "stats"), queued=3, max_backlog=100,
+               deadline_aware=False)
+    assert d.accept

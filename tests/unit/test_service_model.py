@@ -1,0 +1,54 @@
+import pytest
+
+from gpu_worker.service_model import RunningFit, ServiceTracker, lane_wait_ms
+
+
+def test_fit_recovers_a_line():
+    fit = RunningFit(alpha=0.05)
+    for x in range(1, 200):
+        fit.add(x % 50 + 1, 0.002 + 0.0005 * (x % 50 + 1))
+    assert fit.slope == pytest.approx(0.0005, rel=1e-3)
+    assert fit.intercept == pytest.approx(0.002, rel=1e-2)
+    assert fit.predict(10) == pytest.approx(0.007, rel=1e-2)
+
+
+def test_fit_with_one_x_value_is_proportional_and_empty_fit_predicts_zero():
+    assert RunningFit().predict(100) == 0.0
+    fit = RunningFit()
+    for _ in range(5):
+        fit.add(10, 0.5)
+    assert fit.predict(20) == pytest.approx(1.0)
+
+
+def test_fit_follows_a_change():
+    fit = RunningFit(alpha=0.2)
+    for x in range(100):
+        fit.add(1 + x % 8, 0.01 * (1 + x % 8))
+    for x in range(100):
+        fit.add(1 + x % 8, 0.03 * (1 + x % 8))
+    assert fit.slope == pytest.approx(0.03, rel=0.05)
+
+
+def test_tracker_rates_and_service_model():
+    t = ServiceTracker(("short", "long"))
+    for _ in range(10):
+        t.observe_completion("short")
+    t.tick(1.0)
+    assert t.counters["short"].rate == pytest.approx(3.0) and t.counters["long"].rate == 0
+    for _ in range(30):
+        t.tick(1.0)
+    assert t.counters["short"].rate < 0.01
+    for rows in (1, 2, 4, 8):
+        t.observe_step(rows, 0.01 + 0.001 * rows)
+    assert t.service_model(rows=4).decode_s_per_token == pytest.approx(0.014, rel=0.05)
+
+
+@pytest.mark.parametrize(("kw", "ms"), [
+    (dict(waiting=0, free_rows=4), 5.0),  # a row is free: just the window
+    (dict(waiting=0, free_rows=0, drain_rps=10.0), 105.0),  # full, nobody waiting: the next completion
+    (dict(waiting=5, free_rows=2, drain_rps=10.0), 405.0),  # 4 rows must free up
+    (dict(waiting=3, free_rows=0, drain_rps=0.0), 5.0 + 4 / (8 / 2.0) * 1000),  # no rate yet: rows/service
+])
+def test_lane_wait(kw, ms):
+    base = dict(window_s=0.005, drain_rps=0.0, max_rows=8, mean_service_s=2.0)
+    assert lane_wait_ms(**{**base, **kw}) == pytest.approx(ms)
