@@ -25,6 +25,7 @@ from gateway.api import (
     ApiResponse,
     BadRequest,
     Conflict,
+    Gone,
     NotFound,
     PayloadTooLarge,
     ServiceUnavailable,
@@ -36,7 +37,7 @@ from gateway.service import GatewayService
 from gateway.views import record_view
 from shared.config import ModelSpec
 from shared.errors import ValidationError
-from shared.ids import is_request_id, new_request_id
+from shared.ids import created_ms, is_request_id, new_request_id
 from shared.lanes import assign_lane, estimate_embed_tokens, estimate_generate_tokens
 from shared.messages import InferenceRequest
 from shared.params import EmbedParams, GenerateParams, parse_embed_input, parse_generate_input
@@ -147,7 +148,8 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float) -> Infere
         raise ValidationError("priority", "must be interactive or batch")
     deadline = parse_deadline(body, spec, now)
     return InferenceRequest(
-        id=new_request_id(), tenant=tenant, model=spec.name, task=spec.task, input=inp, params=params_dict,
+        id=new_request_id(int(now * 1000)), tenant=tenant, model=spec.name, task=spec.task, input=inp,
+        params=params_dict,
         lane=assign_lane(tokens, spec.lanes).name, priority=Priority(priority), created_ms=int(now * 1000),
         deadline_ms=int(deadline * 1000), est_tokens=tokens,
     )
@@ -233,7 +235,11 @@ async def _visible(svc: GatewayService, req: ApiRequest, request_id: str) -> Any
         raise NotFound(f"no request {request_id!r}", code="request_not_found")
     rec = await svc.get(request_id)
     if rec is None or (rec.meta is not None and rec.meta.tenant != req.tenant):
-        raise NotFound(f"no request {request_id!r} (unknown, or its result expired)", code="request_not_found")
+        born = created_ms(request_id) or 0
+        ttl = svc.settings.result_ttl_s
+        if rec is None and svc.now_ms() - born > ttl * 1000:
+            raise Gone(f"request {request_id!r} is gone: results are kept for {ttl} s", code="result_expired")
+        raise NotFound(f"no request {request_id!r}", code="request_not_found")
     return rec
 
 

@@ -97,7 +97,7 @@ class ModelLoop:
     def __init__(self, name: str, runner: Runner, scheduler: Scheduler, *,
                  gate: Callable[[list[InferenceRequest]], list[bool]],
                  emit: Callable[[list[Emitted]], None], on_crash: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.time, worker: str = "") -> None:
+                 clock: Callable[[], float] = time.time, worker: str = "", idle_wait_s: float = IDLE_WAIT_S) -> None:
         self.name = name
         self.runner = runner
         self.scheduler = scheduler
@@ -106,6 +106,7 @@ class ModelLoop:
         self._on_crash = on_crash
         self._clock = clock
         self._worker = worker
+        self._idle_wait_s = idle_wait_s
         self._inbox: queue.SimpleQueue[Add | Cancel | Drain] = queue.SimpleQueue()
         self._drain_until: float | None = None
         self._thread: threading.Thread | None = None
@@ -167,9 +168,9 @@ class ModelLoop:
             out.extend(self._start(plan.batch))
         if self.runner.busy:
             rows = len(self._running)
-            t0 = time.perf_counter()
+            t0 = self._clock()
             out.extend(self.runner.step())
-            self.tracker.observe_step(rows, time.perf_counter() - t0)
+            self.tracker.observe_step(rows, self._clock() - t0)
         self._finished(out)
         self._refresh()
         if out:
@@ -178,7 +179,8 @@ class ModelLoop:
             self._hand_back()
             return
         if not plan.batch and not self.runner.busy:
-            wait = IDLE_WAIT_S if plan.wake_at is None else max(0.0, min(IDLE_WAIT_S, plan.wake_at - now))
+            cap = self._idle_wait_s
+            wait = cap if plan.wake_at is None else max(0.0, min(cap, plan.wake_at - now))
             self._receive(block=True, timeout=wait)
 
     def _start(self, batch: list[Pending]) -> list[Emitted]:
@@ -202,9 +204,9 @@ class ModelLoop:
             if p.deadline <= now:  # only possible in FIFO mode: the baseline's wasted work
                 metrics.COMPUTE_ON_EXPIRED.labels(self.name).inc()
             self._running[p.id] = p
-        t0 = time.perf_counter()
+        t0 = self._clock()
         out.extend(self.runner.start(batch, now))
-        self.tracker.observe_prefill(sum(p.prompt_tokens * p.size for p in batch), time.perf_counter() - t0)
+        self.tracker.observe_prefill(sum(p.prompt_tokens * p.size for p in batch), self._clock() - t0)
         return out
 
     def _preempt(self, candidates: list[Pending], rows: int) -> None:

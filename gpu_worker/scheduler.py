@@ -25,6 +25,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+SLACK_FACTOR = 1.5
+SLACK_MARGIN_S = 0.02
+
 
 @dataclass(slots=True)
 class Pending:
@@ -176,7 +179,9 @@ class Scheduler:
         return min(close, min(self.latest_start(p) for p in items))
 
     def latest_start(self, item: Pending) -> float:
-        return item.deadline - self.service.estimate(item)
+        """The last moment to start `item` and still finish by its deadline, with a safety margin
+        (estimates are averages; a start this late must not depend on them being exact)."""
+        return item.deadline - SLACK_FACTOR * self.service.estimate(item) - SLACK_MARGIN_S
 
     def urgency(self, queue: LaneQueue, now: float) -> tuple[int, int, float]:
         """Lower is more urgent: (head priority, 0 if out of slack else 1, overdue time or -waited windows)."""

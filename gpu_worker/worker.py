@@ -38,6 +38,7 @@ log = structlog.get_logger(__name__)
 
 GATE_TIMEOUT_S = 2.0
 HEARTBEAT_S = 2.0
+MIN_INTAKE_BUFFER = 32
 STATS_INTERVAL_S = 0.5
 STATS_TTL_MS = 30_000
 
@@ -229,8 +230,10 @@ class Worker:
     def _buffer_limit(self, spec: ModelSpec) -> int:
         if self._intake_buffer is not None:
             return self._intake_buffer
+        # Enough to order by deadline and priority across a window of the stream; bounded so that one
+        # worker does not hoard a burst that other workers could serve.
         rows = spec.max_running if spec.task is Task.GENERATE else spec.max_batch_size
-        return max(2 * rows, 2 * spec.max_batch_size)
+        return max(2 * rows + spec.max_batch_size, MIN_INTAKE_BUFFER)
 
     async def _intake(self, model: str) -> None:
         spec = self.settings.model(model)

@@ -17,6 +17,7 @@ capacity; p50/p99 TTFT and end-to-end latency per method.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import queue
@@ -255,7 +256,12 @@ def run_batchgate(loaded: Any, reqs: list[Req]) -> RunResult:
     feeder = threading.Thread(target=feed)
     feeder.start()
     while len(res.tokens) < len(reqs):
-        for item in done.get(timeout=300):
+        try:
+            items = done.get(timeout=300)
+        except queue.Empty:
+            faulthandler.dump_traceback(all_threads=True)
+            raise RuntimeError(f"batchgate produced no result for 300 s ({len(res.tokens)}/{len(reqs)} done)") from None
+        for item in items:
             if isinstance(item, Outcome):
                 idx = ids[item.request.id]
                 res.tokens[idx] = item.result.output["token_ids"]

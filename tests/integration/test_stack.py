@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shared.codec import decode
+from shared.ids import new_request_id
 from shared.keys import Keys
 from shared.messages import ErrorInfo, RequestResult
 from shared.states import FinishReason, Status
@@ -269,10 +270,12 @@ async def test_bad_input_gets_a_clear_4xx(redis_url, prefix, path, body, headers
 async def test_unknown_ids_routes_and_methods(redis_url, prefix):
     settings = make_settings(redis_url, prefix)
     async with running_gateway(settings) as gw:
-        for path in ("/v1/requests/req_aaaaaaaaaaaaaaaaaaaaaaaaaa", "/v1/requests/../../etc", "/v1/requests/x"):
+        for path in ("/v1/requests/" + new_request_id(), "/v1/requests/../../etc", "/v1/requests/x"):
             r = await gw.client.get(path)
             assert r.status_code == 404 and r.json()["error"]["code"] in ("request_not_found", "not_found")
-        assert (await gw.client.delete("/v1/requests/req_aaaaaaaaaaaaaaaaaaaaaaaaaa")).status_code == 404
+        assert (await gw.client.delete("/v1/requests/" + new_request_id())).status_code == 404
+        gone = await gw.client.get("/v1/requests/req_aaaaaaaaaaaaaaaaaaaaaaaaaa")  # a well-formed id from 1970
+        assert gone.status_code == 410 and gone.json()["error"]["code"] == "result_expired"
         assert (await gw.client.get("/nope")).status_code == 404
         r = await gw.client.put("/v1/models")
         assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"

@@ -1,6 +1,6 @@
 import re
 
-from shared.ids import is_request_id, new_request_id
+from shared.ids import created_ms, is_request_id, new_request_id
 from shared.keys import Keys
 
 TAG = re.compile(r"\{([^}]*)\}")
@@ -31,3 +31,10 @@ def test_request_ids_are_random_and_validated():
     assert all(is_request_id(i) for i in ids)
     for bad in ("", "req_", "req_UPPERCASE0000000000000000", "../etc/passwd", "req_" + "a" * 27, "x" * 30):
         assert not is_request_id(bad)
+
+
+def test_ids_carry_their_creation_time():
+    rid = new_request_id(now_ms=1_795_000_000_123)
+    assert created_ms(rid) == 1_795_000_000_123
+    assert created_ms("req_x") is None
+    assert new_request_id(now_ms=1) < new_request_id(now_ms=2)  # time-ordered

@@ -85,10 +85,11 @@ def test_expiry_happens_even_without_free_rows():
 
 def test_slack_closes_the_window_early():
     s = sched(service=ServiceModel(fixed_s=0.002, per_token_s=0.0001, decode_s_per_token=0.001))
-    s.add(item(1, lane="long", arrived=0.0, deadline=0.030, prompt=20, new=16))  # needs 20 ms; window 50 ms
+    s.add(item(1, lane="long", arrived=0.0, deadline=0.080, prompt=20, new=16))  # needs 20 ms; window 50 ms
     plan = s.plan(0.005, free_rows=8)
-    assert plan.batch == [] and plan.wake_at == pytest.approx(0.010)
-    assert [p.id for p in s.plan(0.010, free_rows=8).batch] == ["r1"]
+    # latest start = deadline - 1.5 x 20 ms - 20 ms margin = 30 ms, before the window closes at 50 ms
+    assert plan.batch == [] and plan.wake_at == pytest.approx(0.030)
+    assert [p.id for p in s.plan(0.0301, free_rows=8).batch] == ["r1"]
 
 
 def test_short_lane_goes_first_when_both_have_slack():

@@ -1,0 +1,105 @@
+"""Lanes, deadlines and admission through the real stack (gateway over HTTP, Redis, worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from shared.config import BUILTIN_MODELS
+from shared.lanes import LaneSpec
+from tests.integration.test_stack import wait_until
+from tests.stack import make_settings, running_gateway, running_worker
+
+pytestmark = [pytest.mark.redis]
+
+LLAMA = BUILTIN_MODELS["tiny-llama"]
+
+
+async def warm_stats(gw, n: int = 6) -> None:
+    """Run a few requests so the worker has measured its service times, then wait for fresh stats."""
+    await asyncio.gather(*(gw.client.post("/v1/models/tiny-llama/requests?wait=30", json={
+        "input": {"input_ids": [5, 6, 7]}, "params": {"max_new_tokens": 32, "ignore_eos": True}})
+        for _ in range(n)))
+
+    async def measured() -> bool:
+        _, stats = await gw.service.load("tiny-llama", "short")
+        return bool(stats) and stats[0].decode_ms_per_step > 0
+    await wait_until(measured, timeout=10)
+
+
+async def test_infeasible_deadline_gets_429_with_retry_after(redis_url, prefix, loaded_models):
+    settings = make_settings(redis_url, prefix, models=(LLAMA,))
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        await warm_stats(gw)
+        r = await gw.client.post("/v1/models/tiny-llama/requests", json={
+            "input": {"input_ids": list(range(3, 300))}, "params": {"max_new_tokens": 256, "ignore_eos": True},
+            "timeout_s": 0.01})
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "deadline_infeasible"
+        assert "ms" in r.json()["error"]["message"]
+        assert int(r.headers["retry-after"]) >= 1
+        ok = await gw.client.post("/v1/models/tiny-llama/requests", json={
+            "input": {"input_ids": [5, 6]}, "params": {"max_new_tokens": 8}, "timeout_s": 30})
+        assert ok.status_code == 202
+        assert isinstance(ok.json()["eta_ms"], int) and "admission" not in ok.json()
+
+
+async def test_without_worker_stats_accept_up_to_the_backlog_cap(redis_url, prefix):
+    spec = dataclasses.replace(LLAMA, lanes=(LaneSpec("all", None, 10.0, max_backlog=3),))
+    settings = make_settings(redis_url, prefix, models=(spec,))
+    async with running_gateway(settings) as gw:
+        body = {"input": {"prompt": "x"}, "timeout_s": 0.5}
+        for _ in range(3):
+            r = await gw.client.post("/v1/models/tiny-llama/requests", json=body)
+            assert r.status_code == 202 and r.json()["eta_ms"] is None and "admission" in r.json()
+        r = await gw.client.post("/v1/models/tiny-llama/requests", json=body)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "backlog_full"
+        assert r.headers["retry-after"]
+
+
+async def test_models_endpoint_shows_lane_load(redis_url, prefix, loaded_models):
+    settings = make_settings(redis_url, prefix, models=(LLAMA,))
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        await warm_stats(gw)
+        (model,) = (await gw.client.get("/v1/models")).json()["models"]
+        assert model["workers"] == 1
+        short = next(lane for lane in model["lanes"] if lane["name"] == "short")
+        assert {"backlog", "running", "service_rate_rps", "est_wait_ms"} <= set(short)
+        assert short["est_wait_ms"] is not None
+
+
+async def test_interactive_requests_start_before_queued_batch_ones(redis_url, prefix, loaded_models):
+    spec = dataclasses.replace(LLAMA, max_running=1, max_batch_size=1)
+    settings = make_settings(redis_url, prefix, models=(spec,))
+    async with running_gateway(settings) as gw:
+        ids = {}
+        for i, prio in enumerate(["batch", "batch", "batch", "interactive", "interactive"]):
+            r = await gw.client.post("/v1/models/tiny-llama/requests", json={
+                "input": {"input_ids": [5 + i]}, "params": {"max_new_tokens": 4}, "priority": prio})
+            ids[r.json()["id"]] = prio
+        async with running_worker(settings, loaded_models):
+            recs = [(await gw.client.get(f"/v1/requests/{rid}?wait=30")).json() for rid in ids]
+    order = [ids[r["id"]] for r in sorted(recs, key=lambda r: r["started_at"])]
+    assert order == ["interactive", "interactive", "batch", "batch", "batch"]
+
+
+async def test_short_requests_are_not_stuck_behind_a_long_flood(redis_url, prefix, loaded_models):
+    spec = dataclasses.replace(LLAMA, max_batch_tokens=2048)
+    settings = make_settings(redis_url, prefix, models=(spec,))
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        long_body = {"input": {"input_ids": list(range(3, 300))}, "params": {"max_new_tokens": 80, "ignore_eos": True}}
+        longs = [asyncio.create_task(gw.client.post("/v1/models/tiny-llama/requests?wait=60", json=long_body))
+                 for _ in range(40)]
+        await asyncio.sleep(0.05)
+        shorts = await asyncio.gather(*(gw.client.post("/v1/models/tiny-llama/requests?wait=60", json={
+            "input": {"input_ids": [5, 6, 7]}, "params": {"max_new_tokens": 4}}) for _ in range(5)))
+        long_done = await asyncio.gather(*longs)
+    assert all(r.status_code == 200 for r in [*shorts, *long_done])
+    short_queue = [r.json()["timings"]["queue_ms"] for r in shorts]
+    long_finish = sorted(r.json()["finished_at"] for r in long_done)
+    assert all(r.json()["lane"] == "short" for r in shorts)
+    # short requests went ahead of the queued long ones: each started within a few windows + one prefill
+    assert max(short_queue) < 1000, short_queue
+    assert max(r.json()["finished_at"] for r in shorts) < long_finish[len(long_finish) // 2]

@@ -1,0 +1,201 @@
+"""The compute loop's decisions end to end, with a fake runner and a fake clock (no torch, no Redis)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpu_worker.model_loop import Ack, Add, Cancel, Drain, HandBack, ModelLoop
+from gpu_worker.runners import Outcome, result_for
+from gpu_worker.scheduler import BatchLimits, LanePolicy, Pending, Scheduler, ServiceModel
+from shared.messages import InferenceRequest
+from shared.states import FinishReason, Priority, Status, Task
+
+STEP_S = 0.01
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class Row:
+    req: InferenceRequest
+    left: int
+
+
+class FakeRunner:
+    """Generates `max_new_tokens` tokens, one per step; each step costs STEP_S of fake time."""
+
+    def __init__(self, clock: Clock, rows: int) -> None:
+        self.clock = clock
+        self.rows: dict[str, Row] = {}
+        self.max_rows = rows
+        self.started: list[str] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows)
+
+    @property
+    def free_rows(self) -> int:
+        return self.max_rows - len(self.rows)
+
+    def running_ids(self) -> list[str]:
+        return list(self.rows)
+
+    def engine_stats(self):
+        return None
+
+    def prepare(self, req: InferenceRequest, now: float) -> Pending:
+        n = req.params["max_new_tokens"]
+        return Pending(id=req.id, lane=req.lane, rank=req.priority.rank, deadline=req.deadline_ms / 1000,
+                       arrived=now, tokens=n + 1, prompt_tokens=1, new_tokens=n, payload=(req, None))
+
+    def start(self, batch: list[Pending], now: float) -> list[Outcome]:
+        for p in batch:
+            self.started.append(p.id)
+            self.rows[p.id] = Row(p.payload[0], p.new_tokens)
+        return []
+
+    def step(self) -> list[Outcome]:
+        self.clock.t += STEP_S
+        done = []
+        for rid, row in list(self.rows.items()):
+            row.left -= 1
+            if row.left <= 0:
+                del self.rows[rid]
+                done.append(Outcome(row.req, result_for(row.req, Status.SUCCEEDED, worker="w", now=self.clock.t,
+                                                        reason=FinishReason.LENGTH)))
+        return done
+
+    def cancel(self, ids: set[str]) -> list[Outcome]:
+        out = []
+        for rid in ids & set(self.rows):
+            row = self.rows.pop(rid)
+            out.append(Outcome(row.req, result_for(row.req, Status.CANCELLED, worker="w", now=self.clock.t)))
+        return out
+
+    def expire(self, now: float) -> list[Outcome]:
+        hits = [rid for rid, r in self.rows.items() if r.req.deadline_ms / 1000 <= now]
+        out = []
+        for rid in hits:
+            row = self.rows.pop(rid)
+            out.append(Outcome(row.req, result_for(row.req, Status.EXPIRED, worker="w", now=now,
+                                                   reason=FinishReason.DEADLINE)))
+        return out
+
+
+def req(i: int, clock: Clock, *, new: int = 10, timeout: float = 60.0, priority=Priority.INTERACTIVE):
+    now_ms = int(clock.t * 1000)
+    return InferenceRequest(id=f"r{i}", tenant="t", model="m", task=Task.GENERATE, input={"input_ids": [1]},
+                            params={"max_new_tokens": new}, lane="short", priority=priority, created_ms=now_ms,
+                            deadline_ms=now_ms + int(timeout * 1000), est_tokens=new + 1)
+
+
+def make(rows: int = 2, gate=None, deadline_aware: bool = True):
+    clock = Clock()
+    runner = FakeRunner(clock, rows)
+    sched = Scheduler([LanePolicy("short", 0.0)], BatchLimits(8, 10_000), deadline_aware=deadline_aware,
+                      service=ServiceModel(decode_s_per_token=STEP_S))
+    emitted: list = []
+    loop = ModelLoop("m", runner, sched, gate=gate or (lambda rs: [True] * len(rs)), emit=emitted.extend,
+                     clock=clock, worker="w", idle_wait_s=0.0)
+    return loop, runner, clock, emitted
+
+
+def run_until_idle(loop: ModelLoop, runner: FakeRunner, limit: int = 10_000) -> None:
+    for _ in range(limit):
+        loop._iterate()
+        if not runner.busy and len(loop.scheduler) == 0:
+            return
+    raise AssertionError("loop did not go idle")
+
+
+def finished(emitted, status=Status.SUCCEEDED):
+    return [o.request.id for o in emitted if isinstance(o, Outcome) and o.result.status is status]
+
+
+def test_requests_run_and_finish():
+    loop, runner, clock, emitted = make()
+    loop.submit(Add([req(i, clock) for i in range(5)], clock.t))
+    run_until_idle(loop, runner)
+    assert sorted(finished(emitted)) == [f"r{i}" for i in range(5)]
+
+
+def test_gate_drops_requests_already_terminal():
+    loop, runner, clock, emitted = make(gate=lambda rs: [r.id != "r1" for r in rs])
+    loop.submit(Add([req(0, clock), req(1, clock)], clock.t))
+    run_until_idle(loop, runner)
+    assert "r1" not in runner.started
+    assert [o.request.id for o in emitted if isinstance(o, Ack)] == ["r1"]
+
+
+def test_expired_while_queued_is_never_started():
+    loop, runner, clock, emitted = make(rows=1)
+    loop.submit(Add([req(0, clock, new=50)], clock.t))
+    loop._iterate()
+    loop.submit(Add([req(1, clock, new=5, timeout=0.2)], clock.t))
+    run_until_idle(loop, runner)
+    assert runner.started == ["r0"]  # r1 waited for the only row and its deadline passed first
+    assert finished(emitted, Status.EXPIRED) == ["r1"]
+
+
+def test_cancel_of_a_queued_request():
+    loop, runner, clock, emitted = make(rows=1)
+    loop.submit(Add([req(0, clock, new=20), req(1, clock)], clock.t))
+    loop._iterate()
+    loop.submit(Cancel({"r1"}))
+    run_until_idle(loop, runner)
+    assert "r1" not in runner.started
+    assert [o.request.id for o in emitted if isinstance(o, Ack)] == ["r1"]
+
+
+def test_batch_priority_rows_are_preempted_for_interactive_work_out_of_slack():
+    loop, runner, clock, emitted = make(rows=2)
+    loop.submit(Add([req(i, clock, new=100, priority=Priority.BATCH) for i in range(2)], clock.t))
+    loop._iterate()
+    assert sorted(runner.rows) == ["r0", "r1"]
+    # needs 10 steps = 0.1 s; deadline in 0.5 s; batch rows would free up only after 1 s
+    loop.submit(Add([req(9, clock, new=10, timeout=0.5)], clock.t))
+    run_until_idle(loop, runner)
+    ok = [o for o in emitted if isinstance(o, Outcome) and o.request.id == "r9"]
+    assert ok and ok[0].result.status is Status.SUCCEEDED
+    assert ok[0].result.finished_ms <= ok[0].request.deadline_ms
+    # the preempted batch request was re-queued and still finished
+    assert sorted(finished(emitted)) == ["r0", "r1", "r9"]
+
+
+def test_interactive_never_preempts_interactive():
+    loop, runner, clock, emitted = make(rows=1)
+    loop.submit(Add([req(0, clock, new=100)], clock.t))
+    loop._iterate()
+    loop.submit(Add([req(9, clock, new=10, timeout=0.5)], clock.t))
+    run_until_idle(loop, runner)
+    assert finished(emitted) == ["r0"] and finished(emitted, Status.EXPIRED) == ["r9"]
+
+
+def test_fifo_baseline_computes_expired_work():
+    loop, runner, clock, _emitted = make(rows=1, deadline_aware=False)
+    loop.submit(Add([req(0, clock, new=50)], clock.t))
+    loop._iterate()
+    loop.submit(Add([req(1, clock, new=5, timeout=0.2)], clock.t))
+    run_until_idle(loop, runner)
+    assert runner.started == ["r0", "r1"]
+
+
+def test_drain_hands_back_what_it_cannot_finish():
+    loop, _runner, clock, emitted = make(rows=1)
+    loop.submit(Add([req(0, clock, new=1000), req(1, clock)], clock.t))
+    loop._iterate()
+    loop.submit(Drain(clock.t + 0.05))
+    for _ in range(100):
+        if loop.stopped:
+            break
+        loop._iterate()
+    assert loop.stopped
+    (back,) = [o for o in emitted if isinstance(o, HandBack)]
+    assert sorted(r.id for r in back.requests) == ["r0", "r1"]
