@@ -7,6 +7,9 @@ a 503 with Retry-After; nothing a caller sends produces a 500.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import hashlib
 import json
 import math
 import re
@@ -33,8 +36,9 @@ from gateway.api import (
     Unprocessable,
     UnsupportedMediaType,
 )
-from gateway.service import GatewayService
+from gateway.service import GatewayService, IdempotencyClaim
 from gateway.views import record_view
+from shared.admission import Decision, Estimate
 from shared.config import ModelSpec
 from shared.errors import ValidationError
 from shared.ids import created_ms, is_request_id, new_request_id
@@ -47,6 +51,9 @@ from shared.states import Priority, Status, Task
 log = structlog.get_logger(__name__)
 
 SUBMIT_FIELDS = {"input", "params", "timeout_s", "deadline", "priority"}
+IDEMPOTENCY_TAKEOVER_S = 5.0  # a key claimed this long ago without a stored request is taken over
+IDEMPOTENCY_RACE_POLLS = 20
+IDEMPOTENCY_RACE_POLL_S = 0.025
 _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*([0-9.]+)")
 
 
@@ -155,6 +162,15 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float) -> Infere
     )
 
 
+def parse_idempotency_key(req: ApiRequest) -> str | None:
+    key = req.header("idempotency-key")
+    if key is None:
+        return None
+    if not 1 <= len(key) <= 255 or not key.isprintable():
+        raise BadRequest("Idempotency-Key must be 1-255 printable characters", code="invalid_idempotency_key")
+    return key
+
+
 def _model(svc: GatewayService, name: str) -> ModelSpec:
     spec = svc.settings.model(name)
     if spec is None:
@@ -173,29 +189,49 @@ async def submit(svc: GatewayService, req: ApiRequest, model: str) -> ApiRespons
     spec = _model(svc, model)
     wait = parse_wait(req, svc.settings.max_wait_s)
     body = parse_body(req, svc.settings.max_body_bytes)
+    idem_key = parse_idempotency_key(req)
     try:
         inference = build_request(body, spec, req.tenant, svc.clock())
     except ValidationError as exc:
         raise Unprocessable(exc.message if not exc.field else f"{exc.field}: {exc.message}",
                             extra={"field": exc.field}) from exc
+    body_hash = ""
+    if idem_key is not None:
+        inference = dataclasses.replace(inference, idempotency_key=idem_key)
+        body_hash = hashlib.sha256(
+            (spec.name + "\0" + json.dumps(body, sort_keys=True, separators=(",", ":"))).encode()).hexdigest()
+        existing = await svc.idempotency_get(req.tenant, idem_key)
+        if existing is not None:
+            return await _replay(svc, req, existing, body_hash, inference, wait)
     decision, _ = await svc.admit(inference, spec)
     if not decision.accept:
         metrics.REJECTED.labels(spec.name, inference.lane, decision.code).inc()
         raise TooManyRequests(decision.reason, code=decision.code, retry_after=decision.retry_after_s,
                               extra={"lane": inference.lane})
+    if idem_key is not None:
+        claim = IdempotencyClaim(inference.id, body_hash, svc.now_ms())
+        existing = await svc.idempotency_claim(req.tenant, idem_key, claim)
+        if existing is not None:  # a concurrent submit with the same key won the race
+            return await _replay(svc, req, existing, body_hash, inference, wait)
+    return await _store_and_answer(svc, inference, decision, wait)
+
+
+async def _store_and_answer(svc: GatewayService, inference: InferenceRequest, decision: Decision,
+                            wait: float, headers: dict[str, str] | None = None) -> ApiResponse:
     submitted = await svc.submit(inference, decision)
-    metrics.SUBMITTED.labels(spec.name, inference.lane).inc()
-    structlog.contextvars.bind_contextvars(request_id=inference.id, model=spec.name, lane=inference.lane)
+    metrics.SUBMITTED.labels(inference.model, inference.lane).inc()
+    structlog.contextvars.bind_contextvars(request_id=inference.id, model=inference.model, lane=inference.lane)
     log.info("request accepted", priority=inference.priority.value, est_tokens=inference.est_tokens)
+    headers = {"Location": _links(inference.id)["self"], **(headers or {})}
     if wait > 0:
         rec = await svc.wait(inference.id, wait)
         if rec is not None and rec.terminal:
-            return ApiResponse(200, record_view(rec), {"Location": _links(inference.id)["self"]})
+            return ApiResponse(200, record_view(rec), headers)
     est = submitted.decision.estimate
     body_out = {
         "id": inference.id,
         "status": Status.QUEUED.value,
-        "model": spec.name,
+        "model": inference.model,
         "lane": inference.lane,
         "eta_ms": round(est.finish_s * 1000) if est.basis == "stats" else None,
         "queue_position": submitted.queue_position,
@@ -205,7 +241,34 @@ async def submit(svc: GatewayService, req: ApiRequest, model: str) -> ApiRespons
     if est.basis != "stats":
         body_out["admission"] = ("no worker has reported load recently: accepted without an estimate "
                                  "(up to the lane's backlog cap)")
-    return ApiResponse(202, body_out, {"Location": _links(inference.id)["self"]})
+    return ApiResponse(202, body_out, headers)
+
+
+async def _replay(svc: GatewayService, req: ApiRequest, existing: IdempotencyClaim, body_hash: str,
+                  inference: InferenceRequest, wait: float) -> ApiResponse:
+    """A submit whose Idempotency-Key was seen before: the original request, never a second one."""
+    if existing.body_hash != body_hash:
+        raise Conflict("this Idempotency-Key was used with a different request body", code="idempotency_conflict")
+    replayed = {"Idempotent-Replayed": "true", "Location": _links(existing.request_id)["self"]}
+    rec = await svc.get(existing.request_id)
+    for _ in range(IDEMPOTENCY_RACE_POLLS):  # the first submit is a few milliseconds ahead of us
+        if rec is not None or svc.now_ms() - existing.at_ms > IDEMPOTENCY_TAKEOVER_S * 1000:
+            break
+        await asyncio.sleep(IDEMPOTENCY_RACE_POLL_S)
+        rec = await svc.get(existing.request_id)
+    if rec is None:
+        if svc.now_ms() - existing.at_ms <= IDEMPOTENCY_TAKEOVER_S * 1000:
+            raise Conflict("a request with this Idempotency-Key is being accepted; retry shortly",
+                           code="idempotency_in_progress", retry_after=1)
+        # the first submit claimed the key and never stored its request (its gateway died): store it now,
+        # under the same id, so the key still maps to exactly one request
+        takeover = dataclasses.replace(inference, id=existing.request_id)
+        await svc.idempotency_claim(req.tenant, inference.idempotency_key or "",
+                                    IdempotencyClaim(takeover.id, body_hash, svc.now_ms()), replace=True)
+        return await _store_and_answer(svc, takeover, Decision(True, Estimate(0.0, 0.0, "none")), wait, replayed)
+    if wait > 0 and not rec.terminal:
+        rec = await svc.wait(rec.id, wait) or rec
+    return ApiResponse(200 if rec.terminal else 202, record_view(rec), replayed)
 
 
 async def get_request(svc: GatewayService, req: ApiRequest, request_id: str) -> ApiResponse:

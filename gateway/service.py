@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgpack
 import redis.asyncio as aioredis
 
 from gateway.waiters import SubscriptionUnavailable, WaiterHub
@@ -25,6 +26,23 @@ from shared.messages import ErrorInfo, InferenceRequest, LaneStats, RequestResul
 from shared.records import RecordStore, StoredRecord
 from shared.redis_io import make_redis
 from shared.states import FinishReason, Status
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyClaim:
+    """What an `Idempotency-Key` maps to: the request it created and a hash of the body that created it."""
+
+    request_id: str
+    body_hash: str
+    at_ms: int
+
+    def encode(self) -> bytes:
+        return msgpack.packb([self.request_id, self.body_hash, self.at_ms])
+
+    @classmethod
+    def decode(cls, raw: bytes) -> IdempotencyClaim:
+        rid, body_hash, at_ms = msgpack.unpackb(raw)
+        return cls(rid, body_hash, int(at_ms))
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +107,22 @@ class GatewayService:
         pipe.xlen(stream)
         _, _, position = await pipe.execute()
         return Submitted(req, int(position), decision)
+
+    async def idempotency_get(self, tenant: str, key: str) -> IdempotencyClaim | None:
+        raw = await self.redis.get(self.keys.idempotency(tenant, key))
+        return IdempotencyClaim.decode(raw) if raw else None
+
+    async def idempotency_claim(self, tenant: str, key: str, claim: IdempotencyClaim,
+                                replace: bool = False) -> IdempotencyClaim | None:
+        """Claim the key for `claim` (atomically: SET NX). None if claimed, else the existing claim."""
+        name = self.keys.idempotency(tenant, key)
+        ttl_ms = self.settings.result_ttl_s * 1000
+        if replace:
+            await self.redis.set(name, claim.encode(), px=ttl_ms)
+            return None
+        if await self.redis.set(name, claim.encode(), px=ttl_ms, nx=True):
+            return None
+        return await self.idempotency_get(tenant, key)
 
     async def get(self, request_id: str) -> StoredRecord | None:
         """The record, expiring it first if its deadline (plus grace) passed with no result."""

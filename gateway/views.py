@@ -31,5 +31,6 @@ def record_view(rec: StoredRecord) -> dict[str, Any]:
     out["error"] = ({"code": result.error.code, "message": result.error.message}
                     if result and result.error else None)
     out["timings"] = result.timings if result else {}
+    out["attempts"] = rec.attempts
     out["links"] = {"self": f"/v1/requests/{rec.id}"}
     return out

@@ -316,8 +316,18 @@ class GenerationEngine:
         hits = [i for i, r in enumerate(self.rows) if r.spec.deadline is not None and r.spec.deadline <= now]
         return self._retire(hits, now, FinishReason.DEADLINE)
 
+    @torch.inference_mode()
+    def expire_ids(self, ids: Iterable[str]) -> list[GenResult]:
+        """Rows that cannot finish by their deadline leave now, with the tokens they have."""
+        wanted = set(ids)
+        hits = [i for i, r in enumerate(self.rows) if r.spec.id in wanted]
+        return self._retire(hits, self._clock(), FinishReason.DEADLINE)
+
     def running_ids(self) -> list[str]:
         return [r.spec.id for r in self.rows]
+
+    def remaining_tokens(self) -> dict[str, int]:
+        return {r.spec.id: r.spec.max_new_tokens - len(r.tokens) for r in self.rows}
 
 
 def group_by_length(lengths: list[int], tolerance: float) -> list[list[int]]:

@@ -10,20 +10,21 @@ from prometheus_client import start_http_server
 
 from gpu_worker.worker import Worker
 from shared.config import Settings
+from shared.faults import Faults
 
 log = structlog.get_logger(__name__)
 
 
-async def _main(settings: Settings, drain_budget_s: float) -> None:
+async def _main(settings: Settings, drain_budget_s: float | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    worker = Worker(settings, drain_budget_s=drain_budget_s)
+    worker = Worker(settings, drain_budget_s=drain_budget_s, faults=Faults.from_environ())
     await worker.run(stop)
 
 
-def run_worker(settings: Settings, *, metrics_host: str = "127.0.0.1", drain_budget_s: float = 30.0) -> None:
+def run_worker(settings: Settings, *, metrics_host: str = "127.0.0.1", drain_budget_s: float | None = None) -> None:
     if settings.worker_metrics_port:
         start_http_server(settings.worker_metrics_port, addr=metrics_host)
         log.info("worker metrics", url=f"http://{metrics_host}:{settings.worker_metrics_port}/metrics")

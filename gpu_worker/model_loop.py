@@ -29,12 +29,15 @@ from gpu_worker.engine import EngineStats
 from gpu_worker.runners import Outcome, Runner, expired_outcome
 from gpu_worker.scheduler import Pending, Scheduler
 from gpu_worker.service_model import ServiceTracker, lane_wait_ms
+from shared.faults import Faults
 from shared.messages import InferenceRequest
 
 log = structlog.get_logger(__name__)
 
 IDLE_WAIT_S = 1.0
 METRICS_INTERVAL_S = 1.0
+# A running row is given up only if even 80% of its estimated remaining time would end past its deadline.
+DOOM_OPTIMISM = 0.8
 
 
 @dataclass(slots=True)
@@ -97,7 +100,8 @@ class ModelLoop:
     def __init__(self, name: str, runner: Runner, scheduler: Scheduler, *,
                  gate: Callable[[list[InferenceRequest]], list[bool]],
                  emit: Callable[[list[Emitted]], None], on_crash: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.time, worker: str = "", idle_wait_s: float = IDLE_WAIT_S) -> None:
+                 clock: Callable[[], float] = time.time, worker: str = "", idle_wait_s: float = IDLE_WAIT_S,
+                 faults: Faults | None = None) -> None:
         self.name = name
         self.runner = runner
         self.scheduler = scheduler
@@ -107,6 +111,7 @@ class ModelLoop:
         self._clock = clock
         self._worker = worker
         self._idle_wait_s = idle_wait_s
+        self._faults = faults or Faults()
         self._inbox: queue.SimpleQueue[Add | Cancel | Drain] = queue.SimpleQueue()
         self._drain_until: float | None = None
         self._thread: threading.Thread | None = None
@@ -118,6 +123,7 @@ class ModelLoop:
         self.crashed: BaseException | None = None
         self._last_metrics = time.monotonic()
         self._last_stats = EngineStats()
+        self._last_step_end: float | None = None
 
     # --- called from the asyncio side ----------------------------------------------------------
     def submit(self, cmd: Add | Cancel | Drain) -> None:
@@ -154,11 +160,14 @@ class ModelLoop:
         self._receive(block=False, timeout=0)
         now = self._clock()
         out: list[Emitted] = list(self.runner.expire(now))
+        if self.scheduler.deadline_aware:
+            out.extend(self._evict_doomed(now))
         draining = self._drain_until is not None
         preemptible = [p for p in self._running.values() if p.rank > 0]
         plan = self.scheduler.plan(now, 0 if draining else self.runner.free_rows,
                                    0 if draining else len(preemptible))
-        out.extend(expired_outcome(p.payload[0], self._worker, now, "while queued at the worker")
+        out.extend(expired_outcome(p.payload[0], self._worker, now,
+                                   "or became unreachable (its estimated compute would end after it) while queued")
                    for p in plan.expired)
         for p in plan.expired:
             metrics.EXPIRED_BEFORE_COMPUTE.labels(self.name, p.lane).inc()
@@ -170,7 +179,14 @@ class ModelLoop:
             rows = len(self._running)
             t0 = self._clock()
             out.extend(self.runner.step())
-            self.tracker.observe_step(rows, self._clock() - t0)
+            t1 = self._clock()
+            # the token interval a running row sees: its step plus everything else this iteration did
+            # (prefills of newcomers, the gate); that, not the bare step, is what deadlines depend on
+            since = self._last_step_end if self._last_step_end is not None else t0
+            self.tracker.observe_step(rows, t1 - since)
+            self._last_step_end = t1
+        else:
+            self._last_step_end = None
         self._finished(out)
         self._refresh()
         if out:
@@ -204,10 +220,21 @@ class ModelLoop:
             if p.deadline <= now:  # only possible in FIFO mode: the baseline's wasted work
                 metrics.COMPUTE_ON_EXPIRED.labels(self.name).inc()
             self._running[p.id] = p
+        self._faults.point("kill_at_prefill")
         t0 = self._clock()
         out.extend(self.runner.start(batch, now))
         self.tracker.observe_prefill(sum(p.prompt_tokens * p.size for p in batch), self._clock() - t0)
         return out
+
+    def _evict_doomed(self, now: float) -> list[Emitted]:
+        """Running rows that cannot finish by their deadline at the measured token interval leave now
+        (partial output kept) instead of taking rows and steps from work that can still make it."""
+        interval = self.tracker.step_seconds(max(1, len(self._running)))
+        if interval <= 0:
+            return []
+        doomed = {rid for rid, left in self.runner.remaining_tokens().items()
+                  if (p := self._running.get(rid)) is not None and now + DOOM_OPTIMISM * left * interval > p.deadline}
+        return list(self.runner.expire_ids(doomed)) if doomed else []
 
     def _preempt(self, candidates: list[Pending], rows: int) -> None:
         """Give rows of running batch-priority work to urgent interactive work; re-queue the victims."""

@@ -22,6 +22,7 @@ from gpu_worker.models import LoadedModel
 from gpu_worker.sampling import SamplingParams
 from gpu_worker.scheduler import Pending
 from shared.errors import ConfigError
+from shared.faults import Faults
 from shared.lanes import assign_lane
 from shared.messages import ErrorInfo, InferenceRequest, RequestResult
 from shared.params import EmbedParams, GenerateParams
@@ -58,6 +59,10 @@ class Runner(Protocol):
 
     def engine_stats(self) -> EngineStats | None: ...
 
+    def remaining_tokens(self) -> dict[str, int]: ...
+
+    def expire_ids(self, ids: set[str]) -> list[Outcome]: ...
+
 
 def _ms(seconds: float) -> int:
     return int(seconds * 1000)
@@ -90,8 +95,10 @@ def failed_outcome(req: InferenceRequest, worker: str, now: float, code: str, me
 
 
 class EmbedRunner:
-    def __init__(self, loaded: LoadedModel, worker: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, loaded: LoadedModel, worker: str, clock: Callable[[], float] = time.time,
+                 faults: Faults | None = None) -> None:
         self.loaded = loaded
+        self.faults = faults or Faults()
         self.spec = loaded.spec
         self.worker = worker
         self.clock = clock
@@ -110,6 +117,12 @@ class EmbedRunner:
 
     def engine_stats(self) -> EngineStats | None:
         return None
+
+    def remaining_tokens(self) -> dict[str, int]:
+        return {}
+
+    def expire_ids(self, ids: set[str]) -> list[Outcome]:
+        return []
 
     def prepare(self, req: InferenceRequest, now: float) -> Pending | Outcome:
         texts = req.input["texts"]
@@ -138,6 +151,8 @@ class EmbedRunner:
         seqs = [ids for p in batch for ids in p.payload[1]]
         for p in batch:
             self.model_calls[p.id] = self.model_calls.get(p.id, 0) + 1
+        for s in seqs:
+            self.faults.check_tokens(s)
         width = max(len(s) for s in seqs)
         ids = torch.zeros((len(seqs), width), dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -212,8 +227,9 @@ def size_engine(loaded: LoadedModel) -> tuple[int, int]:
 
 class GenerateRunner:
     def __init__(self, loaded: LoadedModel, worker: str, *, max_rows: int, max_seq_len: int,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, faults: Faults | None = None) -> None:
         self.loaded = loaded
+        self.faults = faults or Faults()
         self.spec = loaded.spec
         self.worker = worker
         self.clock = clock
@@ -243,6 +259,12 @@ class GenerateRunner:
 
     def engine_stats(self) -> EngineStats | None:
         return self.engine.stats
+
+    def remaining_tokens(self) -> dict[str, int]:
+        return self.engine.remaining_tokens()
+
+    def expire_ids(self, ids: set[str]) -> list[Outcome]:
+        return self._outcomes(self.engine.expire_ids(ids))
 
     def prepare(self, req: InferenceRequest, now: float) -> Pending | Outcome:
         params = GenerateParams(**{**req.params, "stop": tuple(req.params.get("stop", ()))})
@@ -277,6 +299,8 @@ class GenerateRunner:
             self._requests[p.id] = p.payload[0]
             self.model_calls[p.id] = self.model_calls.get(p.id, 0) + 1
         try:
+            for p in batch:
+                self.faults.check_tokens(p.payload[1].prompt_ids)
             return self._outcomes(self.engine.prefill([p.payload[1] for p in batch]))
         except Exception as exc:
             self.engine.cancel([p.id for p in batch])  # rows that did join leave again
@@ -321,8 +345,10 @@ class GenerateRunner:
             r.finish_reason, Status.SUCCEEDED)
         error = None
         if status is Status.EXPIRED:
-            error = ErrorInfo("deadline_exceeded",
-                              f"deadline reached after {len(r.token_ids)} tokens; partial output kept")
+            left = req.params.get("max_new_tokens", 0) - len(r.token_ids)
+            why = ("deadline reached" if now * 1000 >= req.deadline_ms
+                   else f"cannot finish the other {left} tokens by the deadline")
+            error = ErrorInfo("deadline_exceeded", f"{why} after {len(r.token_ids)} tokens; partial output kept")
         elif status is Status.CANCELLED:
             error = ErrorInfo("cancelled", "cancelled while running")
         return result_for(req, status, worker=self.worker, now=now, output=output, error=error,

@@ -2,7 +2,9 @@
 
 No Redis, no torch, no clock reads. Per lane, waiting requests are ordered by (priority, deadline)
 (EDF within a priority). `plan()` answers three questions each time the model loop asks:
-1. which waiting requests are already past their deadline (expire them without compute);
+1. which waiting requests can no longer finish by their deadline: already past it, or past it by the
+   time their estimated compute would end (expire them without compute: under overload, starting
+   work that will miss anyway is how EDF collapses);
 2. is some lane's dynamic window closed (its batch is full, its token budget is full, its oldest
    request has waited the lane's window, or the earliest deadline's slack says waiting longer would
    miss it), and if several are, which lane is most urgent: interactive before batch; then a lane
@@ -119,8 +121,10 @@ class LaneQueue:
     def oldest_arrival(self) -> float | None:
         return min((p.arrived for p in self._live.values()), default=None)
 
-    def pop_expired(self, now: float) -> list[Pending]:
-        gone = [p for p in self._live.values() if p.deadline <= now]
+    def pop_expired(self, now: float, service: ServiceModel | None = None) -> list[Pending]:
+        """Remove requests that cannot finish in time: past the deadline, or past it once computed."""
+        gone = [p for p in self._live.values()
+                if p.deadline <= now + (service.estimate(p) if service is not None else 0.0)]
         for p in gone:
             del self._live[p.id]
         return gone
@@ -201,7 +205,7 @@ class Scheduler:
         plan = Plan()
         if self.deadline_aware:
             for queue in self.queues.values():
-                plan.expired.extend(queue.pop_expired(now))
+                plan.expired.extend(queue.pop_expired(now, self.service))
         if free_rows <= 0:
             if self.deadline_aware and preemptible:
                 plan.preempt = min(preemptible, self._urgent_interactive_rows(now))

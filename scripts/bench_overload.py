@@ -53,9 +53,13 @@ def run(name: str, scheduling: str, args: argparse.Namespace, capacity: float | 
         span = jobs[-1].at
         s = bl.summarise(outs, span)["classes"]["all"]
         statuses: dict[str, int] = {}
+        reasons: dict[str, int] = {}
         for o in outs:
             key = "429" if o.http == 429 else o.status
             statuses[key] = statuses.get(key, 0) + 1
+            if o.status == "expired":
+                why = o.error.split(";")[0][:60]
+                reasons[why] = reasons.get(why, 0) + 1
         result.update({
             "offered_rps": rate, "offered": n, "duration_s": span, "wall_s": wall,
             "goodput_rps": s["goodput_rps"], "throughput_rps": s["throughput_rps"],
@@ -63,6 +67,7 @@ def run(name: str, scheduling: str, args: argparse.Namespace, capacity: float | 
             "succeeded": s["succeeded"], "in_deadline": s["in_deadline"],
             "succeeded_late": s["succeeded"] - s["in_deadline"],
             "expired": s["expired"], "rejected_429": s["rejected_429"], "statuses": statuses,
+            "expired_reasons": reasons,
             "all_terminal_or_429": all(o.http == 429 or o.status in TERMINAL for o in outs),
             "compute_on_expired": bl.scrape(st.worker_metrics, "batchgate_compute_on_expired_total") - coe0,
             "expired_without_compute": bl.scrape(st.worker_metrics, "batchgate_expired_before_compute_total") - exp0,
@@ -70,7 +75,7 @@ def run(name: str, scheduling: str, args: argparse.Namespace, capacity: float | 
         })
         print(f"{name}: offered {rate:.2f} req/s x {span:.0f} s = {n}; goodput {s['goodput_rps']:.2f} req/s "
               f"({result['goodput_vs_capacity']:.0%} of capacity), statuses {statuses}, "
-              f"compute on expired {result['compute_on_expired']:.0f}", flush=True)
+              f"compute on expired {result['compute_on_expired']:.0f}; expired because: {reasons}", flush=True)
         return result
 
 

@@ -187,6 +187,8 @@ async def run_one(client: httpx.AsyncClient, job: Job, t0: float, wait_s: float 
             r = await client.get(f"/v1/requests/{data['id']}", params={"wait": wait_s})
             data = r.json()
         o.status = data.get("status") or data.get("error", {}).get("code", "")
+        if isinstance(data.get("error"), dict):
+            o.error = data["error"].get("message", "")
         timings = data.get("timings") or {}
         if "ttft_ms" in timings and "queue_ms" in timings:
             o.ttft_ms = timings["queue_ms"] + timings["ttft_ms"]

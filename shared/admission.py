@@ -2,9 +2,13 @@
 
 Inputs are the workers' published `LaneStats` for the model (only fresh ones count) and the lane's
 stream length. The estimate:
-    start  = the lane window, plus, when no row is free for it, the time for the rows to drain the
-             requests queued ahead of it (at the model's measured completion rate);
-    finish = start + its own compute (prefill of its prompt + one decode step per new token).
+    start  = the lane window, plus the time for the workers to drain the requests waiting ahead of
+             it at their measured completion rate (while no completion has been measured yet, only
+             the requests that do not fit the free rows count, at what the rows could do);
+    finish = start + its own compute (prefill of its prompt + one decode step per new token, at the
+             step time measured for the current batch).
+Continuous batching always has "a free row" until memory runs out, but every row slows every step:
+throughput, not rows, is what a new request waits for.
 A request is refused (429 + Retry-After) when `now + finish` passes its deadline or its lane's
 backlog is at the cap. Without fresh stats (no worker alive) it is accepted up to the backlog cap,
 and the response says there was no estimate.
@@ -58,10 +62,14 @@ def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int,
     service = prefill + decode
     running = sum(ln.running for s in stats for ln in s.lanes if ln.lane == lane)
     ahead = max(0, queued - running)
-    free = sum(s.free_rows for s in stats)
+    measured = sum(ln.completed_rps for s in stats for ln in s.lanes)
     start = window_s
-    if ahead >= free:
-        start += (ahead - free + 1) / drain_rate(stats, service)
+    if measured > 0:
+        start += ahead / measured
+    else:
+        free = sum(s.free_rows for s in stats)
+        if ahead >= free:
+            start += (ahead - free + 1) / drain_rate(stats, service)
     return Estimate(start, start + service, "stats")
 
 

@@ -197,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     wk = sub.add_parser("worker", help="run a GPU worker for the configured models")
     common(wk)
-    wk.add_argument("--drain-budget", type=float, default=30.0,
-                    help="seconds to finish in-flight work on SIGTERM before handing it back (default 30)")
+    wk.add_argument("--drain-budget", type=float, default=None,
+                    help="seconds to finish in-flight work on SIGTERM before handing it back "
+                         "(default: BATCHGATE_DRAIN_BUDGET_S, 30)")
     wk.set_defaults(func=cmd_worker)
     return parser
 

@@ -135,6 +135,9 @@ class Settings:
     worker_name: str = ""
     worker_metrics_port: int = 9464  # 0 disables the worker's /metrics listener
     intake_block_ms: int = 1000
+    reclaim_idle_s: float = 30.0  # an entry idle this long belongs to a dead worker and is reclaimed
+    max_deliveries: int = 3  # deliveries after which an entry is dead-lettered (it keeps killing workers)
+    drain_budget_s: float = 30.0  # SIGTERM: time to finish in-flight work before handing it back
     models: tuple[ModelSpec, ...] = field(default_factory=lambda: tuple(BUILTIN_MODELS[n] for n in DEFAULT_MODELS))
     model_cache_dir: str = ""
 
@@ -163,6 +166,9 @@ class Settings:
                 worker_name=get(ENV_PREFIX + "WORKER_NAME") or f"{socket.gethostname()}-{os.getpid()}",
                 worker_metrics_port=int(get(ENV_PREFIX + "WORKER_METRICS_PORT", d.worker_metrics_port)),
                 intake_block_ms=int(get(ENV_PREFIX + "INTAKE_BLOCK_MS", d.intake_block_ms)),
+                reclaim_idle_s=float(get(ENV_PREFIX + "RECLAIM_IDLE_S", d.reclaim_idle_s)),
+                max_deliveries=int(get(ENV_PREFIX + "MAX_DELIVERIES", d.max_deliveries)),
+                drain_budget_s=float(get(ENV_PREFIX + "DRAIN_BUDGET_S", d.drain_budget_s)),
                 models=models,
                 model_cache_dir=cache_dir,
             ).validate()
@@ -172,6 +178,8 @@ class Settings:
     def validate(self) -> Settings:
         if not re.match(r"^[A-Za-z0-9_.-]{1,32}$", self.key_prefix):
             raise ConfigError(f"key prefix {self.key_prefix!r}: 1-32 letters, digits, '_', '.', '-'")
+        if self.reclaim_idle_s <= 0 or self.max_deliveries < 1 or self.drain_budget_s < 0:
+            raise ConfigError("reclaim_idle_s > 0, max_deliveries >= 1 and drain_budget_s >= 0 are required")
         if self.result_ttl_s < 1 or self.max_body_bytes < 1024 or self.max_wait_s < 0:
             raise ConfigError("result_ttl_s >= 1, max_body_bytes >= 1024 and max_wait_s >= 0 are required")
         if self.log_format not in ("json", "console", "auto"):

@@ -5,6 +5,7 @@ Record = one hash at `Keys.record(id)`:
   meta     msgpack RequestMeta (written at submit, or by the worker if it gets there first)
   result   msgpack RequestResult (terminal states only)
   started  ms epoch when a worker started computing it
+  attempts how many times a worker started computing it (more than 1 only after a worker died)
 Rules, enforced by the Lua scripts below (each touches one key, so they are Redis Cluster safe):
 - the first terminal write wins; later ones are no-ops and publish nothing;
 - the terminal write and the "done" event are one atomic step (no window where a waiter can read
@@ -39,6 +40,7 @@ local terminal = {_TERMINAL_LUA}
 local s = redis.call('HGET', KEYS[1], 'state')
 if s and terminal[s] then return s end
 redis.call('HSET', KEYS[1], 'state', 'running', 'started', ARGV[1])
+redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 redis.call('HSETNX', KEYS[1], 'meta', ARGV[2])
 if redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
 return 'running'
@@ -64,6 +66,7 @@ class StoredRecord:
     meta: RequestMeta | None
     result: RequestResult | None
     started_ms: int | None
+    attempts: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -135,4 +138,4 @@ def parse_record(request_id: str, raw: dict[bytes, bytes]) -> StoredRecord | Non
     result = decode(raw[b"result"], RequestResult) if b"result" in raw else None
     started = int(raw[b"started"]) if b"started" in raw else None
     return StoredRecord(id=request_id, state=Status(_text(raw[b"state"])), meta=meta, result=result,
-                        started_ms=started)
+                        started_ms=started, attempts=int(raw.get(b"attempts", 0)))

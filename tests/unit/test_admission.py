@@ -24,12 +24,14 @@ def test_no_stats_means_no_estimate():
 @pytest.mark.parametrize(("kw", "queued", "prompt", "new", "start", "finish"), [
     # a free row: start after the window; compute = 10 ms + 100 x 0.1 ms + 32 x 20 ms = 660 ms
     ({}, 0, 100, 32, 0.005, 0.665),
-    # 6 queued, 4 free: 3 must drain first at the measured 10/s
-    ({"rps": 10.0}, 6, 100, 32, 0.305, 0.965),
+    # 6 waiting ahead, drained at the measured 10/s (free rows do not matter once a rate is measured)
+    ({"rps": 10.0}, 6, 100, 32, 0.605, 1.265),
     # same, no completions measured yet: drain at what 8 rows can do (8 / 0.66 s)
     ({}, 6, 100, 32, 0.005 + 3 / (8 / 0.66), 0.005 + 3 / (8 / 0.66) + 0.66),
     # the queued entries are running ones, not waiting ones: nobody ahead
     ({"running": 6, "rps": 10.0}, 6, 100, 32, 0.005, 0.665),
+    # nothing measured yet and a free row for it: just the window
+    ({"free": 8}, 6, 100, 32, 0.005, 0.665),
 ])
 def test_estimate(kw, queued, prompt, new, start, finish):
     est = estimate([stats(**kw)], "short", queued, prompt, new, 0.005)

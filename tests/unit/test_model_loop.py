@@ -50,6 +50,17 @@ class FakeRunner:
     def engine_stats(self):
         return None
 
+    def remaining_tokens(self) -> dict[str, int]:
+        return {rid: row.left for rid, row in self.rows.items()}
+
+    def expire_ids(self, ids: set[str]) -> list[Outcome]:
+        out = []
+        for rid in ids & set(self.rows):
+            row = self.rows.pop(rid)
+            out.append(Outcome(row.req, result_for(row.req, Status.EXPIRED, worker="w", now=self.clock.t,
+                                                   reason=FinishReason.DEADLINE)))
+        return out
+
     def prepare(self, req: InferenceRequest, now: float) -> Pending:
         n = req.params["max_new_tokens"]
         return Pending(id=req.id, lane=req.lane, rank=req.priority.rank, deadline=req.deadline_ms / 1000,
@@ -199,3 +210,13 @@ def test_drain_hands_back_what_it_cannot_finish():
     assert loop.stopped
     (back,) = [o for o in emitted if isinstance(o, HandBack)]
     assert sorted(r.id for r in back.requests) == ["r0", "r1"]
+
+
+def test_a_running_row_that_cannot_finish_leaves_early():
+    loop, runner, clock, emitted = make(rows=2)
+    loop.submit(Add([req(0, clock, new=100, timeout=0.5)], clock.t))  # 100 steps of 10 ms: needs 1 s
+    for _ in range(5):
+        loop._iterate()  # the loop measures its token interval while it runs
+    run_until_idle(loop, runner)
+    (out,) = [o for o in emitted if isinstance(o, Outcome)]
+    assert out.result.status is Status.EXPIRED and clock.t < 1000.5  # left before reaching the deadline

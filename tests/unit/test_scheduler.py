@@ -103,7 +103,7 @@ def test_short_lane_goes_first_when_both_have_slack():
 def test_a_lane_out_of_slack_goes_first():
     s = sched(service=ServiceModel(decode_s_per_token=0.01))
     s.add(item(1, "short", arrived=0.0, deadline=10))
-    s.add(item(2, "long", arrived=0.9, deadline=2.0, new=100))  # must start by 1.0
+    s.add(item(2, "long", arrived=0.9, deadline=2.2, new=100))  # needs 1 s; must start by 0.68 with margin
     assert s.plan(1.0, free_rows=1).lane == "long"
 
 
@@ -170,7 +170,15 @@ def test_urgent_interactive_work_asks_for_preemption_of_batch_rows():
     s = sched(service=ServiceModel(decode_s_per_token=0.01))
     s.add(item(1, arrived=0.0, deadline=1.0, new=50))  # needs 0.5 s: must start by 0.5
     assert s.plan(0.1, free_rows=0, preemptible=3).preempt == 0  # still has slack
-    assert s.plan(0.6, free_rows=0, preemptible=3).preempt == 1
-    assert s.plan(0.6, free_rows=0, preemptible=0).preempt == 0  # nothing to give back
+    assert s.plan(0.3, free_rows=0, preemptible=3).preempt == 1
+    assert s.plan(0.3, free_rows=0, preemptible=0).preempt == 0  # nothing to give back
     s.add(item(2, arrived=0.0, deadline=1.0, new=50, rank=1))
-    assert s.plan(0.6, free_rows=0, preemptible=3).preempt == 1  # batch work never preempts
+    assert s.plan(0.3, free_rows=0, preemptible=3).preempt == 1  # batch work never preempts
+
+
+def test_requests_that_cannot_finish_in_time_expire_without_compute():
+    s = sched(service=ServiceModel(decode_s_per_token=0.01))
+    s.add(item(1, arrived=0.0, deadline=1.0, new=50))  # needs 0.5 s
+    s.add(item(2, arrived=0.0, deadline=1.0, new=5))  # needs 0.05 s
+    plan = s.plan(0.6, free_rows=0)
+    assert [p.id for p in plan.expired] == ["r1"] and len(s) == 1

@@ -1,0 +1,235 @@
+"""Fault-injection suite (RELIABILITY.md faults 1-10): real Redis (our own, AOF on), real worker
+processes, a ledger of every accepted id. Pass: lost = 0 and visible duplicates = 0 everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import pytest
+
+from shared.codec import decode
+from shared.messages import RequestResult
+from tests.faults.harness import LONG, SHORT, cluster, until
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def held(c, name: str) -> int:
+    raw = c.redis.client().hget(f"{c.prefix}:workers", name)
+    return json.loads(raw)["held"] if raw else 0
+
+
+def running(c) -> int:
+    r = c.redis.client()
+    return sum(1 for k in r.scan_iter(f"{c.prefix}:*:rec") if r.hget(k, "state") == b"running")
+
+
+async def test_kill9_mid_batch(tmp_path, model_cache, prefix):
+    async with cluster(tmp_path, model_cache, prefix) as c:
+        a = c.worker("w-a")
+        for _ in range(8):
+            await c.submit(LONG)
+        await until(lambda: running(c) >= 4)
+        a.signal(signal.SIGKILL)
+        t_fault = time.monotonic()
+        c.worker("w-b")
+        final = await c.ledger("1 kill -9 mid-batch", t_fault)
+        assert len(final) == len(c.accepted) == 8
+        assert all(r["status"] == "succeeded" for r in final.values())
+        assert sum(r["attempts"] > 1 for r in final.values()) >= 1  # the killed batch really was re-run
+
+
+async def test_kill9_after_result_write_before_ack(tmp_path, model_cache, prefix):
+    async with cluster(tmp_path, model_cache, prefix) as c:
+        a = c.worker("w-a", BATCHGATE_FAULTS="kill_after_result_write=1")
+        rs = await asyncio.gather(*(c.submit(SHORT) for _ in range(6)))
+        assert all(r.status_code == 202 for r in rs)
+        await until(lambda: not a.alive)
+        t_fault = time.monotonic()
+        r = c.redis.client()
+        written = {rid: r.hget(f"{prefix}:{{r:{rid}}}:rec", "result") for rid in c.accepted}
+        written = {rid: decode(v, RequestResult) for rid, v in written.items() if v}
+        assert written, "the worker should have written some results before dying"
+        c.worker("w-b")
+        final = await c.ledger("2 kill -9 after result write, before XACK", t_fault,
+                               written_before_kill=len(written))
+        assert len(final) == 6
+        for rid, res in written.items():  # the stored result is unchanged: no second execution overwrote it
+            assert final[rid]["finished_at"] == res.finished_ms / 1000 and final[rid]["attempts"] == 1
+
+
+async def test_kill9_after_ack_waiters_still_get_results(tmp_path, model_cache, prefix):
+    async with cluster(tmp_path, model_cache, prefix) as c:
+        ids = [(await c.submit(SHORT)).json()["id"] for _ in range(4)]
+        waiters = [asyncio.create_task(c.client.get(f"/v1/requests/{rid}", params={"wait": 30})) for rid in ids]
+        a = c.worker("w-a", BATCHGATE_FAULTS="kill_after_ack=1")
+        t0 = time.monotonic()
+        await until(lambda: not a.alive)
+        got = await asyncio.gather(*waiters)
+        finished = [g for g in got if g.json()["status"] == "succeeded"]
+        assert finished and time.monotonic() - t0 < 20  # woken by the event, not by their 30 s timeout
+        t_fault = time.monotonic()
+        c.worker("w-b")
+        final = await c.ledger("3 kill -9 after XACK (done event already sent)", t_fault,
+                               waiters_woken=len(finished))
+        assert len(final) == 4
+
+
+async def test_sigterm_mid_batch_hands_back(tmp_path, model_cache, prefix):
+    async with cluster(tmp_path, model_cache, prefix, BATCHGATE_DRAIN_BUDGET_S="0.3") as c:
+        a = c.worker("w-a")
+        for _ in range(10):
+            await c.submit(LONG)
+        await until(lambda: running(c) >= 4)
+        a.signal(signal.SIGTERM)
+        t_fault = time.monotonic()
+        assert a.wait(30) == 0
+        drained_in = time.monotonic() - t_fault
+        r = c.redis.client()
+        for lane in ("short", "medium", "long"):
+            stream = f"{prefix}:{{m:tiny-llama}}:lane:{lane}"
+            assert r.xpending_range(stream, "workers", "-", "+", 10, consumername="w-a") == []
+            assert "w-a" not in [x["name"].decode() for x in r.xinfo_consumers(stream, "workers")]
+        c.worker("w-b")
+        final = await c.ledger("4 SIGTERM mid-batch (drain, hand back)", t_fault, drain_s=round(drained_in, 2))
+        assert len(final) == 10 and all(v["status"] == "succeeded" for v in final.values())
+
+
+async def test_long_batch_beyond_idle_threshold_is_not_stolen_and_hung_worker_is(tmp_path, model_cache, prefix):
+    async with cluster(tmp_path, model_cache, prefix, BATCHGATE_RECLAIM_IDLE_S="0.5") as c:
+        a = c.worker("w-a")
+        c.worker("w-b")
+        t0 = time.monotonic()
+        await asyncio.gather(*(c.submit(LONG) for _ in range(16)))
+        final = await c.ledger("5a batch longer than the idle threshold, live workers", t0)
+        assert all(v["attempts"] == 1 for v in final.values()), [v["attempts"] for v in final.values()]
+        assert max(v["finished_at"] - v["started_at"] for v in final.values()) > 0.5  # really longer than it
+        c.accepted.clear()
+        for _ in range(6):
+            await c.submit(LONG)
+        await until(lambda: held(c, "w-a") > 0)
+        a.signal(signal.SIGSTOP)  # hung: alive but silent, renews nothing
+        t_fault = time.monotonic()
+        final = await c.ledger("5b hung worker (SIGSTOP) reclaimed", t_fault)
+        a.signal(signal.SIGCONT)
+        assert len(final) == 6 and all(v["status"] == "succeeded" for v in final.values())
+
+
+async def test_poison_requests(tmp_path, model_cache, prefix):
+    async with cluster(tmp_path, model_cache, prefix,
+                       BATCHGATE_FAULTS="raise_token=6666,kill_token=7777") as c:
+        c.worker("w-0")
+        mates = [{"input": {"input_ids": [5, 6, 7 + i]}, "params": {"max_new_tokens": 4}} for i in range(4)]
+        bad = {"input": {"input_ids": [5, 6666, 7]}, "params": {"max_new_tokens": 4}}
+        got = await asyncio.gather(*(c.submit(b, wait=30) for b in [*mates, bad]))
+        assert [g.json()["status"] for g in got] == ["succeeded"] * 4 + ["failed"]
+        assert got[-1].json()["error"]["code"] == "model_error"
+        killer = (await c.submit({"input": {"input_ids": [7777, 5]}, "params": {"max_new_tokens": 4}})).json()["id"]
+        t_fault = time.monotonic()
+        restarts = 0
+        end = time.monotonic() + 120
+        while time.monotonic() < end:  # a supervisor: restart workers the poison request kills
+            rec = (await c.client.get(f"/v1/requests/{killer}", params={"wait": 1})).json()
+            if rec["status"] == "failed":
+                break
+            if not any(w.alive for w in c.workers):
+                restarts += 1
+                c.worker(f"w-{restarts}")
+        final = await c.ledger("6 poison requests (raises / kills workers)", t_fault, worker_restarts=restarts)
+        assert final[killer]["status"] == "failed" and final[killer]["error"]["code"] == "poison_request"
+        assert c.redis.client().xlen(f"{prefix}:{{m:tiny-llama}}:dead") == 1
+        assert 2 <= restarts <= 4
+
+
+async def test_redis_restart_and_client_kill(tmp_path, model_cache, prefix):
+    async with cluster(tmp_path, model_cache, prefix) as c:
+        c.worker("w-a")
+        for _ in range(12):
+            await c.submit(LONG)
+        await until(lambda: running(c) >= 2)
+        c.redis.kill9()
+        t_fault = time.monotonic()
+        during = [await c.submit(SHORT) for _ in range(3)]
+        assert [r.status_code for r in during] == [503] * 3  # never 202 for a request it could not store
+        assert all(r.headers.get("retry-after") for r in during)
+        assert (await c.client.get("/readyz")).status_code == 503
+        await asyncio.sleep(1.0)
+        c.redis.start()  # same port, same AOF directory
+        await until(lambda: _ready(c), timeout=30)
+        for _ in range(4):
+            r = await c.submit(SHORT)
+            assert r.status_code == 202
+        final = await c.ledger("7a Redis kill -9 + restart (AOF, fsync always)", t_fault,
+                               refused_while_down=len(during))
+        assert len(final) == 16
+        c.accepted.clear()
+        for _ in range(6):
+            await c.submit(LONG)
+        await until(lambda: running(c) >= 2)
+        c.redis.client().client_kill_filter(_type="normal")
+        t_fault = time.monotonic()
+        final = await c.ledger("7b CLIENT KILL TYPE normal", t_fault)
+        assert len(final) == 6
+
+
+def _ready(c) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(str(c.client.base_url) + "/readyz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def test_retried_submit_with_idempotency_key(tmp_path, model_cache, prefix):
+    async with cluster(tmp_path, model_cache, prefix) as c:
+        c.worker("w-a")
+        t0 = time.monotonic()
+        first = await c.submit(SHORT, headers={"Idempotency-Key": "order-1"})
+        again = await c.submit(SHORT, headers={"Idempotency-Key": "order-1"})
+        assert first.status_code == 202 and again.status_code in (200, 202)
+        assert again.json()["id"] == first.json()["id"] and again.headers["idempotent-replayed"] == "true"
+        other = await c.submit({**SHORT, "params": {"max_new_tokens": 9}}, headers={"Idempotency-Key": "order-1"})
+        assert other.status_code == 409 and other.json()["error"]["code"] == "idempotency_conflict"
+        racing = await asyncio.gather(*(c.client.post("/v1/models/tiny-llama/requests", json=SHORT,
+                                                      headers={"Idempotency-Key": "order-2"}) for _ in range(8)))
+        ids = {r.json()["id"] for r in racing if r.status_code in (200, 202)}
+        assert len(ids) == 1 and all(r.status_code in (200, 202, 409) for r in racing)
+        c.accepted.extend(ids)
+        final = await c.ledger("8 retried submit (Idempotency-Key), incl. 8 racing", t0)
+        assert len(final) == 2 and all(v["attempts"] == 1 for v in final.values())
+
+
+async def test_subscribe_race(tmp_path, model_cache, prefix):
+    async with cluster(tmp_path, model_cache, prefix) as c:
+        c.worker("w-a")
+        t0 = time.monotonic()
+        ids = [(await c.submit(SHORT, wait=30)).json()["id"] for _ in range(3)]  # finished before anyone waits
+        for rid in ids:
+            t = time.monotonic()
+            r = await c.client.get(f"/v1/requests/{rid}", params={"wait": 30})
+            assert r.json()["status"] == "succeeded" and time.monotonic() - t < 1
+        await c.ledger("9 result ready before the waiter subscribes", t0)
+
+
+async def test_backlog_past_the_stream_cap(tmp_path, model_cache, prefix):
+    lanes = '[{"name": "all", "window_ms": 5, "max_backlog": 20}]'
+    async with cluster(tmp_path, model_cache, prefix, BATCHGATE_MODEL__TINY_LLAMA__LANES=lanes) as c:
+        r = c.redis.client()
+        stream = f"{prefix}:{{m:tiny-llama}}:lane:all"
+        base = r.info("memory")["used_memory"]
+        codes = [(await c.submit(SHORT)).status_code for _ in range(50)]
+        assert codes.count(202) == 20 and codes.count(429) == 30
+        assert r.xlen(stream) == 20  # nothing unread was trimmed
+        peak = r.info("memory")["used_memory"]
+        t0 = time.monotonic()
+        c.worker("w-a")
+        final = await c.ledger("10 backlog past the stream cap", t0, rejected_429=codes.count(429))
+        assert len(final) == 20
+        await until(lambda: r.xlen(stream) == 0)
+        after = r.info("memory")["used_memory"]
+        # the stream is empty again; what remains are the 20 result records (kept for their TTL)
+        assert after - base < max(2 << 20, (peak - base) * 2), (base, peak, after)
