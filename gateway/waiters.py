@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 import structlog
 
-from shared.redis_io import UNAVAILABLE
+from shared.redis_io import UNAVAILABLE, raise_if_cancelling
 
 log = structlog.get_logger(__name__)
 
@@ -114,6 +114,7 @@ class WaiterHub:
                     if msg is not None:
                         self._dispatch(msg)
             except UNAVAILABLE as exc:
+                raise_if_cancelling(exc)
                 log.warning("waiter hub: redis unavailable", error=repr(exc), retry_in_s=backoff)
             finally:
                 self._connected.clear()

@@ -23,7 +23,7 @@ from shared.faults import Faults
 from shared.keys import GROUP
 from shared.messages import InferenceRequest
 from shared.records import RecordStore
-from shared.redis_io import UNAVAILABLE
+from shared.redis_io import UNAVAILABLE, raise_if_cancelling
 from shared.states import Status
 
 log = structlog.get_logger(__name__)
@@ -47,21 +47,28 @@ class Publisher:
         self.held = held
         self.faults = faults
         self._released = on_released
-        self.queue: asyncio.Queue[list[Emitted]] = asyncio.Queue()
+        self.queue: asyncio.Queue[list[Emitted] | None] = asyncio.Queue()
 
     async def run(self) -> None:
+        """Publish until `close()`; never cancelled mid-write (a cancelled hand-back would strand entries)."""
         while True:
             items = await self.queue.get()
+            closing = items is None
+            batch: list[Emitted] = items or []
             while not self.queue.empty():
-                items.extend(self.queue.get_nowait())
-            await self.publish(items)
+                more = self.queue.get_nowait()
+                if more is None:
+                    closing = True
+                else:
+                    batch.extend(more)
+            if batch:
+                await self.publish(batch)
+            if closing:
+                return
 
-    async def flush(self) -> None:
-        items: list[Emitted] = []
-        while not self.queue.empty():
-            items.extend(self.queue.get_nowait())
-        if items:
-            await self.publish(items)
+    def close(self) -> None:
+        """Ask `run` to return once everything queued before this call is written."""
+        self.queue.put_nowait(None)
 
     async def publish(self, items: list[Emitted]) -> None:
         backoff = 0.05
@@ -70,6 +77,7 @@ class Publisher:
                 await self._write(items)
                 break
             except UNAVAILABLE as exc:
+                raise_if_cancelling(exc)
                 log.warning("publisher: redis unavailable, retrying", error=repr(exc), retry_in_s=backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)

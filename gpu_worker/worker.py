@@ -35,7 +35,7 @@ from shared.faults import Faults
 from shared.keys import GROUP, Keys
 from shared.messages import InferenceRequest, LaneStat, LaneStats
 from shared.records import RecordStore
-from shared.redis_io import UNAVAILABLE, make_redis
+from shared.redis_io import UNAVAILABLE, make_redis, raise_if_cancelling, tolerate_outage
 from shared.states import Status, Task
 
 log = structlog.get_logger(__name__)
@@ -45,7 +45,8 @@ HEARTBEAT_S = 2.0
 MIN_INTAKE_BUFFER = 32
 STATS_INTERVAL_S = 0.5
 STATS_TTL_MS = 30_000
-CLEANUP_EVERY = 10  # maintenance cycles between consumer clean-ups
+CLEANUP_EVERY = 10
+INTAKE_STOP_TIMEOUT_S = 5.0  # maintenance cycles between consumer clean-ups
 
 
 def build_runner(loaded: Any, worker: str, faults: Faults) -> Runner:
@@ -106,8 +107,8 @@ class Worker:
             lp.start()
         intake = [asyncio.create_task(self._intake(name), name=f"intake-{name}") for name in self.loops]
         intake.append(asyncio.create_task(self._maintenance(), name="maintenance"))
+        publisher = asyncio.create_task(self.publisher.run(), name="publisher")
         background = [
-            asyncio.create_task(self.publisher.run(), name="publisher"),
             asyncio.create_task(self._cancel_listener(), name="cancels"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
             asyncio.create_task(self._publish_stats(), name="stats"),
@@ -117,7 +118,7 @@ class Worker:
         stopper = asyncio.create_task(stop.wait())
         crashed = asyncio.create_task(self._crash.wait())
         await asyncio.wait([stopper, crashed], return_when=asyncio.FIRST_COMPLETED)
-        await self._drain(intake)
+        await self._drain(intake, publisher)
         for task in [*background, stopper, crashed]:
             task.cancel()
         await asyncio.gather(*background, stopper, crashed, return_exceptions=True)
@@ -129,24 +130,29 @@ class Worker:
             bad = [f"{lp.name}: {lp.crashed!r}" for lp in self.loops.values() if lp.crashed is not None]
             raise RuntimeError(f"model loop crashed ({'; '.join(bad)})")
 
-    async def _drain(self, intake: list[asyncio.Task[None]]) -> None:
+    async def _drain(self, intake: list[asyncio.Task[None]], publisher: asyncio.Task[None]) -> None:
         """Stop intake at once; let running work finish within the budget; hand back the rest."""
         log.info("worker draining", worker=self.name, budget_s=self.drain_budget_s, held=len(self.held))
         for task in intake:
             task.cancel()
-        await asyncio.gather(*intake, return_exceptions=True)
+        _, stuck = await asyncio.wait(intake, timeout=INTAKE_STOP_TIMEOUT_S)
+        for task in stuck:  # never let a wedged Redis call hold up the drain
+            log.warning("intake task did not stop in time", task=task.get_name(),
+                        stack=[str(f) for f in task.get_stack(limit=8)])
         until = time.time() + self.drain_budget_s
         for lp in self.loops.values():
             lp.submit(Drain(until))
         await asyncio.to_thread(self._join_loops, self.drain_budget_s + 10)
-        await self.publisher.flush()
+        self.publisher.close()  # after the loops' last outcomes and hand-backs, which are already queued
+        await publisher
 
     async def _leave(self) -> None:
-        with contextlib.suppress(*UNAVAILABLE, ResponseError):
-            await self.redis.hdel(self.keys.workers(), self.name)
-            for name in self.loops:
-                await self.redis.hdel(self.keys.lane_stats(name), self.name)
-            await leases.leave(self.redis, self._all_streams(), self.name)
+        with contextlib.suppress(ResponseError):
+            async with tolerate_outage():
+                await self.redis.hdel(self.keys.workers(), self.name)
+                for name in self.loops:
+                    await self.redis.hdel(self.keys.lane_stats(name), self.name)
+                await leases.leave(self.redis, self._all_streams(), self.name)
 
     def _join_loops(self, timeout: float) -> None:
         for lp in self.loops.values():
@@ -233,6 +239,7 @@ class Worker:
         streams = {s: ">" for s in self._streams(model)}
         backoff = 0.1
         while True:
+            raise_if_cancelling()
             room = self._room_for(model)
             if room <= 0:
                 self._room.clear()
@@ -244,6 +251,7 @@ class Worker:
                                                    block=self.settings.intake_block_ms)
                 backoff = 0.1
             except UNAVAILABLE as exc:
+                raise_if_cancelling(exc)
                 log.warning("intake: redis unavailable", model=model, error=repr(exc), retry_in_s=backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -295,6 +303,7 @@ class Worker:
         cycle = 0
         while True:
             await asyncio.sleep(interval)
+            raise_if_cancelling()  # a cancellation swallowed inside a Redis call still stops the loop
             cycle += 1
             try:
                 await self._renew()
@@ -304,6 +313,7 @@ class Worker:
                     idle_ms = int(2 * self.settings.reclaim_idle_s * 1000)
                     await leases.clean_consumers(self.redis, self._all_streams(), self.name, idle_ms)
             except UNAVAILABLE as exc:
+                raise_if_cancelling(exc)
                 log.warning("maintenance: redis unavailable", error=repr(exc))
 
     async def _renew(self) -> None:
@@ -362,6 +372,7 @@ class Worker:
                     if msg and msg.get("type") == "message":
                         self._cancel(msg["data"].decode())
             except UNAVAILABLE as exc:
+                raise_if_cancelling(exc)
                 log.warning("cancel listener: redis unavailable", error=repr(exc))
                 await asyncio.sleep(1.0)
             finally:
@@ -380,7 +391,7 @@ class Worker:
         while True:
             now = time.time()
             info = json.dumps({"models": list(self.loops), "at": now, "held": len(self.held)}).encode()
-            with contextlib.suppress(*UNAVAILABLE):
+            async with tolerate_outage():
                 await self.redis.hset(self.keys.workers(), self.name, info)
                 for name, raw in (await self.redis.hgetall(self.keys.workers())).items():
                     with contextlib.suppress(ValueError, KeyError, TypeError):
@@ -399,7 +410,7 @@ class Worker:
                 key = self.keys.lane_stats(name)
                 pipe.hset(key, self.name, encode(lane_stats(spec, self.name, lp.snapshot)))
                 pipe.pexpire(key, STATS_TTL_MS)
-            with contextlib.suppress(*UNAVAILABLE):
+            async with tolerate_outage():
                 await pipe.execute()
             await asyncio.sleep(STATS_INTERVAL_S)
 

@@ -77,6 +77,69 @@ def body(rng: random.Random) -> dict[str, Any]:
             "params": {"max_new_tokens": rng.choice((8, 16, 32)), "ignore_eos": True}, "timeout_s": 120}
 
 
+class Run:
+    """Load, chaos and progress for one chaos run; the ledger at the end."""
+
+    def __init__(self, args: argparse.Namespace, workers: Workers) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.workers = workers
+        self.accepted: list[str] = []
+        self.refused: dict[int, int] = {}
+        self.events: list[str] = []
+        self.end = time.monotonic() + args.minutes * 60
+
+    async def submit(self, client: httpx.AsyncClient) -> None:
+        try:
+            r = await client.post(f"/v1/models/{self.args.model}/requests", json=body(self.rng))
+        except httpx.HTTPError:
+            self.refused[0] = self.refused.get(0, 0) + 1
+            return
+        if r.status_code == 202:
+            self.accepted.append(r.json()["id"])
+        else:
+            self.refused[r.status_code] = self.refused.get(r.status_code, 0) + 1
+
+    async def load(self, client: httpx.AsyncClient) -> None:
+        tasks = []
+        while time.monotonic() < self.end:
+            tasks.append(asyncio.create_task(self.submit(client)))
+            await asyncio.sleep(self.rng.expovariate(self.args.rate))
+        await asyncio.gather(*tasks)
+
+    async def chaos(self) -> None:
+        while time.monotonic() < self.end:
+            await asyncio.sleep(self.rng.expovariate(1 / self.args.kill_every))
+            if time.monotonic() >= self.end:
+                break
+            self.events.append(self.workers.hurt(self.rng))
+            await asyncio.sleep(self.rng.uniform(0.5, 3.0))
+            self.workers.revive()
+
+    async def progress(self) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() < self.end:
+            await asyncio.sleep(10)
+            print(f"[{time.monotonic() - t0:5.0f} s] accepted {len(self.accepted)}, refused {self.refused}, "
+                  f"kills {self.workers.kills}", flush=True)
+
+    async def settle(self, client: httpx.AsyncClient) -> tuple[dict[str, dict[str, Any]], int]:
+        final: dict[str, dict[str, Any]] = {}
+
+        async def one(rid: str) -> None:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                r = await client.get(f"/v1/requests/{rid}", params={"wait": 30})
+                if r.status_code == 200 and r.json()["status"] in TERMINAL:
+                    final[rid] = r.json()
+                    return
+        await asyncio.gather(*(one(rid) for rid in self.accepted))
+        again = await asyncio.gather(*(client.get(f"/v1/requests/{rid}") for rid in final))
+        changed = sum(1 for a in again if (a.json()["status"], a.json()["finished_at"])
+                      != (final[a.json()["id"]]["status"], final[a.json()["id"]]["finished_at"]))
+        return final, changed
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -88,78 +151,29 @@ async def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     args = ap.parse_args()
-    rng = random.Random(args.seed)
     log_dir = Path(os.environ.get("CHAOS_LOG_DIR", "bench-results/chaos-logs"))
     log_dir.mkdir(parents=True, exist_ok=True)
     workers = Workers(args.workers, log_dir)
-    accepted: list[str] = []
-    refused: dict[int, int] = {}
-    end = time.monotonic() + args.minutes * 60
-    events: list[str] = []
+    run = Run(args, workers)
     async with httpx.AsyncClient(base_url=args.url, timeout=180,
                                  limits=httpx.Limits(max_connections=500)) as client:
-        async def submit() -> None:
-            try:
-                r = await client.post(f"/v1/models/{args.model}/requests", json=body(rng))
-            except httpx.HTTPError:
-                refused[0] = refused.get(0, 0) + 1
-                return
-            if r.status_code == 202:
-                accepted.append(r.json()["id"])
-            else:
-                refused[r.status_code] = refused.get(r.status_code, 0) + 1
-
-        async def load() -> None:
-            tasks = []
-            while time.monotonic() < end:
-                tasks.append(asyncio.create_task(submit()))
-                await asyncio.sleep(rng.expovariate(args.rate))
-            await asyncio.gather(*tasks)
-
-        async def chaos() -> None:
-            while time.monotonic() < end:
-                await asyncio.sleep(rng.expovariate(1 / args.kill_every))
-                if time.monotonic() >= end:
-                    break
-                events.append(workers.hurt(rng))
-                await asyncio.sleep(rng.uniform(0.5, 3.0))
-                workers.revive()
-
-        async def progress() -> None:
-            t0 = time.monotonic()
-            while time.monotonic() < end:
-                await asyncio.sleep(10)
-                print(f"[{time.monotonic() - t0:5.0f} s] accepted {len(accepted)}, refused {refused}, "
-                      f"kills {workers.kills}", flush=True)
-
-        await asyncio.gather(load(), chaos(), progress())
+        await asyncio.gather(run.load(client), run.chaos(), run.progress())
         workers.revive()
         print("load stopped; waiting for every accepted request to finish", flush=True)
         t_settle = time.monotonic()
-        final: dict[str, dict[str, Any]] = {}
-
-        async def settle(rid: str) -> None:
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                r = await client.get(f"/v1/requests/{rid}", params={"wait": 30})
-                if r.status_code == 200 and r.json()["status"] in TERMINAL:
-                    final[rid] = r.json()
-                    return
-        await asyncio.gather(*(settle(rid) for rid in accepted))
+        final, changed = await run.settle(client)
         settle_s = time.monotonic() - t_settle
-        again = await asyncio.gather(*(client.get(f"/v1/requests/{rid}") for rid in final))
-        changed = sum(1 for a in again if (a.json()["status"], a.json()["finished_at"])
-                      != (final[a.json()["id"]]["status"], final[a.json()["id"]]["finished_at"]))
     workers.stop()
     statuses: dict[str, int] = {}
     for rec in final.values():
         statuses[rec["status"]] = statuses.get(rec["status"], 0) + 1
     report = {
-        "minutes": args.minutes, "workers": args.workers, "rate_rps": args.rate, "accepted": len(accepted),
-        "refused_at_submit": refused, "terminal": len(final), "lost": len(accepted) - len(final),
+        "minutes": args.minutes, "workers": args.workers, "rate_rps": args.rate, "accepted": len(run.accepted),
+        "refused_at_submit": run.refused, "terminal": len(final), "lost": len(run.accepted) - len(final),
         "visible_duplicates": changed, "statuses": statuses,
         "re_executed": sum(1 for r in final.values() if r.get("attempts", 0) > 1),
         "kills": workers.kills, "worker_starts": workers.started, "settle_s": round(settle_s, 1),
+        "events": run.events,
     }
     print(json.dumps(report, indent=2))
     if args.json:

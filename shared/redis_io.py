@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
@@ -31,3 +35,20 @@ def make_redis(url: str, *, socket_timeout: float = 10.0, retries: int = 2,
         max_connections=max_connections,
         decode_responses=False,
     )
+
+
+def raise_if_cancelling(exc: BaseException | None = None) -> None:
+    """redis-py can turn the cancellation of a command in flight into a ConnectionError; a loop that
+    tolerates outages must not swallow its own cancellation with it (the task would never stop)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError() from exc
+
+
+@contextlib.asynccontextmanager
+async def tolerate_outage() -> AsyncIterator[None]:
+    """Like `contextlib.suppress(*UNAVAILABLE)`, minus swallowing a cancellation."""
+    try:
+        yield
+    except UNAVAILABLE as exc:
+        raise_if_cancelling(exc)

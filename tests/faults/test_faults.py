@@ -158,7 +158,8 @@ async def test_redis_restart_and_client_kill(tmp_path, model_cache, prefix):
         assert (await c.client.get("/readyz")).status_code == 503
         await asyncio.sleep(1.0)
         c.redis.start()  # same port, same AOF directory
-        await until(lambda: _ready(c), timeout=30)
+        await until(lambda: _redis_up(c), timeout=30)
+        await until_async(lambda: _ready(c), timeout=30)
         for _ in range(4):
             r = await c.submit(SHORT)
             assert r.status_code == 202
@@ -175,13 +176,22 @@ async def test_redis_restart_and_client_kill(tmp_path, model_cache, prefix):
         assert len(final) == 6
 
 
-def _ready(c) -> bool:
-    import httpx
-
+def _redis_up(c) -> bool:
     try:
-        return httpx.get(str(c.client.base_url) + "/readyz", timeout=1).status_code == 200
-    except httpx.HTTPError:
+        return bool(c.redis.client().ping())
+    except Exception:
         return False
+
+
+async def _ready(c) -> bool:
+    return (await c.client.get("/readyz")).status_code == 200
+
+
+async def until_async(predicate, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while not await predicate():
+        assert time.monotonic() < end, "condition not reached in time"
+        await asyncio.sleep(0.1)
 
 
 async def test_retried_submit_with_idempotency_key(tmp_path, model_cache, prefix):
