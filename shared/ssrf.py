@@ -1,0 +1,152 @@
+"""SSRF guard for callback URLs: never aim a webhook inside the network unless the operator allows it.
+
+Two checks:
+- at submit (`check_url`): the URL must be http(s) with a host, and a host that is an IP literal in
+  any spelling (dotted, decimal `2852039166`, octal `0251.0376.0251.0376`, hex `0xa9fea9fe`,
+  IPv6, IPv4-mapped IPv6 `[::ffff:a9fe:a9fe]`) must be a public address;
+- at delivery (`resolve_and_check`): the host is resolved once, every address it resolves to must be
+  public, and the caller connects to the checked address (no second resolution, so DNS rebinding
+  cannot swap it).
+"Public" means `ipaddress`'s `is_global` and not multicast: loopback, private ranges, link-local
+(169.254.169.254, the cloud metadata address, included), shared, reserved and unspecified addresses
+are refused, also when embedded in IPv6 (mapped, 6to4, Teredo). An operator allow-list of host names
+and networks (`BATCHGATE_CALLBACK_ALLOW`) overrides the refusal.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+Resolver = Callable[[str, int], list[str]]
+MAX_URL_LENGTH = 2048
+
+
+class RefusedURL(ValueError):
+    """A callback URL that batchgate will not call."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A checked destination: connect to `ip`, send `Host: host`."""
+
+    url: str
+    scheme: str
+    host: str
+    port: int
+    ip: str
+    path: str
+
+
+@dataclass(frozen=True)
+class AllowList:
+    hosts: frozenset[str] = frozenset()
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def parse(cls, raw: str) -> AllowList:
+        hosts, nets = set(), []
+        for item in filter(None, (p.strip() for p in raw.split(","))):
+            try:
+                nets.append(ipaddress.ip_network(item, strict=False))
+            except ValueError:
+                hosts.add(item.lower().rstrip("."))
+        return cls(frozenset(hosts), tuple(nets))
+
+    def allows_host(self, host: str) -> bool:
+        return host.lower().rstrip(".") in self.hosts
+
+    def allows_ip(self, ip: IPAddress) -> bool:
+        return any(ip.version == n.version and ip in n for n in self.networks)
+
+
+def literal_ip(host: str) -> IPAddress | None:
+    """The address a host string denotes if it is an IP literal in any spelling, else None."""
+    h = host.strip("[]")
+    try:
+        return ipaddress.ip_address(h)
+    except ValueError:
+        pass
+    try:  # inet_aton accepts what resolvers accept: 2852039166, 0251.0376.0251.0376, 0xa9fea9fe, 10.1
+        return ipaddress.IPv4Address(socket.inet_aton(h))
+    except OSError:
+        return None
+
+
+def _embedded(ip: IPAddress) -> list[IPAddress]:
+    out: list[IPAddress] = [ip]
+    if isinstance(ip, ipaddress.IPv6Address):
+        for v4 in (ip.ipv4_mapped, ip.sixtofour, ip.teredo[1] if ip.teredo else None):
+            if v4 is not None:
+                out.append(v4)
+    return out
+
+
+def is_public(ip: IPAddress) -> bool:
+    return all(a.is_global and not a.is_multicast for a in _embedded(ip))
+
+
+def check_ip(ip: IPAddress, allow: AllowList) -> None:
+    if allow.allows_ip(ip) or is_public(ip):
+        return
+    raise RefusedURL(f"address {ip} is not public (loopback, private, link-local, metadata, multicast or "
+                     "reserved); allow it explicitly with BATCHGATE_CALLBACK_ALLOW")
+
+
+def _split(url: str) -> tuple[str, str, int, str]:
+    if not isinstance(url, str) or not url or len(url) > MAX_URL_LENGTH:
+        raise RefusedURL(f"callback url must be a string of at most {MAX_URL_LENGTH} characters")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise RefusedURL(f"callback url does not parse: {exc}") from exc
+    if parts.scheme not in ("http", "https"):
+        raise RefusedURL("callback url must be http or https")
+    if not parts.hostname:
+        raise RefusedURL("callback url needs a host")
+    if parts.username or parts.password:
+        raise RefusedURL("callback url must not carry credentials")
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80), path
+
+
+def check_url(url: str, allow: AllowList) -> None:
+    """The submit-time check: well-formed http(s), and no IP literal aimed inside."""
+    _, host, _, _ = _split(url)
+    if allow.allows_host(host):
+        return
+    ip = literal_ip(host)
+    if ip is not None:
+        check_ip(ip, allow)
+
+
+def system_resolver(host: str, port: int) -> list[str]:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
+
+
+def resolve_and_check(url: str, allow: AllowList, resolver: Resolver = system_resolver) -> Target:
+    """The delivery-time check: resolve once, refuse if any address is not public, pin the first."""
+    scheme, host, port, path = _split(url)
+    ip = literal_ip(host)
+    if ip is not None:
+        addresses: Iterable[IPAddress] = [ip]
+    else:
+        try:
+            addresses = [ipaddress.ip_address(a.split("%")[0]) for a in resolver(host, port)]
+        except (OSError, ValueError) as exc:
+            raise RefusedURL(f"cannot resolve {host}: {exc}") from exc
+    addresses = list(addresses)
+    if not addresses:
+        raise RefusedURL(f"{host} resolves to no address")
+    if not allow.allows_host(host):
+        for a in addresses:
+            check_ip(a, allow)
+    return Target(url=url, scheme=scheme, host=host, port=port, ip=str(addresses[0]), path=path)
