@@ -11,12 +11,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import handlers, metrics
+from gateway import metrics, openapi
 from gateway.api import ApiError, ApiRequest, ApiResponse, PayloadTooLarge
-from gateway.handlers import Handler
+from gateway.routes import ROUTES, RouteSpec, dispatch
 from gateway.service import GatewayService
 from shared.config import Settings
 from shared.redis_io import UNAVAILABLE
@@ -44,69 +44,80 @@ def _send(resp: ApiResponse, accept: str | None) -> Response:
     return Response(body, status_code=resp.status, media_type=ctype, headers=resp.headers)
 
 
-def create_app(settings: Settings | None = None, *, service: GatewayService | None = None) -> Starlette:
-    settings = settings or (service.settings if service else Settings.from_environ())
-    svc = service or GatewayService(settings)
+def _endpoint(route: RouteSpec, svc: GatewayService):  # type: ignore[no-untyped-def]
+    name = route.handler.__name__
 
-    def route(handler: Handler, *params: str, with_body: bool = False):  # type: ignore[no-untyped-def]
-        name = handler.__name__
+    async def endpoint(request: Request) -> Response:
+        t0 = time.perf_counter()
+        try:
+            body = await read_body(request, svc.settings.max_body_bytes) if route.with_body else b""
+            api_req = ApiRequest(
+                method=request.method, path=request.url.path, query=dict(request.query_params),
+                headers={k.lower(): v for k, v in request.headers.items()}, body=body,
+            )
+            resp = await dispatch(route, svc, api_req, [request.path_params[p] for p in route.params])
+        except ApiError as exc:
+            resp = exc.to_response()
+        metrics.HTTP_LATENCY.labels(name, str(resp.status)).observe(time.perf_counter() - t0)
+        return _send(resp, request.headers.get("accept"))
 
-        async def endpoint(request: Request) -> Response:
-            t0 = time.perf_counter()
-            try:
-                body = await read_body(request, settings.max_body_bytes) if with_body else b""
-                api_req = ApiRequest(
-                    method=request.method, path=request.url.path, query=dict(request.query_params),
-                    headers={k.lower(): v for k, v in request.headers.items()}, body=body,
-                )
-                resp = await handlers.dispatch(handler, svc, api_req, *(request.path_params[p] for p in params))
-            except ApiError as exc:
-                resp = exc.to_response()
-            metrics.HTTP_LATENCY.labels(name, str(resp.status)).observe(time.perf_counter() - t0)
-            return _send(resp, request.headers.get("accept"))
+    endpoint.__name__ = name
+    return endpoint
 
-        endpoint.__name__ = name
-        return endpoint
 
+def _metrics_endpoint(svc: GatewayService):  # type: ignore[no-untyped-def]
     async def metrics_endpoint(request: Request) -> Response:
         with contextlib.suppress(*UNAVAILABLE):
-            for spec in settings.models:
+            for spec in svc.settings.models:
                 for lane, n in (await svc.backlog(spec.name, spec.lane_names)).items():
                     metrics.BACKLOG.labels(spec.name, lane).set(n)
         metrics.WAITERS.set(svc.hub.waiting)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        status = exc.status_code if isinstance(exc, HTTPException) else 500
-        codes = {404: "not_found", 405: "method_not_allowed"}
-        message = exc.detail if isinstance(exc, HTTPException) else "internal error"
-        if status == 404:
-            message = f"no route {request.method} {request.url.path}"
-        return _send(ApiResponse(status, {"error": {"code": codes.get(status, "error"), "message": message}}),
-                     None)
+    return metrics_endpoint
 
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error", path=request.url.path)
-        return _send(ApiResponse(500, {"error": {"code": "internal", "message": "internal error"}}), None)
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    message = exc.detail if isinstance(exc, HTTPException) else "internal error"
+    if status == 404:
+        message = f"no route {request.method} {request.url.path}"
+    return _send(ApiResponse(status, {"error": {"code": codes.get(status, "error"), "message": message}}), None)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error", path=request.url.path)
+    return _send(ApiResponse(500, {"error": {"code": "internal", "message": "internal error"}}), None)
+
+
+def create_app(settings: Settings | None = None, *, service: GatewayService | None = None) -> Starlette:
+    settings = settings or (service.settings if service else Settings.from_environ())
+    svc = service or GatewayService(settings)
+    spec = openapi.document(settings)
+    page = openapi.docs_page(spec)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if not svc.auth.enabled:
+            log.warning("AUTH IS OFF (BATCHGATE_AUTH=off): every caller is tenant 'default'; for local use only")
         await svc.start()
         try:
             yield
         finally:
             await svc.close()
 
-    routes = [
-        Route("/v1/models/{model}/requests", route(handlers.submit, "model", with_body=True), methods=["POST"]),
-        Route("/v1/requests/{request_id}", route(handlers.get_request, "request_id"), methods=["GET"]),
-        Route("/v1/requests/{request_id}", route(handlers.cancel_request, "request_id"), methods=["DELETE"]),
-        Route("/v1/models", route(handlers.list_models), methods=["GET"]),
-        Route("/healthz", route(handlers.healthz), methods=["GET"]),
-        Route("/readyz", route(handlers.readyz), methods=["GET"]),
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
-    ]
+    async def openapi_endpoint(request: Request) -> Response:
+        return JSONResponse(spec)
+
+    async def docs_endpoint(request: Request) -> Response:
+        return HTMLResponse(page)
+
+    routes = [Route(r.path, _endpoint(r, svc), methods=[r.method]) for r in ROUTES]
+    routes += [Route("/metrics", _metrics_endpoint(svc), methods=["GET"]),
+               Route("/openapi.json", openapi_endpoint, methods=["GET"]),
+               Route("/docs", docs_endpoint, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: http_error, Exception: internal_error})
+                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.service = svc
     return app

@@ -11,164 +11,38 @@ import asyncio
 import dataclasses
 import hashlib
 import json
-import math
-import re
-from collections.abc import Awaitable, Callable
-from datetime import datetime
 from typing import Any
 
-import msgpack
 import structlog
 
 from gateway import metrics
 from gateway.api import (
-    MSGPACK_TYPES,
     ApiError,
     ApiRequest,
     ApiResponse,
-    BadRequest,
     Conflict,
     Gone,
     NotFound,
-    PayloadTooLarge,
     ServiceUnavailable,
     TooManyRequests,
     Unprocessable,
-    UnsupportedMediaType,
 )
+from gateway.parsing import build_request, parse_body, parse_idempotency_key, parse_wait
 from gateway.service import GatewayService, IdempotencyClaim
-from gateway.views import record_view
+from gateway.views import callback_view, record_view
 from shared.admission import Decision, Estimate
 from shared.config import ModelSpec
 from shared.errors import ValidationError
-from shared.ids import created_ms, is_request_id, new_request_id
-from shared.lanes import assign_lane, estimate_embed_tokens, estimate_generate_tokens
+from shared.ids import created_ms, is_request_id
 from shared.messages import InferenceRequest
-from shared.params import EmbedParams, GenerateParams, parse_embed_input, parse_generate_input
 from shared.redis_io import UNAVAILABLE
-from shared.states import Priority, Status, Task
+from shared.states import Status
 
 log = structlog.get_logger(__name__)
 
-SUBMIT_FIELDS = {"input", "params", "timeout_s", "deadline", "priority"}
 IDEMPOTENCY_TAKEOVER_S = 5.0  # a key claimed this long ago without a stored request is taken over
 IDEMPOTENCY_RACE_POLLS = 20
 IDEMPOTENCY_RACE_POLL_S = 0.025
-_PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*([0-9.]+)")
-
-
-# --- parsing helpers -----------------------------------------------------------------------------
-
-def parse_body(req: ApiRequest, max_bytes: int) -> Any:
-    if len(req.body) > max_bytes:
-        raise PayloadTooLarge(f"body is {len(req.body)} bytes; the limit is {max_bytes}")
-    if not req.body:
-        raise BadRequest("empty body: send a JSON object", code="invalid_body")
-    ctype = (req.header("content-type") or "application/json").split(";")[0].strip().lower()
-    if ctype in MSGPACK_TYPES:
-        try:
-            return msgpack.unpackb(req.body, raw=False)
-        except Exception as exc:
-            raise BadRequest(f"invalid msgpack body: {exc}", code="invalid_body") from exc
-    if ctype not in ("application/json", "text/plain", "application/x-www-form-urlencoded", ""):
-        raise UnsupportedMediaType(f"content type {ctype!r} not supported; send application/json "
-                                   "or application/msgpack")
-    try:
-        return json.loads(req.body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"invalid JSON: {exc}", code="invalid_json") from exc
-
-
-def parse_wait(req: ApiRequest, cap: float) -> float:
-    """`?wait=S` or `Prefer: wait=S`; 0 when absent. Capped at the gateway's maximum."""
-    raw = req.query.get("wait")
-    if raw is None:
-        m = _PREFER_WAIT.search(req.header("prefer") or "")
-        raw = m.group(1) if m else None
-    if raw is None or raw == "":
-        return 0.0
-    try:
-        value = float(raw)
-    except ValueError as exc:
-        raise BadRequest(f"wait must be a number of seconds, got {raw!r}", code="invalid_wait") from exc
-    if not math.isfinite(value) or value < 0:
-        raise BadRequest("wait must be a non-negative number of seconds", code="invalid_wait")
-    return min(value, cap)
-
-
-def parse_deadline(body: dict[str, Any], spec: ModelSpec, now: float) -> float:
-    """Absolute deadline (epoch seconds) from `timeout_s` or `deadline`, else the model's default."""
-    if "timeout_s" in body and "deadline" in body:
-        raise ValidationError("timeout_s", "give either timeout_s or deadline, not both")
-    if "timeout_s" in body:
-        t = body["timeout_s"]
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
-            raise ValidationError("timeout_s", "must be a positive number of seconds")
-        if t > spec.max_timeout_s:
-            raise ValidationError("timeout_s", f"at most {spec.max_timeout_s} seconds for this model")
-        return now + float(t)
-    if "deadline" in body:
-        d = body["deadline"]
-        if isinstance(d, str):
-            try:
-                parsed = datetime.fromisoformat(d.replace("Z", "+00:00"))
-            except ValueError as exc:
-                raise ValidationError("deadline", "must be epoch seconds or an ISO 8601 time") from exc
-            if parsed.tzinfo is None:
-                raise ValidationError("deadline", "an ISO 8601 deadline needs a time zone (e.g. Z)")
-            value = parsed.timestamp()
-        elif isinstance(d, int | float) and not isinstance(d, bool) and math.isfinite(d):
-            value = float(d)
-        else:
-            raise ValidationError("deadline", "must be epoch seconds or an ISO 8601 time")
-        if value <= now:
-            raise ValidationError("deadline", "is in the past")
-        if value - now > spec.max_timeout_s:
-            raise ValidationError("deadline", f"at most {spec.max_timeout_s} seconds ahead for this model")
-        return value
-    return now + spec.default_timeout_s
-
-
-def build_request(body: Any, spec: ModelSpec, tenant: str, now: float) -> InferenceRequest:
-    if not isinstance(body, dict):
-        raise ValidationError("", "the body must be a JSON object")
-    unknown = sorted(set(body) - SUBMIT_FIELDS)
-    if unknown:
-        raise ValidationError(unknown[0], f"unknown field (allowed: {', '.join(sorted(SUBMIT_FIELDS))})")
-    if "input" not in body:
-        raise ValidationError("input", "required")
-    if spec.task is Task.GENERATE:
-        params = GenerateParams.parse(body.get("params"), limit=spec.max_new_tokens,
-                                      default_max_new_tokens=spec.default_max_new_tokens)
-        inp = parse_generate_input(body["input"], max_prompt_chars=spec.max_input_tokens * 16,
-                                   max_input_tokens=spec.max_input_tokens)
-        _, tokens = estimate_generate_tokens(inp, params.max_new_tokens)
-        params_dict = params.to_dict()
-    else:
-        eparams = EmbedParams.parse(body.get("params"))
-        inp = parse_embed_input(body["input"], max_texts=spec.max_texts,
-                                max_text_chars=spec.max_input_tokens * 16)
-        tokens = estimate_embed_tokens(inp)
-        params_dict = eparams.to_dict()
-    priority = body.get("priority", Priority.INTERACTIVE.value)
-    if priority not in (p.value for p in Priority):
-        raise ValidationError("priority", "must be interactive or batch")
-    deadline = parse_deadline(body, spec, now)
-    return InferenceRequest(
-        id=new_request_id(int(now * 1000)), tenant=tenant, model=spec.name, task=spec.task, input=inp,
-        params=params_dict,
-        lane=assign_lane(tokens, spec.lanes).name, priority=Priority(priority), created_ms=int(now * 1000),
-        deadline_ms=int(deadline * 1000), est_tokens=tokens,
-    )
-
-
-def parse_idempotency_key(req: ApiRequest) -> str | None:
-    key = req.header("idempotency-key")
-    if key is None:
-        return None
-    if not 1 <= len(key) <= 255 or not key.isprintable():
-        raise BadRequest("Idempotency-Key must be 1-255 printable characters", code="invalid_idempotency_key")
-    return key
 
 
 def _model(svc: GatewayService, name: str) -> ModelSpec:
@@ -191,18 +65,21 @@ async def submit(svc: GatewayService, req: ApiRequest, model: str) -> ApiRespons
     body = parse_body(req, svc.settings.max_body_bytes)
     idem_key = parse_idempotency_key(req)
     try:
-        inference = build_request(body, spec, req.tenant, svc.clock())
+        inference = build_request(body, spec, req.tenant, svc.clock(), svc.callback_allow)
     except ValidationError as exc:
         raise Unprocessable(exc.message if not exc.field else f"{exc.field}: {exc.message}",
                             extra={"field": exc.field}) from exc
+    if inference.callback and await svc.callbacks.is_disabled(req.tenant, inference.callback.url):
+        raise Unprocessable("callback.url: this URL answered 410 Gone and is disabled for this tenant",
+                            extra={"field": "callback.url"})
     body_hash = ""
     if idem_key is not None:
         inference = dataclasses.replace(inference, idempotency_key=idem_key)
-        body_hash = hashlib.sha256(
-            (spec.name + "\0" + json.dumps(body, sort_keys=True, separators=(",", ":"))).encode()).hexdigest()
+        body_hash = _body_hash(spec.name, body)
         existing = await svc.idempotency_get(req.tenant, idem_key)
         if existing is not None:
             return await _replay(svc, req, existing, body_hash, inference, wait)
+    await svc.auth.admit(req.tenant)
     decision, _ = await svc.admit(inference, spec)
     if not decision.accept:
         metrics.REJECTED.labels(spec.name, inference.lane, decision.code).inc()
@@ -214,6 +91,87 @@ async def submit(svc: GatewayService, req: ApiRequest, model: str) -> ApiRespons
         if existing is not None:  # a concurrent submit with the same key won the race
             return await _replay(svc, req, existing, body_hash, inference, wait)
     return await _store_and_answer(svc, inference, decision, wait)
+
+
+def _body_hash(model: str, body: Any) -> str:
+    return hashlib.sha256((model + "\0" + json.dumps(body, sort_keys=True, separators=(",", ":"))).encode()).hexdigest()
+
+
+async def submit_batch(svc: GatewayService, req: ApiRequest, model: str) -> ApiResponse:
+    """Many inputs in one call (e.g. an SQS batch): one id per accepted item, an error per refused one.
+
+    Body: {"requests": [<submit body>, ...]}; an item may carry `idempotency_key` (an SQS message id,
+    say) so a redelivered batch does not create its accepted items twice."""
+    spec = _model(svc, model)
+    body = parse_body(req, svc.settings.max_body_bytes)
+    items = body.get("requests") if isinstance(body, dict) else None
+    if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
+        raise Unprocessable("requests: a non-empty list of submit bodies (objects) is required",
+                            extra={"field": "requests"})
+    if set(body) - {"requests"}:
+        raise Unprocessable(f"{sorted(set(body) - {'requests'})[0]}: unknown field (allowed: requests)",
+                            extra={"field": sorted(set(body) - {"requests"})[0]})
+    if len(items) > svc.settings.max_batch_items:
+        raise Unprocessable(f"requests: at most {svc.settings.max_batch_items} items per batch",
+                            extra={"field": "requests"})
+    results: list[dict[str, Any]] = []
+    to_store: list[tuple[int, InferenceRequest, Decision]] = []
+    for i, item in enumerate(items):
+        try:
+            results.append(await _batch_item(svc, req, spec, i, item, to_store))
+        except ApiError as exc:
+            results.append({"index": i, "status": exc.status,
+                            "error": {"code": exc.code, "message": exc.message, **exc.extra}})
+    if to_store:
+        stored = await svc.submit_many([(inf, dec) for _, inf, dec in to_store])
+        for (i, inf, _), sub in zip(to_store, stored, strict=True):
+            metrics.SUBMITTED.labels(inf.model, inf.lane).inc()
+            est = sub.decision.estimate
+            results[i] = {"index": i, "status": 202, "id": inf.id, "lane": inf.lane,
+                          "queue_position": sub.queue_position,
+                          "eta_ms": round(est.finish_s * 1000) if est.basis == "stats" else None,
+                          "links": _links(inf.id)}
+    accepted = sum(1 for r in results if r["status"] in (200, 202))
+    return ApiResponse(200, {"results": results, "accepted": accepted, "refused": len(results) - accepted})
+
+
+async def _batch_item(svc: GatewayService, req: ApiRequest, spec: ModelSpec, i: int, item: Any,
+                      to_store: list[tuple[int, InferenceRequest, Decision]]) -> dict[str, Any]:
+    key = item.get("idempotency_key")
+    body = {k: v for k, v in item.items() if k != "idempotency_key"}
+    if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 255):
+        raise Unprocessable("idempotency_key must be a string of 1-255 characters",
+                            extra={"field": f"requests[{i}].idempotency_key"})
+    try:
+        inference = build_request(body, spec, req.tenant, svc.clock(), svc.callback_allow)
+    except ValidationError as exc:
+        raise Unprocessable(f"{exc.field}: {exc.message}" if exc.field else exc.message,
+                            extra={"field": f"requests[{i}].{exc.field}" if exc.field else f"requests[{i}]"}) from exc
+    body_hash = _body_hash(spec.name, body)
+    if key is not None:
+        existing = await svc.idempotency_get(req.tenant, key)
+        if existing is not None:
+            return _batch_replay(i, existing, body_hash)
+    await svc.auth.admit(req.tenant)
+    decision, _ = await svc.admit(inference, spec)
+    if not decision.accept:
+        metrics.REJECTED.labels(spec.name, inference.lane, decision.code).inc()
+        raise TooManyRequests(decision.reason, code=decision.code, retry_after=decision.retry_after_s)
+    if key is not None:
+        inference = dataclasses.replace(inference, idempotency_key=key)
+        existing = await svc.idempotency_claim(req.tenant, key, IdempotencyClaim(inference.id, body_hash,
+                                                                                   svc.now_ms()))
+        if existing is not None:
+            return _batch_replay(i, existing, body_hash)
+    to_store.append((i, inference, decision))
+    return {"index": i, "status": 0}  # filled in once stored
+
+
+def _batch_replay(i: int, existing: IdempotencyClaim, body_hash: str) -> dict[str, Any]:
+    if existing.body_hash != body_hash:
+        raise Conflict("this idempotency_key was used with a different request body", code="idempotency_conflict")
+    return {"index": i, "status": 200, "id": existing.request_id, "replayed": True,
+            "links": _links(existing.request_id)}
 
 
 async def _store_and_answer(svc: GatewayService, inference: InferenceRequest, decision: Decision,
@@ -306,6 +264,21 @@ async def _visible(svc: GatewayService, req: ApiRequest, request_id: str) -> Any
     return rec
 
 
+async def replay_callback(svc: GatewayService, req: ApiRequest, request_id: str) -> ApiResponse:
+    """Send a dead-lettered (or failed) webhook again, from attempt zero."""
+    rec = await _visible(svc, req, request_id)
+    if rec.meta is None or rec.meta.callback is None:
+        raise NotFound("this request has no callback", code="no_callback")
+    if rec.callback is None:
+        raise Conflict("the callback has not been attempted yet", code="callback_pending")
+    fresh = await svc.callbacks.replay(rec.callback.delivery_id, svc.now_ms())
+    if fresh is None:
+        raise Conflict(f"the callback is {rec.callback.status}; only dead or failed deliveries are replayed",
+                       code="callback_not_replayable")
+    await svc.store.set_callback_state(request_id, fresh)
+    return ApiResponse(202, {"id": request_id, "callback": callback_view(rec.meta.callback, fresh)})
+
+
 async def list_models(svc: GatewayService, req: ApiRequest) -> ApiResponse:
     out = []
     for spec in svc.settings.models:
@@ -334,21 +307,3 @@ async def readyz(svc: GatewayService, req: ApiRequest) -> ApiResponse:
     except UNAVAILABLE as exc:
         raise ServiceUnavailable(f"redis unreachable: {type(exc).__name__}", retry_after=1) from exc
     return ApiResponse(200, {"status": "ready"})
-
-
-Handler = Callable[..., Awaitable[ApiResponse]]
-
-
-async def dispatch(handler: Handler, svc: GatewayService, req: ApiRequest, *args: str) -> ApiResponse:
-    """Run a handler; translate errors in exactly one place."""
-    try:
-        return await handler(svc, req, *args)
-    except ApiError as exc:
-        metrics.ERRORS.labels(exc.code).inc()
-        return exc.to_response()
-    except UNAVAILABLE as exc:
-        metrics.ERRORS.labels("unavailable").inc()
-        log.warning("redis unavailable", error=repr(exc))
-        return ServiceUnavailable("the queue is unreachable; retry shortly", retry_after=1).to_response()
-    finally:
-        structlog.contextvars.clear_contextvars()

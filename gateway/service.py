@@ -15,9 +15,11 @@ from dataclasses import dataclass
 import msgpack
 import redis.asyncio as aioredis
 
+from gateway.auth import Auth
 from gateway.waiters import SubscriptionUnavailable, WaiterHub
 from shared import admission
 from shared.admission import Decision
+from shared.callback_store import CallbackStore
 from shared.codec import decode, encode
 from shared.config import ModelSpec, Settings
 from shared.errors import CodecError
@@ -25,6 +27,7 @@ from shared.keys import Keys
 from shared.messages import ErrorInfo, InferenceRequest, LaneStats, RequestResult
 from shared.records import RecordStore, StoredRecord
 from shared.redis_io import make_redis
+from shared.ssrf import AllowList
 from shared.states import FinishReason, Status
 
 
@@ -61,6 +64,11 @@ class GatewayService:
         self._own_redis = redis is None
         self.store = RecordStore(self.redis, self.keys, settings.result_ttl_s)
         self.hub = WaiterHub(self.redis, f"{settings.key_prefix}:hub")
+        self.callbacks = CallbackStore(self.redis, self.keys)
+        self.auth = Auth(self.redis, self.keys, mode=settings.auth, default_rate_per_s=settings.tenant_rate_per_s,
+                         default_burst=settings.tenant_burst, default_max_backlog=settings.tenant_max_backlog,
+                         clock=clock)
+        self.callback_allow = AllowList.parse(settings.callback_allow)
         self.clock = clock
 
     async def start(self) -> None:
@@ -100,13 +108,21 @@ class GatewayService:
         return decision, queued
 
     async def submit(self, req: InferenceRequest, decision: Decision) -> Submitted:
-        stream = self.keys.lane_stream(req.model, req.lane)
+        (out,) = await self.submit_many([(req, decision)])
+        return out
+
+    async def submit_many(self, items: list[tuple[InferenceRequest, Decision]]) -> list[Submitted]:
+        """Store requests: per request, XADD to its lane stream, then the queued record, in one pipeline."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xadd(stream, {"m": encode(req)})
-        await self.store.init_in(pipe, req, self.now_ms())
-        pipe.xlen(stream)
-        _, _, position = await pipe.execute()
-        return Submitted(req, int(position), decision)
+        now = self.now_ms()
+        for req, _ in items:
+            stream = self.keys.lane_stream(req.model, req.lane)
+            pipe.xadd(stream, {"m": encode(req)})
+            await self.store.init_in(pipe, req, now)
+            pipe.xlen(stream)
+            self.auth.track_in(pipe, req.tenant, req.id, req.deadline_ms + int(self.settings.expiry_grace_s * 1000))
+        replies = await pipe.execute()
+        return [Submitted(req, int(replies[5 * i + 2]), decision) for i, (req, decision) in enumerate(items)]
 
     async def idempotency_get(self, tenant: str, key: str) -> IdempotencyClaim | None:
         raw = await self.redis.get(self.keys.idempotency(tenant, key))
@@ -141,6 +157,7 @@ class GatewayService:
 
     async def wait(self, request_id: str, timeout: float) -> StoredRecord | None:
         """Block until the record is terminal or `timeout` passes; woken by pub/sub, never by polling."""
+        await self.hub.ensure_started()
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         try:
@@ -167,6 +184,7 @@ class GatewayService:
         ))
         if won and rec.meta is not None:
             await self.redis.publish(self.keys.cancel_channel(rec.meta.model), rec.id)
+            await self.redis.zrem(self.keys.tenant_active(rec.meta.tenant), rec.id)
         return won
 
     async def backlog(self, model: str, lanes: tuple[str, ...]) -> dict[str, int]:

@@ -4,7 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.messages import Callback, CallbackState
 from shared.records import StoredRecord
+
+
+def callback_view(cb: Callback, state: CallbackState | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"url": cb.url, "events": list(cb.events)}
+    if state is None:
+        out["status"] = "waiting"  # nothing to deliver yet (or the delivery is queued)
+        return out
+    out.update({
+        "event": state.event, "status": state.status, "attempts": state.attempts,
+        "last_status_code": state.last_status_code, "last_error": state.last_error or None,
+        "next_attempt_at": _sec(state.next_attempt_ms), "delivered_at": _sec(state.delivered_ms),
+        "webhook_id": state.delivery_id,
+    })
+    return out
 
 
 def _sec(ms: int | None) -> float | None:
@@ -32,5 +47,11 @@ def record_view(rec: StoredRecord) -> dict[str, Any]:
                     if result and result.error else None)
     out["timings"] = result.timings if result else {}
     out["attempts"] = rec.attempts
+    if meta is not None and meta.callback is not None:
+        out["callback"] = callback_view(meta.callback, rec.callback)
+        if rec.callback is not None and rec.callback.status in ("dead", "failed"):
+            out["links"] = {"self": f"/v1/requests/{rec.id}",
+                            "replay_callback": f"/v1/requests/{rec.id}/callback:replay"}
+            return out
     out["links"] = {"self": f"/v1/requests/{rec.id}"}
     return out

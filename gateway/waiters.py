@@ -55,6 +55,12 @@ class WaiterHub:
     async def start(self) -> None:
         self._task = asyncio.create_task(self._listen(), name="waiter-hub")
 
+    async def ensure_started(self) -> None:
+        """Start on first use: serverless adapters run no lifespan, and the task must live in the loop that
+        serves requests (it sleeps with the loop between invocations of a warm container)."""
+        if self._task is None or self._task.done():
+            await self.start()
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()

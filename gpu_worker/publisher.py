@@ -108,6 +108,8 @@ class Publisher:
         for stream, ids in acks.items():
             pipe.xack(stream, GROUP, *ids)
             pipe.xdel(stream, *ids)
+        for o in results:  # no longer counts against its tenant's backlog quota
+            pipe.zrem(self.store.keys.tenant_active(o.request.tenant), o.request.id)
         if len(pipe):
             await pipe.execute()
             self.faults.point("kill_after_ack")

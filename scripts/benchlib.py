@@ -123,7 +123,8 @@ def stack(config: dict[str, Any], redis_url: str, *, log_dir: Path | None = None
     cfg.write_text(yaml.safe_dump(config))
     env = {**os.environ, "BATCHGATE_CONFIG": str(cfg), "BATCHGATE_REDIS_URL": redis_url,
            "BATCHGATE_KEY_PREFIX": prefix, "BATCHGATE_PORT": str(port), "BATCHGATE_WORKER_METRICS_PORT": str(mport),
-           "BATCHGATE_LOG_LEVEL": "warning", "BATCHGATE_LOG_FORMAT": "json", "BATCHGATE_MAX_WAIT_S": "600"}
+           "BATCHGATE_LOG_LEVEL": "warning", "BATCHGATE_LOG_FORMAT": "json", "BATCHGATE_MAX_WAIT_S": "600",
+           "BATCHGATE_AUTH": "off"}
     logs = log_dir or Path(tmp.name)
     cli = [sys.executable, "-m", "shared.cli"]
     procs = [subprocess.Popen([*cli, role], env=env, stdout=(logs / f"{prefix}-{role}.log").open("w"),

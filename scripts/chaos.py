@@ -149,13 +149,15 @@ async def main() -> None:
     ap.add_argument("--rate", type=float, default=8.0, help="requests per second (Poisson)")
     ap.add_argument("--kill-every", type=float, default=15.0, help="mean seconds between worker kills")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--api-key", default=os.environ.get("BATCHGATE_API_KEY"), help="if the gateway requires keys")
     ap.add_argument("--json")
     args = ap.parse_args()
     log_dir = Path(os.environ.get("CHAOS_LOG_DIR", "bench-results/chaos-logs"))
     log_dir.mkdir(parents=True, exist_ok=True)
     workers = Workers(args.workers, log_dir)
     run = Run(args, workers)
-    async with httpx.AsyncClient(base_url=args.url, timeout=180,
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(base_url=args.url, timeout=180, headers=headers,
                                  limits=httpx.Limits(max_connections=500)) as client:
         await asyncio.gather(run.load(client), run.chaos(), run.progress())
         workers.revive()

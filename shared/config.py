@@ -138,6 +138,18 @@ class Settings:
     reclaim_idle_s: float = 30.0  # an entry idle this long belongs to a dead worker and is reclaimed
     max_deliveries: int = 3  # deliveries after which an entry is dead-lettered (it keeps killing workers)
     drain_budget_s: float = 30.0  # SIGTERM: time to finish in-flight work before handing it back
+    auth: str = "api_key"  # "api_key" | "off" (local use only; logged loudly)
+    tenant_rate_per_s: float = 0.0  # default per-tenant submit rate (0: unlimited); per tenant: batchgate tenants
+    tenant_burst: int = 0
+    tenant_max_backlog: int = 0  # default per-tenant queued+running cap (0: unlimited)
+    max_batch_items: int = 100  # inputs per POST .../requests:batch
+    callback_allow: str = ""  # hosts and networks webhooks may target although not public (SSRF allow-list)
+    callback_max_attempts: int = 10
+    callback_base_s: float = 20.0  # first retry after ~base, doubling (with jitter) up to the cap
+    callback_cap_s: float = 3600.0  # 10 attempts with these defaults span about 2 hours
+    callback_connect_timeout_s: float = 3.0
+    callback_timeout_s: float = 10.0  # total time for one attempt
+    callback_lease_s: float = 60.0  # a dispatcher that dies mid-attempt gives the delivery back after this
     models: tuple[ModelSpec, ...] = field(default_factory=lambda: tuple(BUILTIN_MODELS[n] for n in DEFAULT_MODELS))
     model_cache_dir: str = ""
 
@@ -169,6 +181,19 @@ class Settings:
                 reclaim_idle_s=float(get(ENV_PREFIX + "RECLAIM_IDLE_S", d.reclaim_idle_s)),
                 max_deliveries=int(get(ENV_PREFIX + "MAX_DELIVERIES", d.max_deliveries)),
                 drain_budget_s=float(get(ENV_PREFIX + "DRAIN_BUDGET_S", d.drain_budget_s)),
+                auth=get(ENV_PREFIX + "AUTH", d.auth).lower(),
+                tenant_rate_per_s=float(get(ENV_PREFIX + "TENANT_RATE_PER_S", d.tenant_rate_per_s)),
+                tenant_burst=int(get(ENV_PREFIX + "TENANT_BURST", d.tenant_burst)),
+                tenant_max_backlog=int(get(ENV_PREFIX + "TENANT_MAX_BACKLOG", d.tenant_max_backlog)),
+                max_batch_items=int(get(ENV_PREFIX + "MAX_BATCH_ITEMS", d.max_batch_items)),
+                callback_allow=get(ENV_PREFIX + "CALLBACK_ALLOW", d.callback_allow),
+                callback_max_attempts=int(get(ENV_PREFIX + "CALLBACK_MAX_ATTEMPTS", d.callback_max_attempts)),
+                callback_base_s=float(get(ENV_PREFIX + "CALLBACK_BASE_S", d.callback_base_s)),
+                callback_cap_s=float(get(ENV_PREFIX + "CALLBACK_CAP_S", d.callback_cap_s)),
+                callback_connect_timeout_s=float(get(ENV_PREFIX + "CALLBACK_CONNECT_TIMEOUT_S",
+                                                     d.callback_connect_timeout_s)),
+                callback_timeout_s=float(get(ENV_PREFIX + "CALLBACK_TIMEOUT_S", d.callback_timeout_s)),
+                callback_lease_s=float(get(ENV_PREFIX + "CALLBACK_LEASE_S", d.callback_lease_s)),
                 models=models,
                 model_cache_dir=cache_dir,
             ).validate()
@@ -182,6 +207,8 @@ class Settings:
             raise ConfigError("reclaim_idle_s > 0, max_deliveries >= 1 and drain_budget_s >= 0 are required")
         if self.result_ttl_s < 1 or self.max_body_bytes < 1024 or self.max_wait_s < 0:
             raise ConfigError("result_ttl_s >= 1, max_body_bytes >= 1024 and max_wait_s >= 0 are required")
+        if self.auth not in ("api_key", "off"):
+            raise ConfigError("BATCHGATE_AUTH must be api_key or off")
         if self.log_format not in ("json", "console", "auto"):
             raise ConfigError("log format must be json, console or auto")
         names = [m.name for m in self.models]

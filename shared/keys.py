@@ -6,6 +6,8 @@ Hash tags keep the keys that one command or script touches in one Redis Cluster 
 - `{r:<id>}`: one request's record and its "done" channel (the finish script writes and
   publishes atomically).
 - `{i:<tenant>:<hash>}`: an idempotency key.
+- `{cb}`: the callback stream, schedule and delivery states (the dispatcher moves a delivery between
+  them atomically).
 The prefix (default "bg") lets several deployments, or tests, share one Redis without touching
 each other's data.
 """
@@ -48,6 +50,38 @@ class Keys:
     def idempotency(self, tenant: str, key: str) -> str:
         digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
         return f"{self.prefix}:{{i:{tenant}:{digest}}}"
+
+    # --- callbacks: one slot ({cb}) for the stream, the schedule and the delivery states --------
+    def callback_stream(self) -> str:
+        return f"{self.prefix}:{{cb}}:stream"
+
+    def callback_due(self) -> str:
+        return f"{self.prefix}:{{cb}}:due"
+
+    def callback_state(self, delivery_id: str) -> str:
+        return f"{self.prefix}:{{cb}}:d:{delivery_id}"
+
+    def callback_dead(self) -> str:
+        return f"{self.prefix}:{{cb}}:dead"
+
+    def callback_disabled(self, tenant: str) -> str:
+        return f"{self.prefix}:{{cb}}:off:{tenant}"
+
+    # --- tenants ---------------------------------------------------------------------------------
+    def tenant(self, tenant: str) -> str:
+        return f"{self.prefix}:tenant:{tenant}"
+
+    def api_key(self, key_hash: str) -> str:
+        return f"{self.prefix}:apikey:{key_hash}"
+
+    def tenant_keys(self, tenant: str) -> str:
+        return f"{self.prefix}:tenant:{tenant}:keys"
+
+    def tenant_active(self, tenant: str) -> str:
+        return f"{self.prefix}:tenant:{tenant}:active"
+
+    def rate(self, tenant: str, window: int) -> str:
+        return f"{self.prefix}:rate:{tenant}:{window}"
 
     # --- deployment-wide ---------------------------------------------------------------------
     def model_registry(self) -> str:

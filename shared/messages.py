@@ -117,3 +117,32 @@ class LaneStats:
     prefill_ms_per_token: float
     decode_ms_per_step: float
     lanes: tuple[LaneStat, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CallbackDelivery:
+    """One webhook to send: put on the callback stream atomically with the state change it reports."""
+
+    KIND: ClassVar[str] = "callback"
+    delivery_id: str  # the `webhook-id`: the same on every attempt
+    request_id: str
+    tenant: str
+    event: str  # "started" | "completed"
+    url: str
+    created_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class CallbackState:
+    """Where a delivery stands; kept with the delivery and copied into the request's record."""
+
+    KIND: ClassVar[str] = "callback_state"
+    delivery_id: str
+    event: str
+    url: str
+    status: str  # "pending" | "delivered" | "failed" | "dead" | "disabled"
+    attempts: int = 0
+    last_status_code: int | None = None
+    last_error: str = ""
+    next_attempt_ms: int | None = None
+    delivered_ms: int | None = None

@@ -24,17 +24,21 @@ def make_redis(url: str, *, socket_timeout: float = 10.0, retries: int = 2,
     A thawed serverless container or a restarted Redis leaves dead connections in the pool: the
     retry reconnects once or twice with jittered backoff before the error reaches the caller.
     """
-    return aioredis.Redis.from_url(
+    # A blocking pool: under a burst of concurrent requests, callers wait (up to 5 s) for a free
+    # connection instead of failing with "Too many connections".
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=max_connections or 200,
+        timeout=5,
         socket_connect_timeout=2.0,
         socket_timeout=socket_timeout,
         socket_keepalive=True,
         health_check_interval=30,
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        max_connections=max_connections,
         decode_responses=False,
     )
+    return aioredis.Redis(connection_pool=pool, auto_close_connection_pool=True)
 
 
 def raise_if_cancelling(exc: BaseException | None = None) -> None:

@@ -22,6 +22,7 @@ from shared.embedded_redis import free_port
 def make_settings(redis_url: str, prefix: str, models: tuple[ModelSpec, ...] | None = None,
                   **overrides: Any) -> Settings:
     models = models or (BUILTIN_MODELS["minilm"], BUILTIN_MODELS["tiny-llama"])
+    overrides.setdefault("auth", "off")
     return Settings(redis_url=redis_url, key_prefix=prefix, models=models, worker_metrics_port=0,
                     worker_name=f"{prefix}-w{free_port()}", intake_block_ms=200, **overrides).validate()
 

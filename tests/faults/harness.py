@@ -187,7 +187,7 @@ async def cluster(tmp_path: Path, model_cache: Path, prefix: str, **env_extra: s
         "BATCHGATE_REDIS_URL": own.url, "BATCHGATE_KEY_PREFIX": prefix, "BATCHGATE_MODELS": "tiny-llama",
         "BATCHGATE_MODEL_CACHE": str(model_cache), "BATCHGATE_RECLAIM_IDLE_S": "2", "BATCHGATE_MAX_DELIVERIES": "2",
         "BATCHGATE_DRAIN_BUDGET_S": "1", "BATCHGATE_WORKER_METRICS_PORT": "0", "BATCHGATE_LOG_FORMAT": "json",
-        "BATCHGATE_INTAKE_BLOCK_MS": "200", "BATCHGATE_EXPIRY_GRACE_S": "5", **env_extra,
+        "BATCHGATE_INTAKE_BLOCK_MS": "200", "BATCHGATE_EXPIRY_GRACE_S": "5", "BATCHGATE_AUTH": "off", **env_extra,
     }
     settings = Settings.from_environ(env)
     async with running_gateway(settings) as gw:

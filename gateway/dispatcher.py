@@ -1,0 +1,261 @@
+"""`batchgate callbacks`: the webhook dispatcher. Several can run; each delivery is attempted by one.
+
+    callback stream --XREADGROUP--> schedule (due set)  --claim (lease)--> attempt --> result
+                                                           ^                             |
+                                                           +---- retry with backoff -----+--> dead-letter
+
+Per attempt: the URL is resolved and checked against the SSRF guard, the request goes to the checked
+address (no second resolution), redirects are not followed, connect and total timeouts apply, and the
+body is signed with Standard Webhooks headers (the same `webhook-id` on every attempt, a fresh
+timestamp and signature each time). The schedule lives in Redis: a restart loses nothing and resets
+nothing; a dispatcher that dies mid-attempt gives its delivery back when its lease runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+import structlog
+from prometheus_client import Counter, Histogram
+from redis.exceptions import ResponseError
+
+from gateway.views import record_view
+from shared.callback_policy import backoff_s, classify, parse_retry_after
+from shared.callback_store import GROUP, CallbackStore
+from shared.codec import decode
+from shared.config import Settings
+from shared.errors import CodecError
+from shared.keys import Keys
+from shared.messages import CallbackDelivery, CallbackState
+from shared.records import RecordStore
+from shared.redis_io import UNAVAILABLE, make_redis, raise_if_cancelling
+from shared.ssrf import AllowList, RefusedURL, Resolver, Target, resolve_and_check, system_resolver
+from shared.tenants import TenantStore
+from shared.webhooks import sign_headers
+
+log = structlog.get_logger(__name__)
+
+ATTEMPTS = Counter("batchgate_webhook_attempts_total", "Webhook delivery attempts")
+OUTCOMES = Counter("batchgate_webhook_outcomes_total", "Webhook attempts by outcome", ["outcome"])
+FAILURES = Counter("batchgate_webhook_failures_total", "Failed webhook attempts by reason", ["reason"])
+DEAD = Counter("batchgate_webhook_dead_letters_total", "Webhook deliveries that used up their attempts")
+LATENCY = Histogram("batchgate_webhook_delivery_seconds", "Event to successful delivery",
+                    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 7200))
+
+CLAIM_BATCH = 100
+MAX_IN_FLIGHT = 64
+STREAM_RECLAIM_IDLE_MS = 30_000
+
+
+def _reason_label(reason: str) -> str:
+    for key in ("timeout", "connect", "refused", "redirect"):
+        if key in reason.lower():
+            return key
+    return reason.split(":")[0][:32]
+
+
+class Dispatcher:
+    def __init__(self, settings: Settings, *, redis: aioredis.Redis | None = None,
+                 resolver: Resolver = system_resolver, transport: httpx.AsyncBaseTransport | None = None,
+                 clock: Callable[[], float] = time.time, rng: random.Random | None = None,
+                 default_secret: str = "") -> None:
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        self.redis = redis or make_redis(settings.redis_url)
+        self._own_redis = redis is None
+        self.store = CallbackStore(self.redis, self.keys)
+        self.records = RecordStore(self.redis, self.keys, settings.result_ttl_s)
+        self.tenants = TenantStore(self.redis, self.keys, default_secret)
+        self.allow = AllowList.parse(settings.callback_allow)
+        self.resolver = resolver
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.name = settings.worker_name
+        timeout = httpx.Timeout(settings.callback_timeout_s, connect=settings.callback_connect_timeout_s)
+        self.http = httpx.AsyncClient(
+            timeout=timeout, follow_redirects=False, trust_env=False, transport=transport,
+            headers={"user-agent": "batchgate-webhooks/1", "content-type": "application/json"})
+        self._wake = asyncio.Event()
+        self._sem = asyncio.Semaphore(MAX_IN_FLIGHT)
+        self.ready = asyncio.Event()
+
+    def now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self._ensure_group()
+        tasks = [asyncio.create_task(self._intake(), name="cb-intake"),
+                 asyncio.create_task(self._deliver_due(), name="cb-due")]
+        self.ready.set()
+        log.info("callback dispatcher ready", dispatcher=self.name)
+        await stop.wait()
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks, timeout=10)
+        await self.http.aclose()
+        with contextlib.suppress(*UNAVAILABLE, ResponseError):
+            await self.redis.xgroup_delconsumer(self.keys.callback_stream(), GROUP, self.name)
+        if self._own_redis:
+            await self.redis.aclose()
+
+    async def _ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.keys.callback_stream(), GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # --- stream -> schedule --------------------------------------------------------------------
+    async def _intake(self) -> None:
+        stream = self.keys.callback_stream()
+        backoff = 0.1
+        while True:
+            raise_if_cancelling()
+            try:
+                resp = await self.redis.xreadgroup(GROUP, self.name, {stream: ">"}, count=CLAIM_BATCH, block=1000)
+                entries = [e for _, es in (resp or []) for e in es]
+                reclaimed = await self.redis.xautoclaim(stream, GROUP, self.name, STREAM_RECLAIM_IDLE_MS,
+                                                        start_id="0-0", count=CLAIM_BATCH)
+                entries += [e for e in (reclaimed[1] if len(reclaimed) > 1 else []) if e[1]]
+                backoff = 0.1
+            except UNAVAILABLE as exc:
+                raise_if_cancelling(exc)
+                log.warning("dispatcher intake: redis unavailable", error=repr(exc))
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, 5.0)
+                continue
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    await self._ensure_group()
+                    continue
+                raise
+            for entry_id, fields in entries:
+                try:
+                    delivery = decode(fields[b"d"], CallbackDelivery)
+                except (CodecError, KeyError) as exc:
+                    log.error("undecodable callback entry dropped", entry=entry_id, error=str(exc))
+                    await self.redis.xack(stream, GROUP, entry_id)
+                    continue
+                await self.store.schedule(entry_id, delivery, self.now_ms())
+            if entries:
+                self._wake.set()
+
+    # --- schedule -> attempts ------------------------------------------------------------------
+    async def _deliver_due(self) -> None:
+        lease_ms = int(self.settings.callback_lease_s * 1000)
+        while True:
+            raise_if_cancelling()
+            try:
+                ids = await self.store.claim_due(self.now_ms(), lease_ms, CLAIM_BATCH)
+                if ids:
+                    await asyncio.gather(*(self._attempt_one(i) for i in ids))
+                    continue
+                nxt = await self.store.next_due_ms()
+            except UNAVAILABLE as exc:
+                raise_if_cancelling(exc)
+                log.warning("dispatcher: redis unavailable", error=repr(exc))
+                await asyncio.sleep(0.5)
+                continue
+            # sleep until the next attempt is due or a new delivery arrives (capped: another dispatcher
+            # may have scheduled something sooner)
+            wait = 1.0 if nxt is None else min(1.0, max(0.0, (nxt - self.now_ms()) / 1000))
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+
+    async def _attempt_one(self, delivery_id: str) -> None:
+        async with self._sem:
+            loaded = await self.store.load(delivery_id)
+            if loaded is None:
+                await self.redis.zrem(self.keys.callback_due(), delivery_id)
+                return
+            delivery, state = loaded
+            if state.status != "pending":
+                await self.store.record(state, None)
+                return
+            await self._attempt(delivery, state)
+
+    async def _attempt(self, delivery: CallbackDelivery, state: CallbackState) -> None:
+        attempt = state.attempts + 1
+        if await self.store.is_disabled(delivery.tenant, delivery.url):
+            await self._finish(delivery, replace(state, status="disabled", attempts=state.attempts,
+                                                 last_error="this URL was disabled by an earlier 410"))
+            return
+        try:
+            target = await asyncio.to_thread(resolve_and_check, delivery.url, self.allow, self.resolver)
+        except RefusedURL as exc:
+            FAILURES.labels("refused").inc()
+            await self._finish(delivery, replace(state, status="failed", attempts=attempt,
+                                                 last_error=f"refused: {exc}"))
+            return
+        body = await self._payload(delivery)
+        secrets = await self.tenants.webhook_secrets(delivery.tenant)
+        headers = {**sign_headers(secrets, delivery.delivery_id, body), "batchgate-event": delivery.event,
+                   "host": target.host if target.port in (80, 443) else f"{target.host}:{target.port}"}
+        ATTEMPTS.inc()
+        code, retry_after, error = await self._post(target, body, headers)
+        verdict = classify(code, error)
+        OUTCOMES.labels(verdict.status).inc()
+        now = self.now_ms()
+        new = replace(state, attempts=attempt, last_status_code=code, last_error="" if code and code < 300 else
+                      verdict.reason)
+        if verdict.status == "delivered":
+            LATENCY.observe(max(0.0, (now - delivery.created_ms) / 1000))
+            await self._finish(delivery, replace(new, status="delivered", delivered_ms=now, next_attempt_ms=None))
+        elif verdict.status == "disabled":
+            await self.store.disable(delivery.tenant, delivery.url)
+            await self._finish(delivery, replace(new, status="disabled", next_attempt_ms=None))
+        elif verdict.status == "failed":
+            FAILURES.labels(_reason_label(verdict.reason)).inc()
+            await self._finish(delivery, replace(new, status="failed", next_attempt_ms=None))
+        elif attempt >= self.settings.callback_max_attempts:
+            FAILURES.labels(_reason_label(verdict.reason)).inc()
+            DEAD.inc()
+            log.warning("webhook dead-lettered", delivery=delivery.delivery_id, attempts=attempt,
+                        reason=verdict.reason)
+            await self._finish(delivery, replace(new, status="dead", next_attempt_ms=None), dead=True)
+        else:
+            FAILURES.labels(_reason_label(verdict.reason)).inc()
+            delay = backoff_s(attempt, self.settings.callback_base_s, self.settings.callback_cap_s, self.rng,
+                              retry_after)
+            due = now + int(delay * 1000)
+            new = replace(new, status="pending", next_attempt_ms=due)
+            await self.store.record(new, due)
+            await self.records.set_callback_state(delivery.request_id, new)
+
+    async def _finish(self, delivery: CallbackDelivery, state: CallbackState, dead: bool = False) -> None:
+        await self.store.record(state, None, dead=dead)
+        await self.records.set_callback_state(delivery.request_id, state)
+
+    async def _payload(self, delivery: CallbackDelivery) -> str:
+        """The same JSON as GET /v1/requests/{id}, or ids only for tenants that asked for thin payloads."""
+        thin = (await self.tenants.get(delivery.tenant)).thin_callbacks
+        rec = None if thin else await self.records.get(delivery.request_id)
+        if rec is None:
+            payload: dict[str, Any] = {"id": delivery.request_id, "event": delivery.event,
+                                       "links": {"self": f"/v1/requests/{delivery.request_id}"}}
+        else:
+            payload = record_view(rec)
+            payload.pop("callback", None)
+        return json.dumps(payload, separators=(",", ":"))
+
+    async def _post(self, target: Target, body: str, headers: dict[str, str]) -> tuple[int | None, float | None, str]:
+        host = f"[{target.ip}]" if ":" in target.ip else target.ip
+        url = f"{target.scheme}://{host}:{target.port}{target.path}"
+        ext = {"sni_hostname": target.host} if target.scheme == "https" else {}
+        try:
+            resp = await self.http.post(url, content=body.encode(), headers=headers, extensions=ext)
+        except httpx.TimeoutException as exc:
+            return None, None, f"timeout ({type(exc).__name__})"
+        except httpx.HTTPError as exc:
+            return None, None, f"connect error ({type(exc).__name__})"
+        return resp.status_code, parse_retry_after(resp.headers.get("retry-after")), ""

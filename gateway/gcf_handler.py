@@ -1,0 +1,46 @@
+"""Google Cloud Functions (functions-framework, a Flask request) onto the same routes and handlers.
+
+Deploy with `--entry-point batchgate`. The async handlers run on one event loop in a background
+thread owned by this module (created once per instance, like the Redis pool), because the Flask
+server calling us may be multi-threaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from gateway import routes
+from gateway.api import ApiRequest
+from gateway.service import GatewayService
+from shared.config import Settings
+from shared.logs import configure_logging
+
+SETTINGS = Settings.from_environ()
+configure_logging(SETTINGS.log_level, "json")
+SERVICE = GatewayService(SETTINGS)
+_LOOP = asyncio.new_event_loop()
+threading.Thread(target=_LOOP.run_forever, name="batchgate-gcf-loop", daemon=True).start()
+
+try:  # the decorator only registers the function; the adapter works without the framework too
+    import functions_framework
+
+    _register = functions_framework.http
+except ImportError:  # pragma: no cover - functions-framework not installed
+    def _register(fn: Any) -> Any:
+        return fn
+
+
+@_register
+def batchgate(request: Any) -> Any:
+    from flask import Response
+
+    api_req = ApiRequest(
+        method=request.method, path=request.path, query={k: v for k, v in request.args.items()},
+        headers={k.lower(): v for k, v in request.headers.items()},
+        body=request.get_data(cache=False) if request.method in ("POST", "PUT", "PATCH") else b"",
+    )
+    resp = asyncio.run_coroutine_threadsafe(routes.handle(SERVICE, api_req), _LOOP).result()
+    body, ctype = resp.render(request.headers.get("accept"))
+    return Response(body, status=resp.status, headers=resp.headers, mimetype=ctype)

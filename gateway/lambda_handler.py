@@ -1,0 +1,114 @@
+"""AWS Lambda entry points (no torch, no transformers; Redis client created once per container).
+
+- `http_handler`: API Gateway REST (v1) and HTTP (v2) APIs, Function URLs, ALB target groups: the same
+  Starlette app, wrapped with Mangum (no hand-written event parsing).
+- `direct_handler`: `aws lambda invoke` with `{"model", "input", "params", "timeout_s" | "deadline",
+  "priority", "callback", "wait", "api_key"?}`: the submit handler's answer, with its HTTP status as
+  `statusCode`.
+  Without a timeout or deadline, the deadline is this invocation's remaining time minus a margin, so
+  work the invoker cannot wait for is never computed.
+- `sqs_handler`: one batch submit per model for the records of an SQS event; records that were not
+  accepted are reported in `batchItemFailures` (enable ReportBatchItemFailures on the event source
+  mapping), so SQS retries exactly those. The message id is each item's idempotency key: a redelivered
+  message does not create a second request.
+
+Direct and SQS invocations are authenticated by IAM; they act for `BATCHGATE_LAMBDA_TENANT` (default
+`default`) unless the event carries an `api_key`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections import defaultdict
+from typing import Any
+
+from mangum import Mangum
+
+from gateway import routes
+from gateway.api import ApiRequest, ApiResponse
+from gateway.app import create_app
+from gateway.service import GatewayService
+from shared.config import Settings
+from shared.logs import configure_logging
+
+SETTINGS = Settings.from_environ()
+configure_logging(SETTINGS.log_level, "json")
+SERVICE = GatewayService(SETTINGS)  # module scope: one Redis pool per warm container, reused
+APP = create_app(SETTINGS, service=SERVICE)
+http_handler = Mangum(APP, lifespan="off")
+TENANT = os.environ.get("BATCHGATE_LAMBDA_TENANT", "default")
+MARGIN_S = float(os.environ.get("BATCHGATE_LAMBDA_MARGIN_S", "0.5"))
+SUBMIT_KEYS = ("input", "params", "timeout_s", "deadline", "priority", "callback")
+
+
+def _run(coro: Any) -> Any:
+    # Mangum keeps one event loop per container; the direct and SQS handlers use the same one, so the
+    # Redis connections (bound to their loop) survive between invocations.
+    return asyncio.get_event_loop().run_until_complete(coro)
+
+
+def _remaining_s(context: Any) -> float | None:
+    getter = getattr(context, "get_remaining_time_in_millis", None)
+    return getter() / 1000 if callable(getter) else None
+
+
+def direct_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    if not isinstance(event, dict) or not isinstance(event.get("model"), str):
+        return {"statusCode": 400,
+                "error": {"code": "bad_request", "message": "event needs a `model` and an `input`"}}
+    body = {k: event[k] for k in SUBMIT_KEYS if k in event}
+    remaining = _remaining_s(context)
+    query: dict[str, str] = {}
+    if remaining is not None:
+        budget = remaining - MARGIN_S
+        if "timeout_s" not in body and "deadline" not in body:
+            if budget <= 0:
+                return {"statusCode": 429, "error": {"code": "deadline_infeasible", "message":
+                        f"this invocation has {remaining * 1000:.0f} ms left; nothing was submitted"}}
+            body["deadline"] = time.time() + budget
+        if "wait" in event:
+            query["wait"] = str(max(0.0, min(float(event["wait"]), budget)))
+    elif "wait" in event:
+        query["wait"] = str(event["wait"])
+    resp = _dispatch("POST", f"/v1/models/{event['model']}/requests", body, event, query)
+    return {"statusCode": resp.status, **(resp.body or {})}
+
+
+def sqs_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    records = event.get("Records") or []
+    failures: list[dict[str, str]] = []
+    by_model: dict[str, list[tuple[str, dict[str, Any]]]] = defaultdict(list)
+    for rec in records:
+        mid = rec.get("messageId", "")
+        try:
+            msg = json.loads(rec.get("body") or "")
+            model = msg["model"]
+            if not isinstance(model, str):
+                raise TypeError("model")
+        except (ValueError, KeyError, TypeError):
+            failures.append({"itemIdentifier": mid})
+            continue
+        item = {k: msg[k] for k in SUBMIT_KEYS if k in msg}
+        item["idempotency_key"] = f"sqs:{mid}"
+        by_model[model].append((mid, item))
+    for model, items in by_model.items():
+        resp = _dispatch("POST", f"/v1/models/{model}/requests:batch", {"requests": [i for _, i in items]}, event)
+        results = (resp.body or {}).get("results") if resp.status == 200 else None
+        for n, (mid, _) in enumerate(items):
+            ok = results is not None and results[n].get("status") in (200, 202)
+            if not ok:
+                failures.append({"itemIdentifier": mid})
+    return {"batchItemFailures": failures}
+
+
+def _dispatch(method: str, path: str, body: Any, event: dict[str, Any],
+              query: dict[str, str] | None = None) -> ApiResponse:
+    headers = {"content-type": "application/json"}
+    trusted = not event.get("api_key")
+    if not trusted:
+        headers["x-api-key"] = str(event["api_key"])
+    req = ApiRequest(method, path, query=query or {}, headers=headers, body=json.dumps(body).encode(), tenant=TENANT)
+    return _run(routes.handle(SERVICE, req, trusted_tenant=TENANT if trusted else None))

@@ -1,0 +1,180 @@
+"""The OpenAPI 3.1 document of the HTTP API, served at /openapi.json (and as a page at /docs).
+
+Kept true by the schemathesis fuzz test (tests/integration/test_openapi_fuzz.py): every operation is
+called with generated inputs and every response must match what is declared here.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import Any
+
+from shared.config import Settings
+
+ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _err(desc: str) -> dict[str, Any]:
+    return {"description": desc, "content": {"application/json": {"schema": ERROR}}}
+
+
+COMMON_ERRORS = {
+    "400": _err("Malformed body or query"),
+    "401": _err("Missing, invalid or revoked API key"),
+    "404": _err("Unknown model or request (or another tenant's)"),
+    "503": _err("Redis unreachable; retry after Retry-After"),
+}
+
+
+def _json(schema: dict[str, Any], desc: str) -> dict[str, Any]:
+    return {"description": desc, "content": {"application/json": {"schema": schema}}}
+
+
+def document(settings: Settings) -> dict[str, Any]:
+    models = [m.name for m in settings.models]
+    submit_body = {
+        "type": "object",
+        "required": ["input"],
+        "additionalProperties": False,
+        "properties": {
+            "input": {"description": "generate: {prompt} or {input_ids}; embed: {texts} or {text}",
+                      "oneOf": [
+                          {"type": "object", "required": ["prompt"], "additionalProperties": False,
+                           "properties": {"prompt": {"type": "string", "minLength": 1}}},
+                          {"type": "object", "required": ["input_ids"], "additionalProperties": False,
+                           "properties": {"input_ids": {"type": "array", "minItems": 1,
+                                                        "items": {"type": "integer", "minimum": 0}}}},
+                          {"type": "object", "required": ["texts"], "additionalProperties": False,
+                           "properties": {"texts": {"type": "array", "minItems": 1,
+                                                    "items": {"type": "string", "minLength": 1}}}},
+                          {"type": "object", "required": ["text"], "additionalProperties": False,
+                           "properties": {"text": {"type": "string", "minLength": 1}}},
+                      ]},
+            "params": {"type": "object", "description": "generate: max_new_tokens, temperature, top_p, top_k, "
+                                                          "seed, stop, ignore_eos; embed: normalize"},
+            "timeout_s": {"type": "number", "exclusiveMinimum": 0},
+            "deadline": {"oneOf": [{"type": "number"}, {"type": "string", "format": "date-time"}],
+                         "description": "absolute: epoch seconds or ISO 8601 with a zone"},
+            "priority": {"type": "string", "enum": ["interactive", "batch"]},
+            "callback": {"type": "object", "required": ["url"], "additionalProperties": False,
+                         "properties": {"url": {"type": "string", "format": "uri"},
+                                        "events": {"type": "array", "items": {"enum": ["started", "completed"]}}}},
+        },
+    }
+    request_view = {"$ref": "#/components/schemas/Request"}
+    model_param = {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "enum": models}}
+    id_param = {"name": "request_id", "in": "path", "required": True,
+                "schema": {"type": "string", "pattern": "^req_[a-z2-7]{26}$"}}
+    wait_param = {"name": "wait", "in": "query", "required": False,
+                  "schema": {"type": "number", "minimum": 0},
+                  "description": "seconds to wait for the result (capped by the server)"}
+    idem_header = {"name": "Idempotency-Key", "in": "header", "required": False,
+                   "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[ -~]+$"}}
+    security = [{"bearer": []}, {"apiKey": []}]
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "batchgate", "version": "1",
+                 "description": "Serverless-friendly batching gateway for model inference."},
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"}},
+            "schemas": {
+                "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+                    "type": "object", "required": ["code", "message"],
+                    "properties": {"code": {"type": "string"}, "message": {"type": "string"},
+                                   "field": {"type": "string"}, "lane": {"type": "string"}}}}},
+                "Accepted": {"type": "object", "required": ["id", "status", "links"], "properties": {
+                    "id": {"type": "string"}, "status": {"type": "string", "enum": ["queued"]},
+                    "model": {"type": "string"}, "lane": {"type": "string"},
+                    "eta_ms": {"type": ["integer", "null"]}, "queue_position": {"type": "integer"},
+                    "deadline": {"type": "number"}, "links": {"type": "object"}, "admission": {"type": "string"}}},
+                "Request": {"type": "object", "required": ["id", "status"], "properties": {
+                    "id": {"type": "string"},
+                    "status": {"type": "string",
+                               "enum": ["queued", "running", "succeeded", "failed", "expired", "cancelled"]},
+                    "model": {"type": "string"}, "task": {"type": "string"}, "lane": {"type": "string"},
+                    "priority": {"type": "string"}, "created_at": {"type": ["number", "null"]},
+                    "deadline": {"type": ["number", "null"]}, "started_at": {"type": ["number", "null"]},
+                    "finished_at": {"type": ["number", "null"]}, "output": {"type": ["object", "null"]},
+                    "finish_reason": {"type": ["string", "null"]}, "error": {"type": ["object", "null"]},
+                    "timings": {"type": "object"}, "attempts": {"type": "integer"},
+                    "callback": {"type": "object"}, "links": {"type": "object"}}},
+            },
+        },
+        "security": security,
+        "paths": {
+            "/v1/models/{model}/requests": {"post": {
+                "operationId": "submit", "summary": "Submit a request",
+                "parameters": [model_param, wait_param, idem_header],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": submit_body}}},
+                "responses": {
+                    "200": _json(request_view, "Finished within the wait (or an idempotent replay)"),
+                    "202": _json({"anyOf": [{"$ref": "#/components/schemas/Accepted"}, request_view]}, "Accepted"),
+                    **COMMON_ERRORS,
+                    "409": _err("Idempotency-Key reused with a different body, or in progress"),
+                    "413": _err("Body too large"), "415": _err("Unsupported content type"),
+                    "422": _err("Invalid fields"),
+                    "429": _err("Over capacity, rate limit, quota, or deadline infeasible; see Retry-After"),
+                }}},
+            "/v1/models/{model}/requests:batch": {"post": {
+                "operationId": "submitBatch", "summary": "Submit many inputs at once; one result per item",
+                "parameters": [model_param],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["requests"], "additionalProperties": False, "properties": {
+                        "requests": {"type": "array", "minItems": 1, "maxItems": settings.max_batch_items,
+                                     "items": {"type": "object"}}}}}}},
+                "responses": {
+                    "200": _json({"type": "object", "required": ["results"], "properties": {
+                        "results": {"type": "array", "items": {"type": "object", "required": ["index", "status"]}},
+                        "accepted": {"type": "integer"}, "refused": {"type": "integer"}}}, "Per-item outcomes"),
+                    **COMMON_ERRORS, "413": _err("Body too large"), "415": _err("Unsupported content type"),
+                    "422": _err("Not a list of submit bodies"),
+                }}},
+            "/v1/requests/{request_id}": {
+                "get": {"operationId": "getRequest", "summary": "Status and result (long-poll with wait)",
+                        "parameters": [id_param, wait_param],
+                        "responses": {"200": _json(request_view, "The request"), **COMMON_ERRORS,
+                                      "410": _err("The result expired")}},
+                "delete": {"operationId": "cancelRequest", "summary": "Cancel",
+                           "parameters": [id_param],
+                           "responses": {"200": _json(request_view, "Cancelled"), **COMMON_ERRORS,
+                                         "409": _err("Already finished"), "410": _err("The result expired")}},
+            },
+            "/v1/requests/{request_id}/callback:replay": {"post": {
+                "operationId": "replayCallback", "summary": "Send a dead-lettered webhook again",
+                "parameters": [id_param],
+                "responses": {"202": _json({"type": "object"}, "Scheduled"), **COMMON_ERRORS,
+                              "409": _err("Nothing to replay"), "410": _err("The result expired")}}},
+            "/v1/models": {"get": {
+                "operationId": "listModels", "summary": "Models, lanes, backlog, service rate, estimated wait",
+                "responses": {"200": _json({"type": "object", "required": ["models"],
+                                            "properties": {"models": {"type": "array"}}}, "Models"),
+                              **COMMON_ERRORS}}},
+            "/healthz": {"get": {"operationId": "healthz", "security": [],
+                                 "responses": {"200": _json({"type": "object"}, "Alive")}}},
+            "/readyz": {"get": {"operationId": "readyz", "security": [],
+                                "responses": {"200": _json({"type": "object"}, "Redis reachable"),
+                                              "503": _err("Redis unreachable")}}},
+        },
+    }
+
+
+def docs_page(doc: dict[str, Any]) -> str:
+    """A self-contained page (no CDN): every operation, its parameters and responses."""
+    rows = []
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            codes = ", ".join(op["responses"])
+            params = ", ".join(p["name"] for p in op.get("parameters", []))
+            rows.append(f"<tr><td><code>{method.upper()}</code></td><td><code>{html.escape(path)}</code></td>"
+                        f"<td>{html.escape(op.get('summary', op['operationId']))}</td><td>{html.escape(params)}</td>"
+                        f"<td>{codes}</td></tr>")
+    spec = html.escape(json.dumps(doc, indent=2))
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>batchgate API</title><style>"
+            "body{font-family:sans-serif;margin:2em}td,th{border-bottom:1px solid #ddd;padding:.3em .6em;"
+            "text-align:left}pre{background:#f6f6f6;padding:1em;overflow:auto}</style></head><body>"
+            "<h1>batchgate HTTP API v1</h1><p>Machine-readable: <a href='/openapi.json'>/openapi.json</a>. "
+            "Authenticate with <code>Authorization: Bearer &lt;key&gt;</code> or <code>X-API-Key</code>.</p>"
+            "<table><tr><th>method</th><th>path</th><th>what</th><th>parameters</th><th>responses</th></tr>"
+            + "".join(rows) + f"</table><h2>Document</h2><pre>{spec}</pre></body></html>")

@@ -1,0 +1,108 @@
+"""The route table, defined once: the Starlette app, the Cloud Functions adapter and the OpenAPI
+document are all built from it, so every transport serves the same handlers at the same paths."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from gateway import handlers, metrics
+from gateway.api import (
+    ApiError,
+    ApiRequest,
+    ApiResponse,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+)
+from gateway.service import GatewayService
+from shared.redis_io import UNAVAILABLE
+
+Handler = Callable[..., Awaitable[ApiResponse]]
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    method: str
+    path: str  # Starlette syntax: /v1/requests/{request_id}
+    handler: Handler
+    with_body: bool = False
+    public: bool = False  # served without an API key
+    params: tuple[str, ...] = field(default=())
+    pattern: re.Pattern[str] = field(default=re.compile(""), compare=False)
+
+    @classmethod
+    def make(cls, method: str, path: str, handler: Handler, **kw: bool) -> RouteSpec:
+        params = tuple(re.findall(r"{(\w+)}", path))
+        escaped = re.escape(path).replace(r"\{", "{").replace(r"\}", "}")
+        escaped = re.escape(path).replace(r"\{", "{").replace(r"\}", "}")
+        regex = "^" + re.sub(r"{(\w+)}", r"(?P<\1>[^/]+)", escaped) + "$"
+        return cls(method, path, handler, params=params, pattern=re.compile(regex), **kw)
+
+
+ROUTES: tuple[RouteSpec, ...] = (
+    RouteSpec.make("POST", "/v1/models/{model}/requests", handlers.submit, with_body=True),
+    RouteSpec.make("POST", "/v1/models/{model}/requests:batch", handlers.submit_batch, with_body=True),
+    RouteSpec.make("GET", "/v1/requests/{request_id}", handlers.get_request),
+    RouteSpec.make("DELETE", "/v1/requests/{request_id}", handlers.cancel_request),
+    RouteSpec.make("POST", "/v1/requests/{request_id}/callback:replay", handlers.replay_callback),
+    RouteSpec.make("GET", "/v1/models", handlers.list_models),
+    RouteSpec.make("GET", "/healthz", handlers.healthz, public=True),
+    RouteSpec.make("GET", "/readyz", handlers.readyz, public=True),
+)
+
+
+def match(method: str, path: str) -> tuple[RouteSpec, list[str]]:
+    """The route for a request and its path arguments; 404 or 405 otherwise."""
+    allowed = []
+    for route in ROUTES:
+        m = route.pattern.match(path)
+        if m is None:
+            continue
+        if route.method == method:
+            return route, [m.group(p) for p in route.params]
+        allowed.append(route.method)
+    if allowed:
+        raise MethodNotAllowed(f"{method} is not allowed on {path} (allowed: {', '.join(allowed)})")
+    raise NotFound(f"no route {method} {path}")
+
+
+log = structlog.get_logger(__name__)
+
+
+async def dispatch(route: RouteSpec, svc: GatewayService, req: ApiRequest, args: list[str],
+                   trusted_tenant: str | None = None) -> ApiResponse:
+    """Authenticate, run the handler, translate errors: in exactly one place for every transport.
+
+    `trusted_tenant`: the caller was authenticated outside HTTP (an IAM-authorised Lambda invocation)."""
+    try:
+        if trusted_tenant is not None:
+            req = dataclasses.replace(req, tenant=trusted_tenant)
+        elif not route.public:
+            req = dataclasses.replace(req, tenant=await svc.auth.tenant_for(req))
+        return await route.handler(svc, req, *args)
+    except ApiError as exc:
+        metrics.ERRORS.labels(exc.code).inc()
+        return exc.to_response()
+    except UNAVAILABLE as exc:
+        metrics.ERRORS.labels("unavailable").inc()
+        log.warning("redis unavailable", error=repr(exc))
+        return ServiceUnavailable("the queue is unreachable; retry shortly", retry_after=1).to_response()
+    finally:
+        structlog.contextvars.clear_contextvars()
+
+
+async def handle(svc: GatewayService, req: ApiRequest, trusted_tenant: str | None = None) -> ApiResponse:
+    """Route and dispatch a transport-neutral request (Cloud Functions, Lambda direct calls, tests)."""
+    try:
+        route, args = match(req.method, req.path)
+    except ApiError as exc:
+        return exc.to_response()
+    if route.with_body and len(req.body) > svc.settings.max_body_bytes:
+        return PayloadTooLarge(f"body exceeds the limit of {svc.settings.max_body_bytes} bytes").to_response()
+    return await dispatch(route, svc, req, args, trusted_tenant)

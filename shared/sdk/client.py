@@ -1,0 +1,327 @@
+"""Sync and async clients. Both speak HTTP (httpx); `AsyncBatchgateClient.direct()` speaks straight
+to Redis through the gateway's own handlers (for callers inside the VPC: no HTTP hop)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from shared.sdk.errors import BatchgateError, DeadlineInfeasible, RequestFailed, Unavailable, error_for
+
+TERMINAL = frozenset({"succeeded", "failed", "expired", "cancelled"})
+MAX_BATCH = 100
+LONG_POLL_S = 25.0
+
+
+@dataclass(frozen=True)
+class Submission:
+    id: str
+    status: str
+    eta_ms: int | None = None
+    queue_position: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class Result:
+    id: str
+    status: str
+    output: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.status in TERMINAL
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> Result:
+        return cls(id=body["id"], status=body["status"], output=body.get("output"), error=body.get("error"),
+                   finish_reason=body.get("finish_reason"), timings=body.get("timings") or {}, raw=body)
+
+
+class _Common:
+    """Request building shared by the sync and async clients (deadlines, headers, parsing)."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
+                 lambda_context: Any = None, deadline_margin_s: float = 0.5, timeout_s: float = 60.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.lambda_context = lambda_context
+        self.deadline_margin_s = deadline_margin_s
+        self.timeout_s = timeout_s
+
+    def _headers(self, idempotency_key: str | None = None) -> dict[str, str]:
+        h = {"accept": "application/json"}
+        if self.api_key:
+            h["authorization"] = f"Bearer {self.api_key}"
+        if idempotency_key:
+            h["idempotency-key"] = idempotency_key
+        return h
+
+    def _remaining_s(self) -> float | None:
+        getter = getattr(self.lambda_context, "get_remaining_time_in_millis", None)
+        return getter() / 1000 - self.deadline_margin_s if callable(getter) else None
+
+    def _body(self, input: dict[str, Any], params: dict[str, Any] | None, timeout_s: float | None,
+              deadline: float | None, priority: str | None, callback: dict[str, Any] | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"input": input}
+        if params:
+            body["params"] = params
+        if priority:
+            body["priority"] = priority
+        if callback:
+            body["callback"] = callback
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        elif deadline is not None:
+            body["deadline"] = deadline
+        else:
+            left = self._remaining_s()
+            if left is not None:
+                if left <= 0:
+                    raise DeadlineInfeasible("too little time left in this Lambda invocation to wait for a result; "
+                                             "nothing was submitted", code="deadline_infeasible")
+                body["deadline"] = time.time() + left
+        return body
+
+    def _wait_cap(self, wait: float | None) -> float | None:
+        left = self._remaining_s()
+        if wait is None or left is None:
+            return wait
+        return max(0.0, min(wait, left))
+
+    @staticmethod
+    def _parse(status: int, headers: Any, body: Any) -> Any:
+        if status >= 400:
+            ra = headers.get("retry-after") if headers else None
+            raise error_for(status, body, float(ra) if ra and ra.replace(".", "", 1).isdigit() else None)
+        return body
+
+    @staticmethod
+    def _submission(body: dict[str, Any]) -> Submission | Result:
+        if body.get("status") in TERMINAL:
+            return Result.of(body)
+        return Submission(body["id"], body["status"], body.get("eta_ms"), body.get("queue_position"), body)
+
+    @staticmethod
+    def _checked(result: Result) -> Result:
+        if result.status != "succeeded":
+            err = result.error or {}
+            raise RequestFailed(f"request {result.id} {result.status}: {err.get('message', '')}", result)
+        return result
+
+
+class AsyncBatchgateClient(_Common):
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", **kw: Any) -> None:
+        transport = kw.pop("transport", None)
+        super().__init__(base_url, **kw)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s + LONG_POLL_S,
+                                       transport=transport)
+
+    async def __aenter__(self) -> AsyncBatchgateClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
+                       headers: dict[str, str] | None = None) -> Any:
+        try:
+            r = await self._http.request(method, path, json=json, params=params, headers=headers or self._headers())
+        except httpx.TransportError as exc:
+            raise Unavailable(f"cannot reach batchgate: {exc!r}") from exc
+        try:
+            body = r.json() if r.content else None
+        except ValueError:
+            body = None
+        return self._parse(r.status_code, r.headers, body)
+
+    async def submit(self, model: str, input: dict[str, Any], *, params: dict[str, Any] | None = None,
+                     timeout_s: float | None = None, deadline: float | None = None, priority: str | None = None,
+                     callback: dict[str, Any] | None = None, idempotency_key: str | None = None,
+                     wait: float | None = None) -> Submission | Result:
+        body = self._body(input, params, timeout_s, deadline, priority, callback)
+        q = {"wait": self._wait_cap(wait)} if wait else None
+        out = await self._request("POST", f"/v1/models/{model}/requests", json=body, params=q,
+                                  headers=self._headers(idempotency_key))
+        return self._submission(out)
+
+    async def submit_many(self, model: str, items: Iterable[dict[str, Any]]) -> list[Submission | BatchgateError]:
+        """Each item: a submit body ({"input", "params"?, ...}); one Submission or error per item, in order."""
+        out: list[Submission | BatchgateError] = []
+        items = list(items)
+        for i in range(0, len(items), MAX_BATCH):
+            chunk = [self._body(it["input"], it.get("params"), it.get("timeout_s"), it.get("deadline"),
+                                it.get("priority"), it.get("callback")) for it in items[i:i + MAX_BATCH]]
+            resp = await self._request("POST", f"/v1/models/{model}/requests:batch", json={"requests": chunk})
+            for r in resp["results"]:
+                if r["status"] in (200, 202):
+                    out.append(Submission(r["id"], "queued", r.get("eta_ms"), r.get("queue_position"), r))
+                else:
+                    out.append(error_for(r["status"], r, (r.get("error") or {}).get("retry_after")))
+        return out
+
+    async def get(self, request_id: str) -> Result:
+        return Result.of(await self._request("GET", f"/v1/requests/{request_id}"))
+
+    async def wait(self, request_id: str, timeout: float = 60.0) -> Result:
+        """Long-poll until the request is terminal or `timeout` passes (returns its state either way)."""
+        end = time.monotonic() + (self._wait_cap(timeout) or 0.0)
+        while True:
+            left = max(0.0, end - time.monotonic())
+            res = Result.of(await self._request("GET", f"/v1/requests/{request_id}",
+                                                params={"wait": min(left, LONG_POLL_S)}))
+            if res.done or left <= 0:
+                return res
+
+    async def result(self, request_id: str, timeout: float = 60.0) -> Result:
+        """The finished result; raises RequestFailed if it failed, expired or was cancelled, TimeoutError if
+        it is not done within `timeout`."""
+        res = await self.wait(request_id, timeout)
+        if not res.done:
+            raise TimeoutError(f"request {request_id} still {res.status} after {timeout} s")
+        return self._checked(res)
+
+    async def cancel(self, request_id: str) -> Result:
+        return Result.of(await self._request("DELETE", f"/v1/requests/{request_id}"))
+
+    async def stream(self, request_ids: Iterable[str], timeout: float = 300.0) -> AsyncIterator[Result]:
+        """Results of many requests, in the order they finish."""
+        tasks = [asyncio.ensure_future(self.wait(rid, timeout)) for rid in request_ids]
+        try:
+            for fut in asyncio.as_completed(tasks):
+                yield await fut
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    @classmethod
+    def direct(cls, redis_url: str, *, tenant: str = "default", key_prefix: str = "bg",
+               env: dict[str, str] | None = None, **kw: Any) -> AsyncBatchgateClient:
+        """A client that goes straight into Redis through the gateway's handlers (inside the VPC)."""
+        return _DirectClient(redis_url, tenant=tenant, key_prefix=key_prefix, env=env, **kw)
+
+
+class _DirectClient(AsyncBatchgateClient):
+    def __init__(self, redis_url: str, *, tenant: str, key_prefix: str, env: dict[str, str] | None, **kw: Any) -> None:
+        from gateway.service import GatewayService
+        from shared.config import Settings
+
+        super().__init__("http://direct", **kw)
+        settings = Settings.from_environ({**(env or {}), "BATCHGATE_REDIS_URL": redis_url,
+                                          "BATCHGATE_KEY_PREFIX": key_prefix})
+        self._svc = GatewayService(settings)
+        self._tenant = tenant
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await self._svc.close()
+
+    async def _request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
+                       headers: dict[str, str] | None = None) -> Any:
+        import json as _json
+
+        from gateway import routes
+        from gateway.api import ApiRequest
+
+        req = ApiRequest(method, path, query={k: str(v) for k, v in (params or {}).items()},
+                         headers={"content-type": "application/json", **(headers or {})},
+                         body=_json.dumps(json).encode() if json is not None else b"")
+        resp = await routes.handle(self._svc, req, trusted_tenant=self._tenant)
+        return self._parse(resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.body)
+
+
+class BatchgateClient(_Common):
+    """The synchronous client (Lambda handlers, scripts). Same methods as the async one."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", **kw: Any) -> None:
+        transport = kw.pop("transport", None)
+        super().__init__(base_url, **kw)
+        self._http = httpx.Client(base_url=self.base_url, timeout=self.timeout_s + LONG_POLL_S, transport=transport)
+
+    def __enter__(self) -> BatchgateClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
+                 headers: dict[str, str] | None = None) -> Any:
+        try:
+            r = self._http.request(method, path, json=json, params=params, headers=headers or self._headers())
+        except httpx.TransportError as exc:
+            raise Unavailable(f"cannot reach batchgate: {exc!r}") from exc
+        try:
+            body = r.json() if r.content else None
+        except ValueError:
+            body = None
+        return self._parse(r.status_code, r.headers, body)
+
+    def submit(self, model: str, input: dict[str, Any], *, params: dict[str, Any] | None = None,
+               timeout_s: float | None = None, deadline: float | None = None, priority: str | None = None,
+               callback: dict[str, Any] | None = None, idempotency_key: str | None = None,
+               wait: float | None = None) -> Submission | Result:
+        body = self._body(input, params, timeout_s, deadline, priority, callback)
+        q = {"wait": self._wait_cap(wait)} if wait else None
+        return self._submission(self._request("POST", f"/v1/models/{model}/requests", json=body, params=q,
+                                              headers=self._headers(idempotency_key)))
+
+    def submit_many(self, model: str, items: Iterable[dict[str, Any]]) -> list[Submission | BatchgateError]:
+        out: list[Submission | BatchgateError] = []
+        items = list(items)
+        for i in range(0, len(items), MAX_BATCH):
+            chunk = [self._body(it["input"], it.get("params"), it.get("timeout_s"), it.get("deadline"),
+                                it.get("priority"), it.get("callback")) for it in items[i:i + MAX_BATCH]]
+            resp = self._request("POST", f"/v1/models/{model}/requests:batch", json={"requests": chunk})
+            for r in resp["results"]:
+                if r["status"] in (200, 202):
+                    out.append(Submission(r["id"], "queued", r.get("eta_ms"), r.get("queue_position"), r))
+                else:
+                    out.append(error_for(r["status"], r, None))
+        return out
+
+    def get(self, request_id: str) -> Result:
+        return Result.of(self._request("GET", f"/v1/requests/{request_id}"))
+
+    def wait(self, request_id: str, timeout: float = 60.0) -> Result:
+        end = time.monotonic() + (self._wait_cap(timeout) or 0.0)
+        while True:
+            left = max(0.0, end - time.monotonic())
+            res = Result.of(self._request("GET", f"/v1/requests/{request_id}", params={"wait": min(left, LONG_POLL_S)}))
+            if res.done or left <= 0:
+                return res
+
+    def result(self, request_id: str, timeout: float = 60.0) -> Result:
+        res = self.wait(request_id, timeout)
+        if not res.done:
+            raise TimeoutError(f"request {request_id} still {res.status} after {timeout} s")
+        return self._checked(res)
+
+    def cancel(self, request_id: str) -> Result:
+        return Result.of(self._request("DELETE", f"/v1/requests/{request_id}"))
+
+    def stream(self, request_ids: Iterable[str], timeout: float = 300.0, concurrency: int = 16) -> Iterator[Result]:
+        """Results of many requests, in the order they finish (long-polls on a small thread pool)."""
+        ids = list(request_ids)
+        with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(ids)))) as pool:
+            futures = [pool.submit(self.wait, rid, timeout) for rid in ids]
+            for fut in as_completed(futures):
+                yield fut.result()
+
+
+__all__ = ["AsyncBatchgateClient", "BatchgateClient", "BatchgateError", "Result", "Submission"]

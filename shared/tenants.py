@@ -1,0 +1,126 @@
+"""Tenants: API keys (stored hashed), webhook secrets, per-tenant limits. One Redis hash per tenant.
+
+`bg:tenant:<name>` fields: `webhook_secrets` (JSON list, newest first: several during a rotation),
+`thin_callbacks` ("1": webhooks carry ids only), `rate_per_s`, `burst`, `max_backlog`.
+`bg:apikey:<sha256>` -> tenant name; `bg:tenant:<name>:keys` -> the set of that tenant's key hashes.
+An API key is shown once, when created; only its SHA-256 is stored.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import secrets
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+
+KEY_PREFIX = "bgk_"
+
+
+@dataclass(frozen=True, slots=True)
+class TenantConfig:
+    name: str
+    webhook_secrets: tuple[str, ...] = ()
+    thin_callbacks: bool = False
+    rate_per_s: float | None = None
+    burst: int | None = None
+    max_backlog: int | None = None
+
+
+def new_webhook_secret() -> str:
+    return "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
+
+
+def new_api_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+class TenantStore:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, default_webhook_secret: str = "") -> None:
+        self.redis = redis
+        self.keys = keys
+        self.default_webhook_secret = default_webhook_secret
+
+    async def get(self, tenant: str) -> TenantConfig:
+        raw = {k.decode(): v.decode() for k, v in (await self.redis.hgetall(self.keys.tenant(tenant))).items()}
+        return TenantConfig(
+            name=tenant,
+            webhook_secrets=tuple(json.loads(raw.get("webhook_secrets", "[]"))),
+            thin_callbacks=raw.get("thin_callbacks") == "1",
+            rate_per_s=float(raw["rate_per_s"]) if raw.get("rate_per_s") else None,
+            burst=int(raw["burst"]) if raw.get("burst") else None,
+            max_backlog=int(raw["max_backlog"]) if raw.get("max_backlog") else None,
+        )
+
+    async def set(self, tenant: str, **fields: str | float | int | bool | None) -> None:
+        mapping = {}
+        for name, value in fields.items():
+            if value is None:
+                await self.redis.hdel(self.keys.tenant(tenant), name)
+            elif isinstance(value, bool):
+                mapping[name] = "1" if value else "0"
+            else:
+                mapping[name] = str(value)
+        if mapping:
+            await self.redis.hset(self.keys.tenant(tenant), mapping=mapping)
+
+    async def webhook_secrets(self, tenant: str) -> tuple[str, ...]:
+        """The secrets to sign with; creates one for a tenant that has none (and no default is set)."""
+        cfg = await self.get(tenant)
+        if cfg.webhook_secrets:
+            return cfg.webhook_secrets
+        if self.default_webhook_secret:
+            return (self.default_webhook_secret,)
+        secret = new_webhook_secret()
+        created = await self.redis.hsetnx(self.keys.tenant(tenant), "webhook_secrets", json.dumps([secret]))
+        return (secret,) if created else (await self.get(tenant)).webhook_secrets
+
+    async def rotate_webhook_secret(self, tenant: str, keep_previous: bool = True) -> str:
+        """A new secret, signed with alongside the previous one until `drop_old_webhook_secrets`."""
+        current = (await self.get(tenant)).webhook_secrets
+        secret = new_webhook_secret()
+        kept = list(current[:1]) if keep_previous else []
+        await self.redis.hset(self.keys.tenant(tenant), "webhook_secrets", json.dumps([secret, *kept]))
+        return secret
+
+    async def drop_old_webhook_secrets(self, tenant: str) -> None:
+        current = (await self.get(tenant)).webhook_secrets
+        await self.redis.hset(self.keys.tenant(tenant), "webhook_secrets", json.dumps(list(current[:1])))
+
+    # --- API keys --------------------------------------------------------------------------------
+    async def create_key(self, tenant: str) -> str:
+        key = new_api_key()
+        digest = hash_key(key)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(self.keys.api_key(digest), tenant)
+        pipe.sadd(self.keys.tenant_keys(tenant), digest)
+        await pipe.execute()
+        return key
+
+    async def revoke_key(self, key_or_hash: str) -> str | None:
+        """Revoke by the key itself or its hash (as `list_keys` shows); returns the tenant it belonged to."""
+        digest = key_or_hash if len(key_or_hash) == 64 and not key_or_hash.startswith(KEY_PREFIX) \
+            else hash_key(key_or_hash)
+        tenant = await self.redis.get(self.keys.api_key(digest))
+        if tenant is None:
+            return None
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(self.keys.api_key(digest))
+        pipe.srem(self.keys.tenant_keys(tenant.decode()), digest)
+        await pipe.execute()
+        return tenant.decode()
+
+    async def tenant_of(self, key: str) -> str | None:
+        tenant = await self.redis.get(self.keys.api_key(hash_key(key)))
+        return tenant.decode() if tenant is not None else None
+
+    async def list_keys(self, tenant: str) -> list[str]:
+        return sorted(d.decode() for d in await self.redis.smembers(self.keys.tenant_keys(tenant)))

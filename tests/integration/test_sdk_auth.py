@@ -1,0 +1,171 @@
+"""The Python SDK (sync, async, direct-to-Redis) against the running stack; tenants and API keys."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from shared.config import BUILTIN_MODELS
+from shared.keys import Keys
+from shared.lanes import LaneSpec
+from shared.sdk import (
+    AsyncBatchgateClient,
+    AuthError,
+    BatchgateClient,
+    DeadlineInfeasible,
+    InvalidRequest,
+    NotFound,
+    OverCapacity,
+    RequestFailed,
+    Result,
+    Submission,
+)
+from shared.tenants import TenantStore
+from tests.stack import make_settings, running_gateway, running_worker
+
+pytestmark = [pytest.mark.redis]
+
+
+class Ctx:
+    def __init__(self, ms: int) -> None:
+        self.ms = ms
+
+    def get_remaining_time_in_millis(self) -> int:
+        return self.ms
+
+
+async def keys_for(gw, *tenants: str) -> list[str]:
+    store = TenantStore(gw.service.redis, Keys(gw.service.settings.key_prefix))
+    return [await store.create_key(t) for t in tenants]
+
+
+async def test_async_sdk_submit_wait_result_cancel_batch_stream(redis_url, prefix, loaded_models):
+    settings = make_settings(redis_url, prefix, auth="api_key")
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        (key,) = await keys_for(gw, "acme")
+        async with AsyncBatchgateClient(gw.base_url, api_key=key) as c:
+            sub = await c.submit("minilm", {"text": "hello"})
+            assert isinstance(sub, Submission) and sub.status == "queued"
+            res = await c.result(sub.id, timeout=20)
+            assert len(res.output["embeddings"][0]) == 384
+            done = await c.submit("tiny-llama", {"prompt": "hi"}, params={"max_new_tokens": 4}, wait=20)
+            assert isinstance(done, Result) and done.status == "succeeded"
+            long = await c.submit("tiny-llama", {"input_ids": list(range(3, 300))},
+                                  params={"max_new_tokens": 256, "ignore_eos": True})
+            cancelled = await c.cancel(long.id)
+            assert cancelled.status == "cancelled"
+            with pytest.raises(RequestFailed) as failed:
+                await c.result(long.id)
+            assert failed.value.result.status == "cancelled"
+            many = await c.submit_many("minilm", [{"input": {"text": f"t{i}"}} for i in range(5)]
+                                       + [{"input": {"texts": []}}])
+            assert [type(m).__name__ for m in many] == ["Submission"] * 5 + ["InvalidRequest"]
+            got = [r async for r in c.stream([m.id for m in many[:5]], timeout=30)]
+            assert sorted(r.id for r in got) == sorted(m.id for m in many[:5])
+            assert all(r.status == "succeeded" for r in got)
+
+
+async def test_sync_sdk_and_typed_errors(redis_url, prefix, loaded_models):
+    spec = dataclasses.replace(BUILTIN_MODELS["minilm"], lanes=(LaneSpec("all", None, 5.0, max_backlog=2),))
+    settings = make_settings(redis_url, prefix, auth="api_key", models=(spec, BUILTIN_MODELS["tiny-llama"]))
+    async with running_gateway(settings) as gw:
+        (key,) = await keys_for(gw, "acme")
+
+        def scenario() -> None:
+            with BatchgateClient(gw.base_url, api_key=key) as c:
+                with pytest.raises(NotFound):
+                    c.get("req_" + "a" * 26)  # gone is NotFound too
+                with pytest.raises(NotFound):
+                    c.submit("no-such-model", {"text": "x"})
+                with pytest.raises(InvalidRequest) as bad:
+                    c.submit("minilm", {"texts": [1]})
+                assert bad.value.status == 422
+                c.submit("minilm", {"text": "1"})
+                c.submit("minilm", {"text": "2"})
+                with pytest.raises(OverCapacity) as full:  # no worker: the lane's backlog cap of 2 is reached
+                    c.submit("minilm", {"text": "3"})
+                assert full.value.retry_after is not None and full.value.retry_after >= 1
+            with BatchgateClient(gw.base_url, api_key="bgk_nope") as c, pytest.raises(AuthError):
+                c.get("req_" + "a" * 26)
+            with BatchgateClient(gw.base_url, api_key=key, lambda_context=Ctx(300)) as c, \
+                    pytest.raises(DeadlineInfeasible):  # 300 ms left, 500 ms margin: nothing is sent
+                c.submit("tiny-llama", {"prompt": "x"})
+            with BatchgateClient(gw.base_url, api_key=key, lambda_context=Ctx(8000)) as c:
+                sub = c.submit("tiny-llama", {"prompt": "x"})
+                assert sub.raw["deadline"] - __import__("time").time() < 8  # from the Lambda's remaining time
+
+        await asyncio.to_thread(scenario)
+
+
+async def test_direct_to_redis_client(redis_url, prefix, loaded_models):
+    settings = make_settings(redis_url, prefix)
+    async with running_worker(settings, loaded_models), \
+            AsyncBatchgateClient.direct(redis_url, tenant="vpc", key_prefix=prefix) as c:
+        sub = await c.submit("minilm", {"text": "inside the VPC"})
+        res = await c.result(sub.id, timeout=20)
+        assert res.status == "succeeded"
+        with pytest.raises(InvalidRequest):
+            await c.submit("minilm", {"nope": 1})
+
+
+async def test_auth_tenants_isolation_revocation_and_rate_limit(redis_url, prefix, loaded_models):
+    settings = make_settings(redis_url, prefix, auth="api_key")
+    async with running_gateway(settings) as gw:
+        a_key, b_key = await keys_for(gw, "tenant-a", "tenant-b")
+        body = {"input": {"text": "x"}}
+        assert (await gw.client.post("/v1/models/minilm/requests", json=body)).status_code == 401
+        r = await gw.client.post("/v1/models/minilm/requests", json=body, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = await gw.client.post("/v1/models/minilm/requests", json=body, headers={"X-API-Key": a_key})
+        assert r.status_code == 202
+        rid = r.json()["id"]
+        # another tenant sees nothing: 404, not 403
+        assert (await gw.client.get(f"/v1/requests/{rid}", headers={"X-API-Key": b_key})).status_code == 404
+        assert (await gw.client.delete(f"/v1/requests/{rid}", headers={"X-API-Key": b_key})).status_code == 404
+        assert (await gw.client.get(f"/v1/requests/{rid}", headers={"X-API-Key": a_key})).status_code == 200
+        assert (await gw.client.get("/healthz")).status_code == 200  # public
+        # revocation (the key cache holds a lookup for at most a few seconds)
+        store = TenantStore(gw.service.redis, Keys(prefix))
+        assert await store.revoke_key(b_key) == "tenant-b"
+        gw.service.auth._cache.clear()
+        assert (await gw.client.get("/v1/models", headers={"X-API-Key": b_key})).status_code == 401
+        # per-tenant rate limit: 2/s with a burst of 2
+        await store.set("tenant-a", rate_per_s=2, burst=2)
+        gw.service.auth._cache.clear()
+        codes = [(await gw.client.post("/v1/models/minilm/requests", json=body, headers={"X-API-Key": a_key}))
+                 for _ in range(4)]
+        assert [c.status_code for c in codes][:2] == [202, 202] and codes[-1].status_code == 429
+        assert codes[-1].json()["error"]["code"] == "rate_limited" and int(codes[-1].headers["retry-after"]) >= 1
+
+
+async def test_tenant_backlog_quota(redis_url, prefix, loaded_models):
+    settings = make_settings(redis_url, prefix, auth="api_key", tenant_max_backlog=2)
+    async with running_gateway(settings) as gw:
+        (key,) = await keys_for(gw, "quota")
+        h = {"X-API-Key": key}
+        codes = [(await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"}}, headers=h))
+                 .status_code for _ in range(3)]
+        assert codes == [202, 202, 429]
+        async with running_worker(settings, loaded_models):
+            rid = (await gw.client.get("/v1/models", headers=h)).status_code
+            assert rid == 200
+            for _ in range(100):  # once the worker finished them, the quota frees up
+                r = await gw.client.post("/v1/models/minilm/requests?wait=5", json={"input": {"text": "y"}}, headers=h)
+                if r.status_code in (200, 202):
+                    break
+                await asyncio.sleep(0.1)
+            assert r.status_code in (200, 202)
+
+
+async def test_openapi_document_and_docs_page(redis_url, prefix):
+    settings = make_settings(redis_url, prefix, auth="api_key")
+    async with running_gateway(settings) as gw:
+        doc = (await gw.client.get("/openapi.json")).json()
+        assert doc["openapi"].startswith("3.")
+        ops = {(m.upper(), p) for p, item in doc["paths"].items() for m in item}
+        from gateway.routes import ROUTES
+        assert {(r.method, r.path) for r in ROUTES} <= ops  # every route is documented
+        page = await gw.client.get("/docs")
+        assert page.status_code == 200 and "/v1/models/{model}/requests" in page.text

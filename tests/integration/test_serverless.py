@@ -1,0 +1,213 @@
+"""Serverless callers: AWS Lambda (API Gateway v1/v2, Function URL, ALB, direct, SQS) and Google Cloud
+Functions adapters, against real Redis and a real worker process."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from shared.keys import Keys
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+
+class FakeContext:
+    def __init__(self, remaining_ms: int) -> None:
+        self._end = time.monotonic() + remaining_ms / 1000
+        self.aws_request_id = "c0ffee"
+
+    def get_remaining_time_in_millis(self) -> int:
+        return max(0, int((self._end - time.monotonic()) * 1000))
+
+
+@pytest.fixture(scope="module")
+def stack_env(redis_url: str, model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A worker process (both built-in models) and the environment the handler modules read."""
+    prefix = f"bgtest-sl{os.getpid()}"
+    env = {"BATCHGATE_REDIS_URL": redis_url, "BATCHGATE_KEY_PREFIX": prefix, "BATCHGATE_MODEL_CACHE": str(model_cache),
+           "BATCHGATE_AUTH": "api_key", "BATCHGATE_WORKER_METRICS_PORT": "0", "BATCHGATE_LOG_FORMAT": "json",
+           "BATCHGATE_INTAKE_BLOCK_MS": "200"}
+    log = tmp_path_factory.mktemp("sl") / "worker.log"
+    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker"], env={**os.environ, **env},
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    r = redis.Redis.from_url(redis_url)
+    end = time.monotonic() + 120
+    while not r.hlen(f"{prefix}:workers"):
+        assert proc.poll() is None and time.monotonic() < end, log.read_text()[-2000:]
+        time.sleep(0.1)
+    try:
+        yield env
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            r.delete(*keys)
+
+
+def load(module: str, env: dict[str, str], monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """A fresh import of a handler module, as a cold container would do, on a fresh event loop."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    asyncio.set_event_loop(asyncio.new_event_loop())
+    sys.modules.pop(module, None)
+    return importlib.import_module(module)
+
+
+def api_key(env: dict[str, str], tenant: str = "t-lambda") -> str:
+    from shared.tenants import TenantStore
+
+    async def make() -> str:
+        from shared.redis_io import make_redis
+
+        r = make_redis(env["BATCHGATE_REDIS_URL"])
+        key = await TenantStore(r, Keys(env["BATCHGATE_KEY_PREFIX"])).create_key(tenant)
+        await r.aclose()
+        return key
+
+    return asyncio.run(make())
+
+
+def body_of(resp: dict) -> dict:
+    return json.loads(resp["body"])
+
+
+BODY = json.dumps({"input": {"texts": ["hello"]}})
+
+
+def apigw_v1(key: str, body: str = BODY, path: str = "/v1/models/minilm/requests", method: str = "POST") -> dict:
+    headers = {"content-type": "application/json", "host": "abc123.execute-api.eu-west-1.amazonaws.com",
+               "authorization": f"Bearer {key}"}
+    return {
+        "resource": "/{proxy+}", "path": path, "httpMethod": method, "headers": headers,
+        "multiValueHeaders": {k: [v] for k, v in headers.items()},
+        "queryStringParameters": {"wait": "20"}, "multiValueQueryStringParameters": {"wait": ["20"]},
+        "pathParameters": {"proxy": path.lstrip("/")}, "stageVariables": None,
+        "requestContext": {"resourcePath": "/{proxy+}", "httpMethod": method, "path": "/prod" + path,
+                           "stage": "prod", "requestId": "r-1", "accountId": "123456789012",
+                           "identity": {"sourceIp": "198.51.100.7", "userAgent": "curl"}},
+        "body": body, "isBase64Encoded": False,
+    }
+
+
+def apigw_v2(key: str, body: str = BODY, path: str = "/v1/models/minilm/requests", method: str = "POST",
+             domain: str = "abc123.execute-api.eu-west-1.amazonaws.com") -> dict:
+    return {
+        "version": "2.0", "routeKey": "$default", "rawPath": path, "rawQueryString": "wait=20",
+        "headers": {"content-type": "application/json", "host": domain, "x-api-key": key},
+        "queryStringParameters": {"wait": "20"},
+        "requestContext": {"accountId": "123456789012", "apiId": "abc123", "domainName": domain,
+                           "http": {"method": method, "path": path, "protocol": "HTTP/1.1",
+                                    "sourceIp": "198.51.100.7", "userAgent": "curl"},
+                           "requestId": "r-2", "routeKey": "$default", "stage": "$default",
+                           "time": "22/Nov/2026:05:00:00 +0000", "timeEpoch": 1795300000000},
+        "body": body, "isBase64Encoded": False,
+    }
+
+
+def alb(key: str, body: str = BODY, path: str = "/v1/models/minilm/requests", method: str = "POST") -> dict:
+    return {
+        "requestContext": {"elb": {"targetGroupArn": "arn:aws:elasticloadbalancing:eu-west-1:123456789012:"
+                                                     "targetgroup/batchgate/50dc6c495c0c9188"}},
+        "httpMethod": method, "path": path, "queryStringParameters": {"wait": "20"},
+        "headers": {"content-type": "application/json", "host": "batchgate-alb.example.com",
+                    "x-api-key": key},
+        "body": body, "isBase64Encoded": False,
+    }
+
+
+@pytest.mark.parametrize("shape", ["apigw_v1", "apigw_v2", "function_url", "alb"])
+def test_lambda_http_events(stack_env, monkeypatch, shape):
+    key = api_key(stack_env)  # (asyncio.run unsets the current loop: do it before the cold start)
+    mod = load("gateway.lambda_handler", stack_env, monkeypatch)
+    make = {"apigw_v1": apigw_v1, "apigw_v2": apigw_v2, "alb": alb,
+            "function_url": lambda k, **kw: apigw_v2(k, domain="xyz.lambda-url.eu-west-1.on.aws", **kw)}[shape]
+    resp = mod.http_handler(make(key), FakeContext(30_000))
+    assert resp["statusCode"] == 200, resp
+    got = body_of(resp)
+    assert got["status"] == "succeeded" and len(got["output"]["embeddings"][0]) == 384
+    again = mod.http_handler(make(key, path=f"/v1/requests/{got['id']}", method="GET", body=""), FakeContext(30_000))
+    assert again["statusCode"] == 200 and body_of(again)["id"] == got["id"]  # the same warm container, reused
+    denied = mod.http_handler(make("bgk_wrong"), FakeContext(30_000))
+    assert denied["statusCode"] == 401
+
+
+def test_lambda_direct_invocation_and_deadline_from_context(stack_env, monkeypatch):
+    mod = load("gateway.lambda_handler", stack_env, monkeypatch)
+    ok = mod.direct_handler({"model": "tiny-llama", "input": {"prompt": "hi"}, "params": {"max_new_tokens": 4},
+                             "wait": 20}, FakeContext(25_000))
+    assert ok["statusCode"] == 200 and ok["status"] == "succeeded" and ok["output"]["completion_tokens"] <= 4
+    assert ok["deadline"] - time.time() < 25  # the deadline came from the invocation's remaining time
+    r = redis.Redis.from_url(stack_env["BATCHGATE_REDIS_URL"])
+    keys = Keys(stack_env["BATCHGATE_KEY_PREFIX"])
+    before = sum(r.xlen(s) for s in keys.lane_streams("tiny-llama", ("short", "medium", "long")))
+    late = mod.direct_handler({"model": "tiny-llama", "input": {"prompt": "hi"}}, FakeContext(300))
+    assert late["statusCode"] == 429 and late["error"]["code"] == "deadline_infeasible"
+    after = sum(r.xlen(s) for s in keys.lane_streams("tiny-llama", ("short", "medium", "long")))
+    assert after == before  # nothing was submitted, so nothing can be computed
+    bad = mod.direct_handler({"input": {}}, FakeContext(5_000))
+    assert bad["statusCode"] == 400
+
+
+def test_lambda_sqs_batch_with_partial_failures_and_redelivery(stack_env, monkeypatch):
+    mod = load("gateway.lambda_handler", stack_env, monkeypatch)
+
+    def record(mid: str, body: str) -> dict:
+        return {"messageId": mid, "receiptHandle": "rh-" + mid, "body": body,
+                "attributes": {"ApproximateReceiveCount": "1", "SentTimestamp": "1795300000000"},
+                "messageAttributes": {}, "md5OfBody": "x", "eventSource": "aws:sqs",
+                "eventSourceARN": "arn:aws:sqs:eu-west-1:123456789012:batchgate-in", "awsRegion": "eu-west-1"}
+
+    event = {"Records": [
+        record("m1", json.dumps({"model": "minilm", "input": {"text": "a"}})),
+        record("m2", json.dumps({"model": "minilm", "input": {"text": "b"}})),
+        record("m3", "{not json"),
+        record("m4", json.dumps({"model": "minilm", "input": {"texts": [1]}})),
+        record("m5", json.dumps({"model": "nope", "input": {"text": "c"}})),
+        record("m6", json.dumps({"model": "tiny-llama", "input": {"prompt": "d"}, "params": {"max_new_tokens": 2}})),
+    ]}
+    out = mod.sqs_handler(event, FakeContext(30_000))
+    assert sorted(f["itemIdentifier"] for f in out["batchItemFailures"]) == ["m3", "m4", "m5"]
+    r = redis.Redis.from_url(stack_env["BATCHGATE_REDIS_URL"])
+    p = stack_env["BATCHGATE_KEY_PREFIX"]
+    idem = list(r.scan_iter(match=f"{p}:{{i:*", count=1000))
+    out2 = mod.sqs_handler({"Records": event["Records"][:2]}, FakeContext(30_000))  # SQS redelivers m1, m2
+    assert out2["batchItemFailures"] == []
+    assert len(list(r.scan_iter(match=f"{p}:{{i:*", count=1000))) == len(idem)  # no new requests
+
+
+def test_cloud_functions_adapter(stack_env, monkeypatch):
+    functions_framework = pytest.importorskip("functions_framework")
+    for k, v in stack_env.items():
+        monkeypatch.setenv(k, v)
+    sys.modules.pop("gateway.gcf_handler", None)
+    app = functions_framework.create_app(target="batchgate", source=str(Path("gateway/gcf_handler.py").resolve()))
+    client = app.test_client()
+    key = api_key(stack_env, "t-gcf")
+    r = client.post("/v1/models/minilm/requests?wait=20", json={"input": {"text": "hello"}},
+                    headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200 and r.get_json()["status"] == "succeeded"
+    rid = r.get_json()["id"]
+    assert client.get(f"/v1/requests/{rid}", headers={"X-API-Key": key}).status_code == 200
+    assert client.get(f"/v1/requests/{rid}").status_code == 401
+    assert client.get("/healthz").status_code == 200
+    assert client.put("/v1/models", headers={"X-API-Key": key}).status_code == 405
+
+
+@pytest.mark.parametrize("module", ["gateway.lambda_handler", "gateway.gcf_handler", "shared.sdk"])
+def test_handler_modules_import_no_torch(stack_env, module):
+    code = (f"import sys, time; t = time.perf_counter(); import {module}; "
+            "print(time.perf_counter() - t, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **stack_env}, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    assert out[1:] == ["False", "False"], out

@@ -1,0 +1,314 @@
+"""Webhook callbacks: real Redis, the real dispatcher, a real HTTP receiver on loopback (allow-listed)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+from gateway.dispatcher import Dispatcher
+from shared.callback_store import CallbackStore
+from shared.codec import encode
+from shared.keys import Keys
+from shared.messages import CallbackDelivery, RequestResult
+from shared.states import FinishReason, Status
+from shared.tenants import TenantStore
+from shared.webhooks import WebhookVerificationError, verify
+from tests.integration.test_stack import wait_until
+from tests.receiver import Received, receiver
+from tests.stack import make_settings, running_gateway, running_worker
+
+pytestmark = [pytest.mark.redis]
+
+FAST = dict(callback_base_s=0.05, callback_cap_s=0.4, callback_max_attempts=6, callback_timeout_s=2.0,
+            callback_connect_timeout_s=1.0, callback_lease_s=5.0)
+SECRET = "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+
+
+def settings_for(redis_url, prefix, allow="127.0.0.0/8,::1", **kw):
+    return make_settings(redis_url, prefix, callback_allow=allow, **{**FAST, **kw})
+
+
+@contextlib.asynccontextmanager
+async def dispatcher(settings, **kw):
+    d = Dispatcher(settings, default_secret=kw.pop("secret", SECRET), rng=random.Random(0), **kw)
+    stop = asyncio.Event()
+    task = asyncio.create_task(d.run(stop))
+    await d.ready.wait()
+    try:
+        yield d
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+
+
+async def complete(gw, rid: str, status: Status = Status.SUCCEEDED) -> None:
+    """A worker's completion, minus the model: the same finish script, so the same webhook enqueue."""
+    rec = await gw.service.store.get(rid)
+    await gw.service.store.finish(RequestResult(id=rid, status=status, output={"ok": True},
+                                                finish_reason=FinishReason.DONE, finished_ms=int(time.time() * 1000)),
+                                  rec.meta)
+
+
+async def submit(gw, url: str, events=("completed",)) -> str:
+    r = await gw.client.post("/v1/models/minilm/requests", json={
+        "input": {"text": "x"}, "callback": {"url": url, "events": list(events)}})
+    assert r.status_code == 202, r.text
+    return r.json()["id"]
+
+
+async def callback_of(gw, rid: str) -> dict:
+    return (await gw.client.get(f"/v1/requests/{rid}")).json()["callback"]
+
+
+async def test_signed_delivery_verified_by_standardwebhooks(redis_url, prefix):
+    settings = settings_for(redis_url, prefix)
+    async with receiver() as rx, running_gateway(settings) as gw, dispatcher(settings):
+        rid = await submit(gw, rx.url)
+        await complete(gw, rid)
+        await wait_until(lambda: _true(len(rx.requests) == 1))
+        got = rx.requests[0]
+        payload = verify(SECRET, got.body, got.headers)  # the library's own verification
+        view = (await gw.client.get(f"/v1/requests/{rid}")).json()
+        assert payload["id"] == rid and payload["status"] == "succeeded" and payload["output"] == view["output"]
+        assert got.headers["webhook-id"].startswith("msg_") and got.headers["batchgate-event"] == "completed"
+        with pytest.raises(WebhookVerificationError):
+            verify("whsec_" + "A" * 32, got.body, got.headers)
+        await wait_until(lambda: _cb_status(gw, rid, "delivered"))
+        cb = await callback_of(gw, rid)
+        assert cb["attempts"] == 1 and cb["delivered_at"] is not None
+
+
+async def _true(v: bool) -> bool:
+    return v
+
+
+async def _cb_attempts(gw, rid: str, n: int) -> bool:
+    return (await callback_of(gw, rid)).get("attempts") == n
+
+
+async def _cb_status(gw, rid: str, status: str) -> bool:
+    return (await callback_of(gw, rid)).get("status") == status
+
+
+async def test_started_and_completed_events_from_a_real_worker(redis_url, prefix, loaded_models):
+    settings = settings_for(redis_url, prefix)
+    async with receiver() as rx, running_worker(settings, loaded_models), running_gateway(settings) as gw, \
+            dispatcher(settings):
+        rid = await submit(gw, rx.url, events=("started", "completed"))
+        await wait_until(lambda: _true(len(rx.requests) == 2))
+        events = sorted(r.headers["batchgate-event"] for r in rx.requests)
+        assert events == ["completed", "started"]
+        ids = {r.headers["webhook-id"] for r in rx.requests}
+        assert len(ids) == 2 and all(rid.removeprefix("req_") in i for i in ids)
+
+
+async def test_retries_on_500_and_timeout_then_delivered_once_with_backoff(redis_url, prefix):
+    def flaky(rec: Received, n: int):
+        if n <= 2:
+            return 500, {}, 0.0
+        if n == 3:
+            return 200, {}, 3.0  # slower than the 2 s attempt timeout
+        return 200, {}, 0.0
+
+    settings = settings_for(redis_url, prefix)
+    async with receiver(flaky) as rx, running_gateway(settings) as gw, dispatcher(settings):
+        rid = await submit(gw, rx.url)
+        await complete(gw, rid)
+        await wait_until(lambda: _cb_status(gw, rid, "delivered"), timeout=30)
+        assert len(rx.requests) == 4
+        assert len({r.headers["webhook-id"] for r in rx.requests}) == 1  # one delivery, four attempts
+        for r in rx.requests:  # each attempt signed for its own (fresh, second-resolution) timestamp
+            verify(SECRET, r.body, r.headers)
+        stamps = [int(r.headers["webhook-timestamp"]) for r in rx.requests]
+        assert stamps == sorted(stamps) and stamps[-1] > stamps[0]
+        gaps = [b.at - a.at for a, b in zip(rx.requests, rx.requests[1:], strict=False)]
+        assert gaps[0] >= 0.025 and gaps[1] >= 0.05  # equal-jitter backoff: at least half of 0.05, 0.1
+        cb = await callback_of(gw, rid)
+        assert cb["attempts"] == 4 and cb["last_error"] is None
+
+
+async def test_dispatcher_killed_mid_schedule_and_restarted(redis_url, prefix, tmp_path):
+    """A dispatcher process is killed (-9) while a delivery waits for its next attempt; a new one
+    delivers it, once, on the schedule it left (not from scratch)."""
+    calls: list[float] = []
+
+    def fail_twice(rec: Received, n: int):
+        calls.append(time.time())
+        return (503, {}, 0.0) if n <= 2 else (200, {}, 0.0)
+
+    settings = settings_for(redis_url, prefix, callback_base_s=1.0, callback_cap_s=1.5)
+    env = {**os.environ, "BATCHGATE_REDIS_URL": redis_url, "BATCHGATE_KEY_PREFIX": prefix,
+           "BATCHGATE_CALLBACK_ALLOW": "127.0.0.0/8", "BATCHGATE_CALLBACK_BASE_S": "1.0",
+           "BATCHGATE_CALLBACK_CAP_S": "1.5", "BATCHGATE_WEBHOOK_SECRET": SECRET, "BATCHGATE_MODELS": "minilm",
+           "BATCHGATE_DISPATCHER_METRICS_PORT": "0", "BATCHGATE_LOG_FORMAT": "json"}
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-m", "shared.cli", "callbacks"], env=env,
+                                stdout=(tmp_path / "d.log").open("a"), stderr=subprocess.STDOUT)
+
+    async with receiver(fail_twice) as rx, running_gateway(settings) as gw:
+        proc = start()
+        rid = await submit(gw, rx.url)
+        await complete(gw, rid)
+        await wait_until(lambda: _cb_attempts(gw, rid, 1), timeout=30)  # failed once, retry scheduled
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        due = (await callback_of(gw, rid))["next_attempt_at"]
+        assert due is not None  # the schedule is in Redis, not in the dead process
+        proc = start()
+        try:
+            await wait_until(lambda: _cb_status(gw, rid, "delivered"), timeout=40)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(20)
+        assert len(rx.requests) == 3 and len({r.headers["webhook-id"] for r in rx.requests}) == 1
+        assert calls[1] >= due - 0.5  # the restarted dispatcher kept the persisted due time
+        assert sum(1 for r in rx.requests if r is rx.requests[-1]) == 1
+
+
+async def test_410_disables_the_url_for_the_tenant(redis_url, prefix):
+    settings = settings_for(redis_url, prefix)
+    async with receiver(lambda rec, n: (410, {}, 0.0)) as rx, running_gateway(settings) as gw, \
+            dispatcher(settings):
+        rid = await submit(gw, rx.url)
+        await complete(gw, rid)
+        await wait_until(lambda: _cb_status(gw, rid, "disabled"))
+        assert len(rx.requests) == 1
+        r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"},
+                                                                      "callback": {"url": rx.url}})
+        assert r.status_code == 422 and "410" in r.json()["error"]["message"]
+
+
+async def test_redirects_are_not_followed(redis_url, prefix):
+    settings = settings_for(redis_url, prefix)
+    async with receiver() as inward:
+        async with receiver(lambda rec, n: (302, {"location": inward.url}, 0.0)) as rx, \
+                running_gateway(settings) as gw, dispatcher(settings):
+            rid = await submit(gw, rx.url)
+            await complete(gw, rid)
+            await wait_until(lambda: _cb_status(gw, rid, "failed"))
+            cb = await callback_of(gw, rid)
+            assert "redirect" in cb["last_error"] and len(rx.requests) == 1
+        assert inward.connections == 0
+
+
+async def test_slow_receiver_times_out_then_dead_letter_and_replay(redis_url, prefix):
+    slow = {"on": True}
+
+    def policy(rec: Received, n: int):
+        return (200, {}, 2.0) if slow["on"] else (200, {}, 0.0)
+
+    settings = settings_for(redis_url, prefix, callback_timeout_s=0.3, callback_max_attempts=2)
+    async with receiver(policy) as rx, running_gateway(settings) as gw, dispatcher(settings):
+        rid = await submit(gw, rx.url)
+        await complete(gw, rid)
+        await wait_until(lambda: _cb_status(gw, rid, "dead"), timeout=20)
+        cb = await callback_of(gw, rid)
+        assert cb["attempts"] == 2 and "timeout" in cb["last_error"]
+        assert (await gw.client.get(f"/v1/requests/{rid}")).json()["status"] == "succeeded"  # result kept
+        assert await gw.service.redis.xlen(Keys(prefix).callback_dead()) == 1
+        slow["on"] = False
+        r = await gw.client.post(f"/v1/requests/{rid}/callback:replay")
+        assert r.status_code == 202
+        await wait_until(lambda: _cb_status(gw, rid, "delivered"), timeout=20)
+        again = await gw.client.post(f"/v1/requests/{rid}/callback:replay")
+        assert again.status_code == 409
+
+
+SSRF_HOSTS = ["127.0.0.1", "localhost", "[::1]", "2130706433", "0177.0.0.1", "0x7f000001", "127.1",
+              "[::ffff:127.0.0.1]", "internal.example"]
+OTHER_INSIDE = ["http://10.0.0.5/", "http://172.16.0.9/", "http://192.168.1.1/", "http://169.254.169.254/latest/",
+                "http://[::ffff:a9fe:a9fe]/", "http://2852039166/", "http://0251.0376.0251.0376/",
+                "http://0xa9fea9fe/"]
+
+
+async def test_ssrf_corpus_is_refused_and_nothing_is_sent(redis_url, prefix):
+    settings = settings_for(redis_url, prefix, allow="")  # the allow-list off
+
+    def resolver(host: str, port: int) -> list[str]:
+        return {"internal.example": ["127.0.0.1"], "localhost": ["127.0.0.1"]}[host]
+
+    async with receiver(ipv6=True) as rx, running_gateway(settings) as gw:
+        urls = [f"http://{h}:{rx.port}/hook" for h in SSRF_HOSTS] + OTHER_INSIDE
+        # at submit: IP literals in every spelling are refused outright
+        for url in urls:
+            if "example" in url or "localhost" in url:
+                continue
+            r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"},
+                                                                          "callback": {"url": url}})
+            assert r.status_code == 422, url
+        # at delivery: names (and anything that got past submit) are resolved and checked again
+        store = CallbackStore(gw.service.redis, Keys(prefix))
+        for i, url in enumerate(urls):
+            d = CallbackDelivery(f"msg_ssrf{i}", f"req_ssrf{i}", "default", "completed", url, int(time.time() * 1000))
+            await gw.service.redis.xadd(Keys(prefix).callback_stream(), {"d": encode(d)})
+        async with dispatcher(settings, resolver=resolver):
+            async def all_failed() -> bool:
+                states = [await store.load(f"msg_ssrf{i}") for i in range(len(urls))]
+                return all(s is not None and s[1].status == "failed" for s in states)
+            await wait_until(all_failed, timeout=20)
+        for i in range(len(urls)):
+            _, state = await store.load(f"msg_ssrf{i}")
+            assert state.last_error.startswith("refused"), (urls[i], state)
+        assert rx.connections == 0 and rx.requests == []
+
+
+@pytest.mark.slow
+async def test_load_1000_completions_with_a_flaky_receiver(redis_url, prefix):
+    rng = random.Random(7)
+    ok_ids: Counter[str] = Counter()
+
+    def flaky(rec: Received, n: int):
+        if rng.random() < 0.3:
+            return 500, {}, 0.0
+        ok_ids[rec.headers["webhook-id"]] += 1
+        return 200, {}, 0.0
+
+    settings = settings_for(redis_url, prefix, callback_base_s=0.02, callback_cap_s=0.2, callback_max_attempts=20)
+    async with receiver(flaky) as rx, running_gateway(settings) as gw:
+        ids = [await submit(gw, rx.url) for _ in range(1000)]
+        t0 = time.monotonic()
+        await asyncio.gather(*(complete(gw, rid) for rid in ids))
+        async with dispatcher(settings), dispatcher(dataclasses.replace(settings, worker_name="d2")):
+            await wait_until(lambda: _true(len(ok_ids) == 1000), timeout=120)
+            elapsed = time.monotonic() - t0
+        attempts = len(rx.requests)
+    figures = {"completions": 1000, "delivered": len(ok_ids), "delivered_twice": sum(v > 1 for v in ok_ids.values()),
+               "attempts": attempts, "failed_attempts": attempts - sum(ok_ids.values()), "seconds": round(elapsed, 1)}
+    print("\nWEBHOOK LOAD", json.dumps(figures))
+    assert figures["delivered"] == 1000 and figures["delivered_twice"] == 0
+
+
+async def test_secret_rotation_signs_with_both(redis_url, prefix):
+    settings = settings_for(redis_url, prefix)
+    async with receiver() as rx, running_gateway(settings) as gw, dispatcher(settings, secret=""):
+        tenants = TenantStore(gw.service.redis, Keys(prefix))
+        (old,) = await tenants.webhook_secrets("default")
+        new = await tenants.rotate_webhook_secret("default")
+        rid = await submit(gw, rx.url)
+        await complete(gw, rid)
+        await wait_until(lambda: _true(len(rx.requests) == 1))
+        got = rx.requests[0]
+        assert len(got.headers["webhook-signature"].split(" ")) == 2
+        verify(old, got.body, got.headers)  # receivers on either secret accept it during the overlap
+        verify(new, got.body, got.headers)
+
+
+async def test_bad_callback_fields_get_422(redis_url, prefix):
+    settings = settings_for(redis_url, prefix)
+    async with running_gateway(settings) as gw:
+        for cb in ({"url": "ftp://x.example/"}, {"url": "http://x.example/", "events": ["finished"]}, "http://x",
+                   {"events": ["completed"]}, {"url": "http://x.example/", "extra": 1}):
+            r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"}, "callback": cb})
+            assert r.status_code == 422, cb

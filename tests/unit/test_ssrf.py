@@ -1,0 +1,74 @@
+"""The SSRF guard on a corpus of addresses aimed inside, with a stub resolver (no network)."""
+
+import pytest
+
+from shared.ssrf import AllowList, RefusedURL, check_url, literal_ip, resolve_and_check
+
+INSIDE = [
+    "http://127.0.0.1/", "http://127.1/", "http://localhost/", "http://[::1]/", "http://10.0.0.5/",
+    "http://172.16.3.4/", "http://192.168.1.1/", "http://169.254.169.254/latest/meta-data/",
+    "http://[::ffff:a9fe:a9fe]/", "http://[::ffff:127.0.0.1]/", "http://2852039166/", "http://0251.0376.0251.0376/",
+    "http://0xa9fea9fe/", "http://0x7f000001/", "http://2130706433/", "http://0177.0.0.1/", "http://0.0.0.0/",
+    "http://100.64.0.1/", "http://224.0.0.1/", "http://[fe80::1]/", "http://[fc00::1]/", "http://240.0.0.1/",
+    "http://[2002:a9fe:a9fe::]/",  # 6to4 wrapping the metadata address
+    "http://internal.example/",  # resolves to a private address (stub below)
+]
+STUB = {"internal.example": ["10.1.2.3"], "localhost": ["127.0.0.1", "::1"], "hooks.example.com": ["93.184.216.34"],
+        "mixed.example": ["93.184.216.34", "10.0.0.1"]}
+
+
+def stub(host: str, port: int) -> list[str]:
+    if host not in STUB:
+        raise OSError(f"no such host {host}")
+    return STUB[host]
+
+
+@pytest.mark.parametrize("url", INSIDE)
+def test_inside_addresses_are_refused_at_delivery(url):
+    with pytest.raises(RefusedURL):
+        resolve_and_check(url, AllowList(), stub)
+
+
+@pytest.mark.parametrize("url", [u for u in INSIDE if "example" not in u and "localhost" not in u])
+def test_ip_literals_in_any_spelling_are_refused_at_submit(url):
+    with pytest.raises(RefusedURL):
+        check_url(url, AllowList())
+
+
+def test_public_names_pass_and_are_pinned():
+    target = resolve_and_check("https://hooks.example.com:8443/x?y=1", AllowList(), stub)
+    assert (target.ip, target.host, target.port, target.path, target.scheme) == (
+        "93.184.216.34", "hooks.example.com", 8443, "/x?y=1", "https")
+
+
+def test_one_private_address_among_public_ones_is_enough_to_refuse():
+    with pytest.raises(RefusedURL):
+        resolve_and_check("http://mixed.example/", AllowList(), stub)
+
+
+@pytest.mark.parametrize("url", ["ftp://x.example/", "file:///etc/passwd", "gopher://x/", "http://", "not a url",
+                                 "http://user:pw@hooks.example.com/", "http://hooks.example.com:99999/", "x" * 3000])
+def test_plainly_invalid_urls_are_refused_at_submit(url):
+    with pytest.raises(RefusedURL):
+        check_url(url, AllowList())
+
+
+def test_unresolvable_host_is_refused_at_delivery():
+    with pytest.raises(RefusedURL, match="cannot resolve"):
+        resolve_and_check("http://nowhere.example/", AllowList(), stub)
+
+
+def test_operator_allow_list_by_network_and_by_host():
+    allow = AllowList.parse("127.0.0.0/8, internal.example, ::1")
+    assert resolve_and_check("http://127.0.0.1:9/", allow, stub).ip == "127.0.0.1"
+    assert resolve_and_check("http://internal.example/", allow, stub).ip == "10.1.2.3"
+    assert resolve_and_check("http://[::1]/", allow, stub).ip == "::1"
+    with pytest.raises(RefusedURL):
+        resolve_and_check("http://10.0.0.5/", allow, stub)
+
+
+def test_literal_ip_spellings():
+    assert str(literal_ip("2852039166")) == "169.254.169.254"
+    assert str(literal_ip("0xa9fea9fe")) == "169.254.169.254"
+    assert str(literal_ip("0251.0376.0251.0376")) == "169.254.169.254"
+    assert literal_ip("hooks.example.com") is None
