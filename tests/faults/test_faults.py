@@ -4,7 +4,6 @@ processes, a ledger of every accepted id. Pass: lost = 0 and visible duplicates 
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 
@@ -15,11 +14,6 @@ from shared.messages import RequestResult
 from tests.faults.harness import LONG, SHORT, cluster, until
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def held(c, name: str) -> int:
-    raw = c.redis.client().hget(f"{c.prefix}:workers", name)
-    return json.loads(raw)["held"] if raw else 0
 
 
 def running(c) -> int:
@@ -101,21 +95,24 @@ async def test_sigterm_mid_batch_hands_back(tmp_path, model_cache, prefix):
 async def test_long_batch_beyond_idle_threshold_is_not_stolen_and_hung_worker_is(tmp_path, model_cache, prefix):
     async with cluster(tmp_path, model_cache, prefix, BATCHGATE_RECLAIM_IDLE_S="0.5") as c:
         a = c.worker("w-a")
-        c.worker("w-b")
+        b = c.worker("w-b")
         t0 = time.monotonic()
         await asyncio.gather(*(c.submit(LONG) for _ in range(16)))
         final = await c.ledger("5a batch longer than the idle threshold, live workers", t0)
         assert all(v["attempts"] == 1 for v in final.values()), [v["attempts"] for v in final.values()]
         assert max(v["finished_at"] - v["started_at"] for v in final.values()) > 0.5  # really longer than it
         c.accepted.clear()
-        for _ in range(6):
+        b.signal(signal.SIGTERM)  # leave w-a alone with the next requests
+        assert b.wait(30) == 0
+        for _ in range(12):
             await c.submit(LONG)
-        await until(lambda: held(c, "w-a") > 0)
+        await until(lambda: running(c) >= 2, every=0.01)
         a.signal(signal.SIGSTOP)  # hung: alive but silent, renews nothing
         t_fault = time.monotonic()
+        c.worker("w-c")
         final = await c.ledger("5b hung worker (SIGSTOP) reclaimed", t_fault)
         a.signal(signal.SIGCONT)
-        assert len(final) == 6 and all(v["status"] == "succeeded" for v in final.values())
+        assert len(final) == 12 and all(v["status"] == "succeeded" for v in final.values())
 
 
 async def test_poison_requests(tmp_path, model_cache, prefix):
