@@ -59,6 +59,8 @@ class Runner(Protocol):
 
     def engine_stats(self) -> EngineStats | None: ...
 
+    def warm_up(self) -> None: ...
+
     def remaining_tokens(self) -> dict[str, int]: ...
 
     def expire_ids(self, ids: set[str]) -> list[Outcome]: ...
@@ -117,6 +119,12 @@ class EmbedRunner:
 
     def engine_stats(self) -> EngineStats | None:
         return None
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One forward before serving: first-call imports and allocations happen now, not on a request."""
+        enc = self.loaded.tokenizer(["warm up"], return_tensors="pt")
+        self.loaded.model(**{k: v.to(self.loaded.device) for k, v in enc.items()})
 
     def remaining_tokens(self) -> dict[str, int]:
         return {}
@@ -259,6 +267,13 @@ class GenerateRunner:
 
     def engine_stats(self) -> EngineStats | None:
         return self.engine.stats
+
+    def warm_up(self) -> None:
+        """A short generation before serving: first-call imports and kernels happen now, not on a request."""
+        self.engine.prefill([GenSpec(id="warm-up", prompt_ids=(1, 2, 3, 4), max_new_tokens=3)])
+        while self.engine.running:
+            self.engine.step()
+        self.engine.stats = EngineStats()
 
     def remaining_tokens(self) -> dict[str, int]:
         return self.engine.remaining_tokens()

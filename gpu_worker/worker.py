@@ -171,6 +171,7 @@ class Worker:
             else:
                 loaded = await asyncio.to_thread(models.load, spec, self.settings.model_cache_dir)
             runner = build_runner(loaded, self.name, self.faults)
+            await asyncio.to_thread(runner.warm_up)
             self.loops[spec.name] = ModelLoop(spec.name, runner, build_scheduler(spec), gate=self._gate,
                                               emit=self._emit, on_crash=self._on_crash, worker=self.name,
                                               faults=self.faults)

@@ -50,6 +50,9 @@ class FakeRunner:
     def engine_stats(self):
         return None
 
+    def warm_up(self) -> None:
+        return None
+
     def remaining_tokens(self) -> dict[str, int]:
         return {rid: row.left for rid, row in self.rows.items()}
 
