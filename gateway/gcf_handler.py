@@ -1,8 +1,8 @@
 """Google Cloud Functions (functions-framework, a Flask request) onto the same routes and handlers.
 
-Deploy with `--entry-point batchgate`. The async handlers run on one event loop in a background
-thread owned by this module (created once per instance, like the Redis pool), because the Flask
-server calling us may be multi-threaded.
+Deploy with `gcloud functions deploy ... --trigger-http --entry-point batchgate`. The async handlers
+run on one event loop in a background thread owned by this module (created once per instance, like
+the Redis pool), because the Flask server calling us may be multi-threaded.
 """
 
 from __future__ import annotations
@@ -23,17 +23,9 @@ SERVICE = GatewayService(SETTINGS)
 _LOOP = asyncio.new_event_loop()
 threading.Thread(target=_LOOP.run_forever, name="batchgate-gcf-loop", daemon=True).start()
 
-try:  # the decorator only registers the function; the adapter works without the framework too
-    import functions_framework
 
-    _register = functions_framework.http
-except ImportError:  # pragma: no cover - functions-framework not installed
-    def _register(fn: Any) -> Any:
-        return fn
-
-
-@_register
 def batchgate(request: Any) -> Any:
+    """The HTTP function (signature type `http`, the default: no functions-framework import needed)."""
     from flask import Response
 
     api_req = ApiRequest(
