@@ -307,3 +307,31 @@ async def test_a_flood_beyond_the_kv_budget_waits_instead_of_failing(redis_url, 
             "input": {"input_ids": [3 + i, 4, 5]}, "params": {"max_new_tokens": 16}}) for i in range(40)))
         assert all(r.status_code == 200 and r.json()["status"] == "succeeded" for r in responses)
         assert engine.max_rows == 4 and engine.cache.rows_cap <= 4
+
+
+async def test_worker_metrics_after_generation(redis_url, prefix, loaded_models):
+    from prometheus_client import generate_latest
+
+    settings = make_settings(redis_url, prefix)
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        await asyncio.gather(*(gw.client.post("/v1/models/tiny-llama/requests?wait=20", json={
+            "input": {"input_ids": [5, 6, 7, 8]}, "params": {"max_new_tokens": 24, "ignore_eos": True}})
+            for _ in range(6)))
+        await asyncio.sleep(1.2)  # the compute loop refreshes its gauges once a second
+        text = generate_latest().decode()
+    for name in ("batchgate_running_sequences", "batchgate_tokens_per_second", "batchgate_ttft_seconds_bucket",
+                 "batchgate_kv_padding_fraction", 'batchgate_engine_seconds_total{model="tiny-llama",phase="prefill"}',
+                 'phase="decode"', "batchgate_batch_size_bucket", "batchgate_queue_wait_seconds_bucket",
+                 "batchgate_compute_seconds_bucket", 'batchgate_results_total{model="tiny-llama",status="succeeded"}',
+                 "batchgate_worker_backlog"):
+        assert name in text, name
+
+
+async def test_an_expired_result_reads_410(redis_url, prefix, loaded_models):
+    settings = make_settings(redis_url, prefix, result_ttl_s=1)
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        r = await gw.client.post("/v1/models/minilm/requests?wait=10", json={"input": {"text": "x"}})
+        assert r.status_code == 200
+        await asyncio.sleep(1.6)  # longer than the result TTL
+        gone = await gw.client.get(f"/v1/requests/{r.json()['id']}?wait=5")
+        assert gone.status_code == 410 and gone.json()["error"]["code"] == "result_expired"
