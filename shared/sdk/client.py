@@ -112,6 +112,20 @@ class _Common:
             return Result.of(body)
         return Submission(body["id"], body["status"], body.get("eta_ms"), body.get("queue_position"), body)
 
+    def _batch_bodies(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [self._body(it["input"], it.get("params"), it.get("timeout_s"), it.get("deadline"),
+                           it.get("priority"), it.get("callback")) for it in items]
+
+    @staticmethod
+    def _batch_outcomes(resp: dict[str, Any]) -> list[Submission | BatchgateError]:
+        out: list[Submission | BatchgateError] = []
+        for r in resp["results"]:
+            if r["status"] in (200, 202):
+                out.append(Submission(r["id"], "queued", r.get("eta_ms"), r.get("queue_position"), r))
+            else:
+                out.append(error_for(r["status"], r, None))
+        return out
+
     @staticmethod
     def _checked(result: Result) -> Result:
         if result.status != "succeeded":
@@ -163,14 +177,9 @@ class AsyncBatchgateClient(_Common):
         out: list[Submission | BatchgateError] = []
         items = list(items)
         for i in range(0, len(items), MAX_BATCH):
-            chunk = [self._body(it["input"], it.get("params"), it.get("timeout_s"), it.get("deadline"),
-                                it.get("priority"), it.get("callback")) for it in items[i:i + MAX_BATCH]]
-            resp = await self._request("POST", f"/v1/models/{model}/requests:batch", json={"requests": chunk})
-            for r in resp["results"]:
-                if r["status"] in (200, 202):
-                    out.append(Submission(r["id"], "queued", r.get("eta_ms"), r.get("queue_position"), r))
-                else:
-                    out.append(error_for(r["status"], r, (r.get("error") or {}).get("retry_after")))
+            chunk = self._batch_bodies(items[i:i + MAX_BATCH])
+            out += self._batch_outcomes(await self._request("POST", f"/v1/models/{model}/requests:batch",
+                                                            json={"requests": chunk}))
         return out
 
     async def get(self, request_id: str) -> Result:
@@ -285,14 +294,9 @@ class BatchgateClient(_Common):
         out: list[Submission | BatchgateError] = []
         items = list(items)
         for i in range(0, len(items), MAX_BATCH):
-            chunk = [self._body(it["input"], it.get("params"), it.get("timeout_s"), it.get("deadline"),
-                                it.get("priority"), it.get("callback")) for it in items[i:i + MAX_BATCH]]
-            resp = self._request("POST", f"/v1/models/{model}/requests:batch", json={"requests": chunk})
-            for r in resp["results"]:
-                if r["status"] in (200, 202):
-                    out.append(Submission(r["id"], "queued", r.get("eta_ms"), r.get("queue_position"), r))
-                else:
-                    out.append(error_for(r["status"], r, None))
+            chunk = self._batch_bodies(items[i:i + MAX_BATCH])
+            out += self._batch_outcomes(self._request("POST", f"/v1/models/{model}/requests:batch",
+                                                      json={"requests": chunk}))
         return out
 
     def get(self, request_id: str) -> Result:
