@@ -140,6 +140,14 @@ def test_lambda_http_events(stack_env, monkeypatch, shape):
     assert again["statusCode"] == 200 and body_of(again)["id"] == got["id"]  # the same warm container, reused
     denied = mod.http_handler(make("bgk_wrong"), FakeContext(30_000))
     assert denied["statusCode"] == 401
+    # a thawed container may hold connections the server dropped meanwhile: the next call reconnects
+    r = redis.Redis.from_url(stack_env["BATCHGATE_REDIS_URL"])
+    mine = [c for c in r.client_list() if c.get("lib-name") == "redis-py" and int(c.get("db", 0)) == 0]
+    for c in mine:
+        if c["id"] != str(r.client_id()):
+            r.client_kill_filter(_id=c["id"])
+    thawed = mod.http_handler(make(key, path=f"/v1/requests/{got['id']}", method="GET", body=""), FakeContext(30_000))
+    assert thawed["statusCode"] == 200
 
 
 def test_lambda_direct_invocation_and_deadline_from_context(stack_env, monkeypatch):

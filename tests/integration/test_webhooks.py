@@ -312,3 +312,14 @@ async def test_bad_callback_fields_get_422(redis_url, prefix):
                    {"events": ["completed"]}, {"url": "http://x.example/", "extra": 1}):
             r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"}, "callback": cb})
             assert r.status_code == 422, cb
+
+
+async def test_thin_payload_when_the_tenant_asks(redis_url, prefix):
+    settings = settings_for(redis_url, prefix)
+    async with receiver() as rx, running_gateway(settings) as gw, dispatcher(settings):
+        await TenantStore(gw.service.redis, Keys(prefix)).set("default", thin_callbacks=True)
+        rid = await submit(gw, rx.url)
+        await complete(gw, rid)
+        await wait_until(lambda: _true(len(rx.requests) == 1))
+        payload = verify(SECRET, rx.requests[0].body, rx.requests[0].headers)
+        assert payload == {"id": rid, "event": "completed", "links": {"self": f"/v1/requests/{rid}"}}
