@@ -46,10 +46,13 @@ redis.call('PEXPIRE', KEYS[1], math.ceil(burst * 1000 / rate) + 1000)
 return wait
 """
 
-# KEYS active set; ARGV now_ms, quota, n. Drops entries past their deadline; 1 if n more fit.
+# KEYS active set; ARGV now_ms, quota, request id, expires_ms, ttl_ms. Drops entries past their deadline,
+# then reserves a slot for the request if one is free (check and reserve in one step: no race).
 QUOTA_LUA = """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-if redis.call('ZCARD', KEYS[1]) + tonumber(ARGV[3]) > tonumber(ARGV[2]) then return 0 end
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[4], ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return 1
 """
 
@@ -106,8 +109,10 @@ class Auth:
         self._cache[name] = _Cached(value, now + KEY_CACHE_S)
         return value
 
-    async def admit(self, tenant: str, n: int = 1) -> None:
-        """Raise 429 with Retry-After if the tenant is over its rate or its backlog quota."""
+    async def admit(self, tenant: str, request_id: str = "", expires_ms: int = 0) -> None:
+        """Raise 429 with Retry-After if the tenant is over its rate or its backlog quota; otherwise take a
+        rate token and (with a quota) reserve the request's slot until it finishes or `expires_ms`."""
+        n = 1
         cfg = await self.config(tenant)
         rate = cfg.rate_per_s if cfg.rate_per_s is not None else self.default_rate
         if rate and rate > 0:
@@ -120,14 +125,14 @@ class Auth:
         quota = cfg.max_backlog if cfg.max_backlog is not None else self.default_backlog
         if quota and quota > 0:
             fits = await self._quota(keys=[self.keys.tenant_active(tenant)],
-                                     args=[int(self.clock() * 1000), quota, n])
+                                     args=[int(self.clock() * 1000), quota, request_id, expires_ms, ACTIVE_SET_TTL_MS])
             if not int(fits):
                 raise TooManyRequests(f"tenant {tenant!r} has {quota} requests queued or running, its quota",
                                       code="tenant_backlog_full", retry_after=1)
 
-    def track_in(self, pipe: aioredis.client.Pipeline, tenant: str, request_id: str, expires_ms: int) -> None:
-        pipe.zadd(self.keys.tenant_active(tenant), {request_id: expires_ms})
-        pipe.pexpire(self.keys.tenant_active(tenant), ACTIVE_SET_TTL_MS)  # an idle tenant's set goes away
+    async def release(self, tenant: str, request_id: str) -> None:
+        """Give back a reserved slot (the request was refused after all)."""
+        await self.redis.zrem(self.keys.tenant_active(tenant), request_id)
 
 
 def _key_from(req: ApiRequest) -> str | None:

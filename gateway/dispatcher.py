@@ -38,7 +38,7 @@ from shared.keys import Keys
 from shared.messages import CallbackDelivery, CallbackState
 from shared.records import RecordStore
 from shared.redis_io import UNAVAILABLE, make_redis, raise_if_cancelling
-from shared.ssrf import AllowList, RefusedURL, Resolver, Target, resolve_and_check, system_resolver
+from shared.ssrf import AllowList, RefusedURL, ResolveFailed, Resolver, Target, resolve_and_check, system_resolver
 from shared.tenants import TenantStore
 from shared.webhooks import sign_headers
 
@@ -81,8 +81,11 @@ class Dispatcher:
         self.rng = rng or random.Random()
         self.name = settings.worker_name
         timeout = httpx.Timeout(settings.callback_timeout_s, connect=settings.callback_connect_timeout_s)
+        # no keep-alive: a pooled TLS connection is keyed by the pinned IP, so it could be reused for another
+        # host name behind the same address without that name's certificate being checked
         self.http = httpx.AsyncClient(
             timeout=timeout, follow_redirects=False, trust_env=False, transport=transport,
+            limits=httpx.Limits(max_keepalive_connections=0),
             headers={"user-agent": "batchgate-webhooks/1", "content-type": "application/json"})
         self._wake = asyncio.Event()
         self._sem = asyncio.Semaphore(MAX_IN_FLIGHT)
@@ -126,6 +129,7 @@ class Dispatcher:
                 reclaimed = await self.redis.xautoclaim(stream, GROUP, self.name, STREAM_RECLAIM_IDLE_MS,
                                                         start_id="0-0", count=CLAIM_BATCH)
                 entries += [e for e in (reclaimed[1] if len(reclaimed) > 1 else []) if e[1]]
+                await self._schedule_entries(stream, entries)
                 backoff = 0.1
             except UNAVAILABLE as exc:
                 raise_if_cancelling(exc)
@@ -138,16 +142,18 @@ class Dispatcher:
                     await self._ensure_group()
                     continue
                 raise
-            for entry_id, fields in entries:
-                try:
-                    delivery = decode(fields[b"d"], CallbackDelivery)
-                except (CodecError, KeyError) as exc:
-                    log.error("undecodable callback entry dropped", entry=entry_id, error=str(exc))
-                    await self.redis.xack(stream, GROUP, entry_id)
-                    continue
-                await self.store.schedule(entry_id, delivery, self.now_ms())
-            if entries:
-                self._wake.set()
+
+    async def _schedule_entries(self, stream: str, entries: list[Any]) -> None:
+        for entry_id, fields in entries:
+            try:
+                delivery = decode(fields[b"d"], CallbackDelivery)
+            except (CodecError, KeyError) as exc:
+                log.error("undecodable callback entry dropped", entry=entry_id, error=str(exc))
+                await self.redis.xack(stream, GROUP, entry_id)
+                continue
+            await self.store.schedule(entry_id, delivery, self.now_ms())
+        if entries:
+            self._wake.set()
 
     # --- schedule -> attempts ------------------------------------------------------------------
     async def _deliver_due(self) -> None:
@@ -173,16 +179,29 @@ class Dispatcher:
                 await asyncio.wait_for(self._wake.wait(), wait)
 
     async def _attempt_one(self, delivery_id: str) -> None:
+        """One delivery: whatever goes wrong stays with it (never stops the dispatcher). A Redis outage
+        leaves it leased; it is attempted again when the lease runs out."""
         async with self._sem:
-            loaded = await self.store.load(delivery_id)
-            if loaded is None:
-                await self.redis.zrem(self.keys.callback_due(), delivery_id)
-                return
-            delivery, state = loaded
-            if state.status != "pending":
-                await self.store.record(state, None)
-                return
-            await self._attempt(delivery, state)
+            try:
+                loaded = await self.store.load(delivery_id)
+                if loaded is None:
+                    await self.redis.zrem(self.keys.callback_due(), delivery_id)
+                    return
+                delivery, state = loaded
+                if state.status != "pending":
+                    await self.store.record(state, None)
+                    return
+                await self._attempt(delivery, state)
+            except UNAVAILABLE as exc:
+                raise_if_cancelling(exc)
+                log.warning("webhook attempt interrupted by a redis outage", delivery=delivery_id, error=repr(exc))
+            except Exception as exc:  # a bug or an impossible URL must not stop every other delivery
+                log.exception("webhook attempt failed unexpectedly", delivery=delivery_id)
+                with contextlib.suppress(Exception):
+                    loaded = await self.store.load(delivery_id)
+                    if loaded is not None:
+                        await self._finish(loaded[0], replace(loaded[1], status="failed",
+                                                              last_error=f"internal: {type(exc).__name__}: {exc}"))
 
     async def _attempt(self, delivery: CallbackDelivery, state: CallbackState) -> None:
         attempt = state.attempts + 1
@@ -191,7 +210,12 @@ class Dispatcher:
                                                  last_error="this URL was disabled by an earlier 410"))
             return
         try:
-            target = await asyncio.to_thread(resolve_and_check, delivery.url, self.allow, self.resolver)
+            target = await asyncio.wait_for(
+                asyncio.to_thread(resolve_and_check, delivery.url, self.allow, self.resolver),
+                self.settings.callback_connect_timeout_s)
+        except (ResolveFailed, TimeoutError) as exc:  # DNS trouble may pass: retry on the schedule
+            await self._retry(delivery, state, attempt, None, f"resolve: {exc or 'timeout'}", None)
+            return
         except RefusedURL as exc:
             FAILURES.labels("refused").inc()
             await self._finish(delivery, replace(state, status="failed", attempts=attempt,
@@ -199,8 +223,9 @@ class Dispatcher:
             return
         body = await self._payload(delivery)
         secrets = await self.tenants.webhook_secrets(delivery.tenant)
+        host = f"[{target.host}]" if ":" in target.host else target.host
         headers = {**sign_headers(secrets, delivery.delivery_id, body), "batchgate-event": delivery.event,
-                   "host": target.host if target.port in (80, 443) else f"{target.host}:{target.port}"}
+                   "host": host if target.port in (80, 443) else f"{host}:{target.port}"}
         ATTEMPTS.inc()
         code, retry_after, error = await self._post(target, body, headers)
         verdict = classify(code, error)
@@ -217,20 +242,26 @@ class Dispatcher:
         elif verdict.status == "failed":
             FAILURES.labels(_reason_label(verdict.reason)).inc()
             await self._finish(delivery, replace(new, status="failed", next_attempt_ms=None))
-        elif attempt >= self.settings.callback_max_attempts:
-            FAILURES.labels(_reason_label(verdict.reason)).inc()
-            DEAD.inc()
-            log.warning("webhook dead-lettered", delivery=delivery.delivery_id, attempts=attempt,
-                        reason=verdict.reason)
-            await self._finish(delivery, replace(new, status="dead", next_attempt_ms=None), dead=True)
         else:
-            FAILURES.labels(_reason_label(verdict.reason)).inc()
-            delay = backoff_s(attempt, self.settings.callback_base_s, self.settings.callback_cap_s, self.rng,
-                              retry_after)
-            due = now + int(delay * 1000)
-            new = replace(new, status="pending", next_attempt_ms=due)
-            await self.store.record(new, due)
-            await self.records.set_callback_state(delivery.request_id, new)
+            await self._retry(delivery, state, attempt, code, verdict.reason, retry_after)
+
+    async def _retry(self, delivery: CallbackDelivery, state: CallbackState, attempt: int, code: int | None,
+                     reason: str, retry_after: float | None) -> None:
+        FAILURES.labels(_reason_label(reason)).inc()
+        if attempt >= self.settings.callback_max_attempts:
+            DEAD.inc()
+            log.warning("webhook dead-lettered", delivery=delivery.delivery_id, attempts=attempt, reason=reason)
+            await self._finish(delivery, replace(state, status="dead", attempts=attempt, last_status_code=code,
+                                                 last_error=reason, next_attempt_ms=None), dead=True)
+            return
+        cap = self.settings.callback_cap_s
+        delay = backoff_s(attempt, self.settings.callback_base_s, cap, self.rng,
+                          min(retry_after, cap) if retry_after is not None else None)
+        due = self.now_ms() + int(delay * 1000)
+        new = replace(state, status="pending", attempts=attempt, last_status_code=code, last_error=reason,
+                      next_attempt_ms=due)
+        await self.store.record(new, due)
+        await self.records.set_callback_state(delivery.request_id, new)
 
     async def _finish(self, delivery: CallbackDelivery, state: CallbackState, dead: bool = False) -> None:
         await self.store.record(state, None, dead=dead)
@@ -253,9 +284,12 @@ class Dispatcher:
         url = f"{target.scheme}://{host}:{target.port}{target.path}"
         ext = {"sni_hostname": target.host} if target.scheme == "https" else {}
         try:
-            resp = await self.http.post(url, content=body.encode(), headers=headers, extensions=ext)
-        except httpx.TimeoutException as exc:
+            # the whole attempt is bounded (httpx's own timeouts are per phase, so a receiver trickling its
+            # answer could hold it forever); the response body is never read
+            async with asyncio.timeout(self.settings.callback_timeout_s), \
+                    self.http.stream("POST", url, content=body.encode(), headers=headers, extensions=ext) as resp:
+                return resp.status_code, parse_retry_after(resp.headers.get("retry-after")), ""
+        except (httpx.TimeoutException, TimeoutError) as exc:
             return None, None, f"timeout ({type(exc).__name__})"
         except httpx.HTTPError as exc:
             return None, None, f"connect error ({type(exc).__name__})"
-        return resp.status_code, parse_retry_after(resp.headers.get("retry-after")), ""

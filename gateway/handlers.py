@@ -30,7 +30,7 @@ from gateway.api import (
 from gateway.parsing import build_request, parse_body, parse_idempotency_key, parse_wait
 from gateway.service import GatewayService, IdempotencyClaim
 from gateway.views import callback_view, record_view
-from shared.admission import Decision, Estimate
+from shared.admission import Decision
 from shared.config import ModelSpec
 from shared.errors import ValidationError
 from shared.ids import created_ms, is_request_id
@@ -79,22 +79,34 @@ async def submit(svc: GatewayService, req: ApiRequest, model: str) -> ApiRespons
         existing = await svc.idempotency_get(req.tenant, idem_key)
         if existing is not None:
             return await _replay(svc, req, existing, body_hash, inference, wait)
-    await svc.auth.admit(req.tenant)
-    decision, _ = await svc.admit(inference, spec)
-    if not decision.accept:
-        metrics.REJECTED.labels(spec.name, inference.lane, decision.code).inc()
-        raise TooManyRequests(decision.reason, code=decision.code, retry_after=decision.retry_after_s,
-                              extra={"lane": inference.lane})
+    decision = await _admit(svc, inference, spec)
     if idem_key is not None:
         claim = IdempotencyClaim(inference.id, body_hash, svc.now_ms())
         existing = await svc.idempotency_claim(req.tenant, idem_key, claim)
         if existing is not None:  # a concurrent submit with the same key won the race
+            await svc.auth.release(req.tenant, inference.id)
             return await _replay(svc, req, existing, body_hash, inference, wait)
     return await _store_and_answer(svc, inference, decision, wait)
 
 
+async def _admit(svc: GatewayService, inference: InferenceRequest, spec: ModelSpec) -> Decision:
+    """Tenant limits (rate, quota slot) then the deadline/backlog estimate; a refusal frees the slot."""
+    expires = inference.deadline_ms + int(svc.settings.expiry_grace_s * 1000)
+    await svc.auth.admit(inference.tenant, inference.id, expires)
+    decision, _ = await svc.admit(inference, spec)
+    if not decision.accept:
+        await svc.auth.release(inference.tenant, inference.id)
+        metrics.REJECTED.labels(spec.name, inference.lane, decision.code).inc()
+        raise TooManyRequests(decision.reason, code=decision.code, retry_after=decision.retry_after_s,
+                              extra={"lane": inference.lane})
+    return decision
+
+
 def _body_hash(model: str, body: Any) -> str:
-    return hashlib.sha256((model + "\0" + json.dumps(body, sort_keys=True, separators=(",", ":"))).encode()).hexdigest()
+    """What makes two submits "the same request": everything but their deadline, which a retry from a
+    Lambda recomputes (and so would turn every retry into a conflict)."""
+    same = {k: v for k, v in body.items() if k not in ("timeout_s", "deadline")} if isinstance(body, dict) else body
+    return hashlib.sha256((model + "\0" + json.dumps(same, sort_keys=True, separators=(",", ":"))).encode()).hexdigest()
 
 
 async def submit_batch(svc: GatewayService, req: ApiRequest, model: str) -> ApiResponse:
@@ -120,8 +132,10 @@ async def submit_batch(svc: GatewayService, req: ApiRequest, model: str) -> ApiR
         try:
             results.append(await _batch_item(svc, req, spec, i, item, to_store))
         except ApiError as exc:
-            results.append({"index": i, "status": exc.status,
-                            "error": {"code": exc.code, "message": exc.message, **exc.extra}})
+            err: dict[str, Any] = {"code": exc.code, "message": exc.message, **exc.extra}
+            if exc.retry_after is not None:
+                err["retry_after"] = exc.retry_after
+            results.append({"index": i, "status": exc.status, "error": err})
     if to_store:
         stored = await svc.submit_many([(inf, dec) for _, inf, dec in to_store])
         for (i, inf, _), sub in zip(to_store, stored, strict=True):
@@ -149,28 +163,26 @@ async def _batch_item(svc: GatewayService, req: ApiRequest, spec: ModelSpec, i: 
                             extra={"field": f"requests[{i}].{exc.field}" if exc.field else f"requests[{i}]"}) from exc
     body_hash = _body_hash(spec.name, body)
     if key is not None:
+        inference = dataclasses.replace(inference, idempotency_key=key)
         existing = await svc.idempotency_get(req.tenant, key)
         if existing is not None:
-            return _batch_replay(i, existing, body_hash)
-    await svc.auth.admit(req.tenant)
-    decision, _ = await svc.admit(inference, spec)
-    if not decision.accept:
-        metrics.REJECTED.labels(spec.name, inference.lane, decision.code).inc()
-        raise TooManyRequests(decision.reason, code=decision.code, retry_after=decision.retry_after_s)
+            return await _batch_replay(svc, req, i, existing, body_hash, inference)
+    decision = await _admit(svc, inference, spec)
     if key is not None:
-        inference = dataclasses.replace(inference, idempotency_key=key)
         existing = await svc.idempotency_claim(req.tenant, key, IdempotencyClaim(inference.id, body_hash,
                                                                                    svc.now_ms()))
         if existing is not None:
-            return _batch_replay(i, existing, body_hash)
+            await svc.auth.release(req.tenant, inference.id)
+            return await _batch_replay(svc, req, i, existing, body_hash, inference)
     to_store.append((i, inference, decision))
     return {"index": i, "status": 0}  # filled in once stored
 
 
-def _batch_replay(i: int, existing: IdempotencyClaim, body_hash: str) -> dict[str, Any]:
-    if existing.body_hash != body_hash:
-        raise Conflict("this idempotency_key was used with a different request body", code="idempotency_conflict")
-    return {"index": i, "status": 200, "id": existing.request_id, "replayed": True,
+async def _batch_replay(svc: GatewayService, req: ApiRequest, i: int, existing: IdempotencyClaim, body_hash: str,
+                        inference: InferenceRequest) -> dict[str, Any]:
+    """A batch item whose key was seen: the original request, never a second one (as `_replay`)."""
+    resp = await _replay(svc, req, existing, body_hash, inference, wait=0.0)
+    return {"index": i, "status": resp.status, "id": existing.request_id, "replayed": True,
             "links": _links(existing.request_id)}
 
 
@@ -219,11 +231,16 @@ async def _replay(svc: GatewayService, req: ApiRequest, existing: IdempotencyCla
             raise Conflict("a request with this Idempotency-Key is being accepted; retry shortly",
                            code="idempotency_in_progress", retry_after=1)
         # the first submit claimed the key and never stored its request (its gateway died): store it now,
-        # under the same id, so the key still maps to exactly one request
+        # under the same id, so the key still maps to exactly one request. Compare-and-set: of several
+        # takeovers at once, one wins; the others answer as replays.
         takeover = dataclasses.replace(inference, id=existing.request_id)
-        await svc.idempotency_claim(req.tenant, inference.idempotency_key or "",
-                                    IdempotencyClaim(takeover.id, body_hash, svc.now_ms()), replace=True)
-        return await _store_and_answer(svc, takeover, Decision(True, Estimate(0.0, 0.0, "none")), wait, replayed)
+        fresh = IdempotencyClaim(takeover.id, body_hash, svc.now_ms())
+        if not await svc.idempotency_takeover(req.tenant, inference.idempotency_key or "", existing, fresh):
+            raise Conflict("a request with this Idempotency-Key is being accepted; retry shortly",
+                           code="idempotency_in_progress", retry_after=1)
+        spec = _model(svc, takeover.model)
+        decision = await _admit(svc, takeover, spec)
+        return await _store_and_answer(svc, takeover, decision, wait, replayed)
     if wait > 0 and not rec.terminal:
         rec = await svc.wait(rec.id, wait) or rec
     return ApiResponse(200 if rec.terminal else 202, record_view(rec), replayed)

@@ -60,6 +60,10 @@ def direct_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         return {"statusCode": 400,
                 "error": {"code": "bad_request", "message": "event needs a `model` and an `input`"}}
     body = {k: event[k] for k in SUBMIT_KEYS if k in event}
+    try:
+        wanted_wait = float(event["wait"]) if "wait" in event else None
+    except (TypeError, ValueError):
+        return {"statusCode": 400, "error": {"code": "invalid_wait", "message": "wait must be a number of seconds"}}
     remaining = _remaining_s(context)
     query: dict[str, str] = {}
     if remaining is not None:
@@ -69,10 +73,10 @@ def direct_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
                 return {"statusCode": 429, "error": {"code": "deadline_infeasible", "message":
                         f"this invocation has {remaining * 1000:.0f} ms left; nothing was submitted"}}
             body["deadline"] = time.time() + budget
-        if "wait" in event:
-            query["wait"] = str(max(0.0, min(float(event["wait"]), budget)))
-    elif "wait" in event:
-        query["wait"] = str(event["wait"])
+        if wanted_wait is not None:
+            query["wait"] = str(max(0.0, min(wanted_wait, budget)))
+    elif wanted_wait is not None:
+        query["wait"] = str(wanted_wait)
     resp = _dispatch("POST", f"/v1/models/{event['model']}/requests", body, event, query)
     return {"statusCode": resp.status, **(resp.body or {})}
 
@@ -94,13 +98,15 @@ def sqs_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         item = {k: msg[k] for k in SUBMIT_KEYS if k in msg}
         item["idempotency_key"] = f"sqs:{mid}"
         by_model[model].append((mid, item))
-    for model, items in by_model.items():
-        resp = _dispatch("POST", f"/v1/models/{model}/requests:batch", {"requests": [i for _, i in items]}, event)
-        results = (resp.body or {}).get("results") if resp.status == 200 else None
-        for n, (mid, _) in enumerate(items):
-            ok = results is not None and results[n].get("status") in (200, 202)
-            if not ok:
-                failures.append({"itemIdentifier": mid})
+    for model, all_items in by_model.items():
+        step = SETTINGS.max_batch_items
+        for start in range(0, len(all_items), step):  # a batching window can deliver more than one call takes
+            items = all_items[start:start + step]
+            resp = _dispatch("POST", f"/v1/models/{model}/requests:batch", {"requests": [i for _, i in items]}, event)
+            results = (resp.body or {}).get("results") if resp.status == 200 else None
+            for n, (mid, _) in enumerate(items):
+                if results is None or results[n].get("status") not in (200, 202):
+                    failures.append({"itemIdentifier": mid})
     return {"batchItemFailures": failures}
 
 

@@ -7,7 +7,6 @@ Pure functions over `ApiRequest`: everything a caller can get wrong becomes a 4x
 from __future__ import annotations
 
 import json
-import math
 import re
 from datetime import datetime
 from typing import Any
@@ -20,7 +19,7 @@ from shared.errors import ValidationError
 from shared.ids import new_request_id
 from shared.lanes import assign_lane, estimate_embed_tokens, estimate_generate_tokens
 from shared.messages import Callback, InferenceRequest
-from shared.params import EmbedParams, GenerateParams, parse_embed_input, parse_generate_input
+from shared.params import EmbedParams, GenerateParams, finite_number, parse_embed_input, parse_generate_input
 from shared.ssrf import AllowList, RefusedURL, check_url
 from shared.states import Priority, Task
 
@@ -37,16 +36,37 @@ def parse_body(req: ApiRequest, max_bytes: int) -> Any:
     ctype = (req.header("content-type") or "application/json").split(";")[0].strip().lower()
     if ctype in MSGPACK_TYPES:
         try:
-            return msgpack.unpackb(req.body, raw=False)
+            body = msgpack.unpackb(req.body, raw=False)
         except Exception as exc:
             raise BadRequest(f"invalid msgpack body: {exc}", code="invalid_body") from exc
+        _check_shape(body)
+        return body
     if ctype not in ("application/json", "text/plain", "application/x-www-form-urlencoded", ""):
         raise UnsupportedMediaType(f"content type {ctype!r} not supported; send application/json "
                                    "or application/msgpack")
     try:
-        return json.loads(req.body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"invalid JSON: {exc}", code="invalid_json") from exc
+        body = json.loads(req.body)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise BadRequest(f"invalid JSON: {str(exc)[:200]}", code="invalid_json") from exc
+    _check_shape(body)
+    return body
+
+
+MAX_DEPTH = 32
+
+
+def _check_shape(value: Any, depth: int = 0) -> None:
+    """Plain JSON-like data: string keys only, nested at most MAX_DEPTH deep."""
+    if depth > MAX_DEPTH:
+        raise BadRequest(f"body nested deeper than {MAX_DEPTH} levels", code="invalid_body")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise BadRequest("object keys must be strings", code="invalid_body")
+            _check_shape(v, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_shape(v, depth + 1)
 
 
 def parse_wait(req: ApiRequest, cap: float) -> float:
@@ -61,7 +81,7 @@ def parse_wait(req: ApiRequest, cap: float) -> float:
         value = float(raw)
     except ValueError as exc:
         raise BadRequest(f"wait must be a number of seconds, got {raw!r}", code="invalid_wait") from exc
-    if not math.isfinite(value) or value < 0:
+    if finite_number(value) is None or value < 0:
         raise BadRequest("wait must be a non-negative number of seconds", code="invalid_wait")
     return min(value, cap)
 
@@ -71,8 +91,8 @@ def parse_deadline(body: dict[str, Any], spec: ModelSpec, now: float) -> float:
     if "timeout_s" in body and "deadline" in body:
         raise ValidationError("timeout_s", "give either timeout_s or deadline, not both")
     if "timeout_s" in body:
-        t = body["timeout_s"]
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
+        t = finite_number(body["timeout_s"])
+        if t is None or t <= 0:
             raise ValidationError("timeout_s", "must be a positive number of seconds")
         if t > spec.max_timeout_s:
             raise ValidationError("timeout_s", f"at most {spec.max_timeout_s} seconds for this model")
@@ -87,7 +107,7 @@ def parse_deadline(body: dict[str, Any], spec: ModelSpec, now: float) -> float:
             if parsed.tzinfo is None:
                 raise ValidationError("deadline", "an ISO 8601 deadline needs a time zone (e.g. Z)")
             value = parsed.timestamp()
-        elif isinstance(d, int | float) and not isinstance(d, bool) and math.isfinite(d):
+        elif finite_number(d) is not None:
             value = float(d)
         else:
             raise ValidationError("deadline", "must be epoch seconds or an ISO 8601 time")
@@ -109,8 +129,11 @@ def parse_callback(raw: Any, allow: AllowList) -> Callback:
     if (not isinstance(events, list) or not events or any(e not in CALLBACK_EVENTS for e in events)
             or len(set(events)) != len(events)):
         raise ValidationError("callback.events", f"a list of distinct events from {list(CALLBACK_EVENTS)}")
+    url = raw.get("url")
+    if isinstance(url, str) and not url.isprintable():
+        raise ValidationError("callback.url", "must not contain control characters")
     try:
-        check_url(raw.get("url"), allow)
+        check_url(url, allow)
     except RefusedURL as exc:
         raise ValidationError("callback.url", str(exc)) from exc
     return Callback(url=raw["url"], events=tuple(events))

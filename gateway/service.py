@@ -30,6 +30,12 @@ from shared.redis_io import make_redis
 from shared.ssrf import AllowList
 from shared.states import FinishReason, Status
 
+CAS_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class IdempotencyClaim:
@@ -65,6 +71,7 @@ class GatewayService:
         self.store = RecordStore(self.redis, self.keys, settings.result_ttl_s)
         self.hub = WaiterHub(self.redis, f"{settings.key_prefix}:hub")
         self.callbacks = CallbackStore(self.redis, self.keys)
+        self._cas = self.redis.register_script(CAS_LUA)
         self.auth = Auth(self.redis, self.keys, mode=settings.auth, default_rate_per_s=settings.tenant_rate_per_s,
                          default_burst=settings.tenant_burst, default_max_backlog=settings.tenant_max_backlog,
                          clock=clock)
@@ -120,25 +127,25 @@ class GatewayService:
             pipe.xadd(stream, {"m": encode(req)})
             await self.store.init_in(pipe, req, now)
             pipe.xlen(stream)
-            self.auth.track_in(pipe, req.tenant, req.id, req.deadline_ms + int(self.settings.expiry_grace_s * 1000))
         replies = await pipe.execute()
-        return [Submitted(req, int(replies[5 * i + 2]), decision) for i, (req, decision) in enumerate(items)]
+        return [Submitted(req, int(replies[3 * i + 2]), decision) for i, (req, decision) in enumerate(items)]
 
     async def idempotency_get(self, tenant: str, key: str) -> IdempotencyClaim | None:
         raw = await self.redis.get(self.keys.idempotency(tenant, key))
         return IdempotencyClaim.decode(raw) if raw else None
 
-    async def idempotency_claim(self, tenant: str, key: str, claim: IdempotencyClaim,
-                                replace: bool = False) -> IdempotencyClaim | None:
+    async def idempotency_claim(self, tenant: str, key: str, claim: IdempotencyClaim) -> IdempotencyClaim | None:
         """Claim the key for `claim` (atomically: SET NX). None if claimed, else the existing claim."""
         name = self.keys.idempotency(tenant, key)
-        ttl_ms = self.settings.result_ttl_s * 1000
-        if replace:
-            await self.redis.set(name, claim.encode(), px=ttl_ms)
-            return None
-        if await self.redis.set(name, claim.encode(), px=ttl_ms, nx=True):
+        if await self.redis.set(name, claim.encode(), px=self.settings.result_ttl_s * 1000, nx=True):
             return None
         return await self.idempotency_get(tenant, key)
+
+    async def idempotency_takeover(self, tenant: str, key: str, old: IdempotencyClaim,
+                                   new: IdempotencyClaim) -> bool:
+        """Replace `old` with `new` only if the key still holds `old` (compare-and-set)."""
+        return bool(await self._cas(keys=[self.keys.idempotency(tenant, key)],
+                                    args=[old.encode(), new.encode(), self.settings.result_ttl_s * 1000]))
 
     async def get(self, request_id: str) -> StoredRecord | None:
         """The record, expiring it first if its deadline (plus grace) passed with no result."""
@@ -152,7 +159,7 @@ class GatewayService:
             id=request_id, status=Status.EXPIRED, finish_reason=FinishReason.DEADLINE,
             error=ErrorInfo("deadline_exceeded", "no result by the deadline"), finished_ms=self.now_ms(),
             worker="gateway",
-        ))
+        ), rec.meta)  # with the meta, the "completed" webhook is queued as for any other terminal state
         return await self.store.get(request_id)
 
     async def wait(self, request_id: str, timeout: float) -> StoredRecord | None:
@@ -181,7 +188,7 @@ class GatewayService:
             id=rec.id, status=Status.CANCELLED, finish_reason=FinishReason.CANCELLED,
             error=ErrorInfo("cancelled", "cancelled by the caller"), finished_ms=self.now_ms(),
             worker="gateway",
-        ))
+        ), rec.meta)
         if won and rec.meta is not None:
             await self.redis.publish(self.keys.cancel_channel(rec.meta.model), rec.id)
             await self.redis.zrem(self.keys.tenant_active(rec.meta.tenant), rec.id)

@@ -139,6 +139,15 @@ class WaiterHub:
             fut = self._confirm.pop(channel, None)
             if fut is not None and not fut.done():
                 fut.set_result(None)
+            elif channel in self._subs:
+                # re-subscribed after a reconnect: a result may have been published while we were not
+                # subscribed, so wake the waiters once more to re-read their records
+                for sub in self._subs[channel]:
+                    sub.event.set()
+            elif channel != self._heartbeat and self._pubsub is not None:
+                # nobody waits on it any more (left while we were disconnected): drop it
+                task = asyncio.ensure_future(self._pubsub.unsubscribe(channel))
+                task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
         elif kind == "message":
             for sub in self._subs.get(channel, ()):
                 sub.event.set()

@@ -119,6 +119,9 @@ class GenerationEngine:
         )
         self.cache.allocate()
         self._decode_tail = decode_tail
+        # sdpa takes a boolean mask (True: attend); eager and others *add* the mask to the scores, so they
+        # need 0 / -inf: handing them a boolean mask would silently attend to padding
+        self._bool_mask = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
         self._clock = clock
         self.rows: list[_Row] = []
         self.end = 0  # the column after every row's last cached token
@@ -183,7 +186,7 @@ class GenerationEngine:
         f0 = time.perf_counter()
         out = self.model(
             input_ids=ids.to(self.device),
-            attention_mask=mask[:, None],
+            attention_mask=self._mask(mask[:, None]),
             position_ids=positions,
             past_key_values=window,
             use_cache=True,
@@ -205,6 +208,12 @@ class GenerationEngine:
                 stop_tail=max((len(s) for s in spec.stop), default=0) + 8,
             ))
         return self._retire([r for r in range(first, first + n) if self._finished(self.rows[r])], now)
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        if self._bool_mask:
+            return allowed
+        additive = torch.zeros(allowed.shape, dtype=self.cache.dtype, device=allowed.device)
+        return additive.masked_fill(~allowed, torch.finfo(self.cache.dtype).min)
 
     def _make_room_left(self, width: int) -> None:
         """Ensure `width` free columns left of `end` for a right-aligned prefill."""
@@ -237,7 +246,7 @@ class GenerationEngine:
         ids = torch.tensor([[r.tokens[-1]] for r in self.rows], dtype=torch.long, device=self.device)
         window = self.cache.window(slice(0, n), self.end, self.end + 1, lo)
         f0 = time.perf_counter()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+        out = self.model(input_ids=ids, attention_mask=self._mask(mask), position_ids=positions,
                          past_key_values=window, use_cache=True)
         tokens = select_tokens(out.logits[:, -1, :], [r.spec.sampling for r in self.rows],
                                [r.generator for r in self.rows])

@@ -26,7 +26,7 @@ import structlog
 
 from gpu_worker import metrics
 from gpu_worker.engine import EngineStats
-from gpu_worker.runners import Outcome, Runner, expired_outcome
+from gpu_worker.runners import Outcome, Runner, expired_outcome, failed_outcome
 from gpu_worker.scheduler import Pending, Scheduler
 from gpu_worker.service_model import ServiceTracker, lane_wait_ms
 from shared.faults import Faults
@@ -38,6 +38,7 @@ IDLE_WAIT_S = 1.0
 METRICS_INTERVAL_S = 1.0
 # A running row is given up only if even 80% of its estimated remaining time would end past its deadline.
 DOOM_OPTIMISM = 0.8
+GATE_RETRY_S = 0.5
 
 
 @dataclass(slots=True)
@@ -98,7 +99,7 @@ Emitted = Outcome | Ack | HandBack
 
 class ModelLoop:
     def __init__(self, name: str, runner: Runner, scheduler: Scheduler, *,
-                 gate: Callable[[list[InferenceRequest]], list[bool]],
+                 gate: Callable[[list[InferenceRequest]], list[bool] | None],
                  emit: Callable[[list[Emitted]], None], on_crash: Callable[[], None] = lambda: None,
                  clock: Callable[[], float] = time.time, worker: str = "", idle_wait_s: float = IDLE_WAIT_S,
                  faults: Faults | None = None) -> None:
@@ -124,6 +125,8 @@ class ModelLoop:
         self._last_metrics = time.monotonic()
         self._last_stats = EngineStats()
         self._last_step_end: float | None = None
+        self._excluded_s = 0.0  # time spent waiting on Redis this iteration (not part of the token interval)
+        self._gate_retry_at = 0.0
 
     # --- called from the asyncio side ----------------------------------------------------------
     def submit(self, cmd: Add | Cancel | Drain) -> None:
@@ -164,8 +167,8 @@ class ModelLoop:
             out.extend(self._evict_doomed(now))
         draining = self._drain_until is not None
         preemptible = [p for p in self._running.values() if p.rank > 0]
-        plan = self.scheduler.plan(now, 0 if draining else self.runner.free_rows,
-                                   0 if draining else len(preemptible))
+        holding = draining or now < self._gate_retry_at  # Redis could not confirm the last batch: hold off
+        plan = self.scheduler.plan(now, 0 if holding else self.runner.free_rows, 0 if holding else len(preemptible))
         out.extend(expired_outcome(p.payload[0], self._worker, now,
                                    "or became unreachable (its estimated compute would end after it) while queued")
                    for p in plan.expired)
@@ -178,15 +181,17 @@ class ModelLoop:
         if self.runner.busy:
             rows = len(self._running)
             t0 = self._clock()
-            out.extend(self.runner.step())
+            out.extend(self._step())
             t1 = self._clock()
             # the token interval a running row sees: its step plus everything else this iteration did
-            # (prefills of newcomers, the gate); that, not the bare step, is what deadlines depend on
+            # (prefills of newcomers); that, not the bare step, is what deadlines depend on. Waiting on
+            # Redis is left out: it says nothing about the model's speed.
             since = self._last_step_end if self._last_step_end is not None else t0
-            self.tracker.observe_step(rows, t1 - since)
+            self.tracker.observe_step(rows, max(t1 - t0, t1 - since - self._excluded_s))
             self._last_step_end = t1
         else:
             self._last_step_end = None
+        self._excluded_s = 0.0
         self._finished(out)
         self._refresh()
         if out:
@@ -199,9 +204,34 @@ class ModelLoop:
             wait = cap if plan.wake_at is None else max(0.0, min(cap, plan.wake_at - now))
             self._receive(block=True, timeout=wait)
 
+    def _step(self) -> list[Emitted]:
+        """One decode step; if the model raises, the rows running now fail (not the loop, not the worker)."""
+        try:
+            return list(self.runner.step())
+        except Exception as exc:
+            log.exception("decode step failed; failing the running rows", model=self.name)
+            ids = set(self.runner.running_ids())
+            self.runner.cancel(ids)
+            now = self._clock()
+            out: list[Emitted] = []
+            for rid in ids:
+                p = self._running.pop(rid, None)
+                if p is not None:
+                    out.append(failed_outcome(p.payload[0], self._worker, now, "model_error",
+                                              f"the model raised {type(exc).__name__} while decoding: {exc}",
+                                              computed=True))
+            return out
+
     def _start(self, batch: list[Pending]) -> list[Emitted]:
         reqs = [p.payload[0] for p in batch]
+        g0 = self._clock()
         live = self._gate(reqs)
+        self._excluded_s += self._clock() - g0
+        if live is None:  # Redis cannot say whether they were cancelled: put them back, try again shortly
+            for p in batch:
+                self.scheduler.add(p)
+            self._gate_retry_at = self._clock() + GATE_RETRY_S
+            return []
         out: list[Emitted] = [Ack(r) for r, ok in zip(reqs, live, strict=True) if not ok]
         batch = [p for p, ok in zip(batch, live, strict=True) if ok]
         # the gate took a round trip: re-check deadlines right before the model sees the batch
@@ -269,7 +299,12 @@ class ModelLoop:
         if isinstance(cmd, Add):
             out: list[Emitted] = []
             for req in cmd.requests:
-                item = self.runner.prepare(req, cmd.arrived)
+                try:
+                    item = self.runner.prepare(req, cmd.arrived)
+                except Exception as exc:  # an entry no validation of ours produced (another producer, schema)
+                    log.warning("request could not be prepared", request_id=req.id, error=repr(exc))
+                    item = failed_outcome(req, self._worker, self._clock(), "invalid_input",
+                                          f"the request could not be prepared: {type(exc).__name__}: {exc}")
                 if isinstance(item, Pending):
                     self.scheduler.add(item)
                 else:
@@ -290,6 +325,9 @@ class ModelLoop:
                 self._emit(acks)
         else:
             self._drain_until = cmd.until
+            waiting = [p.payload[0] for p in self.scheduler.drain()]
+            if waiting:  # queued work goes back at once; only running rows use the drain budget
+                self._emit([HandBack(waiting)])
 
     def _hand_back(self) -> None:
         waiting = [p.payload[0] for p in self.scheduler.drain()]

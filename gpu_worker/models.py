@@ -186,7 +186,11 @@ def load(spec: ModelSpec, cache_dir: str | Path) -> LoadedModel:
     device = pick_device(spec.device)
     dtype = pick_dtype(spec.dtype, device)
     cls = AutoModelForCausalLM if spec.task is Task.GENERATE else AutoModel
-    model = cls.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
+    try:  # the engine is fastest on SDPA (and correct on any implementation)
+        model = cls.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="sdpa")
+    except (ValueError, ImportError):  # an architecture without SDPA support
+        model = cls.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     log.info("model loaded", model=spec.name, path=str(path), device=str(device), dtype=str(dtype),
              params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 1))

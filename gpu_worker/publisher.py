@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import structlog
+from redis.exceptions import RedisError
 
 from gpu_worker import metrics
 from gpu_worker.model_loop import Ack, Emitted, HandBack
@@ -76,12 +77,14 @@ class Publisher:
             try:
                 await self._write(items)
                 break
-            except UNAVAILABLE as exc:
+            except (*UNAVAILABLE, RedisError) as exc:  # outage, OOM, READONLY after a failover: retry
                 raise_if_cancelling(exc)
-                log.warning("publisher: redis unavailable, retrying", error=repr(exc), retry_in_s=backoff)
+                log.warning("publisher: redis error, retrying", error=repr(exc), retry_in_s=backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
         for item in items:
+            if isinstance(item, Outcome):
+                observe(item)  # once, after the write landed (a retried write must not count twice)
             for req in (item.requests if isinstance(item, HandBack) else [item.request]):
                 self.held.pop(req.id, None)
         self._released()
@@ -93,8 +96,6 @@ class Publisher:
             for o in results:
                 await self.store.finish_in(pipe, o.result, o.request.meta())
             await pipe.execute()
-            for o in results:
-                observe(o)
             self.faults.point("kill_after_result_write")
         pipe = self.redis.pipeline(transaction=False)
         acks: dict[str, list[bytes]] = {}

@@ -66,6 +66,17 @@ class Runner(Protocol):
     def expire_ids(self, ids: set[str]) -> list[Outcome]: ...
 
 
+MODEL_CALLS_KEPT = 10_000
+
+
+def count_calls(calls: dict[str, int], batch: list[Pending]) -> None:
+    """How often each request reached the model (tests and debugging); only the latest ids are kept."""
+    for p in batch:
+        calls[p.id] = calls.pop(p.id, 0) + 1
+    while len(calls) > MODEL_CALLS_KEPT:
+        del calls[next(iter(calls))]
+
+
 def _ms(seconds: float) -> int:
     return int(seconds * 1000)
 
@@ -157,8 +168,7 @@ class EmbedRunner:
     @torch.inference_mode()
     def _run(self, batch: list[Pending], now: float) -> list[Outcome]:
         seqs = [ids for p in batch for ids in p.payload[1]]
-        for p in batch:
-            self.model_calls[p.id] = self.model_calls.get(p.id, 0) + 1
+        count_calls(self.model_calls, batch)
         for s in seqs:
             self.faults.check_tokens(s)
         width = max(len(s) for s in seqs)
@@ -312,7 +322,7 @@ class GenerateRunner:
     def start(self, batch: list[Pending], now: float) -> list[Outcome]:
         for p in batch:
             self._requests[p.id] = p.payload[0]
-            self.model_calls[p.id] = self.model_calls.get(p.id, 0) + 1
+        count_calls(self.model_calls, batch)
         try:
             for p in batch:
                 self.faults.check_tokens(p.payload[1].prompt_ids)
@@ -340,8 +350,9 @@ class GenerateRunner:
         now = self.clock()
         out = []
         for r in results:
-            req = self._requests.pop(r.id)
-            out.append(Outcome(req, self._result(req, r, now)))
+            req = self._requests.pop(r.id, None)
+            if req is not None:
+                out.append(Outcome(req, self._result(req, r, now)))
         return out
 
     def _result(self, req: InferenceRequest, r: GenResult, now: float) -> RequestResult:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+MIN_TEMPERATURE = 1e-4
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -17,7 +19,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < MIN_TEMPERATURE  # tiny temperatures overflow the softmax: greedy is the limit
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -42,7 +44,9 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
         drop[1:] = drop[:-1].clone()  # keep the token that crosses the threshold
         drop[0] = False
         scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    if not bool(probs.sum() > 0):  # nothing left to sample from (all masked): the most likely token
+        return torch.argmax(logits)
     return torch.multinomial(probs, 1, generator=generator)[0]
 
 

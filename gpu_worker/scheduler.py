@@ -99,7 +99,15 @@ class LaneQueue:
         heapq.heappush(self._heap, (*key, next(self._seq), item))
 
     def remove(self, request_id: str) -> Pending | None:
-        return self._live.pop(request_id, None)  # its heap entry is skipped when it surfaces
+        item = self._live.pop(request_id, None)  # its heap entry is skipped when it surfaces
+        self._compact()
+        return item
+
+    def _compact(self) -> None:
+        """Rebuild the heap when removed entries (still holding their payloads) outnumber live ones."""
+        if len(self._heap) > 2 * len(self._live) + 64:
+            self._heap = [e for e in self._heap if self._live.get(e[3].id) is e[3]]
+            heapq.heapify(self._heap)
 
     def _clean_top(self) -> None:
         while self._heap and self._live.get(self._heap[0][3].id) is not self._heap[0][3]:
@@ -127,6 +135,8 @@ class LaneQueue:
                 if p.deadline <= now + (service.estimate(p) if service is not None else 0.0)]
         for p in gone:
             del self._live[p.id]
+        if gone:
+            self._compact()
         return gone
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from gpu_worker import leases, metrics
 from gpu_worker.model_loop import Add, Cancel, Drain, Emitted, ModelLoop, Snapshot
@@ -93,6 +93,7 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.ready = asyncio.Event()
         self._crash = asyncio.Event()
+        self._draining = False
         self._use_count = True
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -106,13 +107,15 @@ class Worker:
         for lp in self.loops.values():
             lp.start()
         intake = [asyncio.create_task(self._intake(name), name=f"intake-{name}") for name in self.loops]
-        intake.append(asyncio.create_task(self._maintenance(), name="maintenance"))
         publisher = asyncio.create_task(self.publisher.run(), name="publisher")
         background = [
+            asyncio.create_task(self._maintenance(), name="maintenance"),  # renews holds until the very end
             asyncio.create_task(self._cancel_listener(), name="cancels"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
             asyncio.create_task(self._publish_stats(), name="stats"),
         ]
+        for task in [*intake, publisher, *background]:
+            task.add_done_callback(self._task_ended)
         self.ready.set()
         log.info("worker ready", worker=self.name, models=list(self.loops))
         stopper = asyncio.create_task(stop.wait())
@@ -133,6 +136,7 @@ class Worker:
     async def _drain(self, intake: list[asyncio.Task[None]], publisher: asyncio.Task[None]) -> None:
         """Stop intake at once; let running work finish within the budget; hand back the rest."""
         log.info("worker draining", worker=self.name, budget_s=self.drain_budget_s, held=len(self.held))
+        self._draining = True
         for task in intake:
             task.cancel()
         _, stuck = await asyncio.wait(intake, timeout=INTAKE_STOP_TIMEOUT_S)
@@ -144,7 +148,10 @@ class Worker:
             lp.submit(Drain(until))
         await asyncio.to_thread(self._join_loops, self.drain_budget_s + 10)
         self.publisher.close()  # after the loops' last outcomes and hand-backs, which are already queued
-        await publisher
+        try:  # bounded: with Redis down, unwritten entries stay pending and are reclaimed later (safe)
+            await asyncio.wait_for(publisher, timeout=self.drain_budget_s + 10)
+        except TimeoutError:
+            log.warning("drain: results not all written (redis unreachable?); their entries stay pending")
 
     async def _leave(self) -> None:
         with contextlib.suppress(ResponseError):
@@ -157,6 +164,15 @@ class Worker:
     def _join_loops(self, timeout: float) -> None:
         for lp in self.loops.values():
             lp.join(timeout)
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        """A background task that ends by itself (not cancelled) leaves the worker unable to do its job:
+        stop, so that a supervisor restarts it and other workers reclaim what it held."""
+        if task.cancelled() or self._draining:
+            return
+        exc = task.exception()
+        log.error("worker task ended unexpectedly", task=task.get_name(), error=repr(exc))
+        self._crash.set()
 
     def _on_crash(self) -> None:
         if self._loop is not None:
@@ -210,16 +226,17 @@ class Worker:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.publisher.queue.put_nowait, items)
 
-    def _gate(self, reqs: list[InferenceRequest]) -> list[bool]:
-        """From the model thread: mark requests running; False for those already terminal."""
+    def _gate(self, reqs: list[InferenceRequest]) -> list[bool] | None:
+        """From the model thread: mark requests running; False for those already terminal. None when Redis
+        cannot tell (then nothing is computed: a cancelled request must never be)."""
         if self._loop is None:
             return [True] * len(reqs)
-        fut = asyncio.run_coroutine_threadsafe(self.store.start(reqs, int(time.time() * 1000)), self._loop)
         try:
+            fut = asyncio.run_coroutine_threadsafe(self.store.start(reqs, int(time.time() * 1000)), self._loop)
             states = fut.result(timeout=GATE_TIMEOUT_S)
-        except Exception as exc:
-            log.warning("start gate unavailable", error=repr(exc))
-            return [True] * len(reqs)
+        except Exception as exc:  # Redis unreachable, or the loop is shutting down
+            log.warning("start gate unavailable; batch re-queued", error=repr(exc))
+            return None
         return [s is Status.RUNNING for s in states]
 
     # --- intake --------------------------------------------------------------------------------
@@ -250,20 +267,19 @@ class Worker:
             try:
                 resp = await self.redis.xreadgroup(GROUP, self.name, streams, count=room if self._use_count else None,
                                                    block=self.settings.intake_block_ms)
+                for stream, entries in _stream_items(resp or []):
+                    await self._accept(model, stream, [(eid, fields) for eid, fields in entries])
                 backoff = 0.1
-            except UNAVAILABLE as exc:
+            except (*UNAVAILABLE, RedisError) as exc:
                 raise_if_cancelling(exc)
-                log.warning("intake: redis unavailable", model=model, error=repr(exc), retry_in_s=backoff)
+                if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+                    # the stream is gone (Redis restarted empty, FLUSHDB): recreate the groups
+                    with contextlib.suppress(*UNAVAILABLE, RedisError):
+                        await self._ensure_groups()
+                    continue
+                log.warning("intake: redis error", model=model, error=repr(exc), retry_in_s=backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
-                continue
-            except ResponseError as exc:
-                if "NOGROUP" in str(exc):  # the stream is gone (Redis restarted empty, FLUSHDB): recreate
-                    await self._ensure_groups()
-                    continue
-                raise
-            for stream, entries in _stream_items(resp or []):
-                await self._accept(model, stream, [(eid, fields) for eid, fields in entries])
 
     async def _accept(self, model: str, stream: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         lp = self.loops[model]
@@ -273,6 +289,13 @@ class Worker:
         for entry_id, fields in entries:
             req = await self._decode_entry(model, stream, entry_id, fields)
             if req is None:
+                continue
+            if req.id in self.held:  # a second entry for a request we already hold (a retried XADD, a hand-back)
+                if self.held[req.id].entry_id != entry_id:
+                    pipe = self.redis.pipeline(transaction=False)
+                    pipe.xack(stream, GROUP, entry_id)
+                    pipe.xdel(stream, entry_id)
+                    await pipe.execute()
                 continue
             self.held[req.id] = Held(model, stream, entry_id, req)
             if req.deadline_ms <= now * 1000 and lp.scheduler.deadline_aware:
@@ -309,13 +332,14 @@ class Worker:
             try:
                 await self._renew()
                 for model in self.loops:
-                    await self._reclaim(model)
+                    if not self._draining:
+                        await self._reclaim(model)
                 if cycle % CLEANUP_EVERY == 0:
                     idle_ms = int(2 * self.settings.reclaim_idle_s * 1000)
                     await leases.clean_consumers(self.redis, self._all_streams(), self.name, idle_ms)
-            except UNAVAILABLE as exc:
+            except (*UNAVAILABLE, RedisError) as exc:
                 raise_if_cancelling(exc)
-                log.warning("maintenance: redis unavailable", error=repr(exc))
+                log.warning("maintenance: redis error", error=repr(exc))
 
     async def _renew(self) -> None:
         by_stream: dict[str, list[bytes]] = {}

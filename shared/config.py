@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import secrets
 import socket
 import tomllib
 from collections.abc import Mapping
@@ -175,7 +176,10 @@ class Settings:
                 expiry_grace_s=float(get(ENV_PREFIX + "EXPIRY_GRACE_S", d.expiry_grace_s)),
                 log_level=get(ENV_PREFIX + "LOG_LEVEL", d.log_level).lower(),
                 log_format=get(ENV_PREFIX + "LOG_FORMAT", d.log_format).lower(),
-                worker_name=get(ENV_PREFIX + "WORKER_NAME") or f"{socket.gethostname()}-{os.getpid()}",
+                # unique per start: a restarted container with the same host name and pid 1 must not inherit
+                # the pending entries of its previous life as if they were its own
+                worker_name=get(ENV_PREFIX + "WORKER_NAME")
+                or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}",
                 worker_metrics_port=int(get(ENV_PREFIX + "WORKER_METRICS_PORT", d.worker_metrics_port)),
                 intake_block_ms=int(get(ENV_PREFIX + "INTAKE_BLOCK_MS", d.intake_block_ms)),
                 reclaim_idle_s=float(get(ENV_PREFIX + "RECLAIM_IDLE_S", d.reclaim_idle_s)),

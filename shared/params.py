@@ -17,6 +17,17 @@ MAX_STOP_LENGTH = 64
 MAX_SEED = 2**63 - 1
 
 
+def finite_number(value: Any) -> float | None:
+    """The value as a finite float, or None if it is not a number, a bool, infinite, NaN or too large."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _int(raw: Mapping[str, Any], name: str, default: int | None, lo: int, hi: int, path: str) -> int | None:
     value = raw.get(name, default)
     if value is None:
@@ -29,12 +40,12 @@ def _int(raw: Mapping[str, Any], name: str, default: int | None, lo: int, hi: in
 
 
 def _float(raw: Mapping[str, Any], name: str, default: float, lo: float, hi: float, path: str) -> float:
-    value = raw.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    value = finite_number(raw.get(name, default))
+    if value is None:
         raise ValidationError(f"{path}.{name}", "must be a finite number")
     if not lo <= value <= hi:
         raise ValidationError(f"{path}.{name}", f"must be between {lo} and {hi}, got {value}")
-    return float(value)
+    return value
 
 
 def _bool(raw: Mapping[str, Any], name: str, default: bool, path: str) -> bool:

@@ -30,6 +30,10 @@ class RefusedURL(ValueError):
     """A callback URL that batchgate will not call."""
 
 
+class ResolveFailed(RefusedURL):
+    """The host did not resolve right now (may be temporary: the dispatcher retries)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Target:
     """A checked destination: connect to `ip`, send `Host: host`."""
@@ -73,21 +77,30 @@ def literal_ip(host: str) -> IPAddress | None:
         pass
     try:  # inet_aton accepts what resolvers accept: 2852039166, 0251.0376.0251.0376, 0xa9fea9fe, 10.1
         return ipaddress.IPv4Address(socket.inet_aton(h))
-    except OSError:
+    except (OSError, ValueError):  # ValueError: embedded NUL
         return None
 
 
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # well-known NAT64 prefix: DNS64 networks route it to IPv4
+_NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")
+_SIIT = ipaddress.IPv6Network("::ffff:0:0:0/96")  # IPv4-translated
+_V4_COMPAT = ipaddress.IPv6Network("::/96")  # deprecated IPv4-compatible
+
+
 def _embedded(ip: IPAddress) -> list[IPAddress]:
+    """The address itself and every IPv4 address it can carry (mapped, 6to4, Teredo, NAT64, SIIT, compatible)."""
     out: list[IPAddress] = [ip]
     if isinstance(ip, ipaddress.IPv6Address):
         for v4 in (ip.ipv4_mapped, ip.sixtofour, ip.teredo[1] if ip.teredo else None):
             if v4 is not None:
                 out.append(v4)
+        if any(ip in net for net in (_NAT64, _NAT64_LOCAL, _SIIT, _V4_COMPAT)):
+            out.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
     return out
 
 
 def is_public(ip: IPAddress) -> bool:
-    return all(a.is_global and not a.is_multicast for a in _embedded(ip))
+    return all(a.is_global and not a.is_multicast and not getattr(a, "is_site_local", False) for a in _embedded(ip))
 
 
 def check_ip(ip: IPAddress, allow: AllowList) -> None:
@@ -142,10 +155,10 @@ def resolve_and_check(url: str, allow: AllowList, resolver: Resolver = system_re
         try:
             addresses = [ipaddress.ip_address(a.split("%")[0]) for a in resolver(host, port)]
         except (OSError, ValueError) as exc:
-            raise RefusedURL(f"cannot resolve {host}: {exc}") from exc
+            raise ResolveFailed(f"cannot resolve {host}: {exc}") from exc
     addresses = list(addresses)
     if not addresses:
-        raise RefusedURL(f"{host} resolves to no address")
+        raise ResolveFailed(f"{host} resolves to no address")
     if not allow.allows_host(host):
         for a in addresses:
             check_ip(a, allow)

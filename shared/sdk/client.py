@@ -113,8 +113,14 @@ class _Common:
         return Submission(body["id"], body["status"], body.get("eta_ms"), body.get("queue_position"), body)
 
     def _batch_bodies(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [self._body(it["input"], it.get("params"), it.get("timeout_s"), it.get("deadline"),
-                           it.get("priority"), it.get("callback")) for it in items]
+        out = []
+        for it in items:
+            body = self._body(it["input"], it.get("params"), it.get("timeout_s"), it.get("deadline"),
+                              it.get("priority"), it.get("callback"))
+            if it.get("idempotency_key"):
+                body["idempotency_key"] = it["idempotency_key"]
+            out.append(body)
+        return out
 
     @staticmethod
     def _batch_outcomes(resp: dict[str, Any]) -> list[Submission | BatchgateError]:
@@ -123,7 +129,7 @@ class _Common:
             if r["status"] in (200, 202):
                 out.append(Submission(r["id"], "queued", r.get("eta_ms"), r.get("queue_position"), r))
             else:
-                out.append(error_for(r["status"], r, None))
+                out.append(error_for(r["status"], r, (r.get("error") or {}).get("retry_after")))
         return out
 
     @staticmethod

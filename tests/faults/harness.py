@@ -199,7 +199,8 @@ async def cluster(tmp_path: Path, model_cache: Path, prefix: str, **env_extra: s
             own.stop()
 
 
-LONG = {"input": {"input_ids": list(range(3, 300))}, "params": {"max_new_tokens": 256, "ignore_eos": True}}
+LONG = {"input": {"input_ids": list(range(3, 300))}, "params": {"max_new_tokens": 256, "ignore_eos": True},
+        "timeout_s": 600}  # generous: admission must not refuse any (the scenarios count what was accepted)
 SHORT = {"input": {"input_ids": [5, 6, 7]}, "params": {"max_new_tokens": 8, "ignore_eos": True}}
 
 

@@ -104,8 +104,8 @@ async def test_long_batch_beyond_idle_threshold_is_not_stolen_and_hung_worker_is
         c.accepted.clear()
         b.signal(signal.SIGTERM)  # leave w-a alone with the next requests
         assert b.wait(30) == 0
-        for _ in range(12):
-            await c.submit(LONG)
+        codes = [(await c.submit(LONG)).status_code for _ in range(12)]
+        assert codes == [202] * 12, codes
         await until(lambda: running(c) >= 2, every=0.01)
         a.signal(signal.SIGSTOP)  # hung: alive but silent, renews nothing
         t_fault = time.monotonic()

@@ -222,3 +222,15 @@ def test_a_long_prompt_joining_short_rows_reads_only_finite_cache(model):
     results.update(run(engine, {0: []}))
     for spec in [*short, long]:
         assert results[spec.id].token_ids == reference(model, spec), spec.id
+
+
+def test_eager_attention_gets_an_additive_mask():
+    """Eager attention adds the mask to the scores: the engine must hand it 0 / -inf, not booleans."""
+    model = tiny()
+    model.config._attn_implementation = "eager"
+    for layer in model.model.layers:
+        layer.self_attn.config._attn_implementation = "eager"
+    reqs = specs(6, seed=12)
+    results = run(GenerationEngine(model, max_rows=8, max_seq_len=64), {0: reqs[:3], 2: reqs[3:]})
+    for spec in reqs:
+        assert results[spec.id].token_ids == reference(model, spec), spec.id

@@ -252,6 +252,17 @@ BAD_SUBMITS = [
     ("/v1/models/minilm/requests", b"<xml/>", {"content-type": "application/xml"}, 415),
     ("/v1/models/minilm/requests", b"\xc1", {"content-type": "application/msgpack"}, 400),
     ("/v1/models/minilm/requests", b'{"input": {"text": "' + b"x" * (2 << 20) + b'"}}', {}, 413),
+    ("/v1/models/minilm/requests", b"[" * 100_000, {}, 400),  # nested past any recursion limit
+    ("/v1/models/minilm/requests", b'{"input": {"text": "x"}, "timeout_s": 1' + b"0" * 400 + b"}", {}, 422),
+    ("/v1/models/tiny-llama/requests", b'{"input": {"prompt": "x"}, "params": {"temperature": 1' + b"0" * 400 + b"}}",
+     {}, 422),
+    ("/v1/models/minilm/requests", b'{"input": {"text": "x"}, "deadline": 9' + b"9" * 400 + b"}", {}, 422),
+    ("/v1/models/minilm/requests", b"\x81\xc4\x01k\x01", {"content-type": "application/msgpack"}, 400),  # bytes key
+    ("/v1/models/minilm/requests", b'{"input": {"text": "x"}, "callback": {"url": "http://a\\u0000b.example/"}}',
+     {}, 422),
+    ("/v1/models/minilm/requests", b'{"input": {"text": "x"}, "callback": {"url": "https://x.example/\\u0001"}}',
+     {}, 422),
+    ("/v1/models/minilm/requests:batch", b'{"requests": [1, 2]}', {}, 422),
 ]
 
 

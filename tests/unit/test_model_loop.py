@@ -211,8 +211,9 @@ def test_drain_hands_back_what_it_cannot_finish():
             break
         loop._iterate()
     assert loop.stopped
-    (back,) = [o for o in emitted if isinstance(o, HandBack)]
-    assert sorted(r.id for r in back.requests) == ["r0", "r1"]
+    backs = [o for o in emitted if isinstance(o, HandBack)]
+    assert [r.id for r in backs[0].requests] == ["r1"]  # queued work went back at once
+    assert sorted(r.id for b in backs for r in b.requests) == ["r0", "r1"]
 
 
 def test_a_running_row_that_cannot_finish_leaves_early():
@@ -223,3 +224,28 @@ def test_a_running_row_that_cannot_finish_leaves_early():
     run_until_idle(loop, runner)
     (out,) = [o for o in emitted if isinstance(o, Outcome)]
     assert out.result.status is Status.EXPIRED and clock.t < 1000.5  # left before reaching the deadline
+
+
+def test_a_batch_the_gate_cannot_confirm_is_requeued_not_computed():
+    calls = {"n": 0}
+
+    def flaky(reqs):
+        calls["n"] += 1
+        return None if calls["n"] == 1 else [True] * len(reqs)
+
+    loop, runner, clock, emitted = make(gate=flaky)
+    loop.submit(Add([req(0, clock)], clock.t))
+    loop._iterate()
+    assert runner.started == [] and len(loop.scheduler) == 1
+    clock.t += 1.0  # after the retry pause
+    run_until_idle(loop, runner)
+    assert runner.started == ["r0"] and finished(emitted) == ["r0"]
+
+
+def test_a_failing_decode_step_fails_its_rows_not_the_loop():
+    loop, runner, clock, emitted = make(rows=2)
+    loop.submit(Add([req(0, clock), req(1, clock)], clock.t))
+    loop._iterate()
+    runner.step = lambda: (_ for _ in ()).throw(RuntimeError("device lost"))  # type: ignore[method-assign]
+    loop._iterate()
+    assert sorted(finished(emitted, Status.FAILED)) == ["r0", "r1"] and not loop.stopped

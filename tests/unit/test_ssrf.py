@@ -11,6 +11,7 @@ INSIDE = [
     "http://0xa9fea9fe/", "http://0x7f000001/", "http://2130706433/", "http://0177.0.0.1/", "http://0.0.0.0/",
     "http://100.64.0.1/", "http://224.0.0.1/", "http://[fe80::1]/", "http://[fc00::1]/", "http://240.0.0.1/",
     "http://[2002:a9fe:a9fe::]/",  # 6to4 wrapping the metadata address
+    "http://[64:ff9b::a00:1]/", "http://[::ffff:0:a9fe:a9fe]/", "http://[::127.0.0.1]/", "http://[fec0::1]/",
     "http://internal.example/",  # resolves to a private address (stub below)
 ]
 STUB = {"internal.example": ["10.1.2.3"], "localhost": ["127.0.0.1", "::1"], "hooks.example.com": ["93.184.216.34"],
