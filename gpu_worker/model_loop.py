@@ -39,6 +39,7 @@ METRICS_INTERVAL_S = 1.0
 # A running row is given up only if even 80% of its estimated remaining time would end past its deadline.
 DOOM_OPTIMISM = 0.8
 GATE_RETRY_S = 0.5
+GATE_NORMAL_S = 0.1
 
 
 @dataclass(slots=True)
@@ -184,8 +185,8 @@ class ModelLoop:
             out.extend(self._step())
             t1 = self._clock()
             # the token interval a running row sees: its step plus everything else this iteration did
-            # (prefills of newcomers); that, not the bare step, is what deadlines depend on. Waiting on
-            # Redis is left out: it says nothing about the model's speed.
+            # (prefills of newcomers, the start gate); that, not the bare step, is what deadlines depend
+            # on. Abnormally long waits on Redis are left out.
             since = self._last_step_end if self._last_step_end is not None else t0
             self.tracker.observe_step(rows, max(t1 - t0, t1 - since - self._excluded_s))
             self._last_step_end = t1
@@ -226,7 +227,9 @@ class ModelLoop:
         reqs = [p.payload[0] for p in batch]
         g0 = self._clock()
         live = self._gate(reqs)
-        self._excluded_s += self._clock() - g0
+        # a normal round trip delays every running row and belongs in the token interval; a stalled one
+        # (a Redis blip) says nothing about the model's speed and would make healthy rows look doomed
+        self._excluded_s += max(0.0, self._clock() - g0 - GATE_NORMAL_S)
         if live is None:  # Redis cannot say whether they were cancelled: put them back, try again shortly
             for p in batch:
                 self.scheduler.add(p)
