@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,9 @@ class Pending:
 class LanePolicy:
     name: str
     window_s: float
+    # the largest fraction of the running batch's rows this lane may hold; below 1 the other lanes keep
+    # rows of their own (long work never takes every row, so short work never queues behind it)
+    max_share: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +145,10 @@ class LaneQueue:
 
 class Scheduler:
     def __init__(self, lanes: Iterable[LanePolicy], limits: BatchLimits, *, aging: float = 1.0,
-                 service: ServiceModel | None = None, deadline_aware: bool = True) -> None:
+                 service: ServiceModel | None = None, deadline_aware: bool = True,
+                 total_rows: int | None = None) -> None:
         self.deadline_aware = deadline_aware
+        self.total_rows = total_rows  # rows of the running batch (for lane shares); None: shares unused
         self.queues = {lane.name: LaneQueue(lane, fifo=not deadline_aware) for lane in lanes}
         self.limits = limits
         self.aging = aging
@@ -210,8 +215,19 @@ class Scheduler:
             return head.rank, 0, latest
         return head.rank, 1, -self.aging * (now - oldest) / max(queue.policy.window_s, 1e-3)
 
-    def plan(self, now: float, free_rows: int, preemptible: int = 0) -> Plan:
-        """`preemptible`: running batch-priority rows the caller could give back if asked."""
+    def lane_rows(self, queue: LaneQueue, free_rows: int, running: Mapping[str, int]) -> int:
+        """Rows this lane may take now: the free rows, within its share of the running batch."""
+        share = queue.policy.max_share
+        if share >= 1.0 or not self.total_rows:
+            return free_rows
+        cap = max(1, int(share * self.total_rows))
+        return min(free_rows, cap - running.get(queue.policy.name, 0))
+
+    def plan(self, now: float, free_rows: int, preemptible: int = 0,
+             running: Mapping[str, int] | None = None) -> Plan:
+        """`preemptible`: running batch-priority rows the caller could give back if asked; `running`:
+        rows running per lane (for lane shares)."""
+        running = running or {}
         plan = Plan()
         if self.deadline_aware:
             for queue in self.queues.values():
@@ -223,7 +239,7 @@ class Scheduler:
         ready: list[LaneQueue] = []
         wake: list[float] = []
         for queue in self.queues.values():
-            if len(queue):
+            if len(queue) and self.lane_rows(queue, free_rows, running) > 0:  # a lane at its share waits
                 at = self.ready_at(queue, now)
                 if at <= now:
                     ready.append(queue)
@@ -234,7 +250,7 @@ class Scheduler:
             return plan
         lane = min(ready, key=lambda q: self.urgency(q, now))
         plan.lane = lane.policy.name
-        plan.batch = self._take(lane, free_rows)
+        plan.batch = self._take(lane, self.lane_rows(lane, free_rows, running))
         return plan
 
     def _urgent_interactive_rows(self, now: float) -> int:

@@ -58,7 +58,7 @@ def build_runner(loaded: Any, worker: str, faults: Faults) -> Runner:
 
 
 def build_scheduler(spec: ModelSpec) -> Scheduler:
-    return Scheduler([LanePolicy(lane.name, lane.window_ms / 1000) for lane in spec.lanes],
+    return Scheduler([LanePolicy(lane.name, lane.window_ms / 1000, lane.max_share) for lane in spec.lanes],
                      BatchLimits(spec.max_batch_size, spec.max_batch_tokens), deadline_aware=spec.deadline_aware)
 
 

@@ -37,7 +37,9 @@ def measure_capacity(url: str, n: int, seed: int) -> float:
 
 
 def run_config(name: str, args: argparse.Namespace, rate: float | None) -> tuple[dict[str, Any], float | None]:
-    cfg = bl.model_config(**CONFIGS[name], max_batch_tokens=args.max_batch_tokens)
+    spec = dict(CONFIGS[name])
+    spec.setdefault("max_running", args.max_running)
+    cfg = bl.model_config(**spec, max_batch_tokens=args.max_batch_tokens)
     with bl.stack(cfg, args.redis_url) as st:
         warm = bl.mix(8, 99)
         asyncio.run(bl.drive(st.url, warm))  # first-call paths, cache allocation
@@ -102,6 +104,7 @@ def main() -> None:
     ap.add_argument("--load", type=float, default=0.7)
     ap.add_argument("--timeout", type=float, default=60.0, help="per-request timeout_s (the deadline)")
     ap.add_argument("--max-batch-tokens", type=int, default=1024)
+    ap.add_argument("--max-running", type=int, default=64, help="rows of the running batch (the KV budget)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default="lanes_on,lanes_off,batch1")
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))

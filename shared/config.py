@@ -76,6 +76,9 @@ class ModelSpec:
         bounds = [lane.max_tokens for lane in self.lanes[:-1]]
         if any(b is None for b in bounds) or bounds != sorted(bounds):  # type: ignore[type-var]
             raise ConfigError(f"model {self.name}: lane bounds must increase; only the last may be open")
+        for lane in self.lanes:
+            if not 0 < lane.max_share <= 1:
+                raise ConfigError(f"model {self.name}: lane {lane.name} max_share must be in (0, 1]")
         for attr in ("max_batch_size", "max_batch_tokens", "max_running", "max_input_tokens",
                      "max_new_tokens", "default_max_new_tokens", "max_texts"):
             if getattr(self, attr) < 1:
@@ -92,7 +95,7 @@ class ModelSpec:
             "task": self.task.value,
             "scheduling": self.scheduling,
             "lanes": [{"name": lane.name, "max_tokens": lane.max_tokens, "window_ms": lane.window_ms,
-                       "max_backlog": lane.max_backlog} for lane in self.lanes],
+                       "max_backlog": lane.max_backlog, "max_share": lane.max_share} for lane in self.lanes],
             "limits": {
                 "max_input_tokens": self.max_input_tokens,
                 "max_new_tokens": self.max_new_tokens,
@@ -234,6 +237,7 @@ def _lane_from(raw: Any, model: str) -> LaneSpec:
         max_tokens=None if raw.get("max_tokens") is None else int(raw["max_tokens"]),
         window_ms=float(raw.get("window_ms", 10.0)),
         max_backlog=int(raw.get("max_backlog", 10_000)),
+        max_share=float(raw.get("max_share", 1.0)),
     )
 
 

@@ -22,12 +22,15 @@ class LaneSpec:
     max_tokens: int | None  # None: unbounded (the last lane)
     window_ms: float = 10.0
     max_backlog: int = 10_000
+    # the largest fraction of a worker's running rows this lane may hold (1: no limit); keeps rows for
+    # the shorter lanes so their requests find one at once instead of queueing behind long work
+    max_share: float = 1.0
 
 
 DEFAULT_LANES: tuple[LaneSpec, ...] = (
     LaneSpec("short", 128, window_ms=5.0),
     LaneSpec("medium", 512, window_ms=15.0),
-    LaneSpec("long", None, window_ms=30.0),
+    LaneSpec("long", None, window_ms=30.0, max_share=0.75),
 )
 
 

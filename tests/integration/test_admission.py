@@ -103,3 +103,34 @@ async def test_short_requests_are_not_stuck_behind_a_long_flood(redis_url, prefi
     # short requests went ahead of the queued long ones: each started within a few windows + one prefill
     assert max(short_queue) < 1000, short_queue
     assert max(r.json()["finished_at"] for r in shorts) < long_finish[len(long_finish) // 2]
+
+
+async def test_a_lane_share_keeps_rows_for_short_work_when_long_work_fills_the_batch(redis_url, prefix,
+                                                                                      loaded_models):
+    # 4 rows; long work may hold half of them. Without the share, the 8 long requests would take every
+    # row for their whole generation and the short ones would queue behind them.
+    lanes = (LaneSpec("short", 64, 5.0), LaneSpec("long", None, 5.0, max_share=0.5))
+    spec = dataclasses.replace(LLAMA, max_running=4, max_batch_tokens=4096, lanes=lanes)
+    settings = make_settings(redis_url, prefix, models=(spec,))
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        long_body = {"input": {"input_ids": list(range(3, 200))},
+                     "params": {"max_new_tokens": 160, "ignore_eos": True}}
+        longs = [asyncio.create_task(gw.client.post("/v1/models/tiny-llama/requests?wait=120", json=long_body))
+                 for _ in range(8)]
+
+        async def two_longs_running() -> bool:
+            (model,) = (await gw.client.get("/v1/models")).json()["models"]
+            return next(ln for ln in model["lanes"] if ln["name"] == "long")["running"] == 2
+        await wait_until(two_longs_running, timeout=30)
+        shorts = await asyncio.gather(*(gw.client.post("/v1/models/tiny-llama/requests?wait=60", json={
+            "input": {"input_ids": [5, 6, 7]}, "params": {"max_new_tokens": 4, "ignore_eos": True}})
+            for _ in range(2)))
+        long_done = await asyncio.gather(*longs)
+    assert all(r.status_code == 200 for r in [*shorts, *long_done])
+    assert {r.json()["lane"] for r in long_done} == {"long"}
+    # the short requests found free rows at once: they were done before the first long one finished
+    first_long = min(r.json()["finished_at"] for r in long_done)
+    assert max(r.json()["finished_at"] for r in shorts) < first_long
+    # and long work never held more than its two rows: the 8 ran in (at least) 4 waves
+    starts = sorted(r.json()["started_at"] for r in long_done)
+    assert starts[2] >= min(r.json()["finished_at"] for r in long_done) - 0.05

@@ -95,3 +95,16 @@ def test_lane_bounds_must_increase():
         spec.validate()
     with pytest.raises(ConfigError):
         ModelSpec(name="Bad Name", task=Task.EMBED, source="/x").validate()
+
+
+def test_lane_share_from_a_file_and_its_bounds(tmp_path):
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("models:\n  - name: m\n    task: generate\n    source: /x\n    lanes:\n"
+                   "      - {name: short, max_tokens: 64}\n      - {name: long, max_share: 0.75}\n")
+    spec = Settings.from_environ({"BATCHGATE_CONFIG": str(cfg)}).models[0]
+    assert [lane.max_share for lane in spec.lanes] == [1.0, 0.75]
+    assert spec.to_public()["lanes"][1]["max_share"] == 0.75
+    for bad in (0.0, 1.5):
+        with pytest.raises(ConfigError, match="max_share"):
+            ModelSpec(name="m", task=Task.EMBED, source="/x",
+                      lanes=(LaneSpec("a", 10), LaneSpec("b", None, max_share=bad))).validate()

@@ -182,3 +182,45 @@ def test_requests_that_cannot_finish_in_time_expire_without_compute():
     s.add(item(2, arrived=0.0, deadline=1.0, new=5))  # needs 0.05 s
     plan = s.plan(0.6, free_rows=0)
     assert [p.id for p in plan.expired] == ["r1"] and len(s) == 1
+
+
+def shared_sched(share=0.5, total=8, **kw):
+    lanes = [LanePolicy("short", 0.0), LanePolicy("long", 0.0, max_share=share)]
+    return Scheduler(lanes, BatchLimits(16, 100_000), total_rows=total, **kw)
+
+
+@pytest.mark.parametrize(("running_long", "free", "expected"), [
+    (0, 8, 4),  # half of 8 rows
+    (3, 5, 1),  # one left of its share
+    (4, 4, 0),  # at its share: waits though rows are free
+    (0, 2, 2),  # fewer free rows than its share
+])
+def test_a_lane_never_takes_more_than_its_share_of_rows(running_long, free, expected):
+    s = shared_sched()
+    for i in range(10):
+        s.add(item(i, "long"))
+    plan = s.plan(1.0, free_rows=free, running={"long": running_long})
+    assert len(plan.batch) == expected
+    assert all(p.lane == "long" for p in plan.batch)
+
+
+def test_rows_kept_back_from_a_capped_lane_go_to_the_others():
+    s = shared_sched()
+    for i in range(10):
+        s.add(item(i, "long", arrived=0.0))
+    assert len(s.plan(1.0, free_rows=8, running={}).batch) == 4
+    # long work holds its share: a short request arriving later still finds a row at once
+    s.add(item(99, "short", arrived=2.0))
+    plan = s.plan(2.0, free_rows=4, running={"long": 4})
+    assert [p.id for p in plan.batch] == ["r99"]
+
+
+def test_a_tiny_share_still_allows_one_row_and_no_share_without_a_row_count():
+    s = shared_sched(share=0.01)
+    for i in range(3):
+        s.add(item(i, "long"))
+    assert len(s.plan(1.0, free_rows=8).batch) == 1
+    s = Scheduler([LanePolicy("long", 0.0, max_share=0.5)], BatchLimits(16, 100_000))  # rows unknown
+    for i in range(3):
+        s.add(item(i, "long"))
+    assert len(s.plan(1.0, free_rows=8).batch) == 3
