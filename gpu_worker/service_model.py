@@ -32,10 +32,15 @@ class RunningFit:
 
     @property
     def slope(self) -> float:
+        proportional = self._my / self._mx if self._mx > 0 else 0.0
         var = self._mxx - self._mx * self._mx
         if self.n < 3 or var <= 1e-9 * max(1.0, self._mxx):
-            return self._my / self._mx if self._mx > 0 else 0.0  # one x seen so far: proportional
-        return max(0.0, (self._mxy - self._mx * self._my) / var)
+            return proportional  # one x seen so far
+        # Costs have a fixed part >= 0, so the line through the mean point can be no steeper than the
+        # proportional one. Over a narrow range of x (a full batch: nearly always the same rows) the
+        # least-squares slope is mostly noise: one slow iteration at one more row would otherwise
+        # predict seconds per token and expire work that could finish.
+        return min(max(0.0, (self._mxy - self._mx * self._my) / var), proportional)
 
     @property
     def intercept(self) -> float:

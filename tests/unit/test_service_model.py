@@ -20,6 +20,18 @@ def test_fit_with_one_x_value_is_proportional_and_empty_fit_predicts_zero():
     assert fit.predict(20) == pytest.approx(1.0)
 
 
+def test_a_narrow_noisy_range_never_predicts_more_than_proportional_growth():
+    fit = RunningFit(alpha=0.05)
+    for i in range(400):  # a full batch: 16 rows nearly always, once in a while 15 and a quick step
+        rows = 15 if i % 40 == 0 else 16
+        y = 0.010 if rows == 15 else (0.300 if i % 5 == 0 else 0.030)  # every 5th: a prefill iteration
+        fit.add(rows, y)
+    mean = fit.predict(16)
+    assert mean < 0.1  # about the mean interval (0.08 s); the unclamped fit said over 1 s per token
+    assert fit.predict(32) <= 2 * mean + 1e-9 and fit.predict(1) <= mean
+    assert fit.intercept >= 0
+
+
 def test_fit_follows_a_change():
     fit = RunningFit(alpha=0.2)
     for x in range(100):
