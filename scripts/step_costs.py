@@ -1,0 +1,77 @@
+"""What one forward of the engine costs on this machine: a decode step by running rows, a prefill by
+prompt length and rows (the engine benchmark's model, the worker's engine, no Redis, no gateway).
+
+These costs bound what any scheduling can do for a short request: its latency is its prefill plus
+one token interval per new token, and a token interval is at least one decode step of the batch it
+runs in. Median of --reps timings per point.
+
+    python scripts/step_costs.py --json docs/bench/step_costs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_worker import models
+from gpu_worker.engine import GenerationEngine, GenSpec
+from shared.config import BUILTIN_MODELS
+
+DECODE_ROWS = (1, 2, 4, 8, 16, 24, 32)
+PREFILLS = ((16, 1), (32, 1), (64, 1), (64, 4), (256, 1), (256, 2), (256, 4))
+CONTEXT = 256  # tokens already cached per row when decode steps are timed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "batchgate" / "models"))
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    model = models.load(BUILTIN_MODELS["bench-llama"], Path(args.cache_dir)).model
+    rng = random.Random(0)
+
+    def spec(i: int, prompt: int) -> GenSpec:
+        return GenSpec(id=str(i), prompt_ids=tuple(rng.randrange(3, 8192) for _ in range(prompt)),
+                       max_new_tokens=200)
+
+    def engine(rows: int) -> GenerationEngine:
+        return GenerationEngine(model, max_rows=rows, max_seq_len=512)
+
+    report: dict[str, dict[str, float]] = {"decode_step_ms": {}, "prefill_ms": {}}
+    print(f"torch threads: {torch.get_num_threads()}")
+    print(f"{'decode step':<24}{'ms':>8}")
+    for rows in DECODE_ROWS:
+        eng = engine(rows)
+        eng.prefill([spec(i, CONTEXT) for i in range(rows)])
+        eng.step()  # first-call paths
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            eng.step()
+            times.append((time.perf_counter() - t0) * 1000)
+        report["decode_step_ms"][str(rows)] = ms = statistics.median(times)
+        print(f"{f'{rows} rows, {CONTEXT} cached':<24}{ms:>8.1f}", flush=True)
+    print(f"{'prefill':<24}{'ms':>8}")
+    for prompt, rows in PREFILLS:
+        times = []
+        for _ in range(args.reps + 1):
+            eng = engine(rows)
+            t0 = time.perf_counter()
+            eng.prefill([spec(i, prompt) for i in range(rows)])
+            times.append((time.perf_counter() - t0) * 1000)
+        report["prefill_ms"][f"{rows}x{prompt}"] = ms = statistics.median(times[1:])
+        print(f"{f'{rows} x {prompt} tokens':<24}{ms:>8.1f}", flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
