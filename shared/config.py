@@ -1,6 +1,8 @@
 """Configuration: one frozen dataclass per process, built at start-up from an injectable environ.
 
-Models come from a YAML or TOML file (`BATCHGATE_CONFIG`) and/or environment variables:
+Models come from a YAML or TOML file (`BATCHGATE_CONFIG`, or the same YAML inline in
+`BATCHGATE_CONFIG_YAML` where there is no file system to ship a file in, as on Lambda) and/or
+environment variables:
 - `BATCHGATE_MODELS=minilm,tiny-llama` picks which models this process serves (built-ins or names
   defined in the file);
 - `BATCHGATE_MODEL__<NAME>__<FIELD>=value` sets one field of a model (NAME upper-case, `-` as `_`),
@@ -287,14 +289,18 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {p}: {exc}") from exc
+    return parse_config(text, toml=p.suffix == ".toml", where=f"config file {p}")
+
+
+def parse_config(text: str, *, toml: bool = False, where: str = "config") -> dict[str, Any]:
     try:
-        data = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+        data = tomllib.loads(text) if toml else yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config file {p} does not parse: {exc}") from exc
+        raise ConfigError(f"{where} does not parse: {exc}") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {p}: top level must be a mapping")
+        raise ConfigError(f"{where}: top level must be a mapping")
     return data
 
 
@@ -316,15 +322,18 @@ def load_models(env: Mapping[str, str]) -> tuple[ModelSpec, ...]:
     known: dict[str, ModelSpec] = dict(BUILTIN_MODELS)
     selected: list[str] = list(DEFAULT_MODELS)
     path = env.get(ENV_PREFIX + "CONFIG")
-    if path:
-        data = read_config_file(path)
+    inline = env.get(ENV_PREFIX + "CONFIG_YAML")  # for Lambdas, which have no file to ship it in
+    if path and inline:
+        raise ConfigError(f"set {ENV_PREFIX}CONFIG or {ENV_PREFIX}CONFIG_YAML, not both")
+    if path or inline:
+        data = read_config_file(path) if path else parse_config(inline or "", where=ENV_PREFIX + "CONFIG_YAML")
         entries = data.get("models", [])
         if not isinstance(entries, list):
-            raise ConfigError("config file: `models` must be a list")
+            raise ConfigError("config: `models` must be a list")
         file_names = []
         for entry in entries:
             if not isinstance(entry, Mapping) or "name" not in entry:
-                raise ConfigError("config file: every model needs a name")
+                raise ConfigError("config: every model needs a name")
             name = str(entry["name"])
             known[name] = _spec_from(name, entry, known.get(name))
             file_names.append(name)

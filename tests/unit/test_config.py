@@ -108,3 +108,13 @@ def test_lane_share_from_a_file_and_its_bounds(tmp_path):
         with pytest.raises(ConfigError, match="max_share"):
             ModelSpec(name="m", task=Task.EMBED, source="/x",
                       lanes=(LaneSpec("a", 10), LaneSpec("b", None, max_share=bad))).validate()
+
+
+def test_models_inline_in_the_environment():
+    text = "models:\n  - name: m\n    task: embed\n    source: /x\n"
+    (spec,) = Settings.from_environ({"BATCHGATE_CONFIG_YAML": text}).models
+    assert (spec.name, spec.task, spec.source) == ("m", Task.EMBED, "/x")
+    with pytest.raises(ConfigError, match="not both"):
+        Settings.from_environ({"BATCHGATE_CONFIG_YAML": text, "BATCHGATE_CONFIG": "/etc/models.yaml"})
+    with pytest.raises(ConfigError, match="BATCHGATE_CONFIG_YAML"):
+        Settings.from_environ({"BATCHGATE_CONFIG_YAML": "models: [a: b: c"})

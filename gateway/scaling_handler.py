@@ -1,0 +1,62 @@
+"""AWS Lambda entry point for worker autoscaling, run every minute by an EventBridge schedule.
+
+It reads the backlog of every model (entries in its lane streams: waiting, plus taken by a worker and
+not yet acknowledged) and publishes it to CloudWatch as `Backlog` (namespace `batchgate`, dimension
+`Deployment`, and once more per `Model`). The workers' Auto Scaling group tracks backlog per
+in-service instance, and a step policy starts the first instance when there is a backlog and no
+worker: the case a metric published by the workers themselves could never see.
+
+No torch; the Redis client and the CloudWatch client are created once per container.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import boto3
+import redis
+
+from shared.config import Settings
+from shared.keys import Keys
+from shared.logs import configure_logging
+
+SETTINGS = Settings.from_environ()
+configure_logging(SETTINGS.log_level, "json")
+NAMESPACE = os.environ.get("BATCHGATE_METRIC_NAMESPACE", "batchgate")
+DEPLOYMENT = os.environ.get("BATCHGATE_DEPLOYMENT", SETTINGS.key_prefix)
+REDIS = redis.Redis.from_url(SETTINGS.redis_url, socket_timeout=5, socket_connect_timeout=5,
+                             retry_on_timeout=True, health_check_interval=30)
+CLOUDWATCH = boto3.client("cloudwatch", endpoint_url=os.environ.get("BATCHGATE_CLOUDWATCH_ENDPOINT") or None)
+
+
+def read_backlog(client: redis.Redis, settings: Settings) -> dict[str, int]:
+    """Entries in each model's lane streams, in one round trip (acked entries are deleted, so the
+    length is what is waiting or being worked on)."""
+    keys = Keys(settings.key_prefix)
+    pipe = client.pipeline(transaction=False)
+    lanes = [(m.name, lane) for m in settings.models for lane in m.lane_names]
+    for model, lane in lanes:
+        pipe.xlen(keys.lane_stream(model, lane))
+    counts: dict[str, int] = {m.name: 0 for m in settings.models}
+    for (model, _), n in zip(lanes, pipe.execute(), strict=True):
+        counts[model] += int(n)
+    return counts
+
+
+def metric_data(counts: Mapping[str, int], deployment: str) -> list[dict[str, Any]]:
+    """The CloudWatch datapoints: the deployment's total, then one per model."""
+    base = [{"Name": "Deployment", "Value": deployment}]
+    data = [{"MetricName": "Backlog", "Dimensions": base, "Value": float(sum(counts.values())), "Unit": "Count"}]
+    data += [{"MetricName": "Backlog", "Dimensions": [*base, {"Name": "Model", "Value": model}],
+              "Value": float(n), "Unit": "Count"} for model, n in sorted(counts.items())]
+    return data
+
+
+def handler(event: Any, context: Any) -> dict[str, Any]:
+    counts = read_backlog(REDIS, SETTINGS)
+    data = metric_data(counts, DEPLOYMENT)
+    for i in range(0, len(data), 1000):  # PutMetricData takes at most 1000 datapoints per call
+        CLOUDWATCH.put_metric_data(Namespace=NAMESPACE, MetricData=data[i:i + 1000])
+    return {"deployment": DEPLOYMENT, "backlog": counts, "total": sum(counts.values())}

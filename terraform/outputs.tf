@@ -1,0 +1,17 @@
+output "gateway_url" {
+  description = "Send requests here (POST {url}v1/models/{model}/requests with an API key)."
+  value       = aws_lambda_function_url.gateway.function_url
+}
+
+output "redis_url" {
+  description = "BATCHGATE_REDIS_URL for `batchgate keys create` and other operations inside the VPC."
+  value       = local.redis_url
+}
+
+output "worker_asg_name" {
+  value = aws_autoscaling_group.workers.name
+}
+
+output "key_prefix" {
+  value = var.name
+}

@@ -1,0 +1,156 @@
+variable "name" {
+  description = "Deployment name: prefix of every resource, the Redis key prefix and the CloudWatch dimension."
+  type        = string
+  default     = "batchgate"
+  validation {
+    condition     = can(regex("^[a-z][a-z0-9-]{1,30}$", var.name))
+    error_message = "name: 2-31 lower-case letters, digits or '-', starting with a letter."
+  }
+}
+
+variable "aws_region" {
+  type    = string
+  default = "us-east-1"
+}
+
+variable "aws_endpoint_url" {
+  description = "Tests only: send every AWS call to this endpoint (a moto server on loopback)."
+  type        = string
+  default     = null
+}
+
+variable "tags" {
+  type    = map(string)
+  default = {}
+}
+
+# --- network ---------------------------------------------------------------------------------
+
+variable "vpc_id" {
+  description = "The VPC that holds Redis, the workers and the gateway Lambda."
+  type        = string
+}
+
+variable "subnet_ids" {
+  description = "Private subnets (at least two, in different zones) for Redis, workers and the Lambdas. They need a route to the internet or VPC endpoints for pip, CloudWatch and Auto Scaling."
+  type        = list(string)
+  validation {
+    condition     = length(var.subnet_ids) >= 2
+    error_message = "Give at least two subnets in different availability zones."
+  }
+}
+
+# --- Redis (ElastiCache) ---------------------------------------------------------------------
+
+variable "redis_url" {
+  description = "An existing Redis (non-cluster, 7.0+, maxmemory-policy noeviction) to use instead of creating ElastiCache, e.g. rediss://host:6379/0. It must accept connections from the subnets."
+  type        = string
+  default     = null
+}
+
+variable "redis_node_type" {
+  type    = string
+  default = "cache.r7g.large"
+}
+
+variable "redis_replicas" {
+  description = "Read replicas beside the primary; with one or more, failover is automatic and Multi-AZ."
+  type        = number
+  default     = 1
+}
+
+variable "redis_engine_version" {
+  type    = string
+  default = "7.1"
+}
+
+# --- GPU workers -----------------------------------------------------------------------------
+
+variable "worker_ami_id" {
+  description = "An AMI with NVIDIA drivers, Python 3.11+ and the AWS CLI, e.g. the AWS Deep Learning Base GPU AMI of your region."
+  type        = string
+}
+
+variable "worker_instance_types" {
+  description = "GPU instance types the Auto Scaling group may launch (first is preferred for on-demand)."
+  type        = list(string)
+  default     = ["g5.xlarge", "g6.xlarge"]
+}
+
+variable "worker_spot" {
+  description = "Run workers on Spot: the 2-minute notice triggers the same drain as a scale-in."
+  type        = bool
+  default     = false
+}
+
+variable "worker_min" {
+  type    = number
+  default = 0
+}
+
+variable "worker_max" {
+  type    = number
+  default = 4
+}
+
+variable "worker_volume_gb" {
+  type    = number
+  default = 100
+}
+
+variable "batchgate_pip_spec" {
+  description = "What the workers pip-install: a version, a wheel URL (e.g. a presigned S3 URL) or a git URL, with the worker extra."
+  type        = string
+  default     = "batchgate[worker]==0.1.0"
+}
+
+variable "models_yaml" {
+  description = "The models file (README: Configuration) given to workers and gateway; empty: the built-in models."
+  type        = string
+  default     = ""
+}
+
+variable "drain_budget_s" {
+  description = "How long a stopping worker may finish running sequences before handing the rest back."
+  type        = number
+  default     = 90
+}
+
+variable "backlog_per_worker_target" {
+  description = "Autoscaling target: requests waiting or running per in-service worker (acceptable queue time / time per request x batch)."
+  type        = number
+  default     = 64
+}
+
+# --- gateway (Lambda) ------------------------------------------------------------------------
+
+variable "gateway_zip" {
+  description = "The gateway Lambda package built by scripts/build_lambda_zip.sh (no torch)."
+  type        = string
+}
+
+variable "gateway_memory_mb" {
+  type    = number
+  default = 512
+}
+
+variable "gateway_timeout_s" {
+  description = "Lambda timeout; sync waits (?wait=S) are capped below it."
+  type        = number
+  default     = 30
+}
+
+variable "gateway_url_auth" {
+  description = "Function URL auth: NONE (batchgate API keys do the auth) or AWS_IAM (callers sign with SigV4 as well)."
+  type        = string
+  default     = "NONE"
+  validation {
+    condition     = contains(["NONE", "AWS_IAM"], var.gateway_url_auth)
+    error_message = "gateway_url_auth is NONE or AWS_IAM."
+  }
+}
+
+variable "result_ttl_s" {
+  type    = number
+  default = 86400
+}

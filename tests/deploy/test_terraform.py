@@ -1,0 +1,173 @@
+"""The Terraform in terraform/: formatted, valid, and planned against a fake AWS API (moto, loopback).
+
+What the plan is checked for is what the deployment promises: Redis that never evicts, workers that
+drain before an instance goes, scaling on backlog per worker (and from zero), the gateway Lambda with
+auth on. `terraform apply` is not run: moto does not implement ElastiCache parameter groups.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+
+from shared.embedded_redis import free_port
+
+REPO_TF = Path(__file__).resolve().parents[2] / "terraform"
+PLUGIN_DIR = Path(os.environ.get("BATCHGATE_TF_PLUGIN_DIR", "/opt/tf-plugins"))
+MODELS_YAML = "models:\n  - name: tiny-llama\n    max_running: 32\n"
+REDIS_URL = "rediss://redis.example.internal:6379/0"
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def tf(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **AWS_ENV, "TF_IN_AUTOMATION": "1", "CHECKPOINT_DISABLE": "1"}
+    env.pop("AWS_PROFILE", None)
+    proc = subprocess.run(["terraform", *args, "-no-color"] if args[0] not in ("fmt", "show") else ["terraform", *args],
+                          cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"terraform {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("terraform") is None:
+        if os.environ.get("BATCHGATE_REQUIRE_TERRAFORM"):
+            pytest.fail("terraform is not on PATH, and BATCHGATE_REQUIRE_TERRAFORM is set (CI)")
+        pytest.skip("terraform is not installed here; CI runs these tests")
+    work = tmp_path_factory.mktemp("tf") / "terraform"
+    shutil.copytree(REPO_TF, work, ignore=shutil.ignore_patterns(".terraform*", "*.tfstate*"))
+    init = ["init", "-backend=false", "-input=false"]
+    if PLUGIN_DIR.is_dir():  # an offline provider mirror (this project's machines)
+        init.append(f"-plugin-dir={PLUGIN_DIR}")
+    tf(work, *init)
+    return work
+
+
+@pytest.fixture(scope="module")
+def fake_aws() -> Any:
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    ec2 = boto3.client("ec2", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
+                       aws_secret_access_key="testing")
+    vpc = ec2.create_vpc(CidrBlock="10.40.0.0/16")["Vpc"]["VpcId"]
+    subnets = [ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.40.{i}.0/24", AvailabilityZone=f"us-east-1{zone}")
+               ["Subnet"]["SubnetId"] for i, zone in ((1, "a"), (2, "b"))]
+    ami = ec2.describe_images()["Images"][0]["ImageId"]
+    yield {"url": url, "vpc_id": vpc, "subnet_ids": subnets, "ami": ami}
+    server.stop()
+
+
+def plan(workdir: Path, fake_aws: dict[str, Any], name: str, **overrides: Any) -> subprocess.CompletedProcess[str]:
+    zip_path = workdir / "gateway.zip"
+    shutil.make_archive(str(zip_path.with_suffix("")), "zip", REPO_TF.parent, "gateway")
+    tfvars = {"name": name, "aws_endpoint_url": fake_aws["url"], "vpc_id": fake_aws["vpc_id"],
+              "subnet_ids": fake_aws["subnet_ids"], "worker_ami_id": fake_aws["ami"], "gateway_zip": str(zip_path),
+              "models_yaml": MODELS_YAML, "drain_budget_s": 60, **overrides}
+    (workdir / f"{name}.tfvars.json").write_text(json.dumps(tfvars))
+    return tf(workdir, "plan", "-input=false", "-lock=false", f"-var-file={name}.tfvars.json", f"-out={name}.plan",
+              check=False)
+
+
+def planned_values(workdir: Path, fake_aws: dict[str, Any], name: str, **overrides: Any) -> dict[str, dict[str, Any]]:
+    proc = plan(workdir, fake_aws, name, **overrides)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    shown = json.loads(tf(workdir, "show", "-json", f"{name}.plan").stdout)
+    return {r["address"]: r["values"] for r in shown["planned_values"]["root_module"]["resources"]}
+
+
+@pytest.fixture(scope="module")
+def planned_own_redis(workdir: Path, fake_aws: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """ElastiCache created here: its endpoint (and what embeds it) is known only after apply."""
+    return planned_values(workdir, fake_aws, "bgown")
+
+
+@pytest.fixture(scope="module")
+def planned(workdir: Path, fake_aws: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """An existing Redis: every value is known at plan time."""
+    return planned_values(workdir, fake_aws, "bgtest", redis_url=REDIS_URL)
+
+
+def test_formatted_and_valid(workdir):
+    assert tf(REPO_TF, "fmt", "-check", "-recursive", check=False).returncode == 0, "run: terraform fmt -recursive"
+    tf(workdir, "validate")
+
+
+def test_redis_never_evicts_and_is_encrypted_and_replicated(planned_own_redis, planned):
+    params = planned_own_redis["aws_elasticache_parameter_group.redis[0]"]["parameter"]
+    assert {"name": "maxmemory-policy", "value": "noeviction"} in params
+    assert "aws_security_group.redis[0]" in planned_own_redis
+    assert not any("elasticache" in address for address in planned)  # an existing Redis: none created
+    group = planned_own_redis["aws_elasticache_replication_group.redis[0]"]
+    assert group["transit_encryption_enabled"] and group["at_rest_encryption_enabled"]
+    assert group["num_cache_clusters"] == 2 and group["automatic_failover_enabled"] and group["multi_az_enabled"]
+    assert group["engine"] == "redis"
+
+
+def test_workers_drain_before_their_instance_goes(planned):
+    asg = planned["aws_autoscaling_group.workers"]
+    (hook,) = asg["initial_lifecycle_hook"]
+    assert hook["lifecycle_transition"] == "autoscaling:EC2_INSTANCE_TERMINATING"
+    assert hook["heartbeat_timeout"] == 60 + 60 and hook["default_result"] == "CONTINUE"
+    assert "GroupInServiceInstances" in asg["enabled_metrics"]
+    lt = planned["aws_launch_template.worker"]
+    assert lt["metadata_options"][0]["http_tokens"] == "required"
+    script = base64.b64decode(lt["user_data"]).decode()
+    assert "ExecStart=/opt/batchgate/bin/batchgate worker" in script
+    assert "KillSignal=SIGTERM" in script and "TimeoutStopSec=90" in script
+    assert "BATCHGATE_DRAIN_BUDGET_S=60" in script and "BATCHGATE_KEY_PREFIX=bgtest" in script
+    assert f"BATCHGATE_REDIS_URL={REDIS_URL}" in script
+    assert "BATCHGATE_CONFIG=/etc/batchgate/models.yaml" in script and MODELS_YAML in script
+    assert "complete-lifecycle-action" in script and "spot/instance-action" in script
+    assert "--auto-scaling-group-name 'bgtest-workers'" in script
+    syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+
+
+def test_scaling_on_backlog_per_worker_and_from_zero(planned):
+    policy = planned["aws_autoscaling_policy.backlog_per_worker"]["target_tracking_configuration"][0]
+    assert policy["target_value"] == 64
+    metrics = {m["id"]: m for m in policy["customized_metric_specification"][0]["metrics"]}
+    assert metrics["per_worker"]["expression"] == "backlog / IF(workers > 0, workers, 1)"
+    backlog = metrics["backlog"]["metric_stat"][0]["metric"][0]
+    assert (backlog["namespace"], backlog["metric_name"]) == ("batchgate", "Backlog")
+    assert backlog["dimensions"] == [{"name": "Deployment", "value": "bgtest"}]
+    alarm = planned["aws_cloudwatch_metric_alarm.backlog_without_workers"]
+    assert any(q.get("expression") == "IF(backlog > 0 AND workers == 0, 1, 0)" for q in alarm["metric_query"])
+    first = planned["aws_autoscaling_policy.first_worker"]
+    assert (first["adjustment_type"], first["scaling_adjustment"]) == ("ExactCapacity", 1)
+    scaler = planned["aws_lambda_function.scaler"]
+    assert scaler["handler"] == "gateway.scaling_handler.handler"
+    assert scaler["environment"][0]["variables"]["BATCHGATE_DEPLOYMENT"] == "bgtest"
+    assert planned["aws_cloudwatch_event_rule.scaler"]["schedule_expression"] == "rate(1 minute)"
+
+
+def test_gateway_lambda_with_auth_and_the_models_inline(planned):
+    gw = planned["aws_lambda_function.gateway"]
+    assert gw["handler"] == "gateway.lambda_handler.http_handler" and gw["runtime"] == "python3.11"
+    env = gw["environment"][0]["variables"]
+    assert env["BATCHGATE_AUTH"] == "on" and env["BATCHGATE_CONFIG_YAML"] == MODELS_YAML
+    assert env["BATCHGATE_KEY_PREFIX"] == "bgtest" and int(env["BATCHGATE_MAX_WAIT_S"]) < gw["timeout"]
+    assert env["BATCHGATE_REDIS_URL"] == REDIS_URL
+    assert gw["vpc_config"][0]["subnet_ids"]
+    assert planned["aws_lambda_function_url.gateway"]["authorization_type"] == "NONE"
+    # the handler modules named in the plan exist in the package
+    for handler in (gw["handler"], planned["aws_lambda_function.scaler"]["handler"]):
+        module = handler.rsplit(".", 1)[0]
+        assert (REPO_TF.parent / (module.replace(".", "/") + ".py")).is_file()
+
+
+def test_bad_variables_are_refused_with_a_message(workdir, fake_aws):
+    proc = plan(workdir, fake_aws, "bgbad", subnet_ids=fake_aws["subnet_ids"][:1])
+    assert proc.returncode != 0 and "at least two subnets" in proc.stderr + proc.stdout
