@@ -350,7 +350,7 @@ class ModelLoop:
         if dt < METRICS_INTERVAL_S and self.snapshot.at:
             return
         self._last_metrics = now
-        self.tracker.tick(dt)
+        self.tracker.tick(dt, busy=bool(self._running) or len(self.scheduler) > 0)
         running_lanes = Counter(p.lane for p in self._running.values())
         rows = max(1, len(self._running))
         self.scheduler.service = self.tracker.service_model(rows)

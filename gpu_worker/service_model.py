@@ -76,9 +76,14 @@ class ServiceTracker:
     def observe_completion(self, lane: str) -> None:
         self.counters.setdefault(lane, LaneCounters()).completed += 1
 
-    def tick(self, dt: float) -> None:
-        """Fold the completions of the last `dt` seconds into each lane's rate."""
+    def tick(self, dt: float, busy: bool = True) -> None:
+        """Fold the completions of the last `dt` seconds into each lane's rate. An idle interval (nothing
+        running or waiting, nothing completed) leaves the rates as they were: they say how fast the
+        worker drains a queue, and decaying them to zero while it has none would make the first burst
+        after a quiet spell look like minutes of queue to admission control."""
         if dt <= 0:
+            return
+        if not busy and not any(c.completed for c in self.counters.values()):
             return
         for c in self.counters.values():
             c.rate += self.rate_alpha * (c.completed / dt - c.rate)

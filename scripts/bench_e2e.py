@@ -1,8 +1,12 @@
 """End-to-end benchmark: the whole stack (gateway over HTTP, Redis, one worker with the engine
 benchmark's model) under open-loop Poisson arrivals of a mixed workload, in three configurations
-in one run: lanes on; lanes off (one stream, FIFO); batching off (max batch 1). A fourth run,
+in one run: lanes on; lanes off (one stream, FIFO); batching off (max batch 1). A fourth,
 `short_alone`, offers only the short requests (same arrival times): their latency with nothing else
 to compute, a practical floor for what any scheduling of the mixed load can give them.
+
+Lanes on, lanes off and short-alone run side by side: all their stacks are up at once, and the
+arrival sequence is cut into --rounds parts that each configuration takes in turn (rotating the
+order), so a slow spell of this shared VM lands on all of them. Batching off runs last, on its own.
 
 Workload: 70% short (prompt <= 64, output <= 32), 30% long (prompt 256, output 128), at --load of
 the capacity measured first (all requests at once through the lanes-on stack).
@@ -14,9 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +40,10 @@ CONFIGS = {
 SHORT_ONLY = {"short_alone"}
 
 
+INTERLEAVED = ("lanes_on", "lanes_off", "short_alone")  # run side by side in rounds (see main)
+STACK_OF = {"short_alone": "lanes_on"}  # the short requests alone run on the lanes-on stack
+
+
 def measure_capacity(url: str, n: int, seed: int) -> float:
     jobs = bl.mix(n, seed + 7)
     for j in jobs:
@@ -42,41 +53,110 @@ def measure_capacity(url: str, n: int, seed: int) -> float:
     return done / wall
 
 
-def run_config(name: str, args: argparse.Namespace, rate: float | None) -> tuple[dict[str, Any], float | None]:
+def stack_for(name: str, args: argparse.Namespace) -> contextlib.AbstractContextManager[bl.Stack]:
     spec = dict(CONFIGS[name])
     spec.setdefault("max_running", args.max_running)
-    cfg = bl.model_config(**spec, max_batch_tokens=args.max_batch_tokens)
-    with bl.stack(cfg, args.redis_url) as st:
-        warm = bl.mix(8, 99)
-        asyncio.run(bl.drive(st.url, warm))  # first-call paths, cache allocation
-        capacity = None
-        if rate is None:
-            capacity = measure_capacity(st.url, args.capacity_requests, args.seed)
-            rate = args.load * capacity
-            print(f"capacity ({name}, all at once): {capacity:.2f} req/s -> offered {rate:.2f} req/s", flush=True)
-        jobs = bl.mix(args.requests, args.seed)
-        for j in jobs:
-            j.timeout_s = args.timeout
-        bl.poisson(jobs, rate, args.seed)
-        span = jobs[-1].at
-        if name in SHORT_ONLY:
-            jobs = [j for j in jobs if j.cls == "short"]
-        expired0 = bl.scrape(st.worker_metrics, "batchgate_expired_before_compute_total")
+    return bl.stack(bl.model_config(**spec, max_batch_tokens=args.max_batch_tokens), args.redis_url)
+
+
+def workload(args: argparse.Namespace, rate: float) -> list[bl.Job]:
+    jobs = bl.mix(args.requests, args.seed)
+    for j in jobs:
+        j.timeout_s = args.timeout
+    bl.poisson(jobs, rate, args.seed)
+    return jobs
+
+
+def split(jobs: list[bl.Job], rounds: int) -> list[tuple[list[bl.Job], float]]:
+    """Consecutive parts of the arrival sequence, each starting at t=0, with the time it spans."""
+    size = -(-len(jobs) // rounds)
+    parts = []
+    for i in range(0, len(jobs), size):
+        part = jobs[i:i + size]
+        t0 = part[0].at if i else 0.0
+        end = jobs[i + size].at if i + size < len(jobs) else part[-1].at
+        parts.append(([dataclasses.replace(j, at=j.at - t0) for j in part], end - t0))
+    return parts
+
+
+@dataclass
+class Collected:
+    outs: list[bl.Outcome] = field(default_factory=list)
+    span_s: float = 0.0
+    wall_s: float = 0.0
+    expired_without_compute: float = 0.0
+    compute_on_expired: float = 0.0
+
+    def run(self, st: bl.Stack, jobs: list[bl.Job], span_s: float) -> None:
+        before = [bl.scrape(st.worker_metrics, m) for m in METRICS]
         t0 = time.perf_counter()
         outs, _ = asyncio.run(bl.drive(st.url, jobs))
-        wall = time.perf_counter() - t0
-        summary = bl.summarise(outs, span)
-        summary["offered_rps"] = rate
-        summary["wall_s"] = wall
-        summary["expired_without_compute"] = bl.scrape(st.worker_metrics,
-                                                       "batchgate_expired_before_compute_total") - expired0
-        summary["compute_on_expired"] = bl.scrape(st.worker_metrics, "batchgate_compute_on_expired_total")
+        self.wall_s += time.perf_counter() - t0
+        after = [bl.scrape(st.worker_metrics, m) for m in METRICS]
+        self.outs += outs
+        self.span_s += span_s
+        self.expired_without_compute += after[0] - before[0]
+        self.compute_on_expired += after[1] - before[1]
+
+    def summary(self, rate: float) -> dict[str, Any]:
+        summary = bl.summarise(self.outs, self.span_s)
         short, all_ = summary["classes"].get("short", {}), summary["classes"]["all"]
-        summary.update({"short_p99_ms": short.get("latency_p99_ms"), "short_ttft_p99_ms": short.get("ttft_p99_ms"),
-                        "goodput_rps": all_["goodput_rps"], "throughput_rps": all_["throughput_rps"]})
-        summary["_latencies"] = {cls: sorted(o.latency_ms for o in outs if o.job.cls == cls and o.status == "succeeded")
-                                 for cls in ("short", "long")}
-        return summary, capacity
+        summary.update({
+            "offered_rps": rate, "wall_s": self.wall_s, "expired_without_compute": self.expired_without_compute,
+            "compute_on_expired": self.compute_on_expired, "short_p99_ms": short.get("latency_p99_ms"),
+            "short_ttft_p99_ms": short.get("ttft_p99_ms"), "goodput_rps": all_["goodput_rps"],
+            "throughput_rps": all_["throughput_rps"],
+            "_latencies": {cls: sorted(o.latency_ms for o in self.outs if o.job.cls == cls and o.status == "succeeded")
+                           for cls in ("short", "long")},
+        })
+        return summary
+
+
+METRICS = ("batchgate_expired_before_compute_total", "batchgate_compute_on_expired_total")
+
+
+def run_interleaved(names: list[str], args: argparse.Namespace, report: dict[str, Any]) -> float:
+    """The compared configurations side by side: every stack up at once (idle ones cost next to
+    nothing), the arrival sequence cut into --rounds parts, each part offered to every configuration
+    in turn (the order rotating each round). A VM that slows down for a while then slows all of them,
+    not whichever happened to run at that moment. Returns the offered rate."""
+    rate: float | None = args.rate
+    with contextlib.ExitStack() as stacks:
+        running: dict[str, bl.Stack] = {}
+        for name in names:
+            key = STACK_OF.get(name, name)
+            if key not in running:
+                running[key] = stacks.enter_context(stack_for(key, args))
+                asyncio.run(bl.drive(running[key].url, bl.mix(8, 99)))  # first-call paths, cache allocation
+        if rate is None:
+            first = STACK_OF.get(names[0], names[0])
+            capacity = measure_capacity(running[first].url, args.capacity_requests, args.seed)
+            rate = args.load * capacity
+            report["capacity_rps"] = capacity
+            print(f"capacity ({first}, all at once): {capacity:.2f} req/s -> offered {rate:.2f} req/s", flush=True)
+        collected = {name: Collected() for name in names}
+        parts = split(workload(args, rate), args.rounds)
+        for r, (part, span) in enumerate(parts):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                jobs = [j for j in part if j.cls == "short"] if name in SHORT_ONLY else part
+                collected[name].run(running[STACK_OF.get(name, name)], jobs, span)
+            print(f"round {r + 1}/{len(parts)} done ({len(part)} requests each, order {', '.join(order)})", flush=True)
+    for name in names:
+        report[name] = collected[name].summary(rate)
+        print_config(name, report[name])
+    return rate
+
+
+def run_alone(name: str, args: argparse.Namespace, rate: float) -> dict[str, Any]:
+    """A configuration on its own stack, the whole sequence in one go (batching off: it falls so far
+    behind that interleaving it would only stretch the run)."""
+    with stack_for(name, args) as st:
+        asyncio.run(bl.drive(st.url, bl.mix(8, 99)))
+        jobs = workload(args, rate)
+        collected = Collected()
+        collected.run(st, jobs, jobs[-1].at)
+    return collected.summary(rate)
 
 
 def plot(report: dict[str, Any], path: str) -> None:
@@ -118,24 +198,27 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=1024)
     ap.add_argument("--max-running", type=int, default=64, help="rows of the running batch (the KV budget)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--configs", default="lanes_on,lanes_off,batch1,short_alone")
+    ap.add_argument("--configs", default="lanes_on,lanes_off,short_alone,batch1")
+    ap.add_argument("--rounds", type=int, default=3, help="parts the side-by-side configurations take turns on")
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args()
-    report: dict[str, Any] = {"requests": args.requests, "load": args.load, "timeout_s": args.timeout}
-    rate = args.rate
-    if rate is not None:
-        report["offered_rps"] = rate
-    for name in [c for c in args.configs.split(",") if c]:
+    report: dict[str, Any] = {"requests": args.requests, "load": args.load, "timeout_s": args.timeout,
+                              "rounds": args.rounds}
+    names = [c for c in args.configs.split(",") if c]
+    unknown = set(names) - set(CONFIGS)
+    if unknown:
+        ap.error(f"unknown configs {sorted(unknown)}; known: {sorted(CONFIGS)}")
+    side_by_side = [n for n in names if n in INTERLEAVED]
+    rate = run_interleaved(side_by_side, args, report) if side_by_side else args.rate
+    if rate is None:
+        ap.error("give --rate when no side-by-side configuration measures the capacity")
+    report["offered_rps"] = rate
+    for name in [n for n in names if n not in INTERLEAVED]:
         print(f"--- {name}", flush=True)
-        summary, capacity = run_config(name, args, rate)
-        if capacity is not None:
-            report["capacity_rps"] = capacity
-            rate = args.load * capacity
-            report["offered_rps"] = rate
-        report[name] = summary
-        print_config(name, summary)
+        report[name] = run_alone(name, args, rate)
+        print_config(name, report[name])
     if "lanes_on" in report and "lanes_off" in report and report["lanes_on"]["short_p99_ms"]:
         report["short_p99_ratio_on_vs_off"] = report["lanes_on"]["short_p99_ms"] / report["lanes_off"]["short_p99_ms"]
         print(f"\nshort-lane p99, lanes on / lanes off: {report['short_p99_ratio_on_vs_off']:.3f} (target <= 0.333)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -27,3 +28,24 @@ def test_engine_benchmark_smoke(tmp_path, model_cache):
         assert report[key] > 0
     assert report["outputs_match_reference"] is True
     assert "ratio_vs_hf_continuous" in proc.stdout  # the human table
+
+
+@pytest.mark.redis
+def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
+    out = tmp_path / "e2e.json"
+    env = {**os.environ, "BATCHGATE_MODEL_CACHE": str(model_cache)}
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_e2e.py", "--requests", "12", "--rounds", "2", "--capacity-requests", "6",
+         "--redis-url", redis_url, "--json", str(out), "--plot", str(tmp_path / "cdf.png")],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for name in ("lanes_on", "lanes_off", "batch1", "short_alone"):
+        for key in ("short_p99_ms", "goodput_rps", "throughput_rps"):
+            assert report[name][key] is not None, (name, key)
+    assert report["lanes_on"]["classes"]["all"]["requests"] == 12  # both rounds, pooled
+    assert report["short_alone"]["classes"]["all"]["requests"] == report["lanes_on"]["classes"]["short"]["requests"]
+    assert report["short_p99_ratio_on_vs_off"] > 0 and report["short_p99_floor_ratio"] > 0
+    assert report["rounds"] == 2 and (tmp_path / "cdf.png").stat().st_size > 0
+    assert "round 2/2" in proc.stdout

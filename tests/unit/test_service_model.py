@@ -64,3 +64,19 @@ def test_tracker_rates_and_service_model():
 def test_lane_wait(kw, ms):
     base = dict(window_s=0.005, drain_rps=0.0, max_rows=8, mean_service_s=2.0)
     assert lane_wait_ms(**{**base, **kw}) == pytest.approx(ms)
+
+
+def test_an_idle_worker_keeps_its_drain_rate():
+    t = ServiceTracker(("short",))
+    for _ in range(20):
+        for _ in range(5):
+            t.observe_completion("short")
+        t.tick(1.0)
+    busy_rate = t.counters["short"].rate
+    assert busy_rate == pytest.approx(5.0, rel=0.01)
+    for _ in range(60):  # a quiet minute: nothing running, nothing waiting
+        t.tick(1.0, busy=False)
+    assert t.counters["short"].rate == busy_rate
+    for _ in range(30):  # busy but finishing nothing (a long generation): the rate does fall
+        t.tick(1.0, busy=True)
+    assert t.counters["short"].rate < 0.01
