@@ -36,11 +36,11 @@ def read_backlog(client: redis.Redis, settings: Settings) -> dict[str, int]:
     length is what is waiting or being worked on)."""
     keys = Keys(settings.key_prefix)
     pipe = client.pipeline(transaction=False)
-    lanes = [(m.name, lane) for m in settings.models for lane in m.lane_names]
-    for model, lane in lanes:
-        pipe.xlen(keys.lane_stream(model, lane))
+    streams = [(m.name, s) for m in settings.models for s in keys.lane_streams(m.name, m.lane_names)]
+    for _, stream in streams:
+        pipe.xlen(stream)
     counts: dict[str, int] = {m.name: 0 for m in settings.models}
-    for (model, _), n in zip(lanes, pipe.execute(), strict=True):
+    for (model, _), n in zip(streams, pipe.execute(), strict=True):
         counts[model] += int(n)
     return counts
 

@@ -120,8 +120,6 @@ class ModelLoop:
         self._running: dict[str, Pending] = {}  # started, not finished
         self.tracker = ServiceTracker(tuple(scheduler.queues))
         self.max_rows = runner.free_rows
-        if scheduler.total_rows is None and runner.keeps_rows:  # an encoder's batch ends with its iteration
-            scheduler.total_rows = self.max_rows
         self.snapshot = Snapshot()
         self.stopped = False
         self.crashed: BaseException | None = None
@@ -171,8 +169,10 @@ class ModelLoop:
         draining = self._drain_until is not None
         preemptible = [p for p in self._running.values() if p.rank > 0]
         holding = draining or now < self._gate_retry_at  # Redis could not confirm the last batch: hold off
-        plan = self.scheduler.plan(now, 0 if holding else self.runner.free_rows, 0 if holding else len(preemptible),
-                                   Counter(p.lane for p in self._running.values()))
+        free = 0 if holding else self.runner.free_rows
+        # rows per lane only matter to lanes with a share, and only when there is a row to give
+        running = Counter(p.lane for p in self._running.values()) if free and self.scheduler.shares_apply else None
+        plan = self.scheduler.plan(now, free, 0 if holding else len(preemptible), running)
         out.extend(expired_outcome(p.payload[0], self._worker, now,
                                    "or became unreachable (its estimated compute would end after it) while queued")
                    for p in plan.expired)

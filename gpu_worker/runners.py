@@ -39,8 +39,6 @@ class Outcome:
 
 
 class Runner(Protocol):
-    keeps_rows: bool  # rows stay taken across iterations (a running batch), so lane shares apply
-
     @property
     def busy(self) -> bool: ...
 
@@ -110,8 +108,6 @@ def failed_outcome(req: InferenceRequest, worker: str, now: float, code: str, me
 
 
 class EmbedRunner:
-    keeps_rows = False
-
     def __init__(self, loaded: LoadedModel, worker: str, clock: Callable[[], float] = time.time,
                  faults: Faults | None = None) -> None:
         self.loaded = loaded
@@ -248,8 +244,6 @@ def size_engine(loaded: LoadedModel) -> tuple[int, int]:
 
 
 class GenerateRunner:
-    keeps_rows = True
-
     def __init__(self, loaded: LoadedModel, worker: str, *, max_rows: int, max_seq_len: int,
                  clock: Callable[[], float] = time.time, faults: Faults | None = None) -> None:
         self.loaded = loaded

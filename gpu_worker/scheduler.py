@@ -215,6 +215,11 @@ class Scheduler:
             return head.rank, 0, latest
         return head.rank, 1, -self.aging * (now - oldest) / max(queue.policy.window_s, 1e-3)
 
+    @property
+    def shares_apply(self) -> bool:
+        """Whether some lane is held to a share of the rows (then `plan` needs rows running per lane)."""
+        return bool(self.total_rows) and any(q.policy.max_share < 1.0 for q in self.queues.values())
+
     def lane_rows(self, queue: LaneQueue, free_rows: int, running: Mapping[str, int]) -> int:
         """Rows this lane may take now: the free rows, within its share of the running batch."""
         share = queue.policy.max_share
@@ -238,8 +243,9 @@ class Scheduler:
             return plan
         ready: list[LaneQueue] = []
         wake: list[float] = []
+        rows = {name: self.lane_rows(q, free_rows, running) for name, q in self.queues.items() if len(q)}
         for queue in self.queues.values():
-            if len(queue) and self.lane_rows(queue, free_rows, running) > 0:  # a lane at its share waits
+            if rows.get(queue.policy.name, 0) > 0:  # a lane at its share waits, like an empty one
                 at = self.ready_at(queue, now)
                 if at <= now:
                     ready.append(queue)
@@ -250,7 +256,7 @@ class Scheduler:
             return plan
         lane = min(ready, key=lambda q: self.urgency(q, now))
         plan.lane = lane.policy.name
-        plan.batch = self._take(lane, self.lane_rows(lane, free_rows, running))
+        plan.batch = self._take(lane, rows[lane.policy.name])
         return plan
 
     def _urgent_interactive_rows(self, now: float) -> int:

@@ -57,9 +57,12 @@ def build_runner(loaded: Any, worker: str, faults: Faults) -> Runner:
     return GenerateRunner(loaded, worker, max_rows=rows, max_seq_len=max_seq_len, faults=faults)
 
 
-def build_scheduler(spec: ModelSpec) -> Scheduler:
+def build_scheduler(spec: ModelSpec, runner: Runner) -> Scheduler:
+    # lane shares are of a running batch's rows; an encoder's batch ends with its forward, so it has none
+    rows = runner.free_rows if spec.task is Task.GENERATE else None
     return Scheduler([LanePolicy(lane.name, lane.window_ms / 1000, lane.max_share) for lane in spec.lanes],
-                     BatchLimits(spec.max_batch_size, spec.max_batch_tokens), deadline_aware=spec.deadline_aware)
+                     BatchLimits(spec.max_batch_size, spec.max_batch_tokens), deadline_aware=spec.deadline_aware,
+                     total_rows=rows)
 
 
 def lane_stats(spec: ModelSpec, worker: str, snap: Snapshot) -> LaneStats:
@@ -188,7 +191,7 @@ class Worker:
                 loaded = await asyncio.to_thread(models.load, spec, self.settings.model_cache_dir)
             runner = build_runner(loaded, self.name, self.faults)
             await asyncio.to_thread(runner.warm_up)
-            self.loops[spec.name] = ModelLoop(spec.name, runner, build_scheduler(spec), gate=self._gate,
+            self.loops[spec.name] = ModelLoop(spec.name, runner, build_scheduler(spec, runner), gate=self._gate,
                                               emit=self._emit, on_crash=self._on_crash, worker=self.name,
                                               faults=self.faults)
 

@@ -53,6 +53,10 @@ def measure_capacity(url: str, n: int, seed: int) -> float:
     return done / wall
 
 
+def warm(st: bl.Stack) -> None:
+    asyncio.run(bl.drive(st.url, bl.mix(8, 99)))  # first-call paths, cache allocation
+
+
 def stack_for(name: str, args: argparse.Namespace) -> contextlib.AbstractContextManager[bl.Stack]:
     spec = dict(CONFIGS[name])
     spec.setdefault("max_running", args.max_running)
@@ -127,7 +131,7 @@ def run_interleaved(names: list[str], args: argparse.Namespace, report: dict[str
             key = STACK_OF.get(name, name)
             if key not in running:
                 running[key] = stacks.enter_context(stack_for(key, args))
-                asyncio.run(bl.drive(running[key].url, bl.mix(8, 99)))  # first-call paths, cache allocation
+                warm(running[key])
         if rate is None:
             first = STACK_OF.get(names[0], names[0])
             capacity = measure_capacity(running[first].url, args.capacity_requests, args.seed)
@@ -152,7 +156,7 @@ def run_alone(name: str, args: argparse.Namespace, rate: float) -> dict[str, Any
     """A configuration on its own stack, the whole sequence in one go (batching off: it falls so far
     behind that interleaving it would only stretch the run)."""
     with stack_for(name, args) as st:
-        asyncio.run(bl.drive(st.url, bl.mix(8, 99)))
+        warm(st)
         jobs = workload(args, rate)
         collected = Collected()
         collected.run(st, jobs, jobs[-1].at)

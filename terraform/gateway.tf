@@ -1,16 +1,18 @@
-data "aws_iam_policy_document" "lambda_assume" {
+# who may assume the workers' and the Lambdas' roles
+data "aws_iam_policy_document" "assume" {
+  for_each = toset(["ec2", "lambda"])
   statement {
     actions = ["sts:AssumeRole"]
     principals {
       type        = "Service"
-      identifiers = ["lambda.amazonaws.com"]
+      identifiers = ["${each.key}.amazonaws.com"]
     }
   }
 }
 
 resource "aws_iam_role" "lambda" {
   name               = "${var.name}-lambda"
-  assume_role_policy = data.aws_iam_policy_document.lambda_assume.json
+  assume_role_policy = data.aws_iam_policy_document.assume["lambda"].json
 }
 
 resource "aws_iam_role_policy_attachment" "lambda_vpc" {
@@ -49,7 +51,7 @@ resource "aws_lambda_function" "gateway" {
   timeout          = var.gateway_timeout_s
   vpc_config {
     subnet_ids         = var.subnet_ids
-    security_group_ids = [aws_security_group.lambdas.id]
+    security_group_ids = [aws_security_group.outbound_only["lambdas"].id]
   }
   environment {
     variables = merge(local.lambda_env, {

@@ -14,21 +14,13 @@ locals {
 
 # --- security groups: Redis takes connections from the workers and the Lambdas only ------------
 
-resource "aws_security_group" "workers" {
-  name        = "${var.name}-workers"
-  description = "batchgate GPU workers (outbound only)"
-  vpc_id      = var.vpc_id
-  egress {
-    from_port   = 0
-    to_port     = 0
-    protocol    = "-1"
-    cidr_blocks = ["0.0.0.0/0"]
+resource "aws_security_group" "outbound_only" {
+  for_each = {
+    workers = "batchgate GPU workers (outbound only)"
+    lambdas = "batchgate gateway and scaler Lambdas (outbound only)"
   }
-}
-
-resource "aws_security_group" "lambdas" {
-  name        = "${var.name}-lambdas"
-  description = "batchgate gateway and scaler Lambdas (outbound only)"
+  name        = "${var.name}-${each.key}"
+  description = each.value
   vpc_id      = var.vpc_id
   egress {
     from_port   = 0
@@ -48,6 +40,6 @@ resource "aws_security_group" "redis" {
     from_port       = 6379
     to_port         = 6379
     protocol        = "tcp"
-    security_groups = [aws_security_group.workers.id, aws_security_group.lambdas.id]
+    security_groups = [for sg in aws_security_group.outbound_only : sg.id]
   }
 }

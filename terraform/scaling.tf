@@ -13,7 +13,7 @@ resource "aws_lambda_function" "scaler" {
   timeout          = 30
   vpc_config {
     subnet_ids         = var.subnet_ids
-    security_group_ids = [aws_security_group.lambdas.id]
+    security_group_ids = [aws_security_group.outbound_only["lambdas"].id]
   }
   environment {
     variables = merge(local.lambda_env, { BATCHGATE_DEPLOYMENT = var.name })

@@ -3,19 +3,9 @@ locals {
   hook_name = "${var.name}-drain"
 }
 
-data "aws_iam_policy_document" "ec2_assume" {
-  statement {
-    actions = ["sts:AssumeRole"]
-    principals {
-      type        = "Service"
-      identifiers = ["ec2.amazonaws.com"]
-    }
-  }
-}
-
 resource "aws_iam_role" "worker" {
   name               = "${var.name}-worker"
-  assume_role_policy = data.aws_iam_policy_document.ec2_assume.json
+  assume_role_policy = data.aws_iam_policy_document.assume["ec2"].json
 }
 
 data "aws_iam_policy_document" "worker" {
@@ -40,7 +30,7 @@ resource "aws_iam_instance_profile" "worker" {
 resource "aws_launch_template" "worker" {
   name_prefix            = "${var.name}-worker-"
   image_id               = var.worker_ami_id
-  vpc_security_group_ids = [aws_security_group.workers.id]
+  vpc_security_group_ids = [aws_security_group.outbound_only["workers"].id]
   update_default_version = true
   iam_instance_profile {
     arn = aws_iam_instance_profile.worker.arn

@@ -30,8 +30,6 @@ class Row:
 class FakeRunner:
     """Generates `max_new_tokens` tokens, one per step; each step costs STEP_S of fake time."""
 
-    keeps_rows = True
-
     def __init__(self, clock: Clock, rows: int) -> None:
         self.clock = clock
         self.rows: dict[str, Row] = {}
