@@ -141,7 +141,10 @@ class Cluster:
 
         async def one(rid: str) -> None:
             while time.monotonic() < end:
-                r = await self.client.get(f"/v1/requests/{rid}", params={"wait": min(10, end - time.monotonic())})
+                try:
+                    r = await self.client.get(f"/v1/requests/{rid}", params={"wait": min(10, end - time.monotonic())})
+                except httpx.TransportError:  # a pooled keep-alive connection the server had just closed
+                    continue  # a read is idempotent: ask again, as any client would
                 if r.status_code == 200 and r.json()["status"] in ("succeeded", "failed", "expired", "cancelled"):
                     final[rid] = r.json()
                     return
