@@ -49,6 +49,13 @@ class Add:
 
 
 @dataclass(slots=True)
+class Adopt:
+    """Requests another engine of the same model read and prepared, whose real lane is one of this engine's."""
+
+    items: list[Pending]
+
+
+@dataclass(slots=True)
 class Cancel:
     ids: set[str]
 
@@ -103,8 +110,13 @@ class ModelLoop:
                  gate: Callable[[list[InferenceRequest]], list[bool] | None],
                  emit: Callable[[list[Emitted]], None], on_crash: Callable[[], None] = lambda: None,
                  clock: Callable[[], float] = time.time, worker: str = "", idle_wait_s: float = IDLE_WAIT_S,
-                 faults: Faults | None = None) -> None:
-        self.name = name
+                 faults: Faults | None = None, engine: str = "main",
+                 hand_over: Callable[[list[Pending]], None] | None = None,
+                 bind_thread: Callable[[], str] | None = None) -> None:
+        self.name = name  # the model (metrics and logs are labelled by it)
+        self.engine = engine
+        self._hand_over = hand_over  # to the engine of a lane this one does not serve
+        self._bind_thread = bind_thread
         self.runner = runner
         self.scheduler = scheduler
         self._gate = gate
@@ -114,7 +126,7 @@ class ModelLoop:
         self._worker = worker
         self._idle_wait_s = idle_wait_s
         self._faults = faults or Faults()
-        self._inbox: queue.SimpleQueue[Add | Cancel | Drain] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Add | Adopt | Cancel | Drain] = queue.SimpleQueue()
         self._drain_until: float | None = None
         self._thread: threading.Thread | None = None
         self._running: dict[str, Pending] = {}  # started, not finished
@@ -130,11 +142,14 @@ class ModelLoop:
         self._gate_retry_at = 0.0
 
     # --- called from the asyncio side ----------------------------------------------------------
-    def submit(self, cmd: Add | Cancel | Drain) -> None:
+    def submit(self, cmd: Add | Adopt | Cancel | Drain) -> None:
         self._inbox.put(cmd)
 
+    def emit(self, items: list[Emitted]) -> None:
+        self._emit(items)
+
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"model-loop-{self.name}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"model-loop-{self.name}-{self.engine}", daemon=True)
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> bool:
@@ -151,6 +166,9 @@ class ModelLoop:
     # --- the loop ------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self._bind_thread is not None:
+                log.info("compute loop started", model=self.name, engine=self.engine, lanes=list(self.scheduler.queues),
+                         rows=self.max_rows, thread=self._bind_thread())
             while not self.stopped:
                 self._iterate()
         except BaseException as exc:  # the worker notices and exits non-zero; entries get reclaimed
@@ -301,22 +319,12 @@ class ModelLoop:
             except queue.Empty:
                 return
 
-    def _apply(self, cmd: Add | Cancel | Drain) -> None:
+    def _apply(self, cmd: Add | Adopt | Cancel | Drain) -> None:
         if isinstance(cmd, Add):
-            out: list[Emitted] = []
-            for req in cmd.requests:
-                try:
-                    item = self.runner.prepare(req, cmd.arrived)
-                except Exception as exc:  # an entry no validation of ours produced (another producer, schema)
-                    log.warning("request could not be prepared", request_id=req.id, error=repr(exc))
-                    item = failed_outcome(req, self._worker, self._clock(), "invalid_input",
-                                          f"the request could not be prepared: {type(exc).__name__}: {exc}")
-                if isinstance(item, Pending):
-                    self.scheduler.add(item)
-                else:
-                    out.append(item)
-            if out:
-                self._emit(out)
+            self._add(cmd)
+        elif isinstance(cmd, Adopt):
+            for item in cmd.items:
+                self.scheduler.add(item)
         elif isinstance(cmd, Cancel):
             acks: list[Emitted] = []
             for rid in cmd.ids:
@@ -334,6 +342,27 @@ class ModelLoop:
             waiting = [p.payload[0] for p in self.scheduler.drain()]
             if waiting:  # queued work goes back at once; only running rows use the drain budget
                 self._emit([HandBack(waiting)])
+
+    def _add(self, cmd: Add) -> None:
+        out: list[Emitted] = []
+        elsewhere: list[Pending] = []
+        for req in cmd.requests:
+            try:
+                item = self.runner.prepare(req, cmd.arrived)
+            except Exception as exc:  # an entry no validation of ours produced (another producer, schema)
+                log.warning("request could not be prepared", request_id=req.id, error=repr(exc))
+                item = failed_outcome(req, self._worker, self._clock(), "invalid_input",
+                                      f"the request could not be prepared: {type(exc).__name__}: {exc}")
+            if not isinstance(item, Pending):
+                out.append(item)
+            elif item.lane in self.scheduler.queues or self._hand_over is None:
+                self.scheduler.add(item)
+            else:  # the real tokenizer put it in a lane another engine serves
+                elsewhere.append(item)
+        if out:
+            self._emit(out)
+        if elsewhere and self._hand_over is not None:
+            self._hand_over(elsewhere)
 
     def _hand_back(self) -> None:
         waiting = [p.payload[0] for p in self.scheduler.drain()]

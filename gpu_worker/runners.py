@@ -9,8 +9,9 @@ A failing batch is retried one request at a time, so one bad request fails alone
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,9 +22,10 @@ from gpu_worker.engine import EngineStats, GenerationEngine, GenResult, GenSpec
 from gpu_worker.models import LoadedModel
 from gpu_worker.sampling import SamplingParams
 from gpu_worker.scheduler import Pending
+from shared.config import ModelSpec
 from shared.errors import ConfigError
 from shared.faults import Faults
-from shared.lanes import assign_lane
+from shared.lanes import LaneSpec, assign_lane
 from shared.messages import ErrorInfo, InferenceRequest, RequestResult
 from shared.params import EmbedParams, GenerateParams
 from shared.states import FinishReason, Priority, Status
@@ -41,6 +43,9 @@ class Outcome:
 class Runner(Protocol):
     @property
     def busy(self) -> bool: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
     @property
     def free_rows(self) -> int: ...
@@ -120,6 +125,10 @@ class EmbedRunner:
         self.model_calls: dict[str, int] = {}
 
     busy = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.loaded.device
 
     @property
     def free_rows(self) -> int:
@@ -228,19 +237,80 @@ def engine_rows(max_running: int, budget_bytes: int, bytes_per_row: int) -> int:
     return max(0, min(max_running, budget_bytes // max(1, bytes_per_row)))
 
 
-def size_engine(loaded: LoadedModel) -> tuple[int, int]:
-    """(max rows, max sequence length) for a model's engine, so load can never exhaust memory."""
+def engine_seq_len(spec: ModelSpec, lanes: Sequence[LaneSpec]) -> int:
+    """Longest sequence an engine serving `lanes` can be given: the model's limit, or less when its lanes
+    are all bounded (a request is filed under a lane by prompt + max_new_tokens, so the bound holds)."""
+    model_max = spec.max_input_tokens + spec.max_new_tokens
+    bounds = [lane.max_tokens for lane in lanes]
+    if not bounds or any(b is None for b in bounds):
+        return model_max
+    return min(model_max, max(b for b in bounds if b is not None))
+
+
+def size_engines(loaded: LoadedModel, seq_lens: Sequence[int]) -> list[int]:
+    """Rows for each of a model's engines (one per engine group), so load can never exhaust memory: the
+    model's KV budget is split evenly between its engines, each row sized for its engine's longest sequence."""
     spec = loaded.spec
-    max_seq_len = spec.max_input_tokens + spec.max_new_tokens
-    per_row = GenerationEngine.bytes_per_row(loaded.model, max_seq_len)
-    budget = kv_budget_bytes(spec.kv_budget_tokens, per_row // (2 * max_seq_len), loaded.device)
-    rows = engine_rows(spec.max_running, budget, per_row)
-    if rows < 1:
-        raise ConfigError(f"model {spec.name}: a KV budget of {budget} bytes holds no sequence of "
-                          f"{max_seq_len} tokens ({per_row} bytes); raise kv_budget_tokens or lower the limits")
-    log.info("engine sized", model=spec.name, rows=rows, max_seq_len=max_seq_len,
-             kv_cache_mib=round(rows * per_row / 2**20, 1), budget_mib=round(budget / 2**20, 1))
-    return rows, max_seq_len
+    model_max = spec.max_input_tokens + spec.max_new_tokens
+    per_token = GenerationEngine.bytes_per_row(loaded.model, model_max) // (2 * model_max)
+    budget = kv_budget_bytes(spec.kv_budget_tokens, per_token, loaded.device) // max(1, len(seq_lens))
+    sizes = []
+    for seq_len in seq_lens:
+        per_row = GenerationEngine.bytes_per_row(loaded.model, seq_len)
+        rows = engine_rows(spec.max_running, budget, per_row)
+        if rows < 1:
+            raise ConfigError(f"model {spec.name}: a KV budget of {budget} bytes per engine holds no sequence of "
+                              f"{seq_len} tokens ({per_row} bytes); raise kv_budget_tokens or lower the limits")
+        log.info("engine sized", model=spec.name, rows=rows, max_seq_len=seq_len,
+                 kv_cache_mib=round(rows * per_row / 2**20, 1), budget_mib=round(budget / 2**20, 1))
+        sizes.append(rows)
+    return sizes
+
+
+def size_engine(loaded: LoadedModel) -> tuple[int, int]:
+    """(max rows, max sequence length) for a model served by one engine."""
+    seq_len = loaded.spec.max_input_tokens + loaded.spec.max_new_tokens
+    return size_engines(loaded, [seq_len])[0], seq_len
+
+
+BACKGROUND_NICE = 5
+
+
+def bind_compute_thread(device: Any, *, background: bool) -> str:
+    """Called on a compute loop's own thread before it runs. Several engines of one model compete for one
+    device: the engine of the shortest lanes runs at normal priority, the others in the background. On
+    CUDA each engine gets a stream of its own (the foreground one at high priority), so their kernels
+    overlap and the short lane's are scheduled first; on CPU the background threads are niced.
+    Returns what was done, for the log."""
+    if device.type == "cuda":
+        try:
+            torch.cuda.synchronize(device)  # the caches were zero-filled on the default stream
+            lo, hi = torch.cuda.Stream.priority_range()  # (lowest priority, highest priority)
+            stream = torch.cuda.Stream(device=device, priority=lo if background else hi)
+            torch.cuda.set_stream(stream)
+            return f"cuda stream priority {lo if background else hi}"
+        except (RuntimeError, AttributeError) as exc:  # an old driver or build: the default stream still works
+            log.warning("no stream of its own for this engine", error=repr(exc))
+            return "default cuda stream"
+    if background:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        except (OSError, AttributeError) as exc:  # not Linux, or not permitted
+            log.warning("could not lower the priority of a background engine", error=repr(exc))
+            return "normal priority"
+        return f"nice +{BACKGROUND_NICE}"
+    return "normal priority"
+
+
+def cpu_threads_per_engine(engines: int, configured: int = 0) -> int:
+    """torch threads for each of `engines` compute threads sharing this process's CPUs."""
+    if configured > 0:
+        return configured
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, engines))
 
 
 class GenerateRunner:
@@ -258,6 +328,8 @@ class GenerateRunner:
         if eos is None:
             eos = loaded.model.config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        # the model's own limit: a request this engine reads may belong to another engine of the model
+        self.model_max_seq_len = self.spec.max_input_tokens + self.spec.max_new_tokens
         self.engine = GenerationEngine(loaded.model, max_rows=max_rows, max_seq_len=max_seq_len,
                                        decode_tail=lambda ids: tok.decode(ids, skip_special_tokens=True),
                                        clock=clock)
@@ -267,6 +339,10 @@ class GenerateRunner:
     @property
     def busy(self) -> bool:
         return self.engine.running > 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.loaded.device
 
     @property
     def free_rows(self) -> int:
@@ -310,10 +386,12 @@ class GenerateRunner:
             stop=params.stop, eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
             deadline=req.deadline_ms / 1000 if self.spec.deadline_aware else None,
         )
-        if not self.engine.fits(spec):
+        if not ids:
+            return failed_outcome(req, self.worker, now, "invalid_input", "the prompt has no tokens")
+        if spec.total_tokens > self.model_max_seq_len:
             return failed_outcome(req, self.worker, now, "input_too_long",
                                   f"prompt + max_new_tokens = {spec.total_tokens} exceeds "
-                                  f"{self.engine.max_seq_len} tokens")
+                                  f"{self.model_max_seq_len} tokens")
         lane = assign_lane(spec.total_tokens, self.spec.lanes).name
         return Pending(id=req.id, lane=lane, rank=Priority(req.priority).rank, deadline=req.deadline_ms / 1000,
                        arrived=now, tokens=spec.total_tokens, prompt_tokens=len(ids),

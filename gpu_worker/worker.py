@@ -1,7 +1,8 @@
-"""The worker process: Redis I/O on asyncio, one compute thread (`ModelLoop`) per model.
+"""The worker process: Redis I/O on asyncio, one compute thread (`ModelLoop`) per engine of each model
+(a model's lanes form one or more engine groups; `gpu_worker.engines`).
 
     intake (XREADGROUP per model, XAUTOCLAIM of dead workers' entries)
-        -> ModelLoop (pure scheduler + runner, on its thread)
+        -> ModelLoop of the request's lane (pure scheduler + runner, on its thread)
         -> Publisher (result record + done event, then XACK + XDEL)
 
 Invariant: every entry this worker reads is, at any moment, either held (renewed, so no live
@@ -24,15 +25,27 @@ import structlog
 from redis.exceptions import RedisError, ResponseError
 
 from gpu_worker import leases, metrics
-from gpu_worker.model_loop import Add, Cancel, Drain, Emitted, ModelLoop, Snapshot
+from gpu_worker.engines import ModelEngines
+from gpu_worker.model_loop import Add, Emitted, ModelLoop, Snapshot
 from gpu_worker.publisher import Held, Publisher
-from gpu_worker.runners import EmbedRunner, GenerateRunner, Runner, expired_outcome, failed_outcome, size_engine
+from gpu_worker.runners import (
+    EmbedRunner,
+    GenerateRunner,
+    Runner,
+    bind_compute_thread,
+    cpu_threads_per_engine,
+    engine_seq_len,
+    expired_outcome,
+    failed_outcome,
+    size_engines,
+)
 from gpu_worker.scheduler import BatchLimits, LanePolicy, Scheduler
 from shared.codec import decode, encode
 from shared.config import ModelSpec, Settings
 from shared.errors import CodecError
 from shared.faults import Faults
 from shared.keys import GROUP, Keys
+from shared.lanes import LaneSpec, engine_groups
 from shared.messages import InferenceRequest, LaneStat, LaneStats
 from shared.records import RecordStore
 from shared.redis_io import UNAVAILABLE, make_redis, raise_if_cancelling, tolerate_outage
@@ -49,18 +62,27 @@ CLEANUP_EVERY = 10
 INTAKE_STOP_TIMEOUT_S = 5.0  # maintenance cycles between consumer clean-ups
 
 
-def build_runner(loaded: Any, worker: str, faults: Faults) -> Runner:
+def build_runners(loaded: Any, worker: str, faults: Faults,
+                  groups: list[tuple[str, tuple[LaneSpec, ...]]]) -> list[Runner]:
+    """One runner per engine group, all over the one loaded model."""
     spec: ModelSpec = loaded.spec
     if spec.task is Task.EMBED:
-        return EmbedRunner(loaded, worker, faults=faults)
-    rows, max_seq_len = size_engine(loaded)
-    return GenerateRunner(loaded, worker, max_rows=rows, max_seq_len=max_seq_len, faults=faults)
+        return [EmbedRunner(loaded, worker, faults=faults) for _ in groups]
+    seq_lens = [engine_seq_len(spec, lanes) for _, lanes in groups]
+    rows = size_engines(loaded, seq_lens)
+    return [GenerateRunner(loaded, worker, max_rows=r, max_seq_len=n, faults=faults)
+            for r, n in zip(rows, seq_lens, strict=True)]
 
 
-def build_scheduler(spec: ModelSpec, runner: Runner) -> Scheduler:
+def build_runner(loaded: Any, worker: str, faults: Faults) -> Runner:
+    """A runner for a model served by one engine (all its lanes)."""
+    return build_runners(loaded, worker, faults, [("main", loaded.spec.lanes)])[0]
+
+
+def build_scheduler(spec: ModelSpec, runner: Runner, lanes: tuple[LaneSpec, ...] | None = None) -> Scheduler:
     # lane shares are of a running batch's rows; an encoder's batch ends with its forward, so it has none
     rows = runner.free_rows if spec.task is Task.GENERATE else None
-    return Scheduler([LanePolicy(lane.name, lane.window_ms / 1000, lane.max_share) for lane in spec.lanes],
+    return Scheduler([LanePolicy(lane.name, lane.window_ms / 1000, lane.max_share) for lane in lanes or spec.lanes],
                      BatchLimits(spec.max_batch_size, spec.max_batch_tokens), deadline_aware=spec.deadline_aware,
                      total_rows=rows)
 
@@ -89,7 +111,7 @@ class Worker:
         self._loader = loader
         self.drain_budget_s = settings.drain_budget_s if drain_budget_s is None else drain_budget_s
         self._intake_buffer = intake_buffer
-        self.loops: dict[str, ModelLoop] = {}
+        self.engines: dict[str, ModelEngines] = {}
         self.held: dict[str, Held] = {}
         self._room = asyncio.Event()
         self.publisher = Publisher(self.redis, self.store, self.held, self.faults, self._room.set)
@@ -107,9 +129,9 @@ class Worker:
         await self._load_models()
         await self._ensure_groups()
         await self._probe_blocking_count()
-        for lp in self.loops.values():
+        for lp in self._loops():
             lp.start()
-        intake = [asyncio.create_task(self._intake(name), name=f"intake-{name}") for name in self.loops]
+        intake = [asyncio.create_task(self._intake(name), name=f"intake-{name}") for name in self.engines]
         publisher = asyncio.create_task(self.publisher.run(), name="publisher")
         background = [
             asyncio.create_task(self._maintenance(), name="maintenance"),  # renews holds until the very end
@@ -120,7 +142,7 @@ class Worker:
         for task in [*intake, publisher, *background]:
             task.add_done_callback(self._task_ended)
         self.ready.set()
-        log.info("worker ready", worker=self.name, models=list(self.loops))
+        log.info("worker ready", worker=self.name, models=list(self.engines))
         stopper = asyncio.create_task(stop.wait())
         crashed = asyncio.create_task(self._crash.wait())
         await asyncio.wait([stopper, crashed], return_when=asyncio.FIRST_COMPLETED)
@@ -133,7 +155,7 @@ class Worker:
             await self.redis.aclose()
         log.info("worker stopped", worker=self.name, still_held=len(self.held))
         if self._crash.is_set():
-            bad = [f"{lp.name}: {lp.crashed!r}" for lp in self.loops.values() if lp.crashed is not None]
+            bad = [c for engines in self.engines.values() for c in engines.crashed]
             raise RuntimeError(f"model loop crashed ({'; '.join(bad)})")
 
     async def _drain(self, intake: list[asyncio.Task[None]], publisher: asyncio.Task[None]) -> None:
@@ -147,8 +169,8 @@ class Worker:
             log.warning("intake task did not stop in time", task=task.get_name(),
                         stack=[str(f) for f in task.get_stack(limit=8)])
         until = time.time() + self.drain_budget_s
-        for lp in self.loops.values():
-            lp.submit(Drain(until))
+        for engines in self.engines.values():
+            engines.drain(until)
         await asyncio.to_thread(self._join_loops, self.drain_budget_s + 10)
         self.publisher.close()  # after the loops' last outcomes and hand-backs, which are already queued
         try:  # bounded: with Redis down, unwritten entries stay pending and are reclaimed later (safe)
@@ -160,12 +182,19 @@ class Worker:
         with contextlib.suppress(ResponseError):
             async with tolerate_outage():
                 await self.redis.hdel(self.keys.workers(), self.name)
-                for name in self.loops:
-                    await self.redis.hdel(self.keys.lane_stats(name), self.name)
+                for name, engines in self.engines.items():
+                    await self.redis.hdel(self.keys.lane_stats(name), *(self._stats_field(lp) for lp in engines))
                 await leases.leave(self.redis, self._all_streams(), self.name)
 
+    def _loops(self) -> list[ModelLoop]:
+        return [lp for engines in self.engines.values() for lp in engines]
+
+    def _stats_field(self, lp: ModelLoop) -> str:
+        """The stats hash field of one engine: the worker's name, plus the engine's when the model has several."""
+        return self.name if len(self.engines[lp.name].loops) == 1 else f"{self.name}/{lp.engine}"
+
     def _join_loops(self, timeout: float) -> None:
-        for lp in self.loops.values():
+        for lp in self._loops():
             lp.join(timeout)
 
     def _task_ended(self, task: asyncio.Task[None]) -> None:
@@ -189,18 +218,33 @@ class Worker:
                 loaded = await asyncio.to_thread(self._loader, spec)
             else:
                 loaded = await asyncio.to_thread(models.load, spec, self.settings.model_cache_dir)
-            runner = build_runner(loaded, self.name, self.faults)
-            await asyncio.to_thread(runner.warm_up)
-            self.loops[spec.name] = ModelLoop(spec.name, runner, build_scheduler(spec, runner), gate=self._gate,
-                                              emit=self._emit, on_crash=self._on_crash, worker=self.name,
-                                              faults=self.faults)
+            groups = engine_groups(spec.lanes)
+            runners = build_runners(loaded, self.name, self.faults, groups)
+            engines = self.engines[spec.name] = ModelEngines(spec)
+            for i, ((engine, lanes), runner) in enumerate(zip(groups, runners, strict=True)):
+                await asyncio.to_thread(runner.warm_up)
+                device = loaded.device
+
+                def bind(device: Any = device, background: bool = i > 0) -> str:
+                    return bind_compute_thread(device, background=background)
+
+                engines.add(ModelLoop(spec.name, runner, build_scheduler(spec, runner, lanes), gate=self._gate,
+                                      emit=self._emit, on_crash=self._on_crash, worker=self.name,
+                                      faults=self.faults, engine=engine, bind_thread=bind,
+                                      hand_over=engines.hand_over if len(groups) > 1 else None))
+        cpu = [lp for lp in self._loops() if lp.runner.device.type == "cpu"]
+        if cpu:  # CPU engines of this process share its cores: more threads than cores make every forward wait
+            import torch
+
+            torch.set_num_threads(cpu_threads_per_engine(len(cpu), self.settings.torch_threads))
+            log.info("cpu threads per engine", engines=len(cpu), torch_threads=torch.get_num_threads())
 
     def _streams(self, model: str) -> list[str]:
         spec = self.settings.model(model)
         return self.keys.lane_streams(model, spec.lane_names) if spec else []
 
     def _all_streams(self) -> list[str]:
-        return [s for model in self.loops for s in self._streams(model)]
+        return [s for model in self.engines for s in self._streams(model)]
 
     async def _ensure_groups(self) -> None:
         for stream in self._all_streams():
@@ -285,7 +329,7 @@ class Worker:
                 backoff = min(backoff * 2, 5.0)
 
     async def _accept(self, model: str, stream: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
-        lp = self.loops[model]
+        engines = self.engines[model]
         now = time.time()
         fresh: list[InferenceRequest] = []
         late: list[Emitted] = []
@@ -301,15 +345,19 @@ class Worker:
                     await pipe.execute()
                 continue
             self.held[req.id] = Held(model, stream, entry_id, req)
-            if req.deadline_ms <= now * 1000 and lp.scheduler.deadline_aware:
+            if req.deadline_ms <= now * 1000 and engines.spec.deadline_aware:
                 metrics.EXPIRED_BEFORE_COMPUTE.labels(model, req.lane).inc()
                 late.append(expired_outcome(req, self.name, now, "before the worker read it"))
             else:
                 fresh.append(req)
         if late:
             await self.publisher.queue.put(late)
-        if fresh:
-            lp.submit(Add(fresh, now))
+        by_loop: dict[int, tuple[ModelLoop, list[InferenceRequest]]] = {}
+        for req in fresh:
+            lp = engines.for_lane(req.lane)
+            by_loop.setdefault(id(lp), (lp, []))[1].append(req)
+        for lp, reqs in by_loop.values():
+            lp.submit(Add(reqs, now))
 
     async def _decode_entry(self, model: str, stream: str, entry_id: bytes,
                             fields: dict[bytes, bytes]) -> InferenceRequest | None:
@@ -334,7 +382,7 @@ class Worker:
             cycle += 1
             try:
                 await self._renew()
-                for model in self.loops:
+                for model in self.engines:
                     if not self._draining:
                         await self._reclaim(model)
                 if cycle % CLEANUP_EVERY == 0:
@@ -390,7 +438,7 @@ class Worker:
 
     # --- cancellations -------------------------------------------------------------------------
     async def _cancel_listener(self) -> None:
-        channels = [self.keys.cancel_channel(m) for m in self.loops]
+        channels = [self.keys.cancel_channel(m) for m in self.engines]
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
@@ -410,7 +458,7 @@ class Worker:
     def _cancel(self, request_id: str) -> None:
         held = self.held.get(request_id)
         if held is not None:
-            self.loops[held.model].submit(Cancel({request_id}))
+            self.engines[held.model].cancel(request_id)
 
     # --- announcements -------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
@@ -418,7 +466,7 @@ class Worker:
         Entries of workers silent for a minute are removed."""
         while True:
             now = time.time()
-            info = json.dumps({"models": list(self.loops), "at": now, "held": len(self.held)}).encode()
+            info = json.dumps({"models": list(self.engines), "at": now, "held": len(self.held)}).encode()
             async with tolerate_outage():
                 await self.redis.hset(self.keys.workers(), self.name, info)
                 for name, raw in (await self.redis.hgetall(self.keys.workers())).items():
@@ -431,12 +479,12 @@ class Worker:
         """Per-lane load and service figures for the gateway's admission control, at a steady interval."""
         while True:
             pipe = self.redis.pipeline(transaction=False)
-            for name, lp in self.loops.items():
-                spec = self.settings.model(name)
+            for lp in self._loops():
+                spec = self.settings.model(lp.name)
                 if spec is None or not lp.snapshot.at:
                     continue
-                key = self.keys.lane_stats(name)
-                pipe.hset(key, self.name, encode(lane_stats(spec, self.name, lp.snapshot)))
+                key = self.keys.lane_stats(lp.name)  # one field per engine: its own lanes, rows and costs
+                pipe.hset(key, self._stats_field(lp), encode(lane_stats(spec, self.name, lp.snapshot)))
                 pipe.pexpire(key, STATS_TTL_MS)
             async with tolerate_outage():
                 await pipe.execute()

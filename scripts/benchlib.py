@@ -96,7 +96,9 @@ def model_config(*, lanes: bool, scheduling: str = "deadline", max_running: int 
         "max_input_tokens": 384, "max_new_tokens": 256, "max_timeout_s": 600,
     }
     if lanes:
-        spec["lanes"] = [{"name": "short", "max_tokens": 128, "window_ms": 5, "max_backlog": 100_000},
+        # the default lane layout (shared.lanes.DEFAULT_LANES): the short lane on an engine of its own
+        spec["lanes"] = [{"name": "short", "max_tokens": 128, "window_ms": 5, "max_backlog": 100_000,
+                          "engine": "short"},
                          {"name": "medium", "max_tokens": 512, "window_ms": 15, "max_backlog": 100_000},
                          {"name": "long", "window_ms": 30, "max_backlog": 100_000}]
     else:

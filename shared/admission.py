@@ -1,7 +1,8 @@
 """Admission at the gateway: will this request finish by its deadline? Pure: stats and numbers in.
 
-Inputs are the workers' published `LaneStats` for the model (only fresh ones count) and the lane's
-stream length. The estimate:
+Inputs are the workers' published `LaneStats` for the model (only fresh ones count; one per engine of
+a worker, each listing the lanes that engine serves, so only the engines serving the request's lane are
+read) and the lane's stream length. The estimate:
     start  = the lane window, plus the time for the workers to drain the requests waiting ahead of
              it at their measured completion rate (while no completion has been measured yet, only
              the requests that do not fit the free rows count, at what the rows could do);
@@ -45,6 +46,12 @@ def fresh(stats: Iterable[LaneStats], now_ms: int, max_age_ms: int = STATS_MAX_A
     return [s for s in stats if now_ms - s.at_ms <= max_age_ms]
 
 
+def serving(stats: list[LaneStats], lane: str) -> list[LaneStats]:
+    """The stats of the engines that serve `lane` (all of them when none lists it: an older worker)."""
+    mine = [s for s in stats if any(ln.lane == lane for ln in s.lanes)]
+    return mine or stats
+
+
 def drain_rate(stats: list[LaneStats], service_s: float) -> float:
     """Requests per second the workers finish: measured, else what their rows could do."""
     measured = sum(lane.completed_rps for s in stats for lane in s.lanes)
@@ -55,10 +62,15 @@ def drain_rate(stats: list[LaneStats], service_s: float) -> float:
 def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int, new_tokens: int,
              window_s: float) -> Estimate:
     """`queued`: entries already in the lane's stream (waiting or running) before this request."""
+    everyone, stats = stats, serving(stats, lane)
     if not stats:
         return Estimate(0.0, 0.0, "none")
-    prefill = max(s.prefill_fixed_ms + s.prefill_ms_per_token * prompt_tokens for s in stats) / 1000
-    decode = max(s.decode_ms_per_step for s in stats) / 1000 * new_tokens
+    # costs from the engines serving the lane; one that has run nothing yet has measured nothing, and its
+    # zeros would promise any deadline: then the costs the model's other engines measured stand in
+    costs = [s for s in stats if s.decode_ms_per_step > 0] or [s for s in everyone if s.decode_ms_per_step > 0] \
+        or stats
+    prefill = max(s.prefill_fixed_ms + s.prefill_ms_per_token * prompt_tokens for s in costs) / 1000
+    decode = max(s.decode_ms_per_step for s in costs) / 1000 * new_tokens
     service = prefill + decode
     running = sum(ln.running for s in stats for ln in s.lanes if ln.lane == lane)
     ahead = max(0, queued - running)

@@ -70,6 +70,18 @@ class ModelSpec:
     def validate(self) -> ModelSpec:
         if not _NAME_RE.match(self.name):
             raise ConfigError(f"model name {self.name!r}: use lower-case letters, digits, '.', '_' or '-'")
+        self._validate_lanes()
+        for attr in ("max_batch_size", "max_batch_tokens", "max_running", "max_input_tokens",
+                     "max_new_tokens", "default_max_new_tokens", "max_texts"):
+            if getattr(self, attr) < 1:
+                raise ConfigError(f"model {self.name}: {attr} must be >= 1")
+        if self.scheduling not in ("deadline", "fifo"):
+            raise ConfigError(f"model {self.name}: scheduling must be deadline or fifo")
+        if not 0 < self.default_timeout_s <= self.max_timeout_s:
+            raise ConfigError(f"model {self.name}: need 0 < default_timeout_s <= max_timeout_s")
+        return self
+
+    def _validate_lanes(self) -> None:
         if not self.lanes:
             raise ConfigError(f"model {self.name}: needs at least one lane")
         names = [lane.name for lane in self.lanes]
@@ -81,15 +93,11 @@ class ModelSpec:
         for lane in self.lanes:
             if not 0 < lane.max_share <= 1:
                 raise ConfigError(f"model {self.name}: lane {lane.name} max_share must be in (0, 1]")
-        for attr in ("max_batch_size", "max_batch_tokens", "max_running", "max_input_tokens",
-                     "max_new_tokens", "default_max_new_tokens", "max_texts"):
-            if getattr(self, attr) < 1:
-                raise ConfigError(f"model {self.name}: {attr} must be >= 1")
-        if self.scheduling not in ("deadline", "fifo"):
-            raise ConfigError(f"model {self.name}: scheduling must be deadline or fifo")
-        if not 0 < self.default_timeout_s <= self.max_timeout_s:
-            raise ConfigError(f"model {self.name}: need 0 < default_timeout_s <= max_timeout_s")
-        return self
+            if not _NAME_RE.match(lane.engine):
+                raise ConfigError(f"model {self.name}: lane {lane.name} engine {lane.engine!r} is not a simple name")
+        engines = [lane.engine for lane in self.lanes]
+        if any(engines.index(e) != i and engines[i - 1] != e for i, e in enumerate(engines)):
+            raise ConfigError(f"model {self.name}: an engine's lanes must be adjacent in length order, got {engines}")
 
     def to_public(self) -> dict[str, Any]:
         return {
@@ -97,7 +105,8 @@ class ModelSpec:
             "task": self.task.value,
             "scheduling": self.scheduling,
             "lanes": [{"name": lane.name, "max_tokens": lane.max_tokens, "window_ms": lane.window_ms,
-                       "max_backlog": lane.max_backlog, "max_share": lane.max_share} for lane in self.lanes],
+                       "max_backlog": lane.max_backlog, "max_share": lane.max_share, "engine": lane.engine}
+                      for lane in self.lanes],
             "limits": {
                 "max_input_tokens": self.max_input_tokens,
                 "max_new_tokens": self.max_new_tokens,
@@ -144,6 +153,8 @@ class Settings:
     reclaim_idle_s: float = 30.0  # an entry idle this long belongs to a dead worker and is reclaimed
     max_deliveries: int = 3  # deliveries after which an entry is dead-lettered (it keeps killing workers)
     drain_budget_s: float = 30.0  # SIGTERM: time to finish in-flight work before handing it back
+    # CPU only: torch threads per compute stream (engine); 0 = the cores shared evenly among the worker's engines
+    torch_threads: int = 0
     auth: str = "api_key"  # "api_key" | "off" (local use only; logged loudly)
     tenant_rate_per_s: float = 0.0  # default per-tenant submit rate (0: unlimited); per tenant: batchgate tenants
     tenant_burst: int = 0
@@ -190,6 +201,7 @@ class Settings:
                 reclaim_idle_s=float(get(ENV_PREFIX + "RECLAIM_IDLE_S", d.reclaim_idle_s)),
                 max_deliveries=int(get(ENV_PREFIX + "MAX_DELIVERIES", d.max_deliveries)),
                 drain_budget_s=float(get(ENV_PREFIX + "DRAIN_BUDGET_S", d.drain_budget_s)),
+                torch_threads=int(get(ENV_PREFIX + "TORCH_THREADS", d.torch_threads)),
                 auth=get(ENV_PREFIX + "AUTH", d.auth).lower(),
                 tenant_rate_per_s=float(get(ENV_PREFIX + "TENANT_RATE_PER_S", d.tenant_rate_per_s)),
                 tenant_burst=int(get(ENV_PREFIX + "TENANT_BURST", d.tenant_burst)),
@@ -216,6 +228,8 @@ class Settings:
             raise ConfigError("reclaim_idle_s > 0, max_deliveries >= 1 and drain_budget_s >= 0 are required")
         if self.result_ttl_s < 1 or self.max_body_bytes < 1024 or self.max_wait_s < 0:
             raise ConfigError("result_ttl_s >= 1, max_body_bytes >= 1024 and max_wait_s >= 0 are required")
+        if self.torch_threads < 0:
+            raise ConfigError("BATCHGATE_TORCH_THREADS must be >= 0 (0: automatic)")
         if self.auth not in ("api_key", "off"):
             raise ConfigError("BATCHGATE_AUTH must be api_key or off")
         if self.log_format not in ("json", "console", "auto"):
@@ -240,6 +254,7 @@ def _lane_from(raw: Any, model: str) -> LaneSpec:
         window_ms=float(raw.get("window_ms", 10.0)),
         max_backlog=int(raw.get("max_backlog", 10_000)),
         max_share=float(raw.get("max_share", 1.0)),
+        engine=str(raw.get("engine", "main")),
     )
 
 

@@ -25,10 +25,14 @@ class LaneSpec:
     # the largest fraction of a worker's running rows this lane may hold (1: no limit); keeps rows for
     # the shorter lanes so their requests find one at once instead of queueing behind long work
     max_share: float = 1.0
+    # lanes with the same engine share one running batch; each engine is a compute stream of its own in
+    # the worker (its own thread, KV cache and, on CUDA, CUDA stream), so the short lane's tokens never
+    # wait for a forward that also carries long rows or a long prompt's prefill
+    engine: str = "main"
 
 
 DEFAULT_LANES: tuple[LaneSpec, ...] = (
-    LaneSpec("short", 128, window_ms=5.0),
+    LaneSpec("short", 128, window_ms=5.0, engine="short"),
     LaneSpec("medium", 512, window_ms=15.0),
     LaneSpec("long", None, window_ms=30.0, max_share=0.75),
 )
@@ -42,6 +46,14 @@ def assign_lane(tokens: int, lanes: Sequence[LaneSpec]) -> LaneSpec:
         if lane.max_tokens is None or tokens <= lane.max_tokens:
             return lane
     return lanes[-1]
+
+
+def engine_groups(lanes: Sequence[LaneSpec]) -> list[tuple[str, tuple[LaneSpec, ...]]]:
+    """The model's engines in lane order (the engine of the shortest lane first), each with its lanes."""
+    groups: dict[str, list[LaneSpec]] = {}
+    for lane in lanes:
+        groups.setdefault(lane.engine, []).append(lane)
+    return [(name, tuple(group)) for name, group in groups.items()]
 
 
 def estimate_text_tokens(text: str) -> int:

@@ -42,7 +42,7 @@ class RunningWorker:
     task: asyncio.Task[None]
 
     def model_calls(self, model: str) -> dict[str, int]:
-        return self.worker.loops[model].runner.model_calls  # type: ignore[attr-defined]
+        return self.worker.engines[model].model_calls()
 
 
 @contextlib.asynccontextmanager

@@ -108,7 +108,7 @@ async def test_cancel_running_generation_stops_it(redis_url, prefix, loaded_mode
         r = await gw.client.post("/v1/models/tiny-llama/requests", json={
             "input": {"input_ids": list(range(1, 300))}, "params": {"max_new_tokens": 256, "ignore_eos": True}})
         rid = r.json()["id"]
-        runner = w.worker.loops["tiny-llama"].runner
+        runner = w.worker.engines["tiny-llama"].for_lane("long").runner  # 299 + 256 tokens: the long lane
 
         async def running() -> bool:
             return rid in runner.running_ids()
@@ -313,7 +313,7 @@ async def test_a_flood_beyond_the_kv_budget_waits_instead_of_failing(redis_url, 
     spec = dataclasses.replace(BUILTIN_MODELS["tiny-llama"], max_running=4, max_batch_size=4)
     settings = make_settings(redis_url, prefix, models=(spec,))
     async with running_worker(settings, loaded_models) as w, running_gateway(settings) as gw:
-        engine = w.worker.loops["tiny-llama"].runner.engine
+        engine = w.worker.engines["tiny-llama"].for_lane("short").runner.engine  # type: ignore[attr-defined]
         responses = await asyncio.gather(*(gw.client.post("/v1/models/tiny-llama/requests?wait=60", json={
             "input": {"input_ids": [3 + i, 4, 5]}, "params": {"max_new_tokens": 16}}) for i in range(40)))
         assert all(r.status_code == 200 and r.json()["status"] == "succeeded" for r in responses)

@@ -75,3 +75,28 @@ def test_fifo_baseline_is_not_refused_for_deadlines():
     d = decide(now_s=0, deadline_s=0.1, est=Estimate(2.0, 2.5, "stats"), queued=3, max_backlog=100,
                deadline_aware=False)
     assert d.accept
+
+
+def test_a_lane_is_estimated_from_the_engine_that_serves_it():
+    """A worker with a short-lane engine and a long-lane engine publishes one entry each: a short request's
+    estimate uses the short engine's step time and completions, not the long engine's."""
+    short = stats(step=15.0, rps=10.0, running=2, lane="short")
+    long = stats(step=60.0, rps=1.0, running=12, lane="long", fixed=40.0)
+    est = estimate([long, short], "short", queued=2, prompt_tokens=10, new_tokens=10, window_s=0.0)
+    assert est.finish_s == pytest.approx((10.0 + 0.1 * 10 + 15.0 * 10) / 1000)
+    est_long = estimate([long, short], "long", queued=12, prompt_tokens=10, new_tokens=10, window_s=0.0)
+    assert est_long.finish_s == pytest.approx((40.0 + 0.1 * 10 + 60.0 * 10) / 1000)
+
+
+def test_stats_that_list_no_lane_still_count():
+    """Older workers' entries, or a lane no engine has reported yet: every fresh entry counts."""
+    est = estimate([stats(step=20.0, lane="long")], "short", queued=0, prompt_tokens=10, new_tokens=10, window_s=0.0)
+    assert est.basis == "stats" and est.finish_s == pytest.approx((10.0 + 1.0 + 200.0) / 1000)
+
+
+def test_an_engine_that_has_measured_nothing_borrows_the_others_costs():
+    """A long-lane engine that has run nothing yet publishes zero costs: they must not promise any deadline."""
+    short = stats(step=15.0, lane="short")
+    idle_long = stats(step=0.0, fixed=0.0, per_tok=0.0, lane="long")
+    est = estimate([short, idle_long], "long", queued=0, prompt_tokens=100, new_tokens=100, window_s=0.0)
+    assert est.finish_s == pytest.approx((10.0 + 0.1 * 100 + 15.0 * 100) / 1000)

@@ -110,6 +110,23 @@ def test_lane_share_from_a_file_and_its_bounds(tmp_path):
                       lanes=(LaneSpec("a", 10), LaneSpec("b", None, max_share=bad))).validate()
 
 
+def test_lane_engines_from_a_file_and_their_order(tmp_path):
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("models:\n  - name: m\n    task: generate\n    source: /x\n    lanes:\n"
+                   "      - {name: short, max_tokens: 64, engine: fast}\n      - {name: long}\n")
+    spec = Settings.from_environ({"BATCHGATE_CONFIG": str(cfg)}).models[0]
+    assert [lane.engine for lane in spec.lanes] == ["fast", "main"]
+    assert spec.to_public()["lanes"][0]["engine"] == "fast"
+    split = (LaneSpec("a", 10, engine="x"), LaneSpec("b", 20), LaneSpec("c", None, engine="x"))
+    with pytest.raises(ConfigError, match="adjacent"):
+        ModelSpec(name="m", task=Task.GENERATE, source="/x", lanes=split).validate()
+    with pytest.raises(ConfigError, match="engine"):
+        ModelSpec(name="m", task=Task.GENERATE, source="/x",
+                  lanes=(LaneSpec("a", None, engine="Not Simple"),)).validate()
+    with pytest.raises(ConfigError, match="TORCH_THREADS"):
+        Settings.from_environ({"BATCHGATE_TORCH_THREADS": "-1"})
+
+
 def test_models_inline_in_the_environment():
     text = "models:\n  - name: m\n    task: embed\n    source: /x\n"
     (spec,) = Settings.from_environ({"BATCHGATE_CONFIG_YAML": text}).models

@@ -4,6 +4,7 @@ from shared.lanes import (
     DEFAULT_LANES,
     LaneSpec,
     assign_lane,
+    engine_groups,
     estimate_embed_tokens,
     estimate_generate_tokens,
 )
@@ -33,3 +34,11 @@ def test_generate_estimate_counts_prompt_and_output():
 
 def test_estimates_err_long_for_multibyte_text():
     assert estimate_embed_tokens({"texts": ["ééé"]}) == 2 + 2  # 6 bytes / 3, +2 special tokens
+
+
+def test_engine_groups_in_lane_order():
+    groups = engine_groups(DEFAULT_LANES)
+    assert [(name, [lane.name for lane in lanes]) for name, lanes in groups] == [
+        ("short", ["short"]), ("main", ["medium", "long"])]
+    one = (LaneSpec("a", 10), LaneSpec("b", None))
+    assert [name for name, _ in engine_groups(one)] == ["main"]

@@ -1,0 +1,73 @@
+"""A model's engines in one worker: one compute loop per engine group of its lanes.
+
+Lanes that name the same `engine` share a running batch; each engine is its own `ModelLoop` (thread,
+scheduler over its lanes, runner with its own KV cache) over the one loaded model. Requests are routed
+by the lane the gateway filed them under; an engine that finds, with the real tokenizer, that a request
+belongs to another engine's lane hands it over. Cancellations and drains go to every engine.
+
+The shortest lanes' engine runs in the foreground; the others run in the background (a lower-priority
+CUDA stream, or a niced thread on CPU). See docs/scheduling.md for why and what it measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from gpu_worker.model_loop import Adopt, Cancel, Drain, HandBack, ModelLoop
+from gpu_worker.scheduler import Pending
+from shared.config import ModelSpec
+
+
+@dataclass
+class ModelEngines:
+    spec: ModelSpec
+    loops: list[ModelLoop] = field(default_factory=list)
+    _by_lane: dict[str, ModelLoop] = field(default_factory=dict)
+
+    def add(self, loop: ModelLoop) -> None:
+        self.loops.append(loop)
+        for lane in loop.scheduler.queues:
+            self._by_lane[lane] = loop
+
+    def __iter__(self) -> Iterator[ModelLoop]:
+        return iter(self.loops)
+
+    def for_lane(self, lane: str) -> ModelLoop:
+        """The engine serving `lane` (an unknown lane name, from a config change under a queued request,
+        goes to the engine of the last lane, as the scheduler files it under its last lane)."""
+        return self._by_lane.get(lane) or self.loops[-1]
+
+    def hand_over(self, items: list[Pending]) -> None:
+        """From an engine's thread: prepared requests whose real lane another engine serves."""
+        by_loop: dict[int, list[Pending]] = {}
+        for item in items:
+            by_loop.setdefault(id(self.for_lane(item.lane)), []).append(item)
+        for loop in self.loops:
+            mine = by_loop.get(id(loop))
+            if not mine:
+                continue
+            if loop.stopped:  # it has handed its work back already: this goes back to the stream too
+                loop.emit([HandBack([p.payload[0] for p in mine])])
+            else:
+                loop.submit(Adopt(mine))
+
+    def cancel(self, request_id: str) -> None:
+        for loop in self.loops:
+            loop.submit(Cancel({request_id}))
+
+    def drain(self, until: float) -> None:
+        for loop in self.loops:
+            loop.submit(Drain(until))
+
+    @property
+    def crashed(self) -> list[str]:
+        return [f"{lp.name}/{lp.engine}: {lp.crashed!r}" for lp in self.loops if lp.crashed is not None]
+
+    def model_calls(self) -> dict[str, int]:
+        """How often each request reached the model, over all engines (tests and debugging)."""
+        calls: dict[str, int] = {}
+        for loop in self.loops:
+            for rid, n in getattr(loop.runner, "model_calls", {}).items():
+                calls[rid] = calls.get(rid, 0) + n
+        return calls

@@ -1,0 +1,120 @@
+"""A model served by several engines: routing, hand-over by the real lane, cancel and drain to every engine
+(fake runners and clock; no torch, no Redis)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gpu_worker.engines import ModelEngines
+from gpu_worker.model_loop import Add, HandBack, ModelLoop
+from gpu_worker.runners import Outcome, cpu_threads_per_engine, engine_seq_len
+from gpu_worker.scheduler import BatchLimits, LanePolicy, Pending, Scheduler, ServiceModel
+from shared.config import BUILTIN_MODELS, ModelSpec
+from shared.lanes import DEFAULT_LANES, LaneSpec, engine_groups
+from shared.states import Status, Task
+from tests.unit.test_model_loop import STEP_S, Clock, FakeRunner, req
+
+SPEC = ModelSpec(name="m", task=Task.GENERATE, source="/x",
+                 lanes=(LaneSpec("short", 20, engine="short"), LaneSpec("long", None)))
+
+
+class LaneRunner(FakeRunner):
+    """Files a request by its real size (max_new_tokens), whatever lane the gateway guessed."""
+
+    def prepare(self, r, now: float) -> Pending:
+        item = super().prepare(r, now)
+        item.lane = "short" if item.new_tokens <= 20 else "long"
+        return item
+
+
+def make_engines(clock: Clock):
+    engines = ModelEngines(SPEC)
+    emitted: list = []
+    runners = {}
+    for engine, lanes in engine_groups(SPEC.lanes):
+        runner = runners[engine] = LaneRunner(clock, 4)
+        sched = Scheduler([LanePolicy(lane.name, 0.0) for lane in lanes], BatchLimits(8, 10_000),
+                          service=ServiceModel(decode_s_per_token=STEP_S))
+        engines.add(ModelLoop("m", runner, sched, gate=lambda rs: [True] * len(rs), emit=emitted.extend,
+                              clock=clock, worker="w", idle_wait_s=0.0, engine=engine,
+                              hand_over=engines.hand_over))
+    return engines, runners, emitted
+
+
+def run_all_until_idle(engines: ModelEngines, limit: int = 10_000) -> None:
+    for _ in range(limit):
+        for loop in engines:
+            loop._iterate()
+        if all(not lp.runner.busy and len(lp.scheduler) == 0 and lp._inbox.empty() for lp in engines):
+            return
+    raise AssertionError("engines did not go idle")
+
+
+def succeeded(emitted) -> list[str]:
+    return sorted(o.request.id for o in emitted if isinstance(o, Outcome) and o.result.status is Status.SUCCEEDED)
+
+
+def test_each_lane_runs_on_its_own_engine():
+    clock = Clock()
+    engines, runners, emitted = make_engines(clock)
+    short, long = req(1, clock, new=5), dataclasses.replace(req(2, clock, new=50), lane="long")
+    engines.for_lane("short").submit(Add([short], clock.t))
+    engines.for_lane("long").submit(Add([long], clock.t))
+    run_all_until_idle(engines)
+    assert succeeded(emitted) == ["r1", "r2"]
+    assert runners["short"].started == ["r1"] and runners["main"].started == ["r2"]
+
+
+def test_a_request_filed_under_the_wrong_lane_is_handed_to_its_engine():
+    """The gateway's cheap estimate said short; the real size says long: the long lane's engine runs it,
+    once, and the short engine never does."""
+    clock = Clock()
+    engines, runners, emitted = make_engines(clock)
+    misfiled = req(1, clock, new=50)  # lane "short" as the gateway filed it
+    engines.for_lane(misfiled.lane).submit(Add([misfiled], clock.t))
+    run_all_until_idle(engines)
+    assert succeeded(emitted) == ["r1"]
+    assert runners["short"].started == [] and runners["main"].started == ["r1"]
+
+
+def test_a_hand_over_to_a_stopped_engine_goes_back_to_the_stream():
+    clock = Clock()
+    engines, _, emitted = make_engines(clock)
+    engines.for_lane("long").stopped = True
+    engines.for_lane("short").submit(Add([req(1, clock, new=50)], clock.t))
+    engines.for_lane("short")._iterate()
+    backs = [o for o in emitted if isinstance(o, HandBack)]
+    assert [r.id for b in backs for r in b.requests] == ["r1"]
+
+
+def test_cancel_and_drain_reach_every_engine():
+    clock = Clock()
+    engines, runners, emitted = make_engines(clock)
+    a, b = req(1, clock, new=1000), req(2, clock, new=5)
+    engines.for_lane("short").submit(Add([a, b], clock.t))  # a is handed over to the long engine
+    for _ in range(3):
+        for loop in engines:
+            loop._iterate()
+    assert "r1" in runners["main"].running_ids()
+    engines.cancel("r1")
+    engines.drain(clock.t)
+    for _ in range(3):
+        for loop in engines:
+            loop._iterate()
+    assert all(lp.stopped for lp in engines)
+    cancelled = [o.request.id for o in emitted if isinstance(o, Outcome) and o.result.status is Status.CANCELLED]
+    assert cancelled == ["r1"]
+
+
+def test_engine_sequence_length_follows_its_lanes():
+    spec = BUILTIN_MODELS["tiny-llama"]  # 384 + 256 tokens at most
+    short, main = engine_groups(DEFAULT_LANES)
+    assert engine_seq_len(spec, short[1]) == 128
+    assert engine_seq_len(spec, main[1]) == 640  # the long lane is unbounded
+    assert engine_seq_len(spec, (LaneSpec("a", 4096),)) == 640
+
+
+def test_cpu_threads_are_shared_between_engines():
+    assert cpu_threads_per_engine(1, configured=3) == 3
+    assert cpu_threads_per_engine(10_000) == 1
+    assert cpu_threads_per_engine(1) >= cpu_threads_per_engine(2) >= 1
