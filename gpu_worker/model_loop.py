@@ -117,6 +117,8 @@ class ModelLoop:
         self.engine = engine
         self._hand_over = hand_over  # to the engine of a lane this one does not serve
         self._bind_thread = bind_thread
+        # told, on this loop's thread, each iteration whether it has work (the worker shares CPU cores by it)
+        self.on_work: Callable[[bool], None] | None = None
         self.runner = runner
         self.scheduler = scheduler
         self._gate = gate
@@ -180,6 +182,8 @@ class ModelLoop:
 
     def _iterate(self) -> None:
         self._receive(block=False, timeout=0)
+        if self.on_work is not None:
+            self.on_work(self.runner.busy or len(self.scheduler) > 0)
         now = self._clock()
         out: list[Emitted] = list(self.runner.expire(now))
         if self.scheduler.deadline_aware:

@@ -9,9 +9,18 @@ worker publishes for the gateway's admission control.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from gpu_worker.scheduler import ServiceModel
+
+# Once the fit has seen enough, a sample counts at most this many times what the fit predicts for it. A
+# compute thread starved for a moment (its CPU given to a higher-priority engine, another process, a
+# hypervisor's steal) measures one interval 10-100x the usual; unclipped, a few of those predicted half a
+# second per token and expired or evicted long requests that finished in a quarter of their deadline. A
+# real, lasting slowdown still shows: each sample can raise the estimate by a factor, and it keeps rising.
+CLIP_FACTOR = 4.0
+CLIP_AFTER = 8
 
 
 class RunningFit:
@@ -23,6 +32,8 @@ class RunningFit:
         self._mx = self._my = self._mxx = self._mxy = 0.0
 
     def add(self, x: float, y: float) -> None:
+        if self.n >= CLIP_AFTER and (bound := self.predict(x)) > 0:
+            y = min(y, CLIP_FACTOR * bound)
         a = 1.0 if self.n == 0 else max(self.alpha, 1.0 / (self.n + 1))
         self._mx += a * (x - self._mx)
         self._my += a * (y - self._my)
@@ -50,10 +61,17 @@ class RunningFit:
         return self.intercept + self.slope * x
 
 
+# Completions per second are averaged with this time constant. Long generations finish in clumps seconds
+# apart; averaged over ~3 s (as before), a long lane on an engine of its own read as 0.05 completions per
+# second between clumps, and admission refused requests for a minute of "queue" that lasted none.
+RATE_TAU_S = 10.0
+
+
 @dataclass
 class LaneCounters:
     completed: int = 0
     rate: float = 0.0  # completions per second, exponentially weighted
+    measured: bool = False  # a first completion has set the rate
 
 
 @dataclass
@@ -62,7 +80,7 @@ class ServiceTracker:
     prefill: RunningFit = field(default_factory=RunningFit)
     decode: RunningFit = field(default_factory=RunningFit)
     counters: dict[str, LaneCounters] = field(default_factory=dict)
-    rate_alpha: float = 0.3
+    rate_tau_s: float = RATE_TAU_S
 
     def __post_init__(self) -> None:
         self.counters = {lane: LaneCounters() for lane in self.lanes}
@@ -85,8 +103,12 @@ class ServiceTracker:
             return
         if not busy and not any(c.completed for c in self.counters.values()):
             return
+        weight = 1.0 - math.exp(-dt / self.rate_tau_s)
         for c in self.counters.values():
-            c.rate += self.rate_alpha * (c.completed / dt - c.rate)
+            if c.measured:
+                c.rate += weight * (c.completed / dt - c.rate)
+            elif c.completed:  # the first measurement stands for itself (nothing to average it with)
+                c.rate, c.measured = c.completed / dt, True
             c.completed = 0
 
     def step_seconds(self, rows: int) -> float:

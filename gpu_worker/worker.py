@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -29,11 +30,11 @@ from gpu_worker.engines import ModelEngines
 from gpu_worker.model_loop import Add, Emitted, ModelLoop, Snapshot
 from gpu_worker.publisher import Held, Publisher
 from gpu_worker.runners import (
+    CpuShare,
     EmbedRunner,
     GenerateRunner,
     Runner,
     bind_compute_thread,
-    cpu_threads_per_engine,
     engine_seq_len,
     expired_outcome,
     failed_outcome,
@@ -233,11 +234,12 @@ class Worker:
                                       faults=self.faults, engine=engine, bind_thread=bind,
                                       hand_over=engines.hand_over if len(groups) > 1 else None))
         cpu = [lp for lp in self._loops() if lp.runner.device.type == "cpu"]
-        if cpu:  # CPU engines of this process share its cores: more threads than cores make every forward wait
-            import torch
-
-            torch.set_num_threads(cpu_threads_per_engine(len(cpu), self.settings.torch_threads))
-            log.info("cpu threads per engine", engines=len(cpu), torch_threads=torch.get_num_threads())
+        if cpu:  # CPU engines of this process share its cores (work-conserving: see CpuShare)
+            share = CpuShare(len(cpu), self.settings.torch_threads)
+            for lp in cpu:
+                lp.on_work = functools.partial(share.report, f"{lp.name}/{lp.engine}")
+            log.info("cpu threads per engine", engines=len(cpu), cores=share.cores,
+                     shared=share.shared, alone=share.fixed or share.cores)
 
     def _streams(self, model: str) -> list[str]:
         spec = self.settings.model(model)

@@ -105,11 +105,16 @@ class Collected:
     def summary(self, rate: float) -> dict[str, Any]:
         summary = bl.summarise(self.outs, self.span_s)
         short, all_ = summary["classes"].get("short", {}), summary["classes"]["all"]
+        reasons: dict[str, int] = {}
+        for o in self.outs:
+            if o.status not in ("succeeded", ""):
+                why = f"{o.job.cls} {o.status}: {o.error.split(';')[0][:70]}"
+                reasons[why] = reasons.get(why, 0) + 1
         summary.update({
             "offered_rps": rate, "wall_s": self.wall_s, "expired_without_compute": self.expired_without_compute,
             "compute_on_expired": self.compute_on_expired, "short_p99_ms": short.get("latency_p99_ms"),
             "short_ttft_p99_ms": short.get("ttft_p99_ms"), "goodput_rps": all_["goodput_rps"],
-            "throughput_rps": all_["throughput_rps"],
+            "throughput_rps": all_["throughput_rps"], "not_succeeded": reasons,
             "_latencies": {cls: sorted(o.latency_ms for o in self.outs if o.job.cls == cls and o.status == "succeeded")
                            for cls in ("short", "long")},
         })
@@ -242,6 +247,8 @@ def main() -> None:
 def print_config(name: str, s: dict[str, Any]) -> None:
     print(f"{name}: offered {s['offered_rps']:.2f} req/s, throughput {s['throughput_rps']:.2f}, goodput "
           f"{s['goodput_rps']:.2f}, expired w/o compute {s['expired_without_compute']:.0f}")
+    for why, n in s.get("not_succeeded", {}).items():
+        print(f"  not succeeded: {n} x {why}")
     print(f"  {'class':<6}{'n':>5}{'ok':>5}{'lat p50':>9}{'p95':>9}{'p99':>9}{'TTFT p50':>10}{'p99':>9}{'miss':>7}")
     for cls, row in s["classes"].items():
         def f(v: float | None) -> str:

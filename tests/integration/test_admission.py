@@ -135,3 +135,26 @@ async def test_a_lane_share_keeps_rows_for_short_work_when_long_work_fills_the_b
     # and long work never held more than its two rows: the 8 ran in (at least) 4 waves
     starts = sorted(r.json()["started_at"] for r in long_done)
     assert starts[2] >= min(r.json()["finished_at"] for r in long_done) - 0.05
+
+
+async def test_a_request_misfiled_by_the_gateway_runs_on_the_engine_of_its_real_lane(redis_url, prefix,
+                                                                                     loaded_models):
+    """The gateway's estimate (bytes / 3) files 150 '~' under the short lane; the real tokenizer counts
+    150 tokens, a medium request. The short lane's engine hands it to the engine serving the medium lane,
+    which computes it once; the short engine never does."""
+    settings = make_settings(redis_url, prefix, models=(LLAMA,))
+    async with running_worker(settings, loaded_models) as w, running_gateway(settings) as gw:
+        engines = w.worker.engines["tiny-llama"]
+        assert len(engines.loops) == 2  # the default lanes: short on its own engine, medium and long together
+        r = await gw.client.post("/v1/models/tiny-llama/requests?wait=30", json={
+            "input": {"prompt": "~" * 150}, "params": {"max_new_tokens": 8, "ignore_eos": True}})
+        short = await gw.client.post("/v1/models/tiny-llama/requests?wait=30", json={
+            "input": {"prompt": "hello"}, "params": {"max_new_tokens": 8, "ignore_eos": True}})
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "succeeded", body
+    assert body["lane"] == "short"  # where the gateway filed it
+    assert body["output"]["prompt_tokens"] >= 150
+    main_calls = engines.for_lane("medium").runner.model_calls  # type: ignore[attr-defined]
+    short_calls = engines.for_lane("short").runner.model_calls  # type: ignore[attr-defined]
+    assert main_calls.get(body["id"]) == 1 and body["id"] not in short_calls
+    assert short.json()["status"] == "succeeded" and short_calls.get(short.json()["id"]) == 1

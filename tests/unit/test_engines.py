@@ -7,7 +7,7 @@ import dataclasses
 
 from gpu_worker.engines import ModelEngines
 from gpu_worker.model_loop import Add, HandBack, ModelLoop
-from gpu_worker.runners import Outcome, cpu_threads_per_engine, engine_seq_len
+from gpu_worker.runners import CpuShare, Outcome, cpu_threads_per_engine, engine_seq_len
 from gpu_worker.scheduler import BatchLimits, LanePolicy, Pending, Scheduler, ServiceModel
 from shared.config import BUILTIN_MODELS, ModelSpec
 from shared.lanes import DEFAULT_LANES, LaneSpec, engine_groups
@@ -118,3 +118,37 @@ def test_cpu_threads_are_shared_between_engines():
     assert cpu_threads_per_engine(1, configured=3) == 3
     assert cpu_threads_per_engine(10_000) == 1
     assert cpu_threads_per_engine(1) >= cpu_threads_per_engine(2) >= 1
+
+
+def test_cpu_share_is_work_conserving():
+    share = CpuShare(2, cores=4)
+    assert share.shared == 2
+    assert share.threads("short") == 4  # nobody else has work: every core
+    share._busy["main"] = True
+    assert share.threads("short") == 2  # the other engine has work too: its share
+    share._busy["main"] = False
+    assert share.threads("short") == 4
+    assert CpuShare(2, configured=3, cores=4).threads("short") == 3  # BATCHGATE_TORCH_THREADS wins
+
+
+def test_cpu_share_sets_threads_on_the_reporting_thread_only():
+    import threading
+
+    import torch
+
+    before = torch.get_num_threads()
+    share = CpuShare(2, cores=2)
+    seen: list[int] = []
+
+    def engine() -> None:
+        share.report("main", True)  # the short engine has work: this one runs on its share
+        seen.append(torch.get_num_threads())
+
+    share.report("short", True)
+    t = threading.Thread(target=engine)
+    t.start()
+    t.join()
+    assert seen == [1]
+    share.report("short", False)  # idle: nothing is set on this thread
+    assert share.threads("main") == 2 and share._set == {"short": 2, "main": 1}
+    torch.set_num_threads(before)
