@@ -36,6 +36,7 @@ def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
     env = {**os.environ, "BATCHGATE_MODEL_CACHE": str(model_cache)}
     proc = subprocess.run(
         [sys.executable, "scripts/bench_e2e.py", "--requests", "12", "--rounds", "2", "--capacity-requests", "6",
+         "--capacity-reps", "1",
          "--redis-url", redis_url, "--json", str(out), "--plot", str(tmp_path / "cdf.png")],
         capture_output=True, text=True, timeout=900, env=env,
     )
@@ -48,4 +49,6 @@ def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
     assert report["short_alone"]["classes"]["all"]["requests"] == report["lanes_on"]["classes"]["short"]["requests"]
     assert report["short_p99_ratio_on_vs_off"] > 0 and report["short_p99_floor_ratio"] > 0
     assert report["rounds"] == 2 and (tmp_path / "cdf.png").stat().st_size > 0
+    assert set(report["capacity_rps_by_stack"]) == {"lanes_on", "lanes_off"}  # short_alone runs on lanes_on's
+    assert report["capacity_rps"] == report["capacity_rps_by_stack"]["lanes_on"] > 0
     assert "round 2/2" in proc.stdout

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
@@ -30,6 +30,10 @@ from shared.embedded_redis import free_port
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 EXAMPLES = int(os.environ.get("BATCHGATE_FUZZ_EXAMPLES", "200"))
+# Negative cases carry random extra headers; one that happens to be named like a message-framing header
+# ("content-length: ?w~") makes the request unparseable HTTP, which the HTTP server itself answers (400,
+# text/plain, "Invalid HTTP request received.") before the application sees it: not the API's to document.
+FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "host", "connection", "expect", "upgrade"})
 CALLS: Counter[str] = Counter()
 
 
@@ -84,6 +88,7 @@ def test_api_conforms_to_its_openapi_document(gateway: tuple[str, str]) -> None:
         @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
                   database=None)
         def run(case) -> None:  # type: ignore[no-untyped-def]
+            assume(not FRAMING_HEADERS & {h.lower() for h in (case.headers or {})})
             resp = case.call_and_validate(base_url=base, headers={"Authorization": f"Bearer {key}"},
                                           excluded_checks=[positive_data_acceptance])
             CALLS[f"{case.method} {case.path} [{label}] -> {resp.status_code}"] += 1  # noqa: B023 - run() runs now
