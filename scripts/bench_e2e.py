@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -109,7 +110,7 @@ class Collected:
         reasons: dict[str, int] = {}
         for o in self.outs:
             if o.status not in ("succeeded", ""):
-                why = f"{o.job.cls} {o.status}: {o.error.split(';')[0][:70]}"
+                why = re.sub(r"\d+", "N", f"{o.job.cls} {o.status}: {o.error.split(';')[0][:70]}")
                 reasons[why] = reasons.get(why, 0) + 1
         summary.update({
             "offered_rps": rate, "wall_s": self.wall_s, "expired_without_compute": self.expired_without_compute,

@@ -5,7 +5,7 @@ These costs bound what any scheduling can do for a short request: its latency is
 one token interval per new token, and a token interval is at least one decode step of the batch it
 runs in. Median of --reps timings per point.
 
-    python scripts/step_costs.py --json docs/bench/step_costs.json
+    python scripts/step_costs.py --json docs/bench/step_costs.json [--profile]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "batchgate" / "models"))
     ap.add_argument("--json")
+    ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops of 1-row decode steps")
     args = ap.parse_args()
     model = models.load(BUILTIN_MODELS["bench-llama"], Path(args.cache_dir)).model
     rng = random.Random(0)
@@ -68,6 +69,16 @@ def main() -> None:
             times.append((time.perf_counter() - t0) * 1000)
         report["prefill_ms"][f"{rows}x{prompt}"] = ms = statistics.median(times[1:])
         print(f"{f'{rows} x {prompt} tokens':<24}{ms:>8.1f}", flush=True)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        eng = engine(1)
+        eng.prefill([spec(0, 16)])
+        eng.step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(10):
+                eng.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
