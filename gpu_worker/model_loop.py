@@ -192,6 +192,8 @@ class ModelLoop:
         preemptible = [p for p in self._running.values() if p.rank > 0]
         holding = draining or now < self._gate_retry_at  # Redis could not confirm the last batch: hold off
         free = 0 if holding else self.runner.free_rows
+        if free and self.scheduler.deadline_aware:
+            free = min(free, self._deadline_room(now))
         # rows per lane only matter to lanes with a share, and only when there is a row to give
         running = Counter(p.lane for p in self._running.values()) if free and self.scheduler.shares_apply else None
         plan = self.scheduler.plan(now, free, 0 if holding else len(preemptible), running)
@@ -283,6 +285,17 @@ class ModelLoop:
         out.extend(self.runner.start(batch, now))
         self.tracker.observe_prefill(sum(p.prompt_tokens * p.size for p in batch), self._clock() - t0)
         return out
+
+    def _deadline_room(self, now: float) -> int:
+        """Rows that may join without pushing a running row past its deadline: every row slows every
+        step, and each running row must still fit its remaining tokens into the time it has left. Under
+        overload, admitting past this point starts work that is then evicted unfinished (its compute
+        wasted, and everyone slowed while it ran)."""
+        budgets = [(p.deadline - now) / left for rid, left in self.runner.remaining_tokens().items()
+                   if left > 0 and (p := self._running.get(rid)) is not None]
+        if not budgets:
+            return self.runner.free_rows
+        return max(0, self.tracker.rows_within(min(budgets), self.max_rows) - len(self._running))
 
     def _evict_doomed(self, now: float) -> list[Emitted]:
         """Running rows that cannot finish by their deadline at the measured token interval leave now

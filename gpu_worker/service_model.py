@@ -114,6 +114,17 @@ class ServiceTracker:
     def step_seconds(self, rows: int) -> float:
         return self.decode.predict(max(1, rows))
 
+    def rows_within(self, per_token_s: float, limit: int) -> int:
+        """The most running rows whose predicted token interval stays within `per_token_s` (at most `limit`;
+        `limit` until the fit has seen enough steps to say)."""
+        fit = self.decode
+        if fit.n < CLIP_AFTER:
+            return limit
+        slope, intercept = fit.slope, fit.intercept
+        if slope <= 0:
+            return limit if intercept <= per_token_s else 0
+        return max(0, min(limit, int((per_token_s - intercept) / slope)))
+
     def service_model(self, rows: int) -> ServiceModel:
         return ServiceModel(fixed_s=self.prefill.intercept, per_token_s=self.prefill.slope,
                             decode_s_per_token=self.step_seconds(rows))

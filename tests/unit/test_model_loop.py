@@ -249,3 +249,32 @@ def test_a_failing_decode_step_fails_its_rows_not_the_loop():
     runner.step = lambda: (_ for _ in ()).throw(RuntimeError("device lost"))  # type: ignore[method-assign]
     loop._iterate()
     assert sorted(finished(emitted, Status.FAILED)) == ["r0", "r1"] and not loop.stopped
+
+
+def test_no_row_joins_when_it_would_push_a_running_row_past_its_deadline():
+    """Under deadline pressure the loop admits only as many rows as keep every running row within its
+    deadline at the measured step time (more rows, slower steps): nothing is started only to be evicted."""
+    loop, runner, clock, emitted = make(rows=8)
+    for rows in (1, 2, 4, 8):
+        loop.tracker.observe_step(rows, 0.01 * rows)  # a step costs 10 ms per row
+    for rows in (1, 2, 4, 8):
+        loop.tracker.observe_step(rows, 0.01 * rows)
+    tight = req(0, clock, new=10, timeout=0.45)  # 10 tokens in 0.45 s: at most 4 rows (40 ms a token)
+    loop.submit(Add([tight], clock.t))
+    loop._iterate()
+    assert runner.started == ["r0"]
+    assert loop._deadline_room(clock.t) == 3
+    loop.submit(Add([req(i, clock, new=10) for i in range(1, 8)], clock.t))
+    loop._iterate()
+    assert len(runner.rows) == 4  # three joined; four more wait for the tight one to finish
+    run_until_idle(loop, runner)
+    assert sorted(finished(emitted)) == sorted(f"r{i}" for i in range(8))
+
+
+def test_without_deadline_pressure_every_free_row_is_used():
+    loop, runner, clock, _ = make(rows=8)
+    for rows in (1, 2, 4, 8, 1, 2, 4, 8):
+        loop.tracker.observe_step(rows, 0.01 * rows)
+    loop.submit(Add([req(i, clock, new=10, timeout=600) for i in range(8)], clock.t))
+    loop._iterate()
+    assert len(runner.rows) == 8

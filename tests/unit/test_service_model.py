@@ -109,3 +109,13 @@ def test_a_lane_finishing_in_clumps_keeps_a_sensible_rate():
         if second >= 60:
             rates.append(t.counters["long"].rate)
     assert min(rates) > 0.3 and max(rates) < 0.8
+
+
+def test_rows_within_a_token_budget():
+    t = ServiceTracker(("short",))
+    assert t.rows_within(0.001, 64) == 64  # nothing measured yet: no limit
+    for rows in (1, 2, 4, 8, 16, 32) * 2:
+        t.observe_step(rows, 0.01 + 0.002 * rows)
+    assert t.rows_within(0.05, 64) == 20  # 0.01 + 0.002 x 20 = 0.05
+    assert t.rows_within(0.2, 64) == 64
+    assert t.rows_within(0.005, 64) == 0  # even one row is slower than that
