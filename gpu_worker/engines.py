@@ -11,12 +11,15 @@ CUDA stream, or a niced thread on CPU). See docs/scheduling.md for why and what 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from gpu_worker.model_loop import Adopt, Cancel, Drain, HandBack, ModelLoop
 from gpu_worker.scheduler import Pending
 from shared.config import ModelSpec
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -38,15 +41,16 @@ class ModelEngines:
         goes to the engine of the last lane, as the scheduler files it under its last lane)."""
         return self._by_lane.get(lane) or self.loops[-1]
 
+    def split(self, items: Iterable[T], lane: Callable[[T], str]) -> list[tuple[ModelLoop, list[T]]]:
+        """`items` grouped by the engine serving each one's lane, in engine order, empty groups left out."""
+        groups: list[list[T]] = [[] for _ in self.loops]
+        for item in items:
+            groups[self.loops.index(self.for_lane(lane(item)))].append(item)
+        return [(loop, group) for loop, group in zip(self.loops, groups, strict=True) if group]
+
     def hand_over(self, items: list[Pending]) -> None:
         """From an engine's thread: prepared requests whose real lane another engine serves."""
-        by_loop: dict[int, list[Pending]] = {}
-        for item in items:
-            by_loop.setdefault(id(self.for_lane(item.lane)), []).append(item)
-        for loop in self.loops:
-            mine = by_loop.get(id(loop))
-            if not mine:
-                continue
+        for loop, mine in self.split(items, lambda p: p.lane):
             if loop.stopped:  # it has handed its work back already: this goes back to the stream too
                 loop.emit([HandBack([p.payload[0] for p in mine])])
             else:

@@ -186,14 +186,19 @@ class ModelLoop:
             self.on_work(self.runner.busy or len(self.scheduler) > 0)
         now = self._clock()
         out: list[Emitted] = list(self.runner.expire(now))
+        # tokens left per running row, read once: doomed rows leave by it, and the rest bound the room
+        left = self.runner.remaining_tokens() if self.scheduler.deadline_aware else {}
         if self.scheduler.deadline_aware:
-            out.extend(self._evict_doomed(now))
+            evicted = self._evict_doomed(now, left)
+            for o in evicted:
+                left.pop(o.request.id, None)
+            out.extend(evicted)
         draining = self._drain_until is not None
         preemptible = [p for p in self._running.values() if p.rank > 0]
         holding = draining or now < self._gate_retry_at  # Redis could not confirm the last batch: hold off
         free = 0 if holding else self.runner.free_rows
         if free and self.scheduler.deadline_aware:
-            free = min(free, self._deadline_room(now))
+            free = min(free, self._deadline_room(now, left))
         # rows per lane only matter to lanes with a share, and only when there is a row to give
         running = Counter(p.lane for p in self._running.values()) if free and self.scheduler.shares_apply else None
         plan = self.scheduler.plan(now, free, 0 if holding else len(preemptible), running)
@@ -286,25 +291,25 @@ class ModelLoop:
         self.tracker.observe_prefill(sum(p.prompt_tokens * p.size for p in batch), self._clock() - t0)
         return out
 
-    def _deadline_room(self, now: float) -> int:
+    def _deadline_room(self, now: float, left: dict[str, int]) -> int:
         """Rows that may join without pushing a running row past its deadline: every row slows every
         step, and each running row must still fit its remaining tokens into the time it has left. Under
         overload, admitting past this point starts work that is then evicted unfinished (its compute
         wasted, and everyone slowed while it ran)."""
-        budgets = [(p.deadline - now) / left for rid, left in self.runner.remaining_tokens().items()
-                   if left > 0 and (p := self._running.get(rid)) is not None]
+        budgets = [(p.deadline - now) / n for rid, n in left.items()
+                   if n > 0 and (p := self._running.get(rid)) is not None]
         if not budgets:
             return self.runner.free_rows
         return max(0, self.tracker.rows_within(min(budgets), self.max_rows) - len(self._running))
 
-    def _evict_doomed(self, now: float) -> list[Emitted]:
+    def _evict_doomed(self, now: float, left: dict[str, int]) -> list[Outcome]:
         """Running rows that cannot finish by their deadline at the measured token interval leave now
         (partial output kept) instead of taking rows and steps from work that can still make it."""
         interval = self.tracker.step_seconds(max(1, len(self._running)))
         if interval <= 0:
             return []
-        doomed = {rid for rid, left in self.runner.remaining_tokens().items()
-                  if (p := self._running.get(rid)) is not None and now + DOOM_OPTIMISM * left * interval > p.deadline}
+        doomed = {rid for rid, n in left.items()
+                  if (p := self._running.get(rid)) is not None and now + DOOM_OPTIMISM * n * interval > p.deadline}
         return list(self.runner.expire_ids(doomed)) if doomed else []
 
     def _preempt(self, candidates: list[Pending], rows: int) -> None:
@@ -372,10 +377,10 @@ class ModelLoop:
                                       f"the request could not be prepared: {type(exc).__name__}: {exc}")
             if not isinstance(item, Pending):
                 out.append(item)
-            elif item.lane in self.scheduler.queues or self._hand_over is None:
+            elif self._hand_over is not None and item.lane not in self.scheduler.queues:
+                elsewhere.append(item)  # the real tokenizer put it in a lane another engine serves
+            else:
                 self.scheduler.add(item)
-            else:  # the real tokenizer put it in a lane another engine serves
-                elsewhere.append(item)
         if out:
             self._emit(out)
         if elsewhere and self._hand_over is not None:

@@ -45,9 +45,6 @@ class Runner(Protocol):
     def busy(self) -> bool: ...
 
     @property
-    def device(self) -> torch.device: ...
-
-    @property
     def free_rows(self) -> int: ...
 
     def prepare(self, req: InferenceRequest, now: float) -> Pending | Outcome: ...
@@ -125,10 +122,6 @@ class EmbedRunner:
         self.model_calls: dict[str, int] = {}
 
     busy = False
-
-    @property
-    def device(self) -> torch.device:
-        return self.loaded.device
 
     @property
     def free_rows(self) -> int:
@@ -240,19 +233,17 @@ def engine_rows(max_running: int, budget_bytes: int, bytes_per_row: int) -> int:
 def engine_seq_len(spec: ModelSpec, lanes: Sequence[LaneSpec]) -> int:
     """Longest sequence an engine serving `lanes` can be given: the model's limit, or less when its lanes
     are all bounded (a request is filed under a lane by prompt + max_new_tokens, so the bound holds)."""
-    model_max = spec.max_input_tokens + spec.max_new_tokens
     bounds = [lane.max_tokens for lane in lanes]
-    if not bounds or any(b is None for b in bounds):
-        return model_max
-    return min(model_max, max(b for b in bounds if b is not None))
+    if None in bounds:
+        return spec.max_seq_len
+    return min(spec.max_seq_len, max(b for b in bounds if b is not None))
 
 
 def size_engines(loaded: LoadedModel, seq_lens: Sequence[int]) -> list[int]:
     """Rows for each of a model's engines (one per engine group), so load can never exhaust memory: the
     model's KV budget is split evenly between its engines, each row sized for its engine's longest sequence."""
     spec = loaded.spec
-    model_max = spec.max_input_tokens + spec.max_new_tokens
-    per_token = GenerationEngine.bytes_per_row(loaded.model, model_max) // (2 * model_max)
+    per_token = GenerationEngine.bytes_per_row(loaded.model, spec.max_seq_len) // (2 * spec.max_seq_len)
     budget = kv_budget_bytes(spec.kv_budget_tokens, per_token, loaded.device) // max(1, len(seq_lens))
     sizes = []
     for seq_len in seq_lens:
@@ -265,12 +256,6 @@ def size_engines(loaded: LoadedModel, seq_lens: Sequence[int]) -> list[int]:
                  kv_cache_mib=round(rows * per_row / 2**20, 1), budget_mib=round(budget / 2**20, 1))
         sizes.append(rows)
     return sizes
-
-
-def size_engine(loaded: LoadedModel) -> tuple[int, int]:
-    """(max rows, max sequence length) for a model served by one engine."""
-    seq_len = loaded.spec.max_input_tokens + loaded.spec.max_new_tokens
-    return size_engines(loaded, [seq_len])[0], seq_len
 
 
 # CFS weights: nice 0 is 1024, +2 is 655: the background engine yields to the foreground one without
@@ -364,8 +349,6 @@ class GenerateRunner:
         if eos is None:
             eos = loaded.model.config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        # the model's own limit: a request this engine reads may belong to another engine of the model
-        self.model_max_seq_len = self.spec.max_input_tokens + self.spec.max_new_tokens
         self.engine = GenerationEngine(loaded.model, max_rows=max_rows, max_seq_len=max_seq_len,
                                        decode_tail=lambda ids: tok.decode(ids, skip_special_tokens=True),
                                        clock=clock)
@@ -375,10 +358,6 @@ class GenerateRunner:
     @property
     def busy(self) -> bool:
         return self.engine.running > 0
-
-    @property
-    def device(self) -> torch.device:
-        return self.loaded.device
 
     @property
     def free_rows(self) -> int:
@@ -424,10 +403,11 @@ class GenerateRunner:
         )
         if not ids:
             return failed_outcome(req, self.worker, now, "invalid_input", "the prompt has no tokens")
-        if spec.total_tokens > self.model_max_seq_len:
+        # the model's limit, not this engine's: a request it reads may belong to another engine of the model
+        if spec.total_tokens > self.spec.max_seq_len:
             return failed_outcome(req, self.worker, now, "input_too_long",
                                   f"prompt + max_new_tokens = {spec.total_tokens} exceeds "
-                                  f"{self.model_max_seq_len} tokens")
+                                  f"{self.spec.max_seq_len} tokens")
         lane = assign_lane(spec.total_tokens, self.spec.lanes).name
         return Pending(id=req.id, lane=lane, rank=Priority(req.priority).rank, deadline=req.deadline_ms / 1000,
                        arrived=now, tokens=spec.total_tokens, prompt_tokens=len(ids),

@@ -20,7 +20,7 @@ from gpu_worker.scheduler import ServiceModel
 # second per token and expired or evicted long requests that finished in a quarter of their deadline. A
 # real, lasting slowdown still shows: each sample can raise the estimate by a factor, and it keeps rising.
 CLIP_FACTOR = 4.0
-CLIP_AFTER = 8
+WARM_SAMPLES = 8  # samples before a fit clips outliers or is trusted to bound the rows
 
 
 class RunningFit:
@@ -32,7 +32,7 @@ class RunningFit:
         self._mx = self._my = self._mxx = self._mxy = 0.0
 
     def add(self, x: float, y: float) -> None:
-        if self.n >= CLIP_AFTER and (bound := self.predict(x)) > 0:
+        if self.n >= WARM_SAMPLES and (bound := self.predict(x)) > 0:
             y = min(y, CLIP_FACTOR * bound)
         a = 1.0 if self.n == 0 else max(self.alpha, 1.0 / (self.n + 1))
         self._mx += a * (x - self._mx)
@@ -118,7 +118,7 @@ class ServiceTracker:
         """The most running rows whose predicted token interval stays within `per_token_s` (at most `limit`;
         `limit` until the fit has seen enough steps to say)."""
         fit = self.decode
-        if fit.n < CLIP_AFTER:
+        if fit.n < WARM_SAMPLES:
             return limit
         slope, intercept = fit.slope, fit.intercept
         if slope <= 0:

@@ -75,11 +75,6 @@ def build_runners(loaded: Any, worker: str, faults: Faults,
             for r, n in zip(rows, seq_lens, strict=True)]
 
 
-def build_runner(loaded: Any, worker: str, faults: Faults) -> Runner:
-    """A runner for a model served by one engine (all its lanes)."""
-    return build_runners(loaded, worker, faults, [("main", loaded.spec.lanes)])[0]
-
-
 def build_scheduler(spec: ModelSpec, runner: Runner, lanes: tuple[LaneSpec, ...] | None = None) -> Scheduler:
     # lane shares are of a running batch's rows; an encoder's batch ends with its forward, so it has none
     rows = runner.free_rows if spec.task is Task.GENERATE else None
@@ -214,6 +209,7 @@ class Worker:
     async def _load_models(self) -> None:
         from gpu_worker import models
 
+        cpu: list[ModelLoop] = []
         for spec in self.settings.models:
             if self._loader is not None:
                 loaded = await asyncio.to_thread(self._loader, spec)
@@ -224,16 +220,13 @@ class Worker:
             engines = self.engines[spec.name] = ModelEngines(spec)
             for i, ((engine, lanes), runner) in enumerate(zip(groups, runners, strict=True)):
                 await asyncio.to_thread(runner.warm_up)
-                device = loaded.device
-
-                def bind(device: Any = device, background: bool = i > 0) -> str:
-                    return bind_compute_thread(device, background=background)
-
+                bind = functools.partial(bind_compute_thread, loaded.device, background=i > 0)
                 engines.add(ModelLoop(spec.name, runner, build_scheduler(spec, runner, lanes), gate=self._gate,
                                       emit=self._emit, on_crash=self._on_crash, worker=self.name,
                                       faults=self.faults, engine=engine, bind_thread=bind,
                                       hand_over=engines.hand_over if len(groups) > 1 else None))
-        cpu = [lp for lp in self._loops() if lp.runner.device.type == "cpu"]
+            if loaded.device.type == "cpu":
+                cpu.extend(engines)
         if cpu:  # CPU engines of this process share its cores (work-conserving: see CpuShare)
             share = CpuShare(len(cpu), self.settings.torch_threads)
             for lp in cpu:
@@ -354,11 +347,7 @@ class Worker:
                 fresh.append(req)
         if late:
             await self.publisher.queue.put(late)
-        by_loop: dict[int, tuple[ModelLoop, list[InferenceRequest]]] = {}
-        for req in fresh:
-            lp = engines.for_lane(req.lane)
-            by_loop.setdefault(id(lp), (lp, []))[1].append(req)
-        for lp, reqs in by_loop.values():
+        for lp, reqs in engines.split(fresh, lambda r: r.lane):
             lp.submit(Add(reqs, now))
 
     async def _decode_entry(self, model: str, stream: str, entry_id: bytes,

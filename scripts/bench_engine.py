@@ -219,7 +219,7 @@ def run_batchgate(loaded: Any, reqs: list[Req]) -> RunResult:
     runner = _RUNNERS.get(id(loaded))
     if runner is None:
         runner = _RUNNERS[id(loaded)] = GenerateRunner(loaded, "bench", max_rows=spec.max_running,
-                                                       max_seq_len=spec.max_input_tokens + spec.max_new_tokens)
+                                                       max_seq_len=spec.max_seq_len)
     done: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
     loop = ModelLoop(spec.name, runner, build_scheduler(spec, runner), gate=lambda rs: [True] * len(rs), emit=done.put,
                      worker="bench")

@@ -64,6 +64,11 @@ class ModelSpec:
         return next((lane for lane in self.lanes if lane.name == name), None)
 
     @property
+    def max_seq_len(self) -> int:
+        """The longest sequence a request can make: its prompt plus its new tokens, at most."""
+        return self.max_input_tokens + self.max_new_tokens
+
+    @property
     def lane_names(self) -> tuple[str, ...]:
         return tuple(lane.name for lane in self.lanes)
 

@@ -263,7 +263,7 @@ def test_no_row_joins_when_it_would_push_a_running_row_past_its_deadline():
     loop.submit(Add([tight], clock.t))
     loop._iterate()
     assert runner.started == ["r0"]
-    assert loop._deadline_room(clock.t) == 3
+    assert loop._deadline_room(clock.t, runner.remaining_tokens()) == 3
     loop.submit(Add([req(i, clock, new=10) for i in range(1, 8)], clock.t))
     loop._iterate()
     assert len(runner.rows) == 4  # three joined; four more wait for the tight one to finish
