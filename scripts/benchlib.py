@@ -211,6 +211,39 @@ async def drive(url: str, jobs: list[Job], wait_s: float = 600) -> tuple[list[Ou
         return list(outs), time.perf_counter() - t0
 
 
+async def saturate(url: str, jobs: Iterator[Job], *, concurrency: int, warm_s: float, measure_s: float,
+                   progress: str = "") -> float:
+    """Sustained capacity: `concurrency` clients submit back to back (a queue always waiting, so the worker's
+    rows stay full) and the successes that finish in the `measure_s` after a `warm_s` warm-up are counted.
+    A burst of N all at once undercounts: its wall time includes the start-up and a tail in which the last
+    rows finish in ever smaller batches (under overload, goodput came out above such a "capacity")."""
+    limits = httpx.Limits(max_connections=concurrency + 10, max_keepalive_connections=concurrency + 10)
+    counted = 0
+    async with httpx.AsyncClient(base_url=url, timeout=600 + 30, limits=limits) as client:
+        t0 = time.perf_counter()
+        start, end = t0 + warm_s, t0 + warm_s + measure_s
+
+        async def client_loop() -> None:
+            nonlocal counted
+            while time.perf_counter() < end:
+                job = next(jobs)
+                job.at = 0.0
+                o = await run_one(client, job, time.perf_counter())
+                if o.status == "succeeded" and start <= o.done <= end:
+                    counted += 1
+
+        async def show() -> None:
+            while time.perf_counter() < end:
+                await asyncio.sleep(5)
+                print(f"  {progress}capacity: {time.perf_counter() - t0:.0f}/{warm_s + measure_s:.0f} s, "
+                      f"{counted} counted", flush=True)
+
+        ticker = asyncio.create_task(show())
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        ticker.cancel()
+    return counted / measure_s
+
+
 def pct(values: list[float], q: float) -> float | None:
     if not values:
         return None

@@ -35,8 +35,8 @@ def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
     out = tmp_path / "e2e.json"
     env = {**os.environ, "BATCHGATE_MODEL_CACHE": str(model_cache)}
     proc = subprocess.run(
-        [sys.executable, "scripts/bench_e2e.py", "--requests", "12", "--rounds", "2", "--capacity-requests", "6",
-         "--capacity-reps", "1",
+        [sys.executable, "scripts/bench_e2e.py", "--requests", "12", "--rounds", "2", "--capacity-clients", "4",
+         "--capacity-warm-s", "1", "--capacity-s", "6", "--capacity-reps", "1",
          "--redis-url", redis_url, "--json", str(out), "--plot", str(tmp_path / "cdf.png")],
         capture_output=True, text=True, timeout=900, env=env,
     )
@@ -52,3 +52,25 @@ def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
     assert set(report["capacity_rps_by_stack"]) == {"lanes_on", "lanes_off"}  # short_alone runs on lanes_on's
     assert report["capacity_rps"] == report["capacity_rps_by_stack"]["lanes_on"] > 0
     assert "round 2/2" in proc.stdout
+
+
+@pytest.mark.redis
+def test_overload_benchmark_smoke(tmp_path, redis_url, model_cache):
+    out = tmp_path / "overload.json"
+    env = {**os.environ, "BATCHGATE_MODEL_CACHE": str(model_cache)}
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_overload.py", "--duration", "4", "--capacity-clients", "8",
+         "--capacity-warm-s", "1", "--capacity-s", "4", "--redis-url", redis_url, "--json", str(out)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["capacity_rps"] > 0 and report["overload"] == 2.0
+    for name in ("deadline_aware", "fifo"):
+        row = report[name]
+        assert row["offered"] == int(row["offered_rps"] * 4) > 0
+        assert sum(row["statuses"].values()) == row["offered"]  # every request accounted for
+        assert row["goodput_rps"] >= 0 and "goodput_vs_capacity" in row
+    assert report["compute_on_expired"] == report["deadline_aware"]["compute_on_expired"]
+    assert report["deadline_aware"]["all_terminal_or_429"] is True
+    assert "capacity (sustained" in proc.stdout and "goodput/s" in proc.stdout  # progress and the human table
