@@ -2,8 +2,10 @@
 seconds; deadline-aware scheduling (lanes, EDF, expiry without compute, admission control) vs FIFO
 (deadlines ignored), the same stack otherwise.
 
-Goodput = requests that succeeded by their deadline, per second of offered load. Every request must
-end in a terminal state or a 429 at submit.
+Capacity is sustained throughput with no deadline pressure (benchlib.saturate: closed-loop clients
+keeping a queue waiting for the rows, successes counted after a warm-up). Goodput = requests that
+succeeded by their deadline, per second of offered load. Every request must end in a terminal state
+or a 429 at submit.
 
     python scripts/bench_overload.py --duration 60 --json docs/bench/overload.json
 """
