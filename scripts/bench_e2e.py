@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import re
@@ -46,15 +45,6 @@ SHORT_ONLY = {"short_alone"}
 
 INTERLEAVED = ("lanes_on", "lanes_off", "short_alone")  # run side by side in rounds (see main)
 STACK_OF = {"short_alone": "lanes_on"}  # the short requests alone run on the lanes-on stack
-
-
-def measure_capacity(url: str, args: argparse.Namespace, label: str) -> float:
-    """Sustained completions per second of the mixed workload, no deadline pressure (benchlib.saturate)."""
-    jobs = bl.mix(10_000, args.seed + 7)
-    for j in jobs:
-        j.timeout_s = 600
-    return asyncio.run(bl.saturate(url, itertools.cycle(jobs), concurrency=args.capacity_clients,
-                                   warm_s=args.capacity_warm_s, measure_s=args.capacity_s, progress=f"{label} "))
 
 
 def warm(st: bl.Stack) -> None:
@@ -147,7 +137,7 @@ def run_interleaved(names: list[str], args: argparse.Namespace, report: dict[str
             caps: dict[str, list[float]] = {key: [] for key in running}
             for _ in range(args.capacity_reps):
                 for key, st in running.items():
-                    caps[key].append(measure_capacity(st.url, args, key))
+                    caps[key].append(bl.sustained_capacity(st.url, bl.mix(10_000, args.seed + 7), args, f"{key} "))
             first = STACK_OF.get(names[0], names[0])
             report["capacity_rps_by_stack"] = {key: statistics.median(v) for key, v in caps.items()}
             capacity = report["capacity_rps"] = report["capacity_rps_by_stack"][first]
@@ -212,10 +202,7 @@ def plot(report: dict[str, Any], path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--capacity-clients", type=int, default=128,
-                    help="closed-loop clients measuring capacity (2x the model's 64 rows: a queue always waits)")
-    ap.add_argument("--capacity-warm-s", type=float, default=15.0)
-    ap.add_argument("--capacity-s", type=float, default=45.0, help="seconds over which capacity is counted")
+    bl.add_capacity_args(ap, warm_s=15.0, measure_s=45.0)
     ap.add_argument("--capacity-reps", type=int, default=2, help="capacity measurements per stack (median)")
     ap.add_argument("--load", type=float, default=0.7)
     ap.add_argument("--rate", type=float, help="offered req/s (default: --load x the capacity measured first)")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import re
@@ -40,9 +39,7 @@ def run(name: str, scheduling: str, args: argparse.Namespace, capacity: float | 
         asyncio.run(bl.drive(st.url, workload(8, 99, 60)))  # warm-up
         result: dict[str, Any] = {}
         if capacity is None:
-            jobs = itertools.cycle(workload(10_000, args.seed + 7, 600))
-            capacity = asyncio.run(bl.saturate(st.url, jobs, concurrency=args.capacity_clients,
-                                               warm_s=args.capacity_warm_s, measure_s=args.capacity_s))
+            capacity = bl.sustained_capacity(st.url, workload(10_000, args.seed + 7, 600), args)
             result["capacity_rps"] = capacity
             print(f"capacity (sustained, {args.capacity_clients} clients back to back, no deadline pressure): "
                   f"{capacity:.2f} req/s", flush=True)
@@ -89,10 +86,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--overload", type=float, default=2.0)
     ap.add_argument("--timeout", type=float, default=3.0, help="per-request timeout_s")
-    ap.add_argument("--capacity-clients", type=int, default=128,
-                    help="closed-loop clients measuring capacity (2x the model's 64 rows: a queue always waits)")
-    ap.add_argument("--capacity-warm-s", type=float, default=10.0)
-    ap.add_argument("--capacity-s", type=float, default=30.0, help="seconds over which capacity is counted")
+    bl.add_capacity_args(ap, warm_s=10.0, measure_s=30.0)
     ap.add_argument("--max-batch-tokens", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))

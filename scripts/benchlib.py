@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import itertools
 import os
 import random
 import re
@@ -227,8 +229,7 @@ async def saturate(url: str, jobs: Iterator[Job], *, concurrency: int, warm_s: f
             nonlocal counted
             while time.perf_counter() < end:
                 job = next(jobs)
-                job.at = 0.0
-                o = await run_one(client, job, time.perf_counter())
+                o = await run_one(client, job, time.perf_counter() - job.at)  # now, whatever its arrival time
                 if o.status == "succeeded" and start <= o.done <= end:
                     counted += 1
 
@@ -242,6 +243,21 @@ async def saturate(url: str, jobs: Iterator[Job], *, concurrency: int, warm_s: f
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         ticker.cancel()
     return counted / measure_s
+
+
+def add_capacity_args(ap: argparse.ArgumentParser, *, warm_s: float, measure_s: float) -> None:
+    ap.add_argument("--capacity-clients", type=int, default=128,
+                    help="closed-loop clients measuring capacity (2x the model's 64 rows: a queue always waits)")
+    ap.add_argument("--capacity-warm-s", type=float, default=warm_s)
+    ap.add_argument("--capacity-s", type=float, default=measure_s, help="seconds over which capacity is counted")
+
+
+def sustained_capacity(url: str, jobs: list[Job], args: argparse.Namespace, progress: str = "") -> float:
+    """`saturate` over `jobs` (cycled) with no deadline pressure, sized by the `add_capacity_args` options."""
+    for j in jobs:
+        j.timeout_s = 600
+    return asyncio.run(saturate(url, itertools.cycle(jobs), concurrency=args.capacity_clients,
+                                warm_s=args.capacity_warm_s, measure_s=args.capacity_s, progress=progress))
 
 
 def pct(values: list[float], q: float) -> float | None:
