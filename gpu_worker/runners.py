@@ -303,16 +303,39 @@ def cpu_threads_per_engine(engines: int, configured: int = 0, cores: int | None 
     return max(1, (cores or cpu_cores()) // max(1, engines))
 
 
-class CpuShare:
-    """The process's cores among its CPU engines, work-conserving: an engine with work runs on every core
-    while the others are idle, and on its share of them while others have work too (more threads than
-    cores make every forward wait on the others). torch's thread count is per calling thread (OpenMP and
-    MKL keep it per thread), so each engine sets its own, on its own thread, before it computes."""
+def single_threaded(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run torch work on a helper thread (model loading, warm-up) without giving that thread an OpenMP
+    pool: see `CpuShare` for why a second pool slows every engine."""
+    torch.set_num_threads(1)
+    return fn(*args)
 
-    def __init__(self, engines: int, configured: int = 0, cores: int | None = None) -> None:
+
+class CpuShare:
+    """The process's cores among its CPU engines, each engine on a thread of its own.
+
+    torch's thread count is per calling thread, and GNU OpenMP keeps a pool of worker threads for
+    every thread that ever ran a parallel region on more than one, for that thread's whole life.
+    Once the pools hold more threads than there are cores, libgomp stops spinning between parallel
+    regions and every region waits for its workers to be woken: on this repo's 2-core VM, a 1-row
+    decode step took 13.9 ms on two threads beside a second pool, 12.5 ms on one thread, and 6.9 ms on
+    two threads with no other pool (`tests/unit/test_engines.py` checks the rule, the benchmark
+    numbers are in docs/scheduling.md). So the pools must never outnumber the cores:
+
+    - one engine, the *owner* (the first: the shortest lanes of the first model), may grow a pool;
+    - every other engine gets a fixed count, `cores // engines`;
+    - the owner gets what those leave. If they run on one thread each (no pool of theirs ever
+      exists), that is every core while they are idle and one core fewer per engine with work;
+      otherwise it is the cores their pools leave, always.
+
+    `configured` (`BATCHGATE_TORCH_THREADS`) fixes every engine's count instead."""
+
+    def __init__(self, engines: list[str], configured: int = 0, cores: int | None = None) -> None:
         self.cores = cores or cpu_cores()
+        self.owner = engines[0] if engines else ""
         self.fixed = configured if configured > 0 else None
-        self.shared = cpu_threads_per_engine(engines, configured, self.cores)
+        others = len(engines) - 1
+        self.other = cpu_threads_per_engine(len(engines), 0, self.cores)
+        self.owner_max = self.cores if self.other == 1 else max(1, self.cores - others * self.other)
         self._busy: dict[str, bool] = {}
         self._set: dict[str, int] = {}
 
@@ -320,8 +343,12 @@ class CpuShare:
         """What `engine` should run on now (pure: reads the others' last reported state)."""
         if self.fixed is not None:
             return self.fixed
-        others = any(busy for name, busy in self._busy.items() if name != engine)
-        return self.shared if others else self.cores
+        if engine != self.owner:
+            return self.other
+        if self.other > 1:
+            return self.owner_max
+        busy = sum(1 for name, b in self._busy.items() if b and name != engine)
+        return max(1, self.owner_max - busy)
 
     def report(self, engine: str, busy: bool) -> None:
         """From `engine`'s own thread, each iteration: whether it has work; sets its threads when it does."""

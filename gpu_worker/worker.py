@@ -38,6 +38,7 @@ from gpu_worker.runners import (
     engine_seq_len,
     expired_outcome,
     failed_outcome,
+    single_threaded,
     size_engines,
 )
 from gpu_worker.scheduler import BatchLimits, LanePolicy, Scheduler
@@ -212,14 +213,14 @@ class Worker:
         cpu: list[ModelLoop] = []
         for spec in self.settings.models:
             if self._loader is not None:
-                loaded = await asyncio.to_thread(self._loader, spec)
+                loaded = await asyncio.to_thread(single_threaded, self._loader, spec)
             else:
-                loaded = await asyncio.to_thread(models.load, spec, self.settings.model_cache_dir)
+                loaded = await asyncio.to_thread(single_threaded, models.load, spec, self.settings.model_cache_dir)
             groups = engine_groups(spec.lanes)
             runners = build_runners(loaded, self.name, self.faults, groups)
             engines = self.engines[spec.name] = ModelEngines(spec)
             for i, ((engine, lanes), runner) in enumerate(zip(groups, runners, strict=True)):
-                await asyncio.to_thread(runner.warm_up)
+                await asyncio.to_thread(single_threaded, runner.warm_up)
                 bind = functools.partial(bind_compute_thread, loaded.device, background=i > 0)
                 engines.add(ModelLoop(spec.name, runner, build_scheduler(spec, runner, lanes), gate=self._gate,
                                       emit=self._emit, on_crash=self._on_crash, worker=self.name,
@@ -227,12 +228,12 @@ class Worker:
                                       hand_over=engines.hand_over if len(groups) > 1 else None))
             if loaded.device.type == "cpu":
                 cpu.extend(engines)
-        if cpu:  # CPU engines of this process share its cores (work-conserving: see CpuShare)
-            share = CpuShare(len(cpu), self.settings.torch_threads)
+        if cpu:  # CPU engines of this process share its cores (see CpuShare)
+            share = CpuShare([f"{lp.name}/{lp.engine}" for lp in cpu], self.settings.torch_threads)
             for lp in cpu:
                 lp.on_work = functools.partial(share.report, f"{lp.name}/{lp.engine}")
-            log.info("cpu threads per engine", engines=len(cpu), cores=share.cores,
-                     shared=share.shared, alone=share.fixed or share.cores)
+            log.info("cpu threads per engine", engines=len(cpu), cores=share.cores, owner=share.owner,
+                     owner_max=share.fixed or share.owner_max, others=share.fixed or share.other)
 
     def _streams(self, model: str) -> list[str]:
         spec = self.settings.model(model)

@@ -120,15 +120,37 @@ def test_cpu_threads_are_shared_between_engines():
     assert cpu_threads_per_engine(1) >= cpu_threads_per_engine(2) >= 1
 
 
-def test_cpu_share_is_work_conserving():
-    share = CpuShare(2, cores=4)
-    assert share.shared == 2
-    assert share.threads("short") == 4  # nobody else has work: every core
-    share._busy["main"] = True
-    assert share.threads("short") == 2  # the other engine has work too: its share
-    share._busy["main"] = False
-    assert share.threads("short") == 4
-    assert CpuShare(2, configured=3, cores=4).threads("short") == 3  # BATCHGATE_TORCH_THREADS wins
+def test_cpu_share_gives_only_the_owner_a_pool_on_a_small_machine():
+    share = CpuShare(["m/short", "m/main"], cores=2)
+    assert (share.owner, share.other, share.owner_max) == ("m/short", 1, 2)
+    assert share.threads("m/short") == 2  # nobody else has work: every core
+    share._busy["m/main"] = True
+    assert share.threads("m/short") == 1  # the other engine has work too: one core each
+    assert share.threads("m/main") == 1  # never a pool of its own, busy or not
+    share._busy["m/main"] = False
+    assert share.threads("m/short") == 2
+    assert share.threads("m/main") == 1
+    assert CpuShare(["a", "b"], configured=3, cores=4).threads("b") == 3  # BATCHGATE_TORCH_THREADS wins
+
+
+def test_cpu_share_never_lets_the_pools_outnumber_the_cores():
+    for cores in range(1, 33):
+        for n in range(1, 6):
+            names = [f"e{i}" for i in range(n)]
+            share = CpuShare(names, cores=cores)
+            for busy in range(2 ** n):
+                share._busy = {name: bool(busy >> i & 1) for i, name in enumerate(names)}
+                counts = [share.threads(name) for name in names]
+                # a pool, once grown, lives as long as its thread: count each at its largest
+                largest = [max(share.threads(name), share.owner_max if name == share.owner else 0)
+                           for name in names]
+                assert sum(c for c in largest if c > 1) <= cores, (cores, n, counts)
+                assert all(c >= 1 for c in counts)
+                if busy == 2 ** n - 1 and cores >= n:  # all busy, enough cores: none oversubscribed
+                    assert sum(counts) <= cores
+    assert CpuShare(["only"], cores=16).threads("only") == 16
+    big = CpuShare(["short", "main"], cores=16)
+    assert (big.threads("short"), big.threads("main")) == (8, 8)
 
 
 def test_cpu_share_sets_threads_on_the_reporting_thread_only():
@@ -137,11 +159,11 @@ def test_cpu_share_sets_threads_on_the_reporting_thread_only():
     import torch
 
     before = torch.get_num_threads()
-    share = CpuShare(2, cores=2)
+    share = CpuShare(["short", "main"], cores=2)
     seen: list[int] = []
 
     def engine() -> None:
-        share.report("main", True)  # the short engine has work: this one runs on its share
+        share.report("main", True)
         seen.append(torch.get_num_threads())
 
     share.report("short", True)
@@ -150,5 +172,5 @@ def test_cpu_share_sets_threads_on_the_reporting_thread_only():
     t.join()
     assert seen == [1]
     share.report("short", False)  # idle: nothing is set on this thread
-    assert share.threads("main") == 2 and share._set == {"short": 2, "main": 1}
+    assert share._set == {"short": 2, "main": 1}
     torch.set_num_threads(before)
