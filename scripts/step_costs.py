@@ -5,7 +5,11 @@ These costs bound what any scheduling can do for a short request: its latency is
 one token interval per new token, and a token interval is at least one decode step of the batch it
 runs in. Median of --reps timings per point.
 
-    python scripts/step_costs.py --json docs/bench/step_costs.json [--profile]
+    python scripts/step_costs.py --json docs/bench/step_costs.json [--profile] [--threads-check]
+
+`--threads-check` times a 1-row decode step on a helper thread (where the worker's engines run):
+on one torch thread, on all cores, and on all cores while a second thread holds an OpenMP pool of
+its own (the case `gpu_worker.runners.CpuShare` exists to avoid).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import argparse
 import json
 import random
 import statistics
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,7 +40,12 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "batchgate" / "models"))
     ap.add_argument("--json")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops of 1-row decode steps")
+    ap.add_argument("--threads-check", action="store_true",
+                    help="also time a 1-row step on helper threads: 1 thread, all cores, beside a second pool")
     args = ap.parse_args()
+    cores = torch.get_num_threads()
+    if args.threads_check:  # before the main thread grows an OpenMP pool of its own
+        torch.set_num_threads(1)
     model = models.load(BUILTIN_MODELS["bench-llama"], Path(args.cache_dir)).model
     rng = random.Random(0)
 
@@ -46,6 +57,9 @@ def main() -> None:
         return GenerationEngine(model, max_rows=rows, max_seq_len=512)
 
     report: dict[str, dict[str, float]] = {"decode_step_ms": {}, "prefill_ms": {}}
+    if args.threads_check:
+        report["helper_thread_step_ms"] = threads_check(engine(1), spec, args.reps, cores)
+        torch.set_num_threads(cores)
     print(f"torch threads: {torch.get_num_threads()}")
     print(f"{'decode step':<24}{'ms':>8}")
     for rows in DECODE_ROWS:
@@ -82,6 +96,53 @@ def main() -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+def threads_check(eng: GenerationEngine, spec: Callable[[int, int], GenSpec], reps: int,
+                  cores: int) -> dict[str, float]:
+    """A 1-row decode step timed on a fresh helper thread in three settings (median of 20 x reps)."""
+    out: dict[str, float] = {}
+
+    def timed(name: str, threads: int) -> None:
+        torch.set_num_threads(threads)
+        eng.prefill([spec(0, 16)])
+        times = []
+        for _ in range(20 * reps):
+            if not eng.rows:
+                eng.prefill([spec(0, 16)])
+            t0 = time.perf_counter()
+            eng.step()
+            times.append((time.perf_counter() - t0) * 1000)
+        eng.cancel(eng.running_ids())
+        out[name] = statistics.median(times[5:])
+
+    def on_thread(name: str, threads: int) -> None:
+        t = threading.Thread(target=timed, args=(name, threads))
+        t.start()
+        t.join()
+
+    on_thread("one_thread", 1)
+    on_thread(f"{cores}_threads", cores)
+    # a second thread grows a pool and stays alive (as a second engine would): libgomp now has more
+    # pool threads than cores, stops spinning, and every parallel region waits on a wake-up
+    hold, grown = threading.Event(), threading.Event()
+
+    def other_pool() -> None:
+        torch.set_num_threads(cores)
+        torch.exp(torch.randn(1_000_000))
+        grown.set()
+        hold.wait()
+
+    holder = threading.Thread(target=other_pool)
+    holder.start()
+    grown.wait()
+    on_thread(f"{cores}_threads_beside_a_second_pool", cores)
+    hold.set()
+    holder.join()
+    print(f"{'1-row step, helper thread':<40}{'ms':>8}")
+    for name, ms in out.items():
+        print(f"{name:<40}{ms:>8.1f}")
+    return out
 
 
 if __name__ == "__main__":
