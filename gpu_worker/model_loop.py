@@ -21,6 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -32,6 +33,9 @@ from gpu_worker.service_model import ServiceTracker, lane_wait_ms
 from shared.faults import Faults
 from shared.messages import InferenceRequest
 
+if TYPE_CHECKING:
+    from gpu_worker.turns import SharedComputeThread
+
 log = structlog.get_logger(__name__)
 
 IDLE_WAIT_S = 1.0
@@ -40,6 +44,10 @@ METRICS_INTERVAL_S = 1.0
 DOOM_OPTIMISM = 0.8
 GATE_RETRY_S = 0.5
 GATE_NORMAL_S = 0.1
+# Sharing a thread, a background engine's turn beside the first engine's running rows starts no prefill
+# (a 256-token prompt's forward takes ~100 ms on the 2-core VM, and every short row would wait it out)
+# unless work has waited this long; then it prefills one request.
+BACKGROUND_PREFILL_WAIT_S = 0.5
 
 
 @dataclass(slots=True)
@@ -142,23 +150,41 @@ class ModelLoop:
         self._last_step_end: float | None = None
         self._excluded_s = 0.0  # time spent waiting on Redis this iteration (not part of the token interval)
         self._gate_retry_at = 0.0
+        self._host: SharedComputeThread | None = None  # set when this loop shares a thread with others
+        self.yielding = False  # set by the host: a background turn while the first engine has rows running
+
+    def attach(self, host: SharedComputeThread) -> None:
+        """Run on `host`'s thread, taking turns with the other engines there, instead of a thread of its own."""
+        self._host = host
 
     # --- called from the asyncio side ----------------------------------------------------------
     def submit(self, cmd: Add | Adopt | Cancel | Drain) -> None:
         self._inbox.put(cmd)
+        if self._host is not None:
+            self._host.wake()
 
     def emit(self, items: list[Emitted]) -> None:
         self._emit(items)
 
     def start(self) -> None:
+        if self._host is not None:
+            self._host.start()
+            return
         self._thread = threading.Thread(target=self._run, name=f"model-loop-{self.name}-{self.engine}", daemon=True)
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> bool:
+        if self._host is not None:
+            return self._host.join(timeout)
         if self._thread is not None:
             self._thread.join(timeout)
             return not self._thread.is_alive()
         return True
+
+    @property
+    def has_work(self) -> bool:
+        """Rows running, requests queued, or commands not yet received."""
+        return self.runner.busy or len(self.scheduler) > 0 or not self._inbox.empty()
 
     @property
     def buffered(self) -> int:
@@ -180,7 +206,9 @@ class ModelLoop:
         finally:
             self.stopped = True
 
-    def _iterate(self) -> None:
+    def _iterate(self, block: bool = True) -> float | None:
+        """One round: receive, plan, start, step. With nothing to compute it waits for a command (up to
+        the scheduler's next wake-up) or, if not `block`, returns how long it could wait."""
         self._receive(block=False, timeout=0)
         if self.on_work is not None:
             self.on_work(self.runner.busy or len(self.scheduler) > 0)
@@ -196,9 +224,7 @@ class ModelLoop:
         draining = self._drain_until is not None
         preemptible = [p for p in self._running.values() if p.rank > 0]
         holding = draining or now < self._gate_retry_at  # Redis could not confirm the last batch: hold off
-        free = 0 if holding else self.runner.free_rows
-        if free and self.scheduler.deadline_aware:
-            free = min(free, self._deadline_room(now, left))
+        free = 0 if holding else self._free_rows(now, left)
         # rows per lane only matter to lanes with a share, and only when there is a row to give
         running = Counter(p.lane for p in self._running.values()) if free and self.scheduler.shares_apply else None
         plan = self.scheduler.plan(now, free, 0 if holding else len(preemptible), running)
@@ -231,11 +257,19 @@ class ModelLoop:
             self._emit(out)
         if draining and (not self.runner.busy or self._clock() >= (self._drain_until or 0)):
             self._hand_back()
-            return
-        if not plan.batch and not self.runner.busy:
-            cap = self._idle_wait_s
-            wait = cap if plan.wake_at is None else max(0.0, min(cap, plan.wake_at - now))
-            self._receive(block=True, timeout=wait)
+            return None
+        if plan.batch or self.runner.busy:
+            return None
+        return self._idle(plan.wake_at, now, block)
+
+    def _idle(self, wake_at: float | None, now: float, block: bool) -> float | None:
+        """Nothing to compute: wait for a command, at most until the scheduler's next wake-up."""
+        cap = self._idle_wait_s
+        wait = cap if wake_at is None else max(0.0, min(cap, wake_at - now))
+        if not block:
+            return wait
+        self._receive(block=True, timeout=wait)
+        return None
 
     def _step(self) -> list[Emitted]:
         """One decode step; if the model raises, the rows running now fail (not the loop, not the worker)."""
@@ -290,6 +324,22 @@ class ModelLoop:
         out.extend(self.runner.start(batch, now))
         self.tracker.observe_prefill(sum(p.prompt_tokens * p.size for p in batch), self._clock() - t0)
         return out
+
+    def _free_rows(self, now: float, left: dict[str, int]) -> int:
+        """Rows new work may take this round."""
+        free = self.runner.free_rows
+        if free and self.scheduler.deadline_aware:
+            free = min(free, self._deadline_room(now, left))
+        if free and self.yielding:
+            free = self._rows_while_yielding(now, free)
+        return free
+
+    def _rows_while_yielding(self, now: float, free: int) -> int:
+        """A background turn beside the first engine's running rows prefills nothing, so that a short
+        request never waits out a long prompt between two of its tokens; work that has waited
+        `BACKGROUND_PREFILL_WAIT_S` gets one row (the idle gaps of the first engine usually come sooner)."""
+        first = [t for q in self.scheduler.queues.values() if (t := q.first_arrival()) is not None]
+        return min(free, 1) if first and now - min(first) >= BACKGROUND_PREFILL_WAIT_S else 0
 
     def _deadline_room(self, now: float, left: dict[str, int]) -> int:
         """Rows that may join without pushing a running row past its deadline: every row slows every

@@ -303,6 +303,14 @@ def cpu_threads_per_engine(engines: int, configured: int = 0, cores: int | None 
     return max(1, (cores or cpu_cores()) // max(1, engines))
 
 
+def model_size(model: Any) -> int:
+    """Parameters of a torch model (0 for anything else): the largest model's engine owns the CPU pool."""
+    try:
+        return sum(p.numel() for p in model.parameters())
+    except (AttributeError, TypeError):
+        return 0
+
+
 def single_threaded(fn: Callable[..., Any], *args: Any) -> Any:
     """Run torch work on a helper thread (model loading, warm-up) without giving that thread an OpenMP
     pool: see `CpuShare` for why a second pool slows every engine."""

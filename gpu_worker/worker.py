@@ -38,10 +38,12 @@ from gpu_worker.runners import (
     engine_seq_len,
     expired_outcome,
     failed_outcome,
+    model_size,
     single_threaded,
     size_engines,
 )
 from gpu_worker.scheduler import BatchLimits, LanePolicy, Scheduler
+from gpu_worker.turns import SharedComputeThread
 from shared.codec import decode, encode
 from shared.config import ModelSpec, Settings
 from shared.errors import CodecError
@@ -210,7 +212,7 @@ class Worker:
     async def _load_models(self) -> None:
         from gpu_worker import models
 
-        cpu: list[ModelLoop] = []
+        cpu: list[tuple[int, str, ModelLoop | SharedComputeThread]] = []  # (model size, name, compute thread)
         for spec in self.settings.models:
             if self._loader is not None:
                 loaded = await asyncio.to_thread(single_threaded, self._loader, spec)
@@ -227,13 +229,19 @@ class Worker:
                                       faults=self.faults, engine=engine, bind_thread=bind,
                                       hand_over=engines.hand_over if len(groups) > 1 else None))
             if loaded.device.type == "cpu":
-                cpu.extend(engines)
-        if cpu:  # CPU engines of this process share its cores (see CpuShare)
-            share = CpuShare([f"{lp.name}/{lp.engine}" for lp in cpu], self.settings.torch_threads)
-            for lp in cpu:
-                lp.on_work = functools.partial(share.report, f"{lp.name}/{lp.engine}")
-            log.info("cpu threads per engine", engines=len(cpu), cores=share.cores, owner=share.owner,
-                     owner_max=share.fixed or share.owner_max, others=share.fixed or share.other)
+                size = model_size(loaded.model)
+                if len(engines.loops) > 1 and self.settings.cpu_engines == "shared":
+                    host = SharedComputeThread(engines.loops)
+                    cpu.append((size, host.name, host))
+                else:
+                    cpu.extend((size, f"{lp.name}/{lp.engine}", lp) for lp in engines)
+        if cpu:  # the process's cores among its CPU compute threads (see CpuShare); the largest model's first
+            cpu.sort(key=lambda c: -c[0])  # (stable) may grow the one thread pool
+            share = CpuShare([name for _, name, _ in cpu], self.settings.torch_threads)
+            for _, name, compute in cpu:
+                compute.on_work = functools.partial(share.report, name)
+            log.info("cpu threads per compute thread", threads=[name for _, name, _ in cpu], cores=share.cores,
+                     owner=share.owner, owner_max=share.fixed or share.owner_max, others=share.fixed or share.other)
 
     def _streams(self, model: str) -> list[str]:
         spec = self.settings.model(model)

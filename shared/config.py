@@ -160,6 +160,9 @@ class Settings:
     drain_budget_s: float = 30.0  # SIGTERM: time to finish in-flight work before handing it back
     # CPU only: torch threads per compute stream (engine); 0 = the cores shared evenly among the worker's engines
     torch_threads: int = 0
+    # CPU only: a model's lane engines take turns on one compute thread ("shared") or run side by side
+    # on threads of their own, splitting the cores ("parallel")
+    cpu_engines: str = "shared"
     auth: str = "api_key"  # "api_key" | "off" (local use only; logged loudly)
     tenant_rate_per_s: float = 0.0  # default per-tenant submit rate (0: unlimited); per tenant: batchgate tenants
     tenant_burst: int = 0
@@ -207,6 +210,7 @@ class Settings:
                 max_deliveries=int(get(ENV_PREFIX + "MAX_DELIVERIES", d.max_deliveries)),
                 drain_budget_s=float(get(ENV_PREFIX + "DRAIN_BUDGET_S", d.drain_budget_s)),
                 torch_threads=int(get(ENV_PREFIX + "TORCH_THREADS", d.torch_threads)),
+                cpu_engines=get(ENV_PREFIX + "CPU_ENGINES", d.cpu_engines).lower(),
                 auth=get(ENV_PREFIX + "AUTH", d.auth).lower(),
                 tenant_rate_per_s=float(get(ENV_PREFIX + "TENANT_RATE_PER_S", d.tenant_rate_per_s)),
                 tenant_burst=int(get(ENV_PREFIX + "TENANT_BURST", d.tenant_burst)),
@@ -235,6 +239,8 @@ class Settings:
             raise ConfigError("result_ttl_s >= 1, max_body_bytes >= 1024 and max_wait_s >= 0 are required")
         if self.torch_threads < 0:
             raise ConfigError("BATCHGATE_TORCH_THREADS must be >= 0 (0: automatic)")
+        if self.cpu_engines not in ("shared", "parallel"):
+            raise ConfigError("BATCHGATE_CPU_ENGINES must be shared or parallel")
         if self.auth not in ("api_key", "off"):
             raise ConfigError("BATCHGATE_AUTH must be api_key or off")
         if self.log_format not in ("json", "console", "auto"):

@@ -125,6 +125,10 @@ def test_lane_engines_from_a_file_and_their_order(tmp_path):
                   lanes=(LaneSpec("a", None, engine="Not Simple"),)).validate()
     with pytest.raises(ConfigError, match="TORCH_THREADS"):
         Settings.from_environ({"BATCHGATE_TORCH_THREADS": "-1"})
+    with pytest.raises(ConfigError, match="CPU_ENGINES"):
+        Settings.from_environ({"BATCHGATE_CPU_ENGINES": "both"})
+    assert Settings.from_environ({}).cpu_engines == "shared"
+    assert Settings.from_environ({"BATCHGATE_CPU_ENGINES": "Parallel"}).cpu_engines == "parallel"
 
 
 def test_models_inline_in_the_environment():
