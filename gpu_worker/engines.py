@@ -5,8 +5,9 @@ scheduler over its lanes, runner with its own KV cache) over the one loaded mode
 by the lane the gateway filed them under; an engine that finds, with the real tokenizer, that a request
 belongs to another engine's lane hands it over. Cancellations and drains go to every engine.
 
-The shortest lanes' engine runs in the foreground; the others run in the background (a lower-priority
-CUDA stream, or a niced thread on CPU). See docs/scheduling.md for why and what it measured.
+The shortest lanes' engine runs in the foreground; the others run in the background: a lower-priority
+CUDA stream, or on CPU turns on one shared compute thread (`gpu_worker.turns`; a niced thread of their
+own with `BATCHGATE_CPU_ENGINES=parallel`). See docs/scheduling.md for why and what it measured.
 """
 
 from __future__ import annotations
