@@ -258,7 +258,8 @@ class ModelLoop:
         if draining and (not self.runner.busy or self._clock() >= (self._drain_until or 0)):
             self._hand_back()
             return None
-        if plan.batch or self.runner.busy:
+        # rows freed by this round's step may take queued work at once: no waiting for a command then
+        if plan.batch or self.runner.busy or self._last_step_end is not None:
             return None
         return self._idle(plan.wake_at, now, block)
 

@@ -129,9 +129,14 @@ async def test_a_lane_share_keeps_rows_for_short_work_when_long_work_fills_the_b
         long_done = await asyncio.gather(*longs)
     assert all(r.status_code == 200 for r in [*shorts, *long_done])
     assert {r.json()["lane"] for r in long_done} == {"long"}
-    # the short requests found free rows at once: they were done before the first long one finished
-    first_long = min(r.json()["finished_at"] for r in long_done)
-    assert max(r.json()["finished_at"] for r in shorts) < first_long
+    # the short requests found free rows at once: they were done before any long request that was
+    # running when they started had finished
+    started = min(r.json()["started_at"] for r in shorts)
+    running_then = [r.json()["finished_at"] for r in long_done
+                    if r.json()["started_at"] <= started < r.json()["finished_at"]]
+    assert running_then, "the short requests arrived between two waves of long work"
+    assert max(r.json()["finished_at"] for r in shorts) < min(running_then)
+    assert max(r.json()["timings"]["queue_ms"] for r in shorts) < 1000
     # and long work never held more than its two rows: the 8 ran in (at least) 4 waves
     starts = sorted(r.json()["started_at"] for r in long_done)
     assert starts[2] >= min(r.json()["finished_at"] for r in long_done) - 0.05

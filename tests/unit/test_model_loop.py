@@ -278,3 +278,13 @@ def test_without_deadline_pressure_every_free_row_is_used():
     loop.submit(Add([req(i, clock, new=10, timeout=600) for i in range(8)], clock.t))
     loop._iterate()
     assert len(runner.rows) == 8
+
+
+def test_rows_freed_by_a_step_take_queued_work_without_waiting_for_a_command():
+    loop, runner, clock, _ = make(rows=1)
+    loop.submit(Add([req(1, clock, new=2), req(2, clock, new=2)], clock.t))
+    assert loop._iterate(block=False) is None  # r1 starts and steps; r2 waits for the row
+    # r1 finishes in this round's step: the next round must come at once (it used to idle up to 1 s)
+    assert loop._iterate(block=False) is None and not runner.busy and runner.started == ["r1"]
+    loop._iterate(block=False)
+    assert runner.started == ["r1", "r2"]
