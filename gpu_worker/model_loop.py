@@ -339,8 +339,8 @@ class ModelLoop:
         """A background turn beside the first engine's running rows prefills nothing, so that a short
         request never waits out a long prompt between two of its tokens; work that has waited
         `BACKGROUND_PREFILL_WAIT_S` gets one row (the idle gaps of the first engine usually come sooner)."""
-        first = [t for q in self.scheduler.queues.values() if (t := q.first_arrival()) is not None]
-        return min(free, 1) if first and now - min(first) >= BACKGROUND_PREFILL_WAIT_S else 0
+        oldest = [t for q in self.scheduler.queues.values() if (t := q.oldest_arrival()) is not None]
+        return min(free, 1) if oldest and now - min(oldest) >= BACKGROUND_PREFILL_WAIT_S else 0
 
     def _deadline_room(self, now: float, left: dict[str, int]) -> int:
         """Rows that may join without pushing a running row past its deadline: every row slows every

@@ -319,23 +319,25 @@ def single_threaded(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 class CpuShare:
-    """The process's cores among its CPU engines, each engine on a thread of its own.
+    """The process's cores among its CPU compute threads (an engine's own thread, or one that several
+    engines of a model share: `gpu_worker.turns`), named by the caller, the owner first.
 
     torch's thread count is per calling thread, and GNU OpenMP keeps a pool of worker threads for
     every thread that ever ran a parallel region on more than one, for that thread's whole life.
     Once the pools hold more threads than there are cores, libgomp stops spinning between parallel
     regions and every region waits for its workers to be woken: on this repo's 2-core VM, a 1-row
-    decode step took 13.9 ms on two threads beside a second pool, 12.5 ms on one thread, and 6.9 ms on
-    two threads with no other pool (`tests/unit/test_engines.py` checks the rule, the benchmark
-    numbers are in docs/scheduling.md). So the pools must never outnumber the cores:
+    decode step on a helper thread took 13.9 ms on two threads beside a second pool, 10.2 ms on one
+    thread, and 6.1 ms on two threads with no other pool (`scripts/step_costs.py --threads-check`,
+    `docs/bench/threads_check.json`; `tests/unit/test_engines.py` checks the rule). So the pools must
+    never outnumber the cores:
 
-    - one engine, the *owner* (the first: the shortest lanes of the first model), may grow a pool;
-    - every other engine gets a fixed count, `cores // engines`;
+    - one compute thread, the *owner* (the worker names the largest model's first), may grow a pool;
+    - every other one gets a fixed count, `cores // threads`;
     - the owner gets what those leave. If they run on one thread each (no pool of theirs ever
-      exists), that is every core while they are idle and one core fewer per engine with work;
+      exists), that is every core while they are idle and one core fewer per thread with work;
       otherwise it is the cores their pools leave, always.
 
-    `configured` (`BATCHGATE_TORCH_THREADS`) fixes every engine's count instead."""
+    `configured` (`BATCHGATE_TORCH_THREADS`) fixes every thread's count instead."""
 
     def __init__(self, engines: list[str], configured: int = 0, cores: int | None = None) -> None:
         self.cores = cores or cpu_cores()

@@ -129,11 +129,6 @@ class LaneQueue:
     def items(self) -> Iterable[Pending]:
         return self._live.values()
 
-    def first_arrival(self) -> float | None:
-        """When the longest-held request arrived (the first still here in insertion order; a request
-        put back after a failed gate counts from its original arrival but sorts as if it were new)."""
-        return next(iter(self._live.values())).arrived if self._live else None
-
     def oldest_arrival(self) -> float | None:
         return min((p.arrived for p in self._live.values()), default=None)
 

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from gpu_worker.model_loop import IDLE_WAIT_S
+
 if TYPE_CHECKING:
     from gpu_worker.model_loop import ModelLoop
 
@@ -30,7 +32,6 @@ log = structlog.get_logger(__name__)
 
 # While the first engine has running rows, another engine still gets this share of the thread's time.
 BACKGROUND_SHARE = 0.15
-IDLE_WAIT_S = 1.0
 
 
 def background_due(now: float, last_end: float, last_turn_s: float, share: float = BACKGROUND_SHARE) -> bool:

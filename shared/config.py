@@ -158,7 +158,7 @@ class Settings:
     reclaim_idle_s: float = 30.0  # an entry idle this long belongs to a dead worker and is reclaimed
     max_deliveries: int = 3  # deliveries after which an entry is dead-lettered (it keeps killing workers)
     drain_budget_s: float = 30.0  # SIGTERM: time to finish in-flight work before handing it back
-    # CPU only: torch threads per compute stream (engine); 0 = the cores shared evenly among the worker's engines
+    # CPU only: torch threads per compute thread; 0 = automatic (one thread may grow a pool: see CpuShare)
     torch_threads: int = 0
     # CPU only: a model's lane engines take turns on one compute thread ("shared") or run side by side
     # on threads of their own, splitting the cores ("parallel")
