@@ -22,6 +22,7 @@ from gpu_worker.engine import EngineStats, GenerationEngine, GenResult, GenSpec
 from gpu_worker.models import LoadedModel
 from gpu_worker.sampling import SamplingParams
 from gpu_worker.scheduler import Pending
+from gpu_worker.stop_strings import cut_at_stop
 from shared.config import ModelSpec
 from shared.errors import ConfigError
 from shared.faults import Faults
@@ -487,14 +488,16 @@ class GenerateRunner:
         return out
 
     def _result(self, req: InferenceRequest, r: GenResult, now: float) -> RequestResult:
-        text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
-        stops = req.params.get("stop") or ()
-        if r.finish_reason is FinishReason.STOP:
-            cut = min((text.find(s) for s in stops if s in text), default=-1)
-            if cut >= 0:
-                text = text[:cut]
-        output = {"text": text, "token_ids": r.token_ids, "prompt_tokens": r.prompt_tokens,
-                  "completion_tokens": len(r.token_ids)}
+        def decode(ids: Sequence[int]) -> str:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+        token_ids = r.token_ids
+        if r.finish_reason is FinishReason.STOP:  # text and tokens both end before the stop string
+            text, token_ids = cut_at_stop(token_ids, req.params.get("stop") or (), decode)
+        else:
+            text = decode(token_ids)
+        output = {"text": text, "token_ids": token_ids, "prompt_tokens": r.prompt_tokens,
+                  "completion_tokens": len(token_ids)}
         timings = {"ttft_ms": round(r.ttft_s * 1000, 3), "decode_ms": round(r.decode_s * 1000, 3),
                    "prefill_ms": round(r.prefill_s * 1000, 3),
                    "compute_ms": round((now - r.admitted_at) * 1000, 3)}

@@ -72,6 +72,31 @@ async def test_generate_sync_wait_matches_generate(redis_url, prefix, loaded_mod
         assert isinstance(r.json()["output"]["text"], str)
 
 
+async def test_a_stop_string_ends_text_and_token_ids_before_it(redis_url, prefix, loaded_models):
+    settings = make_settings(redis_url, prefix)
+    tok = loaded_models["tiny-llama"].tokenizer
+    prompt = [5, 17, 300, 42, 7]
+    ref = tiny_llama_reference(loaded_models["tiny-llama"], prompt, 24)
+    full = tok.decode(ref, skip_special_tokens=True)
+    at = len(tok.decode(ref[:12], skip_special_tokens=True))
+    stop = full[at:at + 3]
+    assert len(stop) == 3, full  # the reference text goes on past its 12th token
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        r = await gw.client.post("/v1/models/tiny-llama/requests?wait=20", json={
+            "input": {"input_ids": prompt}, "params": {"max_new_tokens": 24, "ignore_eos": True, "stop": stop}})
+        assert r.status_code == 200, r.text
+        body = r.json()
+    out, cut = body["output"], full.find(stop)
+    assert body["finish_reason"] == "stop"
+    assert out["text"] == full[:cut]
+    ids = out["token_ids"]
+    assert ids == ref[:len(ids)] and out["completion_tokens"] == len(ids)
+    spelled = tok.decode(ids, skip_special_tokens=True)
+    assert out["text"].startswith(spelled) and stop not in spelled
+    # and no further: one more token would reach into the stop string
+    assert not out["text"].startswith(tok.decode(ref[:len(ids) + 1], skip_special_tokens=True))
+
+
 async def test_wait_shorter_than_compute_returns_202(redis_url, prefix, loaded_models):
     settings = make_settings(redis_url, prefix)
     async with running_gateway(settings) as gw:  # no worker: nothing can finish

@@ -1,0 +1,33 @@
+"""Cutting a generation at its stop string, text and tokens alike (pure: the tokenizer comes in as a
+function).
+
+The engine stops a row at the step whose token completes a stop string, so the row's last tokens
+spell the stop string (and possibly text after it, inside the same token). What the caller gets:
+`text` ends right before the first stop string, and `token_ids` is the longest prefix of the
+generated tokens whose decoding stays within that text, so the tokens never spell any of the stop
+string either. A token that straddles the cut (part of it before the stop string, part inside) is
+left out of `token_ids`; its part before the cut is still in `text`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+def cut_at_stop(token_ids: Sequence[int], stops: Sequence[str],
+                decode: Callable[[Sequence[int]], str]) -> tuple[str, list[int]]:
+    """`(text, token_ids)` cut before the earliest stop string; unchanged when none occurs."""
+    text = decode(token_ids)
+    cut = min((i for s in stops if s and (i := text.find(s)) >= 0), default=-1)
+    if cut < 0:
+        return text, list(token_ids)
+    text = text[:cut]
+    # The stop is found the step it completes, so only the last few tokens lie past the cut: walk back.
+    keep = len(token_ids)
+    while keep > 0 and not _within(decode(token_ids[:keep]), text):
+        keep -= 1
+    return text, list(token_ids[:keep])
+
+
+def _within(decoded: str, text: str) -> bool:
+    return len(decoded) <= len(text) and text.startswith(decoded)
