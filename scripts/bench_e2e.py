@@ -238,6 +238,11 @@ def main() -> None:
         report["short_p99_floor_ratio"] = report["short_alone"]["short_p99_ms"] / report["lanes_off"]["short_p99_ms"]
         print(f"short requests alone / lanes off: {report['short_p99_floor_ratio']:.3f} (the short requests with "
               "nothing else to compute: a practical floor for any scheduling)")
+    if "short_alone" in report and "lanes_on" in report and report["short_alone"]["short_p99_ms"]:
+        # on / off = (alone / off) x (on / alone): the floor, times how far lanes on stays above it
+        report["short_p99_on_vs_alone"] = report["lanes_on"]["short_p99_ms"] / report["short_alone"]["short_p99_ms"]
+        print(f"lanes on / short requests alone: {report['short_p99_on_vs_alone']:.3f} (how far lanes on stays "
+              "above the floor; the ratio above is the floor times this)")
     if args.plot and "lanes_on" in report and "lanes_off" in report:
         plot(report, args.plot)
     if args.json:

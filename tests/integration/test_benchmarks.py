@@ -48,6 +48,9 @@ def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
     assert report["lanes_on"]["classes"]["all"]["requests"] == 12  # both rounds, pooled
     assert report["short_alone"]["classes"]["all"]["requests"] == report["lanes_on"]["classes"]["short"]["requests"]
     assert report["short_p99_ratio_on_vs_off"] > 0 and report["short_p99_floor_ratio"] > 0
+    # the ratio factors into the floor and lanes on's distance from it
+    assert report["short_p99_ratio_on_vs_off"] == pytest.approx(
+        report["short_p99_floor_ratio"] * report["short_p99_on_vs_alone"])
     assert report["rounds"] == 2 and (tmp_path / "cdf.png").stat().st_size > 0
     assert set(report["capacity_rps_by_stack"]) == {"lanes_on", "lanes_off"}  # short_alone runs on lanes_on's
     assert report["capacity_rps"] == report["capacity_rps_by_stack"]["lanes_on"] > 0
