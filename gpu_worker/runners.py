@@ -380,16 +380,14 @@ class GenerateRunner:
         self.spec = loaded.spec
         self.worker = worker
         self.clock = clock
-        tok = loaded.tokenizer
-        self.tokenizer = tok
+        self.tokenizer = loaded.tokenizer
         self.vocab = loaded.model.config.vocab_size
         eos = loaded.model.generation_config.eos_token_id
         if eos is None:
             eos = loaded.model.config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.engine = GenerationEngine(loaded.model, max_rows=max_rows, max_seq_len=max_seq_len,
-                                       decode_tail=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                                       clock=clock)
+                                       decode_tail=self._decode, clock=clock)
         self._requests: dict[str, InferenceRequest] = {}
         self.model_calls: dict[str, int] = {}
 
@@ -487,15 +485,16 @@ class GenerateRunner:
                 out.append(Outcome(req, self._result(req, r, now)))
         return out
 
-    def _result(self, req: InferenceRequest, r: GenResult, now: float) -> RequestResult:
-        def decode(ids: Sequence[int]) -> str:
-            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+    def _decode(self, ids: list[int]) -> str:
+        """Token ids to text, as callers see it (the engine's stop-string check reads the same)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _result(self, req: InferenceRequest, r: GenResult, now: float) -> RequestResult:
         token_ids = r.token_ids
         if r.finish_reason is FinishReason.STOP:  # text and tokens both end before the stop string
-            text, token_ids = cut_at_stop(token_ids, req.params.get("stop") or (), decode)
+            text, token_ids = cut_at_stop(token_ids, req.params.get("stop") or (), self._decode)
         else:
-            text = decode(token_ids)
+            text = self._decode(token_ids)
         output = {"text": text, "token_ids": token_ids, "prompt_tokens": r.prompt_tokens,
                   "completion_tokens": len(token_ids)}
         timings = {"ttft_ms": round(r.ttft_s * 1000, 3), "decode_ms": round(r.decode_s * 1000, 3),

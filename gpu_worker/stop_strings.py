@@ -14,19 +14,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 
-def cut_at_stop(token_ids: Sequence[int], stops: Sequence[str],
-                decode: Callable[[Sequence[int]], str]) -> tuple[str, list[int]]:
+def cut_at_stop(token_ids: list[int], stops: Sequence[str],
+                decode: Callable[[list[int]], str]) -> tuple[str, list[int]]:
     """`(text, token_ids)` cut before the earliest stop string; unchanged when none occurs."""
     text = decode(token_ids)
     cut = min((i for s in stops if s and (i := text.find(s)) >= 0), default=-1)
     if cut < 0:
-        return text, list(token_ids)
+        return text, token_ids
     text = text[:cut]
-    # The stop is found the step it completes, so only the last few tokens lie past the cut: walk back.
-    keep = len(token_ids)
+    # All the tokens spell the stop string, so start one shorter; the stop is found the step it
+    # completes, so only the last few tokens lie past the cut: walk back.
+    keep = len(token_ids) - 1
     while keep > 0 and not _within(decode(token_ids[:keep]), text):
         keep -= 1
-    return text, list(token_ids[:keep])
+    return text, token_ids[:keep]
 
 
 def _within(decoded: str, text: str) -> bool:

@@ -117,6 +117,16 @@ class Collected:
 
 METRICS = ("batchgate_expired_before_compute_total", "batchgate_compute_on_expired_total")
 
+# Short-lane p99 ratios: (JSON key, numerator config, denominator config, label, note). The first is the
+# target; it factors as the second (the floor) times the third (how far lanes on stays above the floor).
+P99_RATIOS = (
+    ("short_p99_ratio_on_vs_off", "lanes_on", "lanes_off", "\nshort-lane p99, lanes on / lanes off", "target <= 0.333"),
+    ("short_p99_floor_ratio", "short_alone", "lanes_off", "short requests alone / lanes off",
+     "the short requests with nothing else to compute: a practical floor for any scheduling"),
+    ("short_p99_on_vs_alone", "lanes_on", "short_alone", "lanes on / short requests alone",
+     "how far lanes on stays above the floor; the ratio above is the floor times this"),
+)
+
 
 def run_interleaved(names: list[str], args: argparse.Namespace, report: dict[str, Any]) -> float:
     """The compared configurations side by side: every stack up at once (idle ones cost next to
@@ -231,18 +241,10 @@ def main() -> None:
         print(f"--- {name}", flush=True)
         report[name] = run_alone(name, args, rate)
         print_config(name, report[name])
-    if "lanes_on" in report and "lanes_off" in report and report["lanes_on"]["short_p99_ms"]:
-        report["short_p99_ratio_on_vs_off"] = report["lanes_on"]["short_p99_ms"] / report["lanes_off"]["short_p99_ms"]
-        print(f"\nshort-lane p99, lanes on / lanes off: {report['short_p99_ratio_on_vs_off']:.3f} (target <= 0.333)")
-    if "short_alone" in report and "lanes_off" in report and report["short_alone"]["short_p99_ms"]:
-        report["short_p99_floor_ratio"] = report["short_alone"]["short_p99_ms"] / report["lanes_off"]["short_p99_ms"]
-        print(f"short requests alone / lanes off: {report['short_p99_floor_ratio']:.3f} (the short requests with "
-              "nothing else to compute: a practical floor for any scheduling)")
-    if "short_alone" in report and "lanes_on" in report and report["short_alone"]["short_p99_ms"]:
-        # on / off = (alone / off) x (on / alone): the floor, times how far lanes on stays above it
-        report["short_p99_on_vs_alone"] = report["lanes_on"]["short_p99_ms"] / report["short_alone"]["short_p99_ms"]
-        print(f"lanes on / short requests alone: {report['short_p99_on_vs_alone']:.3f} (how far lanes on stays "
-              "above the floor; the ratio above is the floor times this)")
+    for key, num, den, label, note in P99_RATIOS:
+        if num in report and den in report and report[num]["short_p99_ms"] and report[den]["short_p99_ms"]:
+            report[key] = report[num]["short_p99_ms"] / report[den]["short_p99_ms"]
+            print(f"{label}: {report[key]:.3f} ({note})")
     if args.plot and "lanes_on" in report and "lanes_off" in report:
         plot(report, args.plot)
     if args.json:
