@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from gpu_worker.model_loop import Adopt, Cancel, Drain, HandBack, ModelLoop
+from gpu_worker.model_loop import Adopt, Cancel, Drain, ModelLoop
+from gpu_worker.outcomes import HandBack
 from gpu_worker.scheduler import Pending
 from shared.config import ModelSpec
 

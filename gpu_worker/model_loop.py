@@ -27,7 +27,8 @@ import structlog
 
 from gpu_worker import metrics
 from gpu_worker.engine import EngineStats
-from gpu_worker.runners import Outcome, Runner, expired_outcome, failed_outcome
+from gpu_worker.outcomes import Ack, Emitted, HandBack, Outcome, expired_outcome, failed_outcome
+from gpu_worker.runners import Runner
 from gpu_worker.scheduler import Pending, Scheduler
 from gpu_worker.service_model import ServiceTracker, lane_wait_ms
 from shared.faults import Faults
@@ -75,20 +76,6 @@ class Drain:
     until: float
 
 
-@dataclass(slots=True)
-class Ack:
-    """Nothing to write (the record is already terminal): just acknowledge the stream entry."""
-
-    request: InferenceRequest
-
-
-@dataclass(slots=True)
-class HandBack:
-    """Work this worker will not do after all: put it back for another worker."""
-
-    requests: list[InferenceRequest]
-
-
 @dataclass(frozen=True, slots=True)
 class LaneLoad:
     waiting: int
@@ -108,9 +95,6 @@ class Snapshot:
     prefill_fixed_ms: float = 0.0
     prefill_ms_per_token: float = 0.0
     decode_ms_per_step: float = 0.0
-
-
-Emitted = Outcome | Ack | HandBack
 
 
 class ModelLoop:

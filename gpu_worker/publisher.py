@@ -17,8 +17,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from gpu_worker import metrics
-from gpu_worker.model_loop import Ack, Emitted, HandBack
-from gpu_worker.runners import Outcome
+from gpu_worker.outcomes import Ack, Emitted, HandBack, Outcome
 from shared.codec import encode
 from shared.faults import Faults
 from shared.keys import GROUP

@@ -12,7 +12,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
@@ -20,6 +19,7 @@ import torch
 
 from gpu_worker.engine import EngineStats, GenerationEngine, GenResult, GenSpec
 from gpu_worker.models import LoadedModel
+from gpu_worker.outcomes import Outcome, failed_outcome, result_for
 from gpu_worker.sampling import SamplingParams
 from gpu_worker.scheduler import Pending
 from gpu_worker.stop_strings import cut_at_stop
@@ -32,13 +32,6 @@ from shared.params import EmbedParams, GenerateParams
 from shared.states import FinishReason, Priority, Status
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class Outcome:
-    request: InferenceRequest
-    result: RequestResult
-    computed: bool = True  # False when the request never reached the model
 
 
 class Runner(Protocol):
@@ -78,36 +71,6 @@ def count_calls(calls: dict[str, int], batch: list[Pending]) -> None:
         calls[p.id] = calls.pop(p.id, 0) + 1
     while len(calls) > MODEL_CALLS_KEPT:
         del calls[next(iter(calls))]
-
-
-def _ms(seconds: float) -> int:
-    return int(seconds * 1000)
-
-
-def result_for(req: InferenceRequest, status: Status, *, worker: str, now: float,
-               output: dict[str, Any] | None = None, error: ErrorInfo | None = None,
-               reason: FinishReason | None = None, timings: dict[str, float] | None = None,
-               started: float | None = None) -> RequestResult:
-    t = dict(timings or {})
-    t.setdefault("total_ms", round(now * 1000 - req.created_ms, 3))
-    if started is not None:
-        t.setdefault("queue_ms", round(started * 1000 - req.created_ms, 3))
-    return RequestResult(id=req.id, status=status, output=output, error=error, finish_reason=reason,
-                         timings=t, started_ms=_ms(started) if started else None, finished_ms=_ms(now),
-                         worker=worker)
-
-
-def expired_outcome(req: InferenceRequest, worker: str, now: float, where: str) -> Outcome:
-    return Outcome(req, result_for(
-        req, Status.EXPIRED, worker=worker, now=now, reason=FinishReason.DEADLINE,
-        error=ErrorInfo("deadline_exceeded", f"deadline passed {where}; not computed"),
-    ), computed=False)
-
-
-def failed_outcome(req: InferenceRequest, worker: str, now: float, code: str, message: str,
-                   computed: bool = False) -> Outcome:
-    return Outcome(req, result_for(req, Status.FAILED, worker=worker, now=now, reason=FinishReason.ERROR,
-                                   error=ErrorInfo(code, message)), computed=computed)
 
 
 class EmbedRunner:

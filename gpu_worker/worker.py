@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import time
 from collections.abc import Callable
@@ -26,31 +25,17 @@ import structlog
 from redis.exceptions import RedisError, ResponseError
 
 from gpu_worker import leases, metrics
+from gpu_worker.assembly import lane_stats, load_engines
 from gpu_worker.engines import ModelEngines
-from gpu_worker.model_loop import Add, Emitted, ModelLoop, Snapshot
+from gpu_worker.model_loop import Add, ModelLoop
+from gpu_worker.outcomes import Emitted, expired_outcome, failed_outcome
 from gpu_worker.publisher import Held, Publisher
-from gpu_worker.runners import (
-    CpuShare,
-    EmbedRunner,
-    GenerateRunner,
-    Runner,
-    bind_compute_thread,
-    engine_seq_len,
-    expired_outcome,
-    failed_outcome,
-    model_size,
-    single_threaded,
-    size_engines,
-)
-from gpu_worker.scheduler import BatchLimits, LanePolicy, Scheduler
-from gpu_worker.turns import SharedComputeThread
 from shared.codec import decode, encode
 from shared.config import ModelSpec, Settings
 from shared.errors import CodecError
 from shared.faults import Faults
 from shared.keys import GROUP, Keys
-from shared.lanes import LaneSpec, engine_groups
-from shared.messages import InferenceRequest, LaneStat, LaneStats
+from shared.messages import InferenceRequest
 from shared.records import RecordStore
 from shared.redis_io import UNAVAILABLE, make_redis, raise_if_cancelling, tolerate_outage
 from shared.states import Status, Task
@@ -64,36 +49,6 @@ STATS_INTERVAL_S = 0.5
 STATS_TTL_MS = 30_000
 CLEANUP_EVERY = 10
 INTAKE_STOP_TIMEOUT_S = 5.0  # maintenance cycles between consumer clean-ups
-
-
-def build_runners(loaded: Any, worker: str, faults: Faults,
-                  groups: list[tuple[str, tuple[LaneSpec, ...]]]) -> list[Runner]:
-    """One runner per engine group, all over the one loaded model."""
-    spec: ModelSpec = loaded.spec
-    if spec.task is Task.EMBED:
-        return [EmbedRunner(loaded, worker, faults=faults) for _ in groups]
-    seq_lens = [engine_seq_len(spec, lanes) for _, lanes in groups]
-    rows = size_engines(loaded, seq_lens)
-    return [GenerateRunner(loaded, worker, max_rows=r, max_seq_len=n, faults=faults)
-            for r, n in zip(rows, seq_lens, strict=True)]
-
-
-def build_scheduler(spec: ModelSpec, runner: Runner, lanes: tuple[LaneSpec, ...] | None = None) -> Scheduler:
-    # lane shares are of a running batch's rows; an encoder's batch ends with its forward, so it has none
-    rows = runner.free_rows if spec.task is Task.GENERATE else None
-    return Scheduler([LanePolicy(lane.name, lane.window_ms / 1000, lane.max_share) for lane in lanes or spec.lanes],
-                     BatchLimits(spec.max_batch_size, spec.max_batch_tokens), deadline_aware=spec.deadline_aware,
-                     total_rows=rows)
-
-
-def lane_stats(spec: ModelSpec, worker: str, snap: Snapshot) -> LaneStats:
-    return LaneStats(
-        model=spec.name, worker=worker, at_ms=int(snap.at * 1000), max_rows=snap.max_rows,
-        free_rows=snap.free_rows, deadline_aware=spec.deadline_aware, prefill_fixed_ms=snap.prefill_fixed_ms,
-        prefill_ms_per_token=snap.prefill_ms_per_token, decode_ms_per_step=snap.decode_ms_per_step,
-        lanes=tuple(LaneStat(lane, load.waiting, load.running, load.completed_rps, load.est_wait_ms)
-                    for lane, load in snap.lanes.items()),
-    )
 
 
 class Worker:
@@ -210,38 +165,8 @@ class Worker:
             self._loop.call_soon_threadsafe(self._crash.set)
 
     async def _load_models(self) -> None:
-        from gpu_worker import models
-
-        cpu: list[tuple[int, str, ModelLoop | SharedComputeThread]] = []  # (model size, name, compute thread)
-        for spec in self.settings.models:
-            if self._loader is not None:
-                loaded = await asyncio.to_thread(single_threaded, self._loader, spec)
-            else:
-                loaded = await asyncio.to_thread(single_threaded, models.load, spec, self.settings.model_cache_dir)
-            groups = engine_groups(spec.lanes)
-            runners = build_runners(loaded, self.name, self.faults, groups)
-            engines = self.engines[spec.name] = ModelEngines(spec)
-            for i, ((engine, lanes), runner) in enumerate(zip(groups, runners, strict=True)):
-                await asyncio.to_thread(single_threaded, runner.warm_up)
-                bind = functools.partial(bind_compute_thread, loaded.device, background=i > 0)
-                engines.add(ModelLoop(spec.name, runner, build_scheduler(spec, runner, lanes), gate=self._gate,
-                                      emit=self._emit, on_crash=self._on_crash, worker=self.name,
-                                      faults=self.faults, engine=engine, bind_thread=bind,
-                                      hand_over=engines.hand_over if len(groups) > 1 else None))
-            if loaded.device.type == "cpu":
-                size = model_size(loaded.model)
-                if len(engines.loops) > 1 and self.settings.cpu_engines == "shared":
-                    host = SharedComputeThread(engines.loops)
-                    cpu.append((size, host.name, host))
-                else:
-                    cpu.extend((size, f"{lp.name}/{lp.engine}", lp) for lp in engines)
-        if cpu:  # the process's cores among its CPU compute threads (see CpuShare); the largest model's first
-            cpu.sort(key=lambda c: -c[0])  # (stable) may grow the one thread pool
-            share = CpuShare([name for _, name, _ in cpu], self.settings.torch_threads)
-            for _, name, compute in cpu:
-                compute.on_work = functools.partial(share.report, name)
-            log.info("cpu threads per compute thread", threads=[name for _, name, _ in cpu], cores=share.cores,
-                     owner=share.owner, owner_max=share.fixed or share.owner_max, others=share.fixed or share.other)
+        self.engines = await load_engines(self.settings, worker=self.name, faults=self.faults, gate=self._gate,
+                                          emit=self._emit, on_crash=self._on_crash, loader=self._loader)
 
     def _streams(self, model: str) -> list[str]:
         spec = self.settings.model(model)

@@ -205,9 +205,10 @@ _RUNNERS: dict[int, Any] = {}
 
 def run_batchgate(loaded: Any, reqs: list[Req]) -> RunResult:
     """The worker's own compute loop (ModelLoop + scheduler + GenerateRunner), fed without Redis."""
+    from gpu_worker.assembly import build_scheduler
     from gpu_worker.model_loop import Add, Drain, ModelLoop
-    from gpu_worker.runners import GenerateRunner, Outcome
-    from gpu_worker.worker import build_scheduler
+    from gpu_worker.outcomes import Outcome
+    from gpu_worker.runners import GenerateRunner
     from shared.ids import new_request_id
     from shared.lanes import assign_lane
     from shared.messages import InferenceRequest

@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 from gpu_worker.engines import ModelEngines
-from gpu_worker.model_loop import Add, HandBack, ModelLoop
-from gpu_worker.runners import CpuShare, Outcome, cpu_threads_per_engine, engine_seq_len
+from gpu_worker.model_loop import Add, ModelLoop
+from gpu_worker.outcomes import HandBack, Outcome
+from gpu_worker.runners import CpuShare, cpu_threads_per_engine, engine_seq_len
 from gpu_worker.scheduler import BatchLimits, LanePolicy, Pending, Scheduler, ServiceModel
 from shared.config import BUILTIN_MODELS, ModelSpec
 from shared.lanes import DEFAULT_LANES, LaneSpec, engine_groups

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpu_worker.model_loop import Ack, Add, Cancel, Drain, HandBack, ModelLoop
-from gpu_worker.runners import Outcome, result_for
+from gpu_worker.model_loop import Add, Cancel, Drain, ModelLoop
+from gpu_worker.outcomes import Ack, HandBack, Outcome, result_for
 from gpu_worker.scheduler import BatchLimits, LanePolicy, Pending, Scheduler, ServiceModel
 from shared.messages import InferenceRequest
 from shared.states import FinishReason, Priority, Status, Task

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from gpu_worker.model_loop import BACKGROUND_PREFILL_WAIT_S, Add, Drain, ModelLoop
-from gpu_worker.runners import Outcome
+from gpu_worker.outcomes import Outcome
 from gpu_worker.scheduler import BatchLimits, LanePolicy, Scheduler, ServiceModel
 from gpu_worker.turns import SharedComputeThread, background_due
 from tests.unit.test_model_loop import STEP_S, Clock, FakeRunner, req

@@ -1,0 +1,67 @@
+"""What the compute side hands the I/O side: a request's terminal outcome, an ack, or a hand-back.
+
+The compute loops put lists of these on the worker's publisher queue; the publisher writes them to
+Redis (record first, then XACK). Built here, in one place, so every terminal result has one shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shared.messages import ErrorInfo, InferenceRequest, RequestResult
+from shared.states import FinishReason, Status
+
+
+@dataclass(slots=True)
+class Outcome:
+    request: InferenceRequest
+    result: RequestResult
+    computed: bool = True  # False when the request never reached the model
+
+
+@dataclass(slots=True)
+class Ack:
+    """Nothing to write (the record is already terminal): just acknowledge the stream entry."""
+
+    request: InferenceRequest
+
+
+@dataclass(slots=True)
+class HandBack:
+    """Work this worker will not do after all: put it back for another worker."""
+
+    requests: list[InferenceRequest]
+
+
+Emitted = Outcome | Ack | HandBack
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+def result_for(req: InferenceRequest, status: Status, *, worker: str, now: float,
+               output: dict[str, Any] | None = None, error: ErrorInfo | None = None,
+               reason: FinishReason | None = None, timings: dict[str, float] | None = None,
+               started: float | None = None) -> RequestResult:
+    t = dict(timings or {})
+    t.setdefault("total_ms", round(now * 1000 - req.created_ms, 3))
+    if started is not None:
+        t.setdefault("queue_ms", round(started * 1000 - req.created_ms, 3))
+    return RequestResult(id=req.id, status=status, output=output, error=error, finish_reason=reason,
+                         timings=t, started_ms=_ms(started) if started else None, finished_ms=_ms(now),
+                         worker=worker)
+
+
+def expired_outcome(req: InferenceRequest, worker: str, now: float, where: str) -> Outcome:
+    return Outcome(req, result_for(
+        req, Status.EXPIRED, worker=worker, now=now, reason=FinishReason.DEADLINE,
+        error=ErrorInfo("deadline_exceeded", f"deadline passed {where}; not computed"),
+    ), computed=False)
+
+
+def failed_outcome(req: InferenceRequest, worker: str, now: float, code: str, message: str,
+                   computed: bool = False) -> Outcome:
+    return Outcome(req, result_for(req, Status.FAILED, worker=worker, now=now, reason=FinishReason.ERROR,
+                                   error=ErrorInfo(code, message)), computed=computed)
