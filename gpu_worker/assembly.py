@@ -13,7 +13,7 @@ from typing import Any
 import structlog
 
 from gpu_worker.engines import ModelEngines
-from gpu_worker.model_loop import ModelLoop, Snapshot
+from gpu_worker.model_loop import ModelLoop
 from gpu_worker.outcomes import Emitted
 from gpu_worker.runners import (
     CpuShare,
@@ -31,7 +31,7 @@ from gpu_worker.turns import SharedComputeThread
 from shared.config import ModelSpec, Settings
 from shared.faults import Faults
 from shared.lanes import LaneSpec, engine_groups
-from shared.messages import InferenceRequest, LaneStat, LaneStats
+from shared.messages import InferenceRequest
 from shared.states import Task
 
 log = structlog.get_logger(__name__)
@@ -57,21 +57,11 @@ def build_scheduler(spec: ModelSpec, runner: Runner, lanes: tuple[LaneSpec, ...]
                      total_rows=rows)
 
 
-def lane_stats(spec: ModelSpec, worker: str, snap: Snapshot) -> LaneStats:
-    return LaneStats(
-        model=spec.name, worker=worker, at_ms=int(snap.at * 1000), max_rows=snap.max_rows,
-        free_rows=snap.free_rows, deadline_aware=spec.deadline_aware, prefill_fixed_ms=snap.prefill_fixed_ms,
-        prefill_ms_per_token=snap.prefill_ms_per_token, decode_ms_per_step=snap.decode_ms_per_step,
-        lanes=tuple(LaneStat(lane, load.waiting, load.running, load.completed_rps, load.est_wait_ms)
-                    for lane, load in snap.lanes.items()),
-    )
-
-
 async def load_engines(settings: Settings, *, worker: str, faults: Faults,
-                       gate: Callable[[list[InferenceRequest]], list[bool] | None],
+                       mark_running: Callable[[list[InferenceRequest]], list[bool] | None],
                        emit: Callable[[list[Emitted]], None], on_crash: Callable[[], None],
                        loader: Callable[[ModelSpec], Any] | None = None) -> dict[str, ModelEngines]:
-    """Load every configured model and build its engines (not started). `gate` marks requests running
+    """Load every configured model and build its engines (not started). `mark_running` marks requests running
     (False: already terminal; None: cannot tell), `emit` takes outcomes, `on_crash` is told of a dead loop."""
     from gpu_worker import models
 
@@ -88,7 +78,7 @@ async def load_engines(settings: Settings, *, worker: str, faults: Faults,
         for i, ((engine, lanes), runner) in enumerate(zip(groups, runners, strict=True)):
             await asyncio.to_thread(single_threaded, runner.warm_up)
             bind = functools.partial(bind_compute_thread, loaded.device, background=i > 0)
-            engines.add(ModelLoop(spec.name, runner, build_scheduler(spec, runner, lanes), gate=gate,
+            engines.add(ModelLoop(spec.name, runner, build_scheduler(spec, runner, lanes), gate=mark_running,
                                   emit=emit, on_crash=on_crash, worker=worker, faults=faults, engine=engine,
                                   bind_thread=bind, hand_over=engines.hand_over if len(groups) > 1 else None))
         if loaded.device.type == "cpu":

@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from gpu_worker.model_loop import Adopt, Cancel, Drain, ModelLoop
+from gpu_worker.model_loop import Add, Adopt, Cancel, Drain, ModelLoop, Snapshot
 from gpu_worker.outcomes import HandBack
 from gpu_worker.scheduler import Pending
 from shared.config import ModelSpec
+from shared.messages import InferenceRequest, LaneStat, LaneStats
 
 T = TypeVar("T")
 
@@ -58,6 +59,35 @@ class ModelEngines:
             else:
                 loop.submit(Adopt(mine))
 
+    def submit(self, requests: list[InferenceRequest], now: float) -> None:
+        """Requests read from the model's streams, each to the engine serving the lane it was filed under."""
+        for loop, reqs in self.split(requests, lambda r: r.lane):
+            loop.submit(Add(reqs, now))
+
+    def start(self) -> None:
+        for loop in self.loops:
+            loop.start()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for every engine's loop to end (after a drain); True when all have."""
+        return all([loop.join(timeout) for loop in self.loops])
+
+    def lane_stats(self, worker: str) -> dict[str, LaneStats]:
+        """Each engine's load figures for admission control, by the stats-hash field it is published under
+        (the worker's name, or worker/engine when the model has several engines); engines that have not
+        measured anything yet are left out."""
+        out: dict[str, LaneStats] = {}
+        for loop in self.loops:
+            if loop.snapshot.at:
+                out[self.stats_field(worker, loop.engine)] = lane_stats(self.spec, worker, loop.snapshot)
+        return out
+
+    def stats_fields(self, worker: str) -> list[str]:
+        return [self.stats_field(worker, loop.engine) for loop in self.loops]
+
+    def stats_field(self, worker: str, engine: str) -> str:
+        return worker if len(self.loops) == 1 else f"{worker}/{engine}"
+
     def cancel(self, request_id: str) -> None:
         for loop in self.loops:
             loop.submit(Cancel({request_id}))
@@ -77,3 +107,13 @@ class ModelEngines:
             for rid, n in getattr(loop.runner, "model_calls", {}).items():
                 calls[rid] = calls.get(rid, 0) + n
         return calls
+
+
+def lane_stats(spec: ModelSpec, worker: str, snap: Snapshot) -> LaneStats:
+    return LaneStats(
+        model=spec.name, worker=worker, at_ms=int(snap.at * 1000), max_rows=snap.max_rows,
+        free_rows=snap.free_rows, deadline_aware=spec.deadline_aware, prefill_fixed_ms=snap.prefill_fixed_ms,
+        prefill_ms_per_token=snap.prefill_ms_per_token, decode_ms_per_step=snap.decode_ms_per_step,
+        lanes=tuple(LaneStat(lane, load.waiting, load.running, load.completed_rps, load.est_wait_ms)
+                    for lane, load in snap.lanes.items()),
+    )

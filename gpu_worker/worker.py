@@ -25,9 +25,8 @@ import structlog
 from redis.exceptions import RedisError, ResponseError
 
 from gpu_worker import leases, metrics
-from gpu_worker.assembly import lane_stats, load_engines
+from gpu_worker.assembly import load_engines
 from gpu_worker.engines import ModelEngines
-from gpu_worker.model_loop import Add, ModelLoop
 from gpu_worker.outcomes import Emitted, expired_outcome, failed_outcome
 from gpu_worker.publisher import Held, Publisher
 from shared.codec import decode, encode
@@ -83,8 +82,8 @@ class Worker:
         await self._load_models()
         await self._ensure_groups()
         await self._probe_blocking_count()
-        for lp in self._loops():
-            lp.start()
+        for engines in self.engines.values():
+            engines.start()
         intake = [asyncio.create_task(self._intake(name), name=f"intake-{name}") for name in self.engines]
         publisher = asyncio.create_task(self.publisher.run(), name="publisher")
         background = [
@@ -125,7 +124,7 @@ class Worker:
         until = time.time() + self.drain_budget_s
         for engines in self.engines.values():
             engines.drain(until)
-        await asyncio.to_thread(self._join_loops, self.drain_budget_s + 10)
+        await asyncio.to_thread(self._join_engines, self.drain_budget_s + 10)
         self.publisher.close()  # after the loops' last outcomes and hand-backs, which are already queued
         try:  # bounded: with Redis down, unwritten entries stay pending and are reclaimed later (safe)
             await asyncio.wait_for(publisher, timeout=self.drain_budget_s + 10)
@@ -137,19 +136,12 @@ class Worker:
             async with tolerate_outage():
                 await self.redis.hdel(self.keys.workers(), self.name)
                 for name, engines in self.engines.items():
-                    await self.redis.hdel(self.keys.lane_stats(name), *(self._stats_field(lp) for lp in engines))
+                    await self.redis.hdel(self.keys.lane_stats(name), *engines.stats_fields(self.name))
                 await leases.leave(self.redis, self._all_streams(), self.name)
 
-    def _loops(self) -> list[ModelLoop]:
-        return [lp for engines in self.engines.values() for lp in engines]
-
-    def _stats_field(self, lp: ModelLoop) -> str:
-        """The stats hash field of one engine: the worker's name, plus the engine's when the model has several."""
-        return self.name if len(self.engines[lp.name].loops) == 1 else f"{self.name}/{lp.engine}"
-
-    def _join_loops(self, timeout: float) -> None:
-        for lp in self._loops():
-            lp.join(timeout)
+    def _join_engines(self, timeout: float) -> None:
+        for engines in self.engines.values():
+            engines.join(timeout)
 
     def _task_ended(self, task: asyncio.Task[None]) -> None:
         """A background task that ends by itself (not cancelled) leaves the worker unable to do its job:
@@ -165,7 +157,7 @@ class Worker:
             self._loop.call_soon_threadsafe(self._crash.set)
 
     async def _load_models(self) -> None:
-        self.engines = await load_engines(self.settings, worker=self.name, faults=self.faults, gate=self._gate,
+        self.engines = await load_engines(self.settings, worker=self.name, faults=self.faults, mark_running=self._gate,
                                           emit=self._emit, on_crash=self._on_crash, loader=self._loader)
 
     def _streams(self, model: str) -> list[str]:
@@ -281,8 +273,7 @@ class Worker:
                 fresh.append(req)
         if late:
             await self.publisher.queue.put(late)
-        for lp, reqs in engines.split(fresh, lambda r: r.lane):
-            lp.submit(Add(reqs, now))
+        engines.submit(fresh, now)
 
     async def _decode_entry(self, model: str, stream: str, entry_id: bytes,
                             fields: dict[bytes, bytes]) -> InferenceRequest | None:
@@ -404,13 +395,12 @@ class Worker:
         """Per-lane load and service figures for the gateway's admission control, at a steady interval."""
         while True:
             pipe = self.redis.pipeline(transaction=False)
-            for lp in self._loops():
-                spec = self.settings.model(lp.name)
-                if spec is None or not lp.snapshot.at:
-                    continue
-                key = self.keys.lane_stats(lp.name)  # one field per engine: its own lanes, rows and costs
-                pipe.hset(key, self._stats_field(lp), encode(lane_stats(spec, self.name, lp.snapshot)))
-                pipe.pexpire(key, STATS_TTL_MS)
+            for model, engines in self.engines.items():
+                stats = engines.lane_stats(self.name)  # one field per engine: its own lanes, rows and costs
+                if stats:
+                    key = self.keys.lane_stats(model)
+                    pipe.hset(key, mapping={field: encode(s) for field, s in stats.items()})
+                    pipe.pexpire(key, STATS_TTL_MS)
             async with tolerate_outage():
                 await pipe.execute()
             await asyncio.sleep(STATS_INTERVAL_S)
