@@ -12,21 +12,15 @@ from typing import Any
 
 import structlog
 
+from gpu_worker.cpu_threads import CpuShare, bind_compute_thread, model_size, single_threaded
+from gpu_worker.embed_runner import EmbedRunner
 from gpu_worker.engines import ModelEngines
+from gpu_worker.generate_runner import GenerateRunner
 from gpu_worker.model_loop import ModelLoop
 from gpu_worker.outcomes import Emitted
-from gpu_worker.runners import (
-    CpuShare,
-    EmbedRunner,
-    GenerateRunner,
-    Runner,
-    bind_compute_thread,
-    engine_seq_len,
-    model_size,
-    single_threaded,
-    size_engines,
-)
+from gpu_worker.runner import Runner
 from gpu_worker.scheduler import BatchLimits, LanePolicy, Scheduler
+from gpu_worker.sizing import engine_seq_len, size_engines
 from gpu_worker.turns import SharedComputeThread
 from shared.config import ModelSpec, Settings
 from shared.faults import Faults
@@ -78,7 +72,8 @@ async def load_engines(settings: Settings, *, worker: str, faults: Faults,
         for i, ((engine, lanes), runner) in enumerate(zip(groups, runners, strict=True)):
             await asyncio.to_thread(single_threaded, runner.warm_up)
             bind = functools.partial(bind_compute_thread, loaded.device, background=i > 0)
-            engines.add(ModelLoop(spec.name, runner, build_scheduler(spec, runner, lanes), gate=mark_running,
+            engines.add(ModelLoop(spec.name, runner, build_scheduler(spec, runner, lanes),
+                                  mark_running=mark_running,
                                   emit=emit, on_crash=on_crash, worker=worker, faults=faults, engine=engine,
                                   bind_thread=bind, hand_over=engines.hand_over if len(groups) > 1 else None))
         if loaded.device.type == "cpu":

@@ -2,10 +2,12 @@
 
 The engine holds the running batch. `prefill(specs)` runs new prompts, right-aligned, straight into
 free rows of the preallocated `SlotKVCache` and merges them into the batch; `step()` advances every
-running row by one token; a row leaves the moment it is done (length, EOS, stop string), cancelled,
-or past its deadline, and its outcome is returned at once.
+running row by one token; a row leaves the moment it is done (length, EOS, stop string), or when the
+caller removes it (`remove`, with a reason: cancelled, out of time, preempted), and its outcome is
+returned at once.
 
-What the caller decides (see `gpu_worker.scheduler`): which requests to prefill and when. What the
+What the caller decides (see `gpu_worker.scheduler`): which requests to prefill and when, and which
+rows leave early. What the
 engine guarantees: it never allocates beyond `max_rows` x `max_width` cache positions, so load
 cannot make it run out of memory; a row never attends to another row's tokens or its own padding.
 """
@@ -14,45 +16,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from gpu_worker.kv_cache import SlotKVCache
-from gpu_worker.sampling import SamplingParams, make_generator, select_tokens
+from gpu_worker.sampling import make_generator, select_tokens
+from gpu_worker.sequences import EngineFull, EngineStats, GenResult, GenSpec, group_by_length
 from shared.states import FinishReason
 
 # Prefill sub-batches: rows are grouped by prompt length so that padding stays under this fraction.
 PREFILL_PAD_TOLERANCE = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class GenSpec:
-    """What the engine needs to generate one sequence."""
-
-    id: str
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
-    eos_ids: frozenset[int] = frozenset()
-    deadline: float | None = None  # wall-clock seconds
-
-    @property
-    def total_tokens(self) -> int:
-        return len(self.prompt_ids) + self.max_new_tokens
-
-
-@dataclass(slots=True)
-class GenResult:
-    id: str
-    token_ids: list[int]
-    finish_reason: FinishReason
-    prompt_tokens: int
-    prefill_s: float = 0.0
-    ttft_s: float = 0.0  # from prefill start to the first token
-    decode_s: float = 0.0  # from the first token to the last
-    admitted_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -67,28 +41,6 @@ class _Row:
     stop_tail: int = 0
 
 
-@dataclass(slots=True)
-class EngineStats:
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    forward_s: float = 0.0
-    steps: int = 0
-    prefill_tokens: int = 0
-    prefill_padded_tokens: int = 0
-    decode_tokens: int = 0
-    kv_real: int = 0  # sum over steps of the real tokens attended
-    kv_padded: int = 0  # sum over steps of the cache positions attended
-    extra: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def kv_padding_fraction(self) -> float:
-        return 1.0 - self.kv_real / self.kv_padded if self.kv_padded else 0.0
-
-
-class EngineFull(RuntimeError):
-    """Raised when asked to prefill beyond the engine's row or width capacity (a scheduler bug)."""
-
-
 class GenerationEngine:
     def __init__(
         self,
@@ -99,18 +51,15 @@ class GenerationEngine:
         decode_tail: Callable[[list[int]], str] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        cfg = model.config
-        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        heads = text_cfg.num_attention_heads
-        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads
+        layers, kv_heads, head_dim = kv_shape(model)
         param = next(model.parameters())
         self.model = model
         self.device = param.device
         self.max_rows = max_rows
         self.max_seq_len = max_seq_len
         self.cache = SlotKVCache(
-            layers=text_cfg.num_hidden_layers,
-            kv_heads=getattr(text_cfg, "num_key_value_heads", None) or heads,
+            layers=layers,
+            kv_heads=kv_heads,
             head_dim=head_dim,
             dtype=param.dtype,
             device=param.device,
@@ -142,12 +91,8 @@ class GenerationEngine:
     @staticmethod
     def bytes_per_row(model: torch.nn.Module, max_seq_len: int) -> int:
         """Cache bytes one row can cost at most (the cache is `2 * max_seq_len` wide)."""
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        elem = next(model.parameters()).element_size()
-        return 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem * 2 * max_seq_len
+        layers, kv_heads, head_dim = kv_shape(model)
+        return 2 * layers * kv_heads * head_dim * next(model.parameters()).element_size() * 2 * max_seq_len
 
     # --- prefill -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -207,7 +152,7 @@ class GenerationEngine:
                 admitted_at=t0, prefill_s=now - t0, first_token_at=now,
                 stop_tail=max((len(s) for s in spec.stop), default=0) + 8,
             ))
-        return self._retire([r for r in range(first, first + n) if self._finished(self.rows[r])], now)
+        return self._retire([r for r in range(first, first + n) if self._finish_reason(self.rows[r]) is not None], now)
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         if self._bool_mask:
@@ -257,7 +202,7 @@ class GenerationEngine:
         finished = []
         for i, (row, tok) in enumerate(zip(self.rows, tokens, strict=True)):
             row.tokens.append(tok)
-            if self._finished(row):
+            if self._finish_reason(row) is not None:
                 finished.append(i)
         now = self._clock()
         self.stats.decode_s += now - t0
@@ -277,9 +222,6 @@ class GenerationEngine:
         self.end -= lo
 
     # --- leaving the batch ---------------------------------------------------------------------
-    def _finished(self, row: _Row) -> bool:
-        return self._finish_reason(row) is not None
-
     def _finish_reason(self, row: _Row) -> FinishReason | None:
         spec = row.spec
         if row.tokens[-1] in spec.eos_ids:
@@ -302,7 +244,7 @@ class GenerationEngine:
                 id=row.spec.id, token_ids=row.tokens, finish_reason=why,
                 prompt_tokens=len(row.spec.prompt_ids), prefill_s=row.prefill_s,
                 ttft_s=row.first_token_at - row.admitted_at, decode_s=now - row.first_token_at,
-                admitted_at=row.admitted_at,
+                admitted_at=row.admitted_at, owner=row.spec.owner,
             ))
             last = len(self.rows) - 1
             if i != last:
@@ -314,23 +256,12 @@ class GenerationEngine:
         return results
 
     @torch.inference_mode()
-    def cancel(self, ids: Iterable[str]) -> list[GenResult]:
+    def remove(self, ids: Iterable[str], reason: FinishReason) -> list[GenResult]:
+        """The one way a row leaves before it is done (cancelled, out of time, preempted, handed back):
+        it leaves at once with the tokens it has, `reason` as its finish reason."""
         wanted = set(ids)
         hits = [i for i, r in enumerate(self.rows) if r.spec.id in wanted]
-        return self._retire(hits, self._clock(), FinishReason.CANCELLED)
-
-    @torch.inference_mode()
-    def expire(self, now: float) -> list[GenResult]:
-        """Rows whose deadline has passed leave with the tokens they have."""
-        hits = [i for i, r in enumerate(self.rows) if r.spec.deadline is not None and r.spec.deadline <= now]
-        return self._retire(hits, now, FinishReason.DEADLINE)
-
-    @torch.inference_mode()
-    def expire_ids(self, ids: Iterable[str]) -> list[GenResult]:
-        """Rows that cannot finish by their deadline leave now, with the tokens they have."""
-        wanted = set(ids)
-        hits = [i for i, r in enumerate(self.rows) if r.spec.id in wanted]
-        return self._retire(hits, self._clock(), FinishReason.DEADLINE)
+        return self._retire(hits, self._clock(), reason)
 
     def running_ids(self) -> list[str]:
         return [r.spec.id for r in self.rows]
@@ -339,18 +270,9 @@ class GenerationEngine:
         return {r.spec.id: r.spec.max_new_tokens - len(r.tokens) for r in self.rows}
 
 
-def group_by_length(lengths: list[int], tolerance: float) -> list[list[int]]:
-    """Indices grouped (longest first) so each group's padding stays within `tolerance` of its width."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups: list[list[int]] = []
-    for i in order:
-        if groups:
-            g = groups[-1]
-            width = lengths[g[0]]
-            padded = width * (len(g) + 1)
-            real = sum(lengths[j] for j in g) + lengths[i]
-            if padded - real <= tolerance * padded:
-                g.append(i)
-                continue
-        groups.append([i])
-    return groups
+def kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a causal LM's cache, from its (text) config."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim

@@ -16,9 +16,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from gpu_worker.model_loop import Add, Adopt, Cancel, Drain, ModelLoop, Snapshot
+from gpu_worker.commands import Add, Adopt, Cancel, Drain
+from gpu_worker.job import Job
+from gpu_worker.load_report import Snapshot
+from gpu_worker.model_loop import ModelLoop
 from gpu_worker.outcomes import HandBack
-from gpu_worker.scheduler import Pending
 from shared.config import ModelSpec
 from shared.messages import InferenceRequest, LaneStat, LaneStats
 
@@ -51,11 +53,11 @@ class ModelEngines:
             groups[self.loops.index(self.for_lane(lane(item)))].append(item)
         return [(loop, group) for loop, group in zip(self.loops, groups, strict=True) if group]
 
-    def hand_over(self, items: list[Pending]) -> None:
+    def hand_over(self, items: list[Job]) -> None:
         """From an engine's thread: prepared requests whose real lane another engine serves."""
         for loop, mine in self.split(items, lambda p: p.lane):
             if loop.stopped:  # it has handed its work back already: this goes back to the stream too
-                loop.emit([HandBack([p.payload[0] for p in mine])])
+                loop.emit([HandBack([job.req for job in mine])])
             else:
                 loop.submit(Adopt(mine))
 

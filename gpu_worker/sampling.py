@@ -3,23 +3,10 @@
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 
 import torch
 
-MIN_TEMPERATURE = 1e-4
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < MIN_TEMPERATURE  # tiny temperatures overflow the softmax: greedy is the limit
+from gpu_worker.sequences import SamplingParams
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

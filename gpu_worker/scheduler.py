@@ -1,57 +1,49 @@
 """The worker's scheduling decisions, pure: requests, a clock value and capacity in; a plan out.
 
-No Redis, no torch, no clock reads. Per lane, waiting requests are ordered by (priority, deadline)
-(EDF within a priority). `plan()` answers three questions each time the model loop asks:
-1. which waiting requests can no longer finish by their deadline: already past it, or past it by the
-   time their estimated compute would end (expire them without compute: under overload, starting
-   work that will miss anyway is how EDF collapses);
-2. is some lane's dynamic window closed (its batch is full, its token budget is full, its oldest
+No Redis, no torch, no clock reads. The scheduler owns the lane queues and the running set, and each
+time the compute loop asks, `plan()` answers every question of the step:
+1. which running rows cannot finish by their deadline (past it, or their remaining tokens at the
+   measured token interval would end past it): they leave now with their partial output;
+2. which waiting requests cannot finish by their deadline (past it, or past it once their estimated
+   compute is done): they expire without compute (under overload, starting work that will miss
+   anyway is how EDF collapses);
+3. how many rows new work may take: the free rows, fewer if another row would push a running row
+   past its deadline (every row slows every step), none while starting is held off (draining, or
+   the record store could not confirm the last batch), at most one for old work while the engine
+   yields its turns to a foreground engine;
+4. is some lane's dynamic window closed (its batch is full, its token budget is full, its oldest
    request has waited the lane's window, or the earliest deadline's slack says waiting longer would
    miss it), and if several are, which lane is most urgent: interactive before batch; then a lane
    whose slack has run out (most overdue first); then the lane whose oldest request has waited the
    most *windows* (short lanes have short windows, so short work goes first, and every lane's
-   urgency grows while it waits, so none starves);
-3. if nothing is ready, when to ask again.
+   urgency grows while it waits, so none starves); each lane within its share of the rows;
+5. with no row free and an interactive request out of slack: which running batch-priority rows to
+   give back (they are re-queued), so batch work never pushes interactive work past its deadline;
+6. if nothing is ready, when to ask again.
+Whether a deadline can be met is answered by `shared.deadlines.cannot_finish` alone.
 With `deadline_aware=False` (the FIFO baseline the benchmarks compare against) requests are taken
-in arrival order and deadlines are ignored: nothing expires, no slack closes a window early.
-Priorities: when no row is free and an interactive request has no slack left, the plan asks the
-caller to preempt running batch-priority rows (they are re-queued), so batch work never pushes
-interactive work past its deadline.
+in arrival order and deadlines are ignored: nothing expires or is evicted, no slack closes a window.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+
+from gpu_worker.job import Job, JobState
+from gpu_worker.lane_queue import LanePolicy, LaneQueue
+from gpu_worker.service_model import ServiceModel, ServiceTracker
+from shared.deadlines import cannot_finish
 
 SLACK_FACTOR = 1.5
 SLACK_MARGIN_S = 0.02
-
-
-@dataclass(slots=True)
-class Pending:
-    id: str
-    lane: str
-    rank: int  # 0 interactive, 1 batch
-    deadline: float  # wall-clock seconds
-    arrived: float  # when this worker received it
-    tokens: int  # estimated total tokens (prompt + max_new_tokens, or input tokens)
-    prompt_tokens: int  # longest sequence to prefill / encode (sets the padded width)
-    size: int = 1  # rows it occupies in a batch (texts for embeddings)
-    new_tokens: int = 0  # tokens to generate (0 for encoders)
-    payload: Any = None
-
-
-@dataclass(frozen=True, slots=True)
-class LanePolicy:
-    name: str
-    window_s: float
-    # the largest fraction of the running batch's rows this lane may hold; below 1 the other lanes keep
-    # rows of their own (long work never takes every row, so short work never queues behind it)
-    max_share: float = 1.0
+# A running row is given up only if even 80% of its estimated remaining time would end past its deadline.
+DOOM_OPTIMISM = 0.8
+# While its engine yields to a foreground engine with running rows (CPU engines taking turns on one
+# thread), a background turn starts no prefill (a 256-token prompt's forward takes ~100 ms on the 2-core
+# VM, and every short row would wait it out) unless work has waited this long; then it starts one request.
+BACKGROUND_PREFILL_WAIT_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,87 +52,14 @@ class BatchLimits:
     max_batch_tokens: int  # padded prompt tokens per batch (rows x longest prompt)
 
 
-@dataclass(frozen=True, slots=True)
-class ServiceModel:
-    """Estimated compute time of a request: its prefill (fixed + per padded prompt token) plus one
-    decode step per new token. Measured by the worker (`gpu_worker.service_model`)."""
-
-    fixed_s: float = 0.0
-    per_token_s: float = 0.0
-    decode_s_per_token: float = 0.0
-
-    def estimate(self, item: Pending) -> float:
-        return (self.fixed_s + self.per_token_s * item.prompt_tokens * item.size
-                + self.decode_s_per_token * item.new_tokens)
-
-
 @dataclass(slots=True)
 class Plan:
-    expired: list[Pending] = field(default_factory=list)
-    batch: list[Pending] = field(default_factory=list)
+    evict: list[Job] = field(default_factory=list)  # running rows that cannot finish: leave now
+    expired: list[Job] = field(default_factory=list)  # waiting requests that cannot finish: never computed
+    preempt: list[Job] = field(default_factory=list)  # running batch rows given back to interactive work
+    batch: list[Job] = field(default_factory=list)  # to start now, all of one lane
     lane: str | None = None
     wake_at: float | None = None  # ask again at this time if nothing else happens first
-    preempt: int = 0  # rows of running batch-priority work to give back to urgent interactive work
-
-
-class LaneQueue:
-    """Waiting requests of one lane, popped in (priority, deadline, arrival) order."""
-
-    def __init__(self, policy: LanePolicy, *, fifo: bool = False) -> None:
-        self.policy = policy
-        self.fifo = fifo
-        self._heap: list[tuple[int, float, int, Pending]] = []  # (rank, deadline | arrival, seq, item)
-        self._live: dict[str, Pending] = {}
-        self._seq = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def push(self, item: Pending) -> None:
-        self._live[item.id] = item
-        key = (0, item.arrived) if self.fifo else (item.rank, item.deadline)
-        heapq.heappush(self._heap, (*key, next(self._seq), item))
-
-    def remove(self, request_id: str) -> Pending | None:
-        item = self._live.pop(request_id, None)  # its heap entry is skipped when it surfaces
-        self._compact()
-        return item
-
-    def _compact(self) -> None:
-        """Rebuild the heap when removed entries (still holding their payloads) outnumber live ones."""
-        if len(self._heap) > 2 * len(self._live) + 64:
-            self._heap = [e for e in self._heap if self._live.get(e[3].id) is e[3]]
-            heapq.heapify(self._heap)
-
-    def _clean_top(self) -> None:
-        while self._heap and self._live.get(self._heap[0][3].id) is not self._heap[0][3]:
-            heapq.heappop(self._heap)
-
-    def peek(self) -> Pending | None:
-        self._clean_top()
-        return self._heap[0][3] if self._heap else None
-
-    def pop(self) -> Pending:
-        self._clean_top()
-        item = heapq.heappop(self._heap)[3]
-        del self._live[item.id]
-        return item
-
-    def items(self) -> Iterable[Pending]:
-        return self._live.values()
-
-    def oldest_arrival(self) -> float | None:
-        return min((p.arrived for p in self._live.values()), default=None)
-
-    def pop_expired(self, now: float, service: ServiceModel | None = None) -> list[Pending]:
-        """Remove requests that cannot finish in time: past the deadline, or past it once computed."""
-        gone = [p for p in self._live.values()
-                if p.deadline <= now + (service.estimate(p) if service is not None else 0.0)]
-        for p in gone:
-            del self._live[p.id]
-        if gone:
-            self._compact()
-        return gone
 
 
 class Scheduler:
@@ -153,21 +72,59 @@ class Scheduler:
         self.limits = limits
         self.aging = aging
         self.service = service or ServiceModel()
+        self.tracker = ServiceTracker(tuple(self.queues))
+        self.running: dict[str, Job] = {}
+        self._hold_until = 0.0
 
     # --- bookkeeping ---------------------------------------------------------------------------
-    def add(self, item: Pending) -> None:
-        queue = self.queues.get(item.lane)
+    def add(self, job: Job) -> None:
+        queue = self.queues.get(job.lane)
         if queue is None:  # an unknown lane name (config changed under a queued request): last lane
             queue = list(self.queues.values())[-1]
-            item.lane = queue.policy.name
-        queue.push(item)
+            job.lane = queue.policy.name
+        job.state = JobState.QUEUED
+        queue.push(job)
 
-    def cancel(self, request_id: str) -> Pending | None:
+    def cancel(self, request_id: str) -> Job | None:
+        """Take a waiting request out of its queue (a running one is removed by the runner, then `finished`)."""
         for queue in self.queues.values():
-            item = queue.remove(request_id)
-            if item is not None:
-                return item
+            job = queue.remove(request_id)
+            if job is not None:
+                job.state = JobState.DONE
+                return job
         return None
+
+    def started(self, jobs: Iterable[Job]) -> None:
+        for job in jobs:
+            job.state = JobState.RUNNING
+            job.attempts += 1
+            self.running[job.id] = job
+
+    def finished(self, request_id: str) -> Job | None:
+        job = self.running.pop(request_id, None)
+        if job is not None:
+            job.state = JobState.DONE
+        return job
+
+    def requeue(self, jobs: Iterable[Job]) -> None:
+        """Running jobs given back (preempted): waiting again, in their lanes."""
+        for job in jobs:
+            self.running.pop(job.id, None)
+            self.add(job)
+
+    def hold(self, until: float) -> None:
+        """Start nothing before `until` (the record store could not confirm a batch; `inf` when draining)."""
+        self._hold_until = until
+
+    def drain(self) -> list[Job]:
+        """Everything still waiting (for a hand-back on shutdown)."""
+        out: list[Job] = []
+        for queue in self.queues.values():
+            while len(queue):
+                job = queue.pop()
+                job.state = JobState.DONE
+                out.append(job)
+        return out
 
     def __len__(self) -> int:
         return sum(len(q) for q in self.queues.values())
@@ -175,15 +132,95 @@ class Scheduler:
     def backlog(self) -> dict[str, int]:
         return {name: len(q) for name, q in self.queues.items()}
 
-    def drain(self) -> list[Pending]:
-        """Everything still waiting (for a hand-back on shutdown)."""
-        out: list[Pending] = []
-        for queue in self.queues.values():
-            while len(queue):
-                out.append(queue.pop())
-        return out
+    def oldest_arrival(self) -> float | None:
+        return min((t for q in self.queues.values() if (t := q.oldest_arrival()) is not None), default=None)
+
+    def refresh_estimates(self) -> None:
+        """Take the latest measured costs as the estimate used for slack and expiry."""
+        self.service = self.tracker.service_model(max(1, len(self.running)))
 
     # --- decisions -----------------------------------------------------------------------------
+    def plan(self, now: float, free_rows: int, left: Mapping[str, int] | None = None, *,
+             yielding: bool = False) -> Plan:
+        """`free_rows`: rows the runner has free now; `left`: tokens each running row still has to generate;
+        `yielding`: this engine's turn comes while a foreground engine has rows running."""
+        plan = Plan()
+        remaining = dict(left or {})
+        if self.deadline_aware:
+            plan.evict = self._unfinishable(now, remaining)
+            for job in plan.evict:
+                remaining.pop(job.id, None)
+            free_rows = min(free_rows + len(plan.evict), self._deadline_room(now, remaining, free_rows))
+            for queue in self.queues.values():
+                plan.expired.extend(queue.pop_expired(now, self.service))
+        if yielding:
+            free_rows = self._rows_while_yielding(now, free_rows)
+        holding = now < self._hold_until
+        if holding or free_rows <= 0:
+            if self.deadline_aware and not holding:
+                plan.preempt = self._victims(now, {j.id for j in plan.evict})
+            return plan
+        gone = {j.id for j in plan.evict}
+        running = (Counter(j.lane for j in self.running.values() if j.id not in gone)
+                   if self.shares_apply else Counter())
+        ready: list[LaneQueue] = []
+        wake: list[float] = []
+        rows = {name: self.lane_rows(q, free_rows, running) for name, q in self.queues.items() if len(q)}
+        for queue in self.queues.values():
+            if rows.get(queue.policy.name, 0) > 0:  # a lane at its share waits, like an empty one
+                at = self.ready_at(queue, now)
+                if at <= now:
+                    ready.append(queue)
+                else:
+                    wake.append(at)
+        if not ready:
+            plan.wake_at = min(wake, default=None)
+            return plan
+        lane = min(ready, key=lambda q: self.urgency(q, now))
+        plan.lane = lane.policy.name
+        plan.batch = self._take(lane, rows[lane.policy.name])
+        return plan
+
+    def late(self, batch: list[Job], now: float) -> list[Job]:
+        """Of a batch about to start, those already past their deadline (deadline-aware mode only)."""
+        return [j for j in batch if cannot_finish(j.deadline, now)] if self.deadline_aware else []
+
+    def _unfinishable(self, now: float, left: Mapping[str, int]) -> list[Job]:
+        """Running rows that cannot finish by their deadline at the measured token interval (or are past
+        it): they leave now, partial output kept, instead of taking rows and steps from work that can."""
+        interval = self.tracker.step_seconds(max(1, len(self.running)))
+        return [job for rid, n in left.items() if (job := self.running.get(rid)) is not None
+                and cannot_finish(job.deadline, now, DOOM_OPTIMISM * n * max(0.0, interval))]
+
+    def _deadline_room(self, now: float, left: Mapping[str, int], free_rows: int) -> int:
+        """Rows that may join without pushing a running row past its deadline: every row slows every
+        step, and each running row must still fit its remaining tokens into the time it has left. Under
+        overload, admitting past this point starts work that is then evicted unfinished (its compute
+        wasted, and everyone slowed while it ran)."""
+        budgets = [(job.deadline - now) / n for rid, n in left.items()
+                   if n > 0 and (job := self.running.get(rid)) is not None]
+        limit = self.total_rows or free_rows + len(self.running)
+        if not budgets:
+            return limit
+        return max(0, self.tracker.rows_within(min(budgets), limit) - len(left))
+
+    def _rows_while_yielding(self, now: float, free_rows: int) -> int:
+        """A background turn beside the foreground engine's running rows prefills nothing, so that a short
+        request never waits out a long prompt between two of its tokens; work that has waited
+        `BACKGROUND_PREFILL_WAIT_S` gets one row (the foreground's idle gaps usually come sooner)."""
+        oldest = self.oldest_arrival()
+        return min(free_rows, 1) if oldest is not None and now - oldest >= BACKGROUND_PREFILL_WAIT_S else 0
+
+    def _victims(self, now: float, gone: set[str]) -> list[Job]:
+        """Running batch-priority rows to give to interactive requests that cannot wait for a row to free
+        up on its own, latest deadline first."""
+        candidates = [j for j in self.running.values() if j.rank > 0 and j.id not in gone]
+        if not candidates:
+            return []
+        wanted = sum(p.size for q in self.queues.values() for p in q.items()
+                     if p.rank == 0 and self.latest_start(p) <= now)
+        return sorted(candidates, key=lambda j: -j.deadline)[:wanted]
+
     def ready_at(self, queue: LaneQueue, now: float) -> float:
         """When this non-empty lane's dynamic window closes (<= now: ready)."""
         items = list(queue.items())
@@ -197,7 +234,7 @@ class Scheduler:
         # Slack: start early enough that the most pressing request can still finish in time.
         return min(close, min(self.latest_start(p) for p in items))
 
-    def latest_start(self, item: Pending) -> float:
+    def latest_start(self, item: Job) -> float:
         """The last moment to start `item` and still finish by its deadline, with a safety margin
         (estimates are averages; a start this late must not depend on them being exact)."""
         return item.deadline - SLACK_FACTOR * self.service.estimate(item) - SLACK_MARGIN_S
@@ -228,44 +265,8 @@ class Scheduler:
         cap = max(1, int(share * self.total_rows))
         return min(free_rows, cap - running.get(queue.policy.name, 0))
 
-    def plan(self, now: float, free_rows: int, preemptible: int = 0,
-             running: Mapping[str, int] | None = None) -> Plan:
-        """`preemptible`: running batch-priority rows the caller could give back if asked; `running`:
-        rows running per lane (for lane shares)."""
-        running = running or {}
-        plan = Plan()
-        if self.deadline_aware:
-            for queue in self.queues.values():
-                plan.expired.extend(queue.pop_expired(now, self.service))
-        if free_rows <= 0:
-            if self.deadline_aware and preemptible:
-                plan.preempt = min(preemptible, self._urgent_interactive_rows(now))
-            return plan
-        ready: list[LaneQueue] = []
-        wake: list[float] = []
-        rows = {name: self.lane_rows(q, free_rows, running) for name, q in self.queues.items() if len(q)}
-        for queue in self.queues.values():
-            if rows.get(queue.policy.name, 0) > 0:  # a lane at its share waits, like an empty one
-                at = self.ready_at(queue, now)
-                if at <= now:
-                    ready.append(queue)
-                else:
-                    wake.append(at)
-        if not ready:
-            plan.wake_at = min(wake, default=None)
-            return plan
-        lane = min(ready, key=lambda q: self.urgency(q, now))
-        plan.lane = lane.policy.name
-        plan.batch = self._take(lane, rows[lane.policy.name])
-        return plan
-
-    def _urgent_interactive_rows(self, now: float) -> int:
-        """Rows wanted by interactive requests that cannot wait for a row to free up on its own."""
-        return sum(p.size for q in self.queues.values() for p in q.items()
-                   if p.rank == 0 and self.latest_start(p) <= now)
-
-    def _take(self, queue: LaneQueue, free_rows: int) -> list[Pending]:
-        batch: list[Pending] = []
+    def _take(self, queue: LaneQueue, free_rows: int) -> list[Job]:
+        batch: list[Job] = []
         rows = 0
         width = 0
         while (head := queue.peek()) is not None:

@@ -11,8 +11,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from gpu_worker.scheduler import ServiceModel
+if TYPE_CHECKING:
+    from gpu_worker.job import Job
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceModel:
+    """Estimated compute time of a request: its prefill (fixed + per padded prompt token) plus one
+    decode step per new token. Measured by `ServiceTracker`."""
+
+    fixed_s: float = 0.0
+    per_token_s: float = 0.0
+    decode_s_per_token: float = 0.0
+
+    def estimate(self, item: Job) -> float:
+        return (self.fixed_s + self.per_token_s * item.prompt_tokens * item.size
+                + self.decode_s_per_token * item.new_tokens)
+
 
 # Once the fit has seen enough, a sample counts at most this many times what the fit predicts for it. A
 # compute thread starved for a moment (its CPU given to a higher-priority engine, another process, a

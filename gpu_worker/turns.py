@@ -1,7 +1,7 @@
 """Several engines of one CPU model on one compute thread, taking turns forward by forward.
 
 Why one thread: GNU OpenMP slows every parallel region once a process's thread pools outnumber its
-cores (see `gpu_worker.runners.CpuShare`), so on a small machine only one thread may compute on every
+cores (see `gpu_worker.cpu_threads.CpuShare`), so on a small machine only one thread may compute on every
 core. Engines on threads of their own must then split the cores, and each runs at a fraction of the
 machine's speed. On one thread every forward has every core, and the engines take turns instead.
 
@@ -9,7 +9,7 @@ Who goes when (`background_due`, pure): the first engine (the shortest lanes) co
 has work. Another engine computes when the first has no running rows, or, while it has, once it has
 waited long enough since its last turn that it still gets `BACKGROUND_SHARE` of the thread's time;
 such a turn decodes but starts no prefill unless its work has waited a while
-(`ModelLoop._rows_while_yielding`). So short work waits at most one decode step of long work between
+(`Scheduler._rows_while_yielding`). So short work waits at most one decode step of long work between
 two of its tokens, and long work never starves. This plays the part CUDA stream priorities play on
 a GPU.
 """

@@ -206,9 +206,10 @@ _RUNNERS: dict[int, Any] = {}
 def run_batchgate(loaded: Any, reqs: list[Req]) -> RunResult:
     """The worker's own compute loop (ModelLoop + scheduler + GenerateRunner), fed without Redis."""
     from gpu_worker.assembly import build_scheduler
-    from gpu_worker.model_loop import Add, Drain, ModelLoop
+    from gpu_worker.commands import Add, Drain
+    from gpu_worker.generate_runner import GenerateRunner
+    from gpu_worker.model_loop import ModelLoop
     from gpu_worker.outcomes import Outcome
-    from gpu_worker.runners import GenerateRunner
     from shared.ids import new_request_id
     from shared.lanes import assign_lane
     from shared.messages import InferenceRequest
@@ -222,8 +223,8 @@ def run_batchgate(loaded: Any, reqs: list[Req]) -> RunResult:
         runner = _RUNNERS[id(loaded)] = GenerateRunner(loaded, "bench", max_rows=spec.max_running,
                                                        max_seq_len=spec.max_seq_len)
     done: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
-    loop = ModelLoop(spec.name, runner, build_scheduler(spec, runner), gate=lambda rs: [True] * len(rs), emit=done.put,
-                     worker="bench")
+    loop = ModelLoop(spec.name, runner, build_scheduler(spec, runner), mark_running=lambda rs: [True] * len(rs),
+                     emit=done.put, worker="bench")
     ids: dict[str, int] = {}
     arrival_at: dict[int, float] = {}
     res = RunResult({}, 0.0)

@@ -9,7 +9,7 @@ runs in. Median of --reps timings per point.
 
 `--threads-check` times a 1-row decode step on a helper thread (where the worker's engines run):
 on one torch thread, on all cores, and on all cores while a second thread holds an OpenMP pool of
-its own (the case `gpu_worker.runners.CpuShare` exists to avoid).
+its own (the case `gpu_worker.cpu_threads.CpuShare` exists to avoid).
 """
 
 from __future__ import annotations

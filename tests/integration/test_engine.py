@@ -114,7 +114,7 @@ def test_cancel_mid_generation(model):
     engine.prefill(reqs)
     for _ in range(5):
         engine.step()
-    (gone,) = engine.cancel({"r1"})
+    (gone,) = engine.remove({"r1"}, FinishReason.CANCELLED)
     assert gone.finish_reason is FinishReason.CANCELLED and len(gone.token_ids) == 6
     assert engine.running_ids() == ["r0", "r2"] or sorted(engine.running_ids()) == ["r0", "r2"]
     rest = run(engine, {0: []})
@@ -123,15 +123,17 @@ def test_cancel_mid_generation(model):
 
 
 def test_deadline_mid_generation_keeps_partial_output(model):
+    """The scheduler decides a row is out of time (tests/unit/test_scheduler.py); the engine removes it
+    with the tokens it has and the rest of the batch carries on."""
     now = [1000.0]
     engine = GenerationEngine(model, max_rows=4, max_seq_len=128, clock=lambda: now[0])
-    spec = GenSpec(id="late", prompt_ids=(1, 2, 3), max_new_tokens=50, deadline=1005.0)
+    spec = GenSpec(id="late", prompt_ids=(1, 2, 3), max_new_tokens=50)
     other = GenSpec(id="ok", prompt_ids=(4, 5), max_new_tokens=10)
     engine.prefill([spec, other])
     for _ in range(3):
         engine.step()
     now[0] = 1006.0
-    (late,) = engine.expire(now[0])
+    (late,) = engine.remove({"late"}, FinishReason.DEADLINE)
     assert late.id == "late" and late.finish_reason is FinishReason.DEADLINE
     assert late.token_ids == reference(model, spec)[:4]
     assert engine.running_ids() == ["ok"]

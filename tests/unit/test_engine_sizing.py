@@ -1,6 +1,6 @@
 import types
 
-from gpu_worker.runners import engine_rows, kv_budget_bytes
+from gpu_worker.sizing import engine_rows, kv_budget_bytes
 
 
 def test_rows_fit_the_budget_and_the_configured_cap():

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from gpu_worker.commands import Add
+from gpu_worker.cpu_threads import CpuShare, cpu_threads_per_engine
 from gpu_worker.engines import ModelEngines
-from gpu_worker.model_loop import Add, ModelLoop
+from gpu_worker.job import Job
+from gpu_worker.lane_queue import LanePolicy
+from gpu_worker.model_loop import ModelLoop
 from gpu_worker.outcomes import HandBack, Outcome
-from gpu_worker.runners import CpuShare, cpu_threads_per_engine, engine_seq_len
-from gpu_worker.scheduler import BatchLimits, LanePolicy, Pending, Scheduler, ServiceModel
+from gpu_worker.scheduler import BatchLimits, Scheduler
+from gpu_worker.service_model import ServiceModel
+from gpu_worker.sizing import engine_seq_len
 from shared.config import BUILTIN_MODELS, ModelSpec
 from shared.lanes import DEFAULT_LANES, LaneSpec, engine_groups
 from shared.states import Status, Task
@@ -22,7 +27,7 @@ SPEC = ModelSpec(name="m", task=Task.GENERATE, source="/x",
 class LaneRunner(FakeRunner):
     """Files a request by its real size (max_new_tokens), whatever lane the gateway guessed."""
 
-    def prepare(self, r, now: float) -> Pending:
+    def prepare(self, r, now: float) -> Job:
         item = super().prepare(r, now)
         item.lane = "short" if item.new_tokens <= 20 else "long"
         return item
@@ -36,7 +41,7 @@ def make_engines(clock: Clock):
         runner = runners[engine] = LaneRunner(clock, 4)
         sched = Scheduler([LanePolicy(lane.name, 0.0) for lane in lanes], BatchLimits(8, 10_000),
                           service=ServiceModel(decode_s_per_token=STEP_S))
-        engines.add(ModelLoop("m", runner, sched, gate=lambda rs: [True] * len(rs), emit=emitted.extend,
+        engines.add(ModelLoop("m", runner, sched, mark_running=lambda rs: [True] * len(rs), emit=emitted.extend,
                               clock=clock, worker="w", idle_wait_s=0.0, engine=engine,
                               hand_over=engines.hand_over))
     return engines, runners, emitted
@@ -152,26 +157,3 @@ def test_cpu_share_never_lets_the_pools_outnumber_the_cores():
     assert CpuShare(["only"], cores=16).threads("only") == 16
     big = CpuShare(["short", "main"], cores=16)
     assert (big.threads("short"), big.threads("main")) == (8, 8)
-
-
-def test_cpu_share_sets_threads_on_the_reporting_thread_only():
-    import threading
-
-    import torch
-
-    before = torch.get_num_threads()
-    share = CpuShare(["short", "main"], cores=2)
-    seen: list[int] = []
-
-    def engine() -> None:
-        share.report("main", True)
-        seen.append(torch.get_num_threads())
-
-    share.report("short", True)
-    t = threading.Thread(target=engine)
-    t.start()
-    t.join()
-    assert seen == [1]
-    share.report("short", False)  # idle: nothing is set on this thread
-    assert share._set == {"short": 2, "main": 1}
-    torch.set_num_threads(before)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpu_worker.model_loop import Add, Cancel, Drain, ModelLoop
+from gpu_worker.commands import Add, Cancel, Drain
+from gpu_worker.job import Job
+from gpu_worker.lane_queue import LanePolicy
+from gpu_worker.model_loop import ModelLoop
 from gpu_worker.outcomes import Ack, HandBack, Outcome, result_for
-from gpu_worker.scheduler import BatchLimits, LanePolicy, Pending, Scheduler, ServiceModel
+from gpu_worker.scheduler import BatchLimits, Scheduler
+from gpu_worker.service_model import ServiceModel
 from shared.messages import InferenceRequest
 from shared.states import FinishReason, Priority, Status, Task
 
@@ -56,23 +60,24 @@ class FakeRunner:
     def remaining_tokens(self) -> dict[str, int]:
         return {rid: row.left for rid, row in self.rows.items()}
 
-    def expire_ids(self, ids: set[str]) -> list[Outcome]:
+    def remove(self, ids: set[str], reason: FinishReason) -> list[Outcome]:
+        status = {FinishReason.DEADLINE: Status.EXPIRED, FinishReason.CANCELLED: Status.CANCELLED}.get(
+            reason, Status.FAILED)
         out = []
-        for rid in ids & set(self.rows):
+        for rid in set(ids) & set(self.rows):
             row = self.rows.pop(rid)
-            out.append(Outcome(row.req, result_for(row.req, Status.EXPIRED, worker="w", now=self.clock.t,
-                                                   reason=FinishReason.DEADLINE)))
+            out.append(Outcome(row.req, result_for(row.req, status, worker="w", now=self.clock.t, reason=reason)))
         return out
 
-    def prepare(self, req: InferenceRequest, now: float) -> Pending:
+    def prepare(self, req: InferenceRequest, now: float) -> Job:
         n = req.params["max_new_tokens"]
-        return Pending(id=req.id, lane=req.lane, rank=req.priority.rank, deadline=req.deadline_ms / 1000,
-                       arrived=now, tokens=n + 1, prompt_tokens=1, new_tokens=n, payload=(req, None))
+        return Job(id=req.id, lane=req.lane, rank=req.priority.rank, deadline=req.deadline_ms / 1000,
+                   arrived=now, tokens=n + 1, prompt_tokens=1, new_tokens=n, request=req)
 
-    def start(self, batch: list[Pending], now: float) -> list[Outcome]:
-        for p in batch:
-            self.started.append(p.id)
-            self.rows[p.id] = Row(p.payload[0], p.new_tokens)
+    def start(self, batch: list[Job], now: float) -> list[Outcome]:
+        for job in batch:
+            self.started.append(job.id)
+            self.rows[job.id] = Row(job.req, job.new_tokens)
         return []
 
     def step(self) -> list[Outcome]:
@@ -86,22 +91,6 @@ class FakeRunner:
                                                         reason=FinishReason.LENGTH)))
         return done
 
-    def cancel(self, ids: set[str]) -> list[Outcome]:
-        out = []
-        for rid in ids & set(self.rows):
-            row = self.rows.pop(rid)
-            out.append(Outcome(row.req, result_for(row.req, Status.CANCELLED, worker="w", now=self.clock.t)))
-        return out
-
-    def expire(self, now: float) -> list[Outcome]:
-        hits = [rid for rid, r in self.rows.items() if r.req.deadline_ms / 1000 <= now]
-        out = []
-        for rid in hits:
-            row = self.rows.pop(rid)
-            out.append(Outcome(row.req, result_for(row.req, Status.EXPIRED, worker="w", now=now,
-                                                   reason=FinishReason.DEADLINE)))
-        return out
-
 
 def req(i: int, clock: Clock, *, new: int = 10, timeout: float = 60.0, priority=Priority.INTERACTIVE):
     now_ms = int(clock.t * 1000)
@@ -110,14 +99,14 @@ def req(i: int, clock: Clock, *, new: int = 10, timeout: float = 60.0, priority=
                             deadline_ms=now_ms + int(timeout * 1000), est_tokens=new + 1)
 
 
-def make(rows: int = 2, gate=None, deadline_aware: bool = True):
+def make(rows: int = 2, mark_running=None, deadline_aware: bool = True):
     clock = Clock()
     runner = FakeRunner(clock, rows)
     sched = Scheduler([LanePolicy("short", 0.0)], BatchLimits(8, 10_000), deadline_aware=deadline_aware,
                       service=ServiceModel(decode_s_per_token=STEP_S))
     emitted: list = []
-    loop = ModelLoop("m", runner, sched, gate=gate or (lambda rs: [True] * len(rs)), emit=emitted.extend,
-                     clock=clock, worker="w", idle_wait_s=0.0)
+    loop = ModelLoop("m", runner, sched, mark_running=mark_running or (lambda rs: [True] * len(rs)),
+                     emit=emitted.extend, clock=clock, worker="w", idle_wait_s=0.0)
     return loop, runner, clock, emitted
 
 
@@ -141,7 +130,7 @@ def test_requests_run_and_finish():
 
 
 def test_gate_drops_requests_already_terminal():
-    loop, runner, clock, emitted = make(gate=lambda rs: [r.id != "r1" for r in rs])
+    loop, runner, clock, emitted = make(mark_running=lambda rs: [r.id != "r1" for r in rs])
     loop.submit(Add([req(0, clock), req(1, clock)], clock.t))
     run_until_idle(loop, runner)
     assert "r1" not in runner.started
@@ -233,7 +222,7 @@ def test_a_batch_the_gate_cannot_confirm_is_requeued_not_computed():
         calls["n"] += 1
         return None if calls["n"] == 1 else [True] * len(reqs)
 
-    loop, runner, clock, emitted = make(gate=flaky)
+    loop, runner, clock, emitted = make(mark_running=flaky)
     loop.submit(Add([req(0, clock)], clock.t))
     loop._iterate()
     assert runner.started == [] and len(loop.scheduler) == 1
@@ -263,7 +252,7 @@ def test_no_row_joins_when_it_would_push_a_running_row_past_its_deadline():
     loop.submit(Add([tight], clock.t))
     loop._iterate()
     assert runner.started == ["r0"]
-    assert loop._deadline_room(clock.t, runner.remaining_tokens()) == 3
+    assert loop.scheduler._deadline_room(clock.t, runner.remaining_tokens(), runner.free_rows) == 3
     loop.submit(Add([req(i, clock, new=10) for i in range(1, 8)], clock.t))
     loop._iterate()
     assert len(runner.rows) == 4  # three joined; four more wait for the tight one to finish

@@ -2,14 +2,22 @@
 
 import pytest
 
-from gpu_worker.scheduler import BatchLimits, LanePolicy, Pending, Scheduler, ServiceModel
+from gpu_worker.job import Job
+from gpu_worker.lane_queue import LanePolicy
+from gpu_worker.scheduler import BatchLimits, Scheduler
+from gpu_worker.service_model import ServiceModel
 
 LANES = [LanePolicy("short", 0.010), LanePolicy("long", 0.050)]
 
 
 def item(i, lane="short", *, arrived=0.0, deadline=100.0, rank=0, tokens=10, prompt=5, size=1, new=0):
-    return Pending(id=f"r{i}", lane=lane, rank=rank, deadline=deadline, arrived=arrived, tokens=tokens,
-                   prompt_tokens=prompt, size=size, new_tokens=new)
+    return Job(id=f"r{i}", lane=lane, rank=rank, deadline=deadline, arrived=arrived, tokens=tokens,
+               prompt_tokens=prompt, size=size, new_tokens=new)
+
+
+def running(s, n, lane="short", *, rank=0, deadline=100.0):
+    """`n` rows of `lane` in the scheduler's running set."""
+    s.started([item(1000 + len(s.running) + i, lane, rank=rank, deadline=deadline) for i in range(n)])
 
 
 def sched(max_batch=4, max_tokens=1000, **kw):
@@ -169,11 +177,12 @@ def test_fifo_baseline_ignores_deadlines_and_priorities():
 def test_urgent_interactive_work_asks_for_preemption_of_batch_rows():
     s = sched(service=ServiceModel(decode_s_per_token=0.01))
     s.add(item(1, arrived=0.0, deadline=1.0, new=50))  # needs 0.5 s: must start by 0.5
-    assert s.plan(0.1, free_rows=0, preemptible=3).preempt == 0  # still has slack
-    assert s.plan(0.3, free_rows=0, preemptible=3).preempt == 1
-    assert s.plan(0.3, free_rows=0, preemptible=0).preempt == 0  # nothing to give back
+    assert s.plan(0.3, free_rows=0).preempt == []  # nothing to give back
+    running(s, 3, rank=1)
+    assert s.plan(0.1, free_rows=0).preempt == []  # still has slack
+    assert len(s.plan(0.3, free_rows=0).preempt) == 1
     s.add(item(2, arrived=0.0, deadline=1.0, new=50, rank=1))
-    assert s.plan(0.3, free_rows=0, preemptible=3).preempt == 1  # batch work never preempts
+    assert len(s.plan(0.3, free_rows=0).preempt) == 1  # batch work never preempts
 
 
 def test_requests_that_cannot_finish_in_time_expire_without_compute():
@@ -199,7 +208,8 @@ def test_a_lane_never_takes_more_than_its_share_of_rows(running_long, free, expe
     s = shared_sched()
     for i in range(10):
         s.add(item(i, "long"))
-    plan = s.plan(1.0, free_rows=free, running={"long": running_long})
+    running(s, running_long, "long")
+    plan = s.plan(1.0, free_rows=free)
     assert len(plan.batch) == expected
     assert all(p.lane == "long" for p in plan.batch)
 
@@ -208,10 +218,12 @@ def test_rows_kept_back_from_a_capped_lane_go_to_the_others():
     s = shared_sched()
     for i in range(10):
         s.add(item(i, "long", arrived=0.0))
-    assert len(s.plan(1.0, free_rows=8, running={}).batch) == 4
+    first = s.plan(1.0, free_rows=8).batch
+    assert len(first) == 4
     # long work holds its share: a short request arriving later still finds a row at once
     s.add(item(99, "short", arrived=2.0))
-    plan = s.plan(2.0, free_rows=4, running={"long": 4})
+    s.started(first)
+    plan = s.plan(2.0, free_rows=4)
     assert [p.id for p in plan.batch] == ["r99"]
 
 

@@ -8,9 +8,12 @@ import time
 
 import pytest
 
-from gpu_worker.model_loop import BACKGROUND_PREFILL_WAIT_S, Add, Drain, ModelLoop
+from gpu_worker.commands import Add, Drain
+from gpu_worker.lane_queue import LanePolicy
+from gpu_worker.model_loop import ModelLoop
 from gpu_worker.outcomes import Outcome
-from gpu_worker.scheduler import BatchLimits, LanePolicy, Scheduler, ServiceModel
+from gpu_worker.scheduler import BACKGROUND_PREFILL_WAIT_S, BatchLimits, Scheduler
+from gpu_worker.service_model import ServiceModel
 from gpu_worker.turns import SharedComputeThread, background_due
 from tests.unit.test_model_loop import STEP_S, Clock, FakeRunner, req
 
@@ -53,7 +56,7 @@ def two_engines(share: float = 0.3):
         runner = LoggingRunner(clock, 4, name, steps)
         sched = Scheduler([LanePolicy("short", 0.0)], BatchLimits(8, 10_000),
                           service=ServiceModel(decode_s_per_token=STEP_S))
-        loops.append(ModelLoop("m", runner, sched, gate=lambda rs: [True] * len(rs), emit=emit, clock=clock,
+        loops.append(ModelLoop("m", runner, sched, mark_running=lambda rs: [True] * len(rs), emit=emit, clock=clock,
                                worker="w", idle_wait_s=0.05, engine=name))
     host = SharedComputeThread(loops, share=share, clock=clock)
     return host, loops, clock, steps, emitted
@@ -99,10 +102,10 @@ def test_a_crash_stops_every_engine_on_the_thread() -> None:
     crashes: list[int] = []
     long._on_crash = lambda: crashes.append(1)
 
-    def boom(now: float) -> list:
+    def boom() -> dict:
         raise RuntimeError("the engine fell over")
 
-    long.runner.expire = boom  # type: ignore[method-assign]  (outside the step's own error handling)
+    long.runner.remaining_tokens = boom  # type: ignore[method-assign]  (outside the step's own error handling)
     host.start()
     assert host.join(10)
     assert isinstance(long.crashed, RuntimeError) and short.crashed is None

@@ -1,0 +1,38 @@
+"""What the worker's asyncio side (and sibling engines) tell a compute loop, through its inbox."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpu_worker.job import Job
+from shared.messages import InferenceRequest
+
+
+@dataclass(slots=True)
+class Add:
+    """Requests read from the model's streams."""
+
+    requests: list[InferenceRequest]
+    arrived: float
+
+
+@dataclass(slots=True)
+class Adopt:
+    """Jobs another engine of the same model took in, whose real lane is one of this engine's."""
+
+    items: list[Job]
+
+
+@dataclass(slots=True)
+class Cancel:
+    ids: set[str]
+
+
+@dataclass(slots=True)
+class Drain:
+    """Stop starting new work; finish running rows until `until`, then hand back the rest."""
+
+    until: float
+
+
+Command = Add | Adopt | Cancel | Drain

@@ -1,0 +1,117 @@
+"""The encoder runner: the dynamic stage alone, one padded encoder forward per batch, mean pooling.
+
+A failing batch is retried in halves, so one bad request fails alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import structlog
+import torch
+
+from gpu_worker.job import Job
+from gpu_worker.models import LoadedModel
+from gpu_worker.outcomes import Outcome, failed_outcome, result_for
+from gpu_worker.runner import count_calls
+from shared.faults import Faults
+from shared.lanes import assign_lane
+from shared.params import EmbedParams
+from shared.states import FinishReason, Priority, Status
+
+log = structlog.get_logger(__name__)
+
+
+class EmbedRunner:
+    def __init__(self, loaded: LoadedModel, worker: str, clock: Callable[[], float] = time.time,
+                 faults: Faults | None = None) -> None:
+        self.loaded = loaded
+        self.faults = faults or Faults()
+        self.spec = loaded.spec
+        self.worker = worker
+        self.clock = clock
+        self.max_len = min(self.spec.max_input_tokens,
+                           getattr(loaded.model.config, "max_position_embeddings", 512))
+        self.model_calls: dict[str, int] = {}
+
+    busy = False
+
+    @property
+    def free_rows(self) -> int:
+        return self.spec.max_batch_size
+
+    def running_ids(self) -> list[str]:
+        return []
+
+    def engine_stats(self) -> None:
+        return None
+
+    def remaining_tokens(self) -> dict[str, int]:
+        return {}
+
+    def remove(self, ids: set[str], reason: FinishReason) -> list[Outcome]:
+        return []  # nothing runs between calls
+
+    def step(self) -> list[Outcome]:
+        return []
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One forward before serving: first-call imports and allocations happen now, not on a request."""
+        enc = self.loaded.tokenizer(["warm up"], return_tensors="pt")
+        self.loaded.model(**{k: v.to(self.loaded.device) for k, v in enc.items()})
+
+    def prepare(self, req, now: float) -> Job | Outcome:  # type: ignore[no-untyped-def]
+        texts = req.input["texts"]
+        enc = self.loaded.tokenizer(texts, add_special_tokens=True, truncation=True, max_length=self.max_len)
+        inputs = tuple(tuple(ids) for ids in enc["input_ids"])
+        lens = [len(ids) for ids in inputs]
+        tokens = sum(lens)
+        return Job(id=req.id, lane=assign_lane(tokens, self.spec.lanes).name, rank=Priority(req.priority).rank,
+                   deadline=req.deadline_ms / 1000, arrived=now, tokens=tokens, prompt_tokens=max(lens),
+                   size=len(texts), request=req, params=EmbedParams(**req.params), inputs=inputs)
+
+    def start(self, batch: list[Job], now: float) -> list[Outcome]:
+        try:
+            return self._run(batch)
+        except Exception as exc:
+            if len(batch) == 1:
+                log.warning("embed failed", request_id=batch[0].id, error=repr(exc))
+                return [failed_outcome(batch[0].req, self.worker, self.clock(), "model_error",
+                                       f"the model raised {type(exc).__name__}: {exc}", computed=True)]
+            mid = len(batch) // 2
+            return self.start(batch[:mid], now) + self.start(batch[mid:], now)
+
+    @torch.inference_mode()
+    def _run(self, batch: list[Job]) -> list[Outcome]:
+        seqs = [ids for job in batch for ids in job.inputs]
+        count_calls(self.model_calls, batch)
+        for s in seqs:
+            self.faults.check_tokens(s)
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
+        ids, mask = ids.to(self.loaded.device), mask.to(self.loaded.device)
+        t0 = self.clock()
+        hidden = self.loaded.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)
+        normed = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        done = self.clock()
+        outcomes: list[Outcome] = []
+        row = 0
+        timings = {"compute_ms": round((done - t0) * 1000, 3), "batch_texts": float(len(seqs))}
+        for job in batch:
+            n = len(job.inputs)
+            normalize = job.params.normalize if isinstance(job.params, EmbedParams) else True
+            vecs = (normed if normalize else pooled)[row: row + n].float().cpu().tolist()
+            row += n
+            output = {"embeddings": vecs, "dim": len(vecs[0]), "tokens": [len(e) for e in job.inputs]}
+            outcomes.append(Outcome(job.req, result_for(job.req, Status.SUCCEEDED, worker=self.worker, now=done,
+                                                        output=output, reason=FinishReason.DONE,
+                                                        timings=dict(timings), started=t0)))
+        return outcomes

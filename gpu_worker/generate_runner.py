@@ -1,0 +1,158 @@
+"""The generation runner: the continuous stage over `GenerationEngine`.
+
+`prepare` tokenizes a request once into a `Job`; `start` prefills a batch of jobs into the running
+batch; each `step()` decodes one token for every running row and returns the rows that finished, at
+once; `remove` ends rows the scheduler gives up on. A failing prefill is retried in halves, so one
+bad request fails alone. The engine's rows hold the jobs themselves (`GenSpec.owner`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import structlog
+
+from gpu_worker.engine import GenerationEngine
+from gpu_worker.job import Job
+from gpu_worker.models import LoadedModel
+from gpu_worker.outcomes import Outcome, failed_outcome, result_for
+from gpu_worker.runner import count_calls
+from gpu_worker.sequences import EngineStats, GenResult, GenSpec, SamplingParams
+from gpu_worker.stop_strings import cut_at_stop
+from shared.deadlines import cannot_finish
+from shared.faults import Faults
+from shared.lanes import assign_lane
+from shared.messages import ErrorInfo, InferenceRequest, RequestResult
+from shared.params import GenerateParams
+from shared.states import FinishReason, Priority, Status
+
+log = structlog.get_logger(__name__)
+
+
+class GenerateRunner:
+    def __init__(self, loaded: LoadedModel, worker: str, *, max_rows: int, max_seq_len: int,
+                 clock: Callable[[], float] = time.time, faults: Faults | None = None) -> None:
+        self.loaded = loaded
+        self.faults = faults or Faults()
+        self.spec = loaded.spec
+        self.worker = worker
+        self.clock = clock
+        self.tokenizer = loaded.tokenizer
+        self.vocab = loaded.model.config.vocab_size
+        eos = loaded.model.generation_config.eos_token_id
+        if eos is None:
+            eos = loaded.model.config.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.engine = GenerationEngine(loaded.model, max_rows=max_rows, max_seq_len=max_seq_len,
+                                       decode_tail=self._decode, clock=clock)
+        self.model_calls: dict[str, int] = {}
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.running > 0
+
+    @property
+    def free_rows(self) -> int:
+        return self.engine.free_rows
+
+    def running_ids(self) -> list[str]:
+        return self.engine.running_ids()
+
+    def engine_stats(self) -> EngineStats:
+        return self.engine.stats
+
+    def remaining_tokens(self) -> dict[str, int]:
+        return self.engine.remaining_tokens()
+
+    def warm_up(self) -> None:
+        """A short generation before serving: first-call imports and kernels happen now, not on a request."""
+        self.engine.prefill([GenSpec(id="warm-up", prompt_ids=(1, 2, 3, 4), max_new_tokens=3)])
+        while self.engine.running:
+            self.engine.step()
+        self.engine.stats = EngineStats()
+
+    def prepare(self, req: InferenceRequest, now: float) -> Job | Outcome:
+        params = GenerateParams(**{**req.params, "stop": tuple(req.params.get("stop", ()))})
+        if "input_ids" in req.input:
+            ids = list(req.input["input_ids"])
+            if any(i >= self.vocab for i in ids):
+                return failed_outcome(req, self.worker, now, "invalid_input",
+                                      f"input_ids must be below the vocabulary size {self.vocab}")
+        else:
+            ids = self.tokenizer(req.input["prompt"], add_special_tokens=True)["input_ids"]
+        if len(ids) > self.spec.max_input_tokens:
+            return failed_outcome(req, self.worker, now, "input_too_long",
+                                  f"prompt is {len(ids)} tokens; this model takes at most "
+                                  f"{self.spec.max_input_tokens}")
+        if not ids:
+            return failed_outcome(req, self.worker, now, "invalid_input", "the prompt has no tokens")
+        total = len(ids) + params.max_new_tokens
+        # the model's limit, not this engine's: a request it reads may belong to another engine of the model
+        if total > self.spec.max_seq_len:
+            return failed_outcome(req, self.worker, now, "input_too_long",
+                                  f"prompt + max_new_tokens = {total} exceeds {self.spec.max_seq_len} tokens")
+        return Job(id=req.id, lane=assign_lane(total, self.spec.lanes).name, rank=Priority(req.priority).rank,
+                   deadline=req.deadline_ms / 1000, arrived=now, tokens=total, prompt_tokens=len(ids),
+                   new_tokens=params.max_new_tokens, request=req, params=params, inputs=(tuple(ids),))
+
+    def _spec(self, job: Job) -> GenSpec:
+        params = job.params
+        assert isinstance(params, GenerateParams)  # built so by prepare
+        return GenSpec(id=job.id, prompt_ids=job.inputs[0], max_new_tokens=job.new_tokens,
+                       sampling=SamplingParams(params.temperature, params.top_p, params.top_k, params.seed),
+                       stop=tuple(params.stop), eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
+                       owner=job)
+
+    def start(self, batch: list[Job], now: float) -> list[Outcome]:
+        count_calls(self.model_calls, batch)
+        try:
+            for job in batch:
+                self.faults.check_tokens(job.inputs[0])
+            return self._outcomes(self.engine.prefill([self._spec(job) for job in batch]))
+        except Exception as exc:
+            self.engine.remove([job.id for job in batch], FinishReason.ERROR)  # rows that did join leave again
+            if len(batch) == 1:
+                log.warning("prefill failed", request_id=batch[0].id, error=repr(exc))
+                return [failed_outcome(batch[0].req, self.worker, self.clock(), "model_error",
+                                       f"the model raised {type(exc).__name__}: {exc}", computed=True)]
+            mid = len(batch) // 2
+            return self.start(batch[:mid], now) + self.start(batch[mid:], now)
+
+    def step(self) -> list[Outcome]:
+        return self._outcomes(self.engine.step())
+
+    def remove(self, ids: set[str], reason: FinishReason) -> list[Outcome]:
+        return self._outcomes(self.engine.remove(ids, reason))
+
+    def _outcomes(self, results: list[GenResult]) -> list[Outcome]:
+        now = self.clock()
+        return [Outcome(r.owner.req, self._result(r.owner, r, now)) for r in results if isinstance(r.owner, Job)]
+
+    def _decode(self, ids: list[int]) -> str:
+        """Token ids to text, as callers see it (the engine's stop-string check reads the same)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _result(self, job: Job, r: GenResult, now: float) -> RequestResult:
+        token_ids = r.token_ids
+        stop = job.params.stop if isinstance(job.params, GenerateParams) else ()
+        if r.finish_reason is FinishReason.STOP:  # text and tokens both end before the stop string
+            text, token_ids = cut_at_stop(token_ids, stop, self._decode)
+        else:
+            text = self._decode(token_ids)
+        output = {"text": text, "token_ids": token_ids, "prompt_tokens": r.prompt_tokens,
+                  "completion_tokens": len(token_ids)}
+        timings = {"ttft_ms": round(r.ttft_s * 1000, 3), "decode_ms": round(r.decode_s * 1000, 3),
+                   "prefill_ms": round(r.prefill_s * 1000, 3),
+                   "compute_ms": round((now - r.admitted_at) * 1000, 3)}
+        status = {FinishReason.DEADLINE: Status.EXPIRED, FinishReason.CANCELLED: Status.CANCELLED}.get(
+            r.finish_reason, Status.SUCCEEDED)
+        error = None
+        if status is Status.EXPIRED:
+            why = ("deadline reached" if cannot_finish(job.deadline, now)
+                   else f"cannot finish the other {job.new_tokens - len(r.token_ids)} tokens by the deadline")
+            error = ErrorInfo("deadline_exceeded", f"{why} after {len(r.token_ids)} tokens; partial output kept")
+        elif status is Status.CANCELLED:
+            error = ErrorInfo("cancelled", "cancelled while running")
+        return result_for(job.req, status, worker=self.worker, now=now, output=output, error=error,
+                          reason=r.finish_reason, timings=timings, started=r.admitted_at)

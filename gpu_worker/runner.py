@@ -1,0 +1,61 @@
+"""The model runner port: what a compute loop asks of the torch side (`EmbedRunner`, `GenerateRunner`).
+
+A runner turns a request into a `Job` (tokenized, typed, filed under its real lane), starts batches
+of jobs on the model, advances running rows one decode step at a time, and removes rows the
+scheduler gives up on. It decides nothing: what to start and what to remove come from the scheduler.
+No torch here, so the compute loop and its tests import none.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from gpu_worker.job import Job
+from gpu_worker.outcomes import Outcome
+from shared.messages import InferenceRequest
+from shared.states import FinishReason
+
+
+class Runner(Protocol):
+    @property
+    def busy(self) -> bool:
+        """Rows are running (a decode step has work)."""
+        ...
+
+    @property
+    def free_rows(self) -> int: ...
+
+    def prepare(self, req: InferenceRequest, now: float) -> Job | Outcome:
+        """The job for `req`, or the outcome of a request it cannot take (invalid, too long)."""
+        ...
+
+    def start(self, batch: list[Job], now: float) -> list[Outcome]:
+        """Start `batch` on the model; returns the jobs already done (an encoder's whole batch)."""
+        ...
+
+    def step(self) -> list[Outcome]:
+        """One decode step for every running row; returns the rows that finished."""
+        ...
+
+    def remove(self, ids: set[str], reason: FinishReason) -> list[Outcome]:
+        """Running rows leave now with what they have (the one way to end a row early)."""
+        ...
+
+    def remaining_tokens(self) -> dict[str, int]: ...
+
+    def running_ids(self) -> list[str]: ...
+
+    def engine_stats(self) -> Any: ...
+
+    def warm_up(self) -> None: ...
+
+
+MODEL_CALLS_KEPT = 10_000
+
+
+def count_calls(calls: dict[str, int], batch: list[Job]) -> None:
+    """How often each request reached the model (tests and debugging); only the latest ids are kept."""
+    for job in batch:
+        calls[job.id] = calls.pop(job.id, 0) + 1
+    while len(calls) > MODEL_CALLS_KEPT:
+        del calls[next(iter(calls))]

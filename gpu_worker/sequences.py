@@ -1,0 +1,92 @@
+"""What the generation engine is given and gives back, without torch: a sequence to generate, its
+sampling parameters, its result, and the engine's running counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.states import FinishReason
+
+MIN_TEMPERATURE = 1e-4
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE  # tiny temperatures overflow the softmax: greedy is the limit
+
+
+@dataclass(frozen=True, slots=True)
+class GenSpec:
+    """What the engine needs to generate one sequence."""
+
+    id: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    eos_ids: frozenset[int] = frozenset()
+    owner: Any = None  # the caller's object for this sequence (the worker's Job), handed back in the result
+
+    @property
+    def total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.max_new_tokens
+
+
+@dataclass(slots=True)
+class GenResult:
+    id: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0  # from prefill start to the first token
+    decode_s: float = 0.0  # from the first token to the last
+    admitted_at: float = 0.0
+    owner: Any = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    forward_s: float = 0.0
+    steps: int = 0
+    prefill_tokens: int = 0
+    prefill_padded_tokens: int = 0
+    decode_tokens: int = 0
+    kv_real: int = 0  # sum over steps of the real tokens attended
+    kv_padded: int = 0  # sum over steps of the cache positions attended
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kv_padding_fraction(self) -> float:
+        return 1.0 - self.kv_real / self.kv_padded if self.kv_padded else 0.0
+
+
+class EngineFull(RuntimeError):
+    """Raised when asked to prefill beyond the engine's row or width capacity (a scheduler bug)."""
+
+
+def group_by_length(lengths: list[int], tolerance: float) -> list[list[int]]:
+    """Indices grouped (longest first) so each group's padding stays within `tolerance` of its width."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            g = groups[-1]
+            width = lengths[g[0]]
+            padded = width * (len(g) + 1)
+            real = sum(lengths[j] for j in g) + lengths[i]
+            if padded - real <= tolerance * padded:
+                g.append(i)
+                continue
+        groups.append([i])
+    return groups
