@@ -236,3 +236,115 @@ def test_a_tiny_share_still_allows_one_row_and_no_share_without_a_row_count():
     for i in range(3):
         s.add(item(i, "long"))
     assert len(s.plan(1.0, free_rows=8).batch) == 3
+
+
+# --- decisions about running rows, hold-offs and yielding (all in the scheduler) --------------------
+
+def measured(s, per_row_s=0.01):
+    """The scheduler's tracker has seen enough decode steps: `per_row_s` per running row."""
+    for rows in (1, 2, 4, 8, 1, 2, 4, 8):
+        s.tracker.observe_step(rows, per_row_s * rows)
+
+
+def test_a_running_row_past_its_deadline_is_evicted():
+    s = sched()
+    s.started([item(1, deadline=1.0), item(2, deadline=5.0)])
+    plan = s.plan(1.0, free_rows=2, left={"r1": 3, "r2": 3})
+    assert [j.id for j in plan.evict] == ["r1"]
+
+
+def test_a_running_row_that_cannot_fit_its_remaining_tokens_is_evicted_before_its_deadline():
+    s = sched()
+    measured(s)  # 2 rows: 20 ms a token
+    s.started([item(1, deadline=1.0), item(2, deadline=100.0)])
+    # 100 tokens left at 20 ms: 2 s (1.6 s at the optimism factor) > 0.9 s left
+    plan = s.plan(0.1, free_rows=2, left={"r1": 100, "r2": 100})
+    assert [j.id for j in plan.evict] == ["r1"]
+    # 40 tokens: 0.64 s of the 0.9 s left: it stays
+    assert s.plan(0.1, free_rows=2, left={"r1": 40, "r2": 40}).evict == []
+
+
+def test_the_fifo_baseline_evicts_nothing():
+    s = sched(deadline_aware=False)
+    s.started([item(1, deadline=1.0)])
+    assert s.plan(5.0, free_rows=3, left={"r1": 10}).evict == []
+
+
+def test_evicted_rows_free_their_rows_for_waiting_work_in_the_same_plan():
+    s = sched(max_batch=4)
+    s.started([item(1, deadline=1.0)])
+    s.add(item(2, arrived=0.0, deadline=100.0))
+    plan = s.plan(2.0, free_rows=0, left={"r1": 5})
+    assert [j.id for j in plan.evict] == ["r1"] and [j.id for j in plan.batch] == ["r2"]
+
+
+def test_new_rows_only_while_every_running_row_keeps_its_deadline():
+    s = sched(max_batch=8, total_rows=8)
+    measured(s)  # a step costs 10 ms per row
+    s.started([item(0, deadline=0.45)])  # 10 tokens in 0.45 s: at most 4 rows (40 ms a token)
+    assert s._deadline_room(0.0, {"r0": 10}, free_rows=7) == 3
+    for i in range(1, 8):
+        s.add(item(i, arrived=0.0))
+    assert len(s.plan(0.02, free_rows=7, left={"r0": 10}).batch) == 3  # once the short lane's window closed
+    assert s._deadline_room(0.0, {}, free_rows=7) == 8  # no running row: no limit but the rows
+
+
+def test_a_yielding_turn_starts_nothing_until_work_has_waited_then_one():
+    from gpu_worker.scheduler import BACKGROUND_PREFILL_WAIT_S
+
+    s = sched(max_batch=8)
+    for i in range(3):
+        s.add(item(i, arrived=1.0))
+    assert s.plan(1.1, free_rows=8, yielding=True).batch == []
+    assert len(s.plan(1.0 + BACKGROUND_PREFILL_WAIT_S, free_rows=8, yielding=True).batch) == 1
+    assert len(s.plan(2.0, free_rows=8).batch) == 2  # not yielding: every row it may take
+
+
+def test_hold_starts_nothing_and_preempts_nothing_until_it_ends():
+    s = sched(service=ServiceModel(decode_s_per_token=0.01))
+    s.add(item(1, arrived=0.0, deadline=1.0, new=50))
+    s.hold(0.45)
+    assert s.plan(0.3, free_rows=4).batch == []
+    running(s, 2, rank=1)
+    assert s.plan(0.4, free_rows=0).preempt == []  # out of slack, but holding: no preemption either
+    assert len(s.plan(0.45, free_rows=0).preempt) == 1  # the same plan once the hold has ended
+    assert [j.id for j in s.plan(0.45, free_rows=4).batch] == ["r1"]
+    s.hold(float("inf"))  # draining
+    s.add(item(2, arrived=0.0))
+    assert s.plan(10.0, free_rows=4).batch == []
+
+
+def test_late_finds_jobs_past_their_deadline_only_when_deadline_aware():
+    batch = [item(1, deadline=1.0), item(2, deadline=3.0)]
+    assert [j.id for j in sched().late(batch, 2.0)] == ["r1"]
+    assert sched(deadline_aware=False).late(batch, 2.0) == []
+
+
+def test_job_states_follow_the_scheduler_and_count_attempts():
+    from gpu_worker.job import JobState
+
+    s = sched()
+    job = item(1)
+    s.add(job)
+    assert job.state is JobState.QUEUED
+    (taken,) = s.plan(1.0, free_rows=4).batch
+    s.started([taken])
+    assert taken.state is JobState.RUNNING and taken.attempts == 1 and s.running == {"r1": taken}
+    s.requeue([taken])  # preempted: waits again
+    assert taken.state is JobState.QUEUED and not s.running and len(s) == 1
+    s.started(s.plan(2.0, free_rows=4).batch)
+    assert taken.attempts == 2
+    assert s.finished("r1") is taken and taken.state is JobState.DONE and s.finished("r1") is None
+
+
+@pytest.mark.parametrize(("deadline", "now", "work", "cannot"), [
+    (10.0, 9.0, 0.0, False),
+    (10.0, 10.0, 0.0, True),  # at the deadline is too late
+    (10.0, 9.0, 0.5, False),
+    (10.0, 9.0, 1.0, True),
+    (10.0, 11.0, 0.0, True),
+])
+def test_cannot_finish_is_the_one_feasibility_rule(deadline, now, work, cannot):
+    from shared.deadlines import cannot_finish
+
+    assert cannot_finish(deadline, now, work) is cannot
