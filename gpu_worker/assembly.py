@@ -37,6 +37,9 @@ def build_runners(loaded: Any, worker: str, faults: Faults,
     spec: ModelSpec = loaded.spec
     if spec.task is Task.EMBED:
         return [EmbedRunner(loaded, worker, faults=faults) for _ in groups]
+    from gpu_worker.exactness import verify_exact
+
+    verify_exact(loaded.model, spec.name)  # served exactly or refused, before any request reaches it
     seq_lens = [engine_seq_len(spec, lanes) for _, lanes in groups]
     rows = size_engines(loaded, seq_lens)
     return [GenerateRunner(loaded, worker, max_rows=r, max_seq_len=n, faults=faults)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_worker.attention import AttentionLayout
 from gpu_worker.kv_cache import SlotKVCache
 from gpu_worker.sampling import make_generator, select_tokens
 from gpu_worker.sequences import EngineFull, EngineStats, GenResult, GenSpec, group_by_length
@@ -50,31 +51,23 @@ class GenerationEngine:
         max_seq_len: int,
         decode_tail: Callable[[list[int]], str] | None = None,
         clock: Callable[[], float] = time.time,
+        keep_logits: bool = False,
     ) -> None:
-        layers, kv_heads, head_dim = kv_shape(model)
-        param = next(model.parameters())
         self.model = model
-        self.device = param.device
+        self.device = next(model.parameters()).device
         self.max_rows = max_rows
         self.max_seq_len = max_seq_len
-        self.cache = SlotKVCache(
-            layers=layers,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            dtype=param.dtype,
-            device=param.device,
-            max_rows=max_rows,
-            max_width=2 * max_seq_len,  # room to run max_seq_len steps between compactions
-        )
+        # twice as wide as a sequence can be: room to run max_seq_len steps between compactions
+        self.cache = SlotKVCache.for_model(model, max_rows=max_rows, max_width=2 * max_seq_len)
         self.cache.allocate()
         self._decode_tail = decode_tail
-        # sdpa takes a boolean mask (True: attend); eager and others *add* the mask to the scores, so they
-        # need 0 / -inf: handing them a boolean mask would silently attend to padding
+        self.layout = AttentionLayout.of(model)  # which keys each layer type may see (windows, chunks)
         self._bool_mask = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
         self._clock = clock
         self.rows: list[_Row] = []
         self.end = 0  # the column after every row's last cached token
         self.stats = EngineStats()
+        self.last_logits: dict[str, torch.Tensor] | None = {} if keep_logits else None  # by row, last forward
 
     # --- capacity ------------------------------------------------------------------------------
     @property
@@ -88,12 +81,6 @@ class GenerationEngine:
     def fits(self, spec: GenSpec) -> bool:
         return spec.total_tokens <= self.max_seq_len and len(spec.prompt_ids) >= 1
 
-    @staticmethod
-    def bytes_per_row(model: torch.nn.Module, max_seq_len: int) -> int:
-        """Cache bytes one row can cost at most (the cache is `2 * max_seq_len` wide)."""
-        layers, kv_heads, head_dim = kv_shape(model)
-        return 2 * layers * kv_heads * head_dim * next(model.parameters()).element_size() * 2 * max_seq_len
-
     # --- prefill -------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, specs: Iterable[GenSpec]) -> list[GenResult]:
@@ -105,6 +92,8 @@ class GenerationEngine:
             if not self.fits(spec):
                 raise EngineFull(f"{spec.id}: {spec.total_tokens} tokens exceed max_seq_len {self.max_seq_len}")
         done: list[GenResult] = []
+        if self.last_logits is not None:
+            self.last_logits.clear()
         for group in group_by_length([len(s.prompt_ids) for s in specs], PREFILL_PAD_TOLERANCE):
             done.extend(self._prefill_group([specs[i] for i in group]))
         return done
@@ -123,7 +112,8 @@ class GenerationEngine:
             ids[i, pads[i]:] = torch.tensor(spec.prompt_ids, dtype=torch.long)
         pad_t = torch.tensor(pads, dtype=torch.long, device=self.device)
         cols = torch.arange(width, device=self.device)
-        positions = (cols[None, :] - pad_t[:, None]).clamp(min=0)
+        seq_pos = cols[None, :] - pad_t[:, None]  # each column's position in its own sequence
+        positions = seq_pos.clamp(min=0)
         causal = cols[None, :, None] >= cols[None, None, :]  # [1, q, k]
         mask = causal & (cols[None, None, :] >= pad_t[:, None, None])
         mask |= torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padded queries see themselves
@@ -131,12 +121,13 @@ class GenerationEngine:
         f0 = time.perf_counter()
         out = self.model(
             input_ids=ids.to(self.device),
-            attention_mask=self._mask(mask[:, None]),
+            attention_mask=self._mask(mask[:, None], seq_pos, seq_pos),
             position_ids=positions,
             past_key_values=window,
             use_cache=True,
             logits_to_keep=1,
         )
+        self._keep([s.id for s in specs], out.logits[:, -1, :])
         params = [s.sampling for s in specs]
         gens = [make_generator(p, self.device) for p in params]
         tokens = select_tokens(out.logits[:, -1, :], params, gens)
@@ -154,11 +145,13 @@ class GenerationEngine:
             ))
         return self._retire([r for r in range(first, first + n) if self._finish_reason(self.rows[r]) is not None], now)
 
-    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        if self._bool_mask:
-            return allowed
-        additive = torch.zeros(allowed.shape, dtype=self.cache.dtype, device=allowed.device)
-        return additive.masked_fill(~allowed, torch.finfo(self.cache.dtype).min)
+    def _mask(self, allowed: torch.Tensor, q_pos: torch.Tensor,
+              k_pos: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        return self.layout.attention_mask(allowed, q_pos, k_pos, boolean=self._bool_mask, dtype=self.cache.dtype)
+
+    def _keep(self, ids: list[str], logits: torch.Tensor) -> None:
+        if self.last_logits is not None:
+            self.last_logits.update(zip(ids, logits, strict=True))
 
     def _make_room_left(self, width: int) -> None:
         """Ensure `width` free columns left of `end` for a right-aligned prefill."""
@@ -191,8 +184,12 @@ class GenerationEngine:
         ids = torch.tensor([[r.tokens[-1]] for r in self.rows], dtype=torch.long, device=self.device)
         window = self.cache.window(slice(0, n), self.end, self.end + 1, lo)
         f0 = time.perf_counter()
-        out = self.model(input_ids=ids, attention_mask=self._mask(mask), position_ids=positions,
+        out = self.model(input_ids=ids, attention_mask=self._mask(mask, positions, cols[None, :] - starts[:, None]),
+                         position_ids=positions,
                          past_key_values=window, use_cache=True)
+        if self.last_logits is not None:
+            self.last_logits.clear()
+        self._keep([r.spec.id for r in self.rows], out.logits[:, -1, :])
         tokens = select_tokens(out.logits[:, -1, :], [r.spec.sampling for r in self.rows],
                                [r.generator for r in self.rows])
         self.stats.forward_s += time.perf_counter() - f0
@@ -268,11 +265,3 @@ class GenerationEngine:
 
     def remaining_tokens(self) -> dict[str, int]:
         return {r.spec.id: r.spec.max_new_tokens - len(r.tokens) for r in self.rows}
-
-
-def kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of a causal LM's cache, from its (text) config."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim

@@ -31,6 +31,20 @@ class SlotKVCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, *, max_rows: int, max_width: int) -> SlotKVCache:
+        layers, kv_heads, head_dim = kv_shape(model)
+        param = next(model.parameters())
+        return cls(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=param.dtype, device=param.device,
+                   max_rows=max_rows, max_width=max_width)
+
+    @staticmethod
+    def bytes_per_row(model: torch.nn.Module, max_seq_len: int) -> int:
+        """Cache bytes one row of an engine for sequences up to `max_seq_len` can cost (its cache is twice as
+        wide)."""
+        layers, kv_heads, head_dim = kv_shape(model)
+        return 2 * layers * kv_heads * head_dim * next(model.parameters()).element_size() * 2 * max_seq_len
+
     @property
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -61,6 +75,14 @@ class SlotKVCache:
 
     def window(self, rows: slice, write_lo: int, write_hi: int, read_lo: int) -> CacheWindow:
         return CacheWindow(self, rows, write_lo, write_hi, read_lo)
+
+
+def kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a causal LM's cache, from its (text) config."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
 
 
 class CacheWindow(Cache):
