@@ -27,9 +27,8 @@ from gateway.api import (
     TooManyRequests,
     Unprocessable,
 )
-from gateway.parsing import build_request, parse_body, parse_idempotency_key, parse_wait
+from gateway.parsing import parse_body, parse_idempotency_key, parse_wait
 from gateway.service import GatewayService, IdempotencyClaim
-from gateway.views import callback_view, record_view
 from shared.admission import Decision
 from shared.config import ModelSpec
 from shared.errors import ValidationError
@@ -37,6 +36,8 @@ from shared.ids import created_ms, is_request_id
 from shared.messages import InferenceRequest
 from shared.redis_io import UNAVAILABLE
 from shared.states import Status
+from shared.submit import build_request
+from shared.views import callback_view, record_view
 
 log = structlog.get_logger(__name__)
 
