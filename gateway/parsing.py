@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 
 from gateway.api import MSGPACK_TYPES, ApiRequest, BadRequest, PayloadTooLarge, UnsupportedMediaType
-from shared.params import finite_number
+from shared.operations import check_idempotency_key, wait_seconds
 
 _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*([0-9.]+)")
 
@@ -71,17 +71,13 @@ def parse_wait(req: ApiRequest, cap: float) -> float:
         value = float(raw)
     except ValueError as exc:
         raise BadRequest(f"wait must be a number of seconds, got {raw!r}", code="invalid_wait") from exc
-    if finite_number(value) is None or value < 0:
-        raise BadRequest("wait must be a non-negative number of seconds", code="invalid_wait")
-    return min(value, cap)
+    return wait_seconds(value, cap)
 
 
 def parse_idempotency_key(req: ApiRequest) -> str | None:
     key = req.header("idempotency-key")
     if key is None:
         return None
-    if not 1 <= len(key) <= 255 or not key.isprintable():
-        raise BadRequest("Idempotency-Key must be 1-255 printable characters", code="invalid_idempotency_key")
-    return key
+    return check_idempotency_key(key)
 
 
