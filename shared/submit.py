@@ -28,6 +28,7 @@ from shared.validation import convert
 MAX_TIMEOUT_S = 10**9  # a bound only to keep the number finite; each model's max_timeout_s is checked after
 MAX_EPOCH_S = 10**11
 CallbackEvent = Literal["started", "completed"]
+DateTimeStr = Annotated[str, Meta(extra_json_schema={"format": "date-time"})]  # parsed by resolve_deadline
 
 
 class CallbackSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -40,9 +41,7 @@ class CallbackSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class _SubmitFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     timeout_s: Annotated[float, Meta(gt=0, le=MAX_TIMEOUT_S, description="seconds from now")] | UnsetType = UNSET
-    deadline: (Annotated[float, Meta(ge=0, le=MAX_EPOCH_S)]
-               | Annotated[str, Meta(extra_json_schema={"format": "date-time"})] | UnsetType) = msgspec.field(
-        default=UNSET)
+    deadline: Annotated[float, Meta(ge=0, le=MAX_EPOCH_S)] | DateTimeStr | UnsetType = UNSET
     priority: Priority = Priority.INTERACTIVE
     callback: CallbackSpec | UnsetType = UNSET
 
