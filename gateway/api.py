@@ -1,18 +1,33 @@
-"""The small request/response types the handlers speak, and the gateway's one error hierarchy.
+"""The small request/response types the handlers speak.
 
 Handlers never see Starlette, Lambda events or Flask requests: each transport adapts to these.
-Errors become `{"error": {"code", "message"}}` with their status in exactly one place (`to_response`).
+The errors are `shared.api_errors` (the SDK's direct mode raises the same ones); they become
+`{"error": {"code", "message"}}` with their status in exactly one place (`error_response`).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+
+from shared.api_errors import (
+    ApiError,
+    BadRequest,
+    Conflict,
+    Gone,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    TooManyRequests,
+    Unauthorized,
+    Unprocessable,
+    UnsupportedMediaType,
+)
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
@@ -44,77 +59,26 @@ class ApiResponse:
         return json.dumps(self.body, separators=(",", ":"), allow_nan=False).encode(), "application/json"
 
 
-class ApiError(Exception):
-    status = 400
-    code = "bad_request"
-
-    def __init__(self, message: str, *, code: str | None = None, retry_after: float | None = None,
-                 extra: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        if code:
-            self.code = code
-        self.retry_after = retry_after
-        self.extra = extra or {}
-
-    def to_response(self) -> ApiResponse:
-        headers = {}
-        if self.retry_after is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
-        body: dict[str, Any] = {"error": {"code": self.code, "message": self.message, **self.extra}}
-        return ApiResponse(self.status, body, headers)
+def error_response(exc: ApiError) -> ApiResponse:
+    """The one place an error becomes a response: its status, its body, `Retry-After` if it has one."""
+    return ApiResponse(exc.status, exc.body(), exc.headers())
 
 
-class BadRequest(ApiError):
-    status = 400
-    code = "bad_request"
-
-
-class Unauthorized(ApiError):
-    status = 401
-    code = "unauthorized"
-
-
-class NotFound(ApiError):
-    status = 404
-    code = "not_found"
-
-
-class MethodNotAllowed(ApiError):
-    status = 405
-    code = "method_not_allowed"
-
-
-class Conflict(ApiError):
-    status = 409
-    code = "conflict"
-
-
-class Gone(ApiError):
-    status = 410
-    code = "gone"
-
-
-class PayloadTooLarge(ApiError):
-    status = 413
-    code = "payload_too_large"
-
-
-class UnsupportedMediaType(ApiError):
-    status = 415
-    code = "unsupported_media_type"
-
-
-class Unprocessable(ApiError):
-    status = 422
-    code = "invalid_request"
-
-
-class TooManyRequests(ApiError):
-    status = 429
-    code = "over_capacity"
-
-
-class ServiceUnavailable(ApiError):
-    status = 503
-    code = "unavailable"
+__all__ = [
+    "MSGPACK_TYPES",
+    "ApiError",
+    "ApiRequest",
+    "ApiResponse",
+    "BadRequest",
+    "Conflict",
+    "Gone",
+    "MethodNotAllowed",
+    "NotFound",
+    "PayloadTooLarge",
+    "ServiceUnavailable",
+    "TooManyRequests",
+    "Unauthorized",
+    "Unprocessable",
+    "UnsupportedMediaType",
+    "error_response",
+]

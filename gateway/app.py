@@ -15,7 +15,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import metrics, openapi
-from gateway.api import ApiError, ApiRequest, ApiResponse, PayloadTooLarge
+from gateway.api import ApiError, ApiRequest, ApiResponse, PayloadTooLarge, error_response
 from gateway.routes import ROUTES, RouteSpec, dispatch
 from gateway.service import GatewayService
 from shared.config import Settings
@@ -57,7 +57,7 @@ def _endpoint(route: RouteSpec, svc: GatewayService):  # type: ignore[no-untyped
             )
             resp = await dispatch(route, svc, api_req, [request.path_params[p] for p in route.params])
         except ApiError as exc:
-            resp = exc.to_response()
+            resp = error_response(exc)
         metrics.HTTP_LATENCY.labels(name, str(resp.status)).observe(time.perf_counter() - t0)
         return _send(resp, request.headers.get("accept"))
 

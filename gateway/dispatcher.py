@@ -28,7 +28,6 @@ import structlog
 from prometheus_client import Counter, Histogram
 from redis.exceptions import ResponseError
 
-from gateway.views import record_view
 from shared.callback_policy import backoff_s, classify, parse_retry_after
 from shared.callback_store import GROUP, CallbackStore
 from shared.codec import decode
@@ -40,6 +39,7 @@ from shared.records import RecordStore
 from shared.redis_io import UNAVAILABLE, make_redis, raise_if_cancelling
 from shared.ssrf import AllowList, RefusedURL, ResolveFailed, Resolver, Target, resolve_and_check, system_resolver
 from shared.tenants import TenantStore
+from shared.views import record_view
 from shared.webhooks import sign_headers
 
 log = structlog.get_logger(__name__)

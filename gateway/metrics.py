@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from shared.messages import InferenceRequest
+from shared.queue_client import Observer
+
 SUBMITTED = Counter("batchgate_submitted_total", "Requests accepted (202/200) by the gateway", ["model", "lane"])
 CANCELLED = Counter("batchgate_cancelled_total", "Requests cancelled by callers", ["model"])
 ERRORS = Counter("batchgate_gateway_errors_total", "Error responses by code", ["code"])
@@ -12,3 +15,16 @@ BACKLOG = Gauge("batchgate_backlog", "Entries in a lane stream (queued + in prog
 HTTP_LATENCY = Histogram("batchgate_http_seconds", "Gateway handler latency", ["route", "status"],
                          buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5, 30, 60))
 WAITERS = Gauge("batchgate_waiters", "Long-poll / sync-wait requests currently waiting")
+
+
+class Counted(Observer):
+    """The caller operations' events, as the counters above."""
+
+    def submitted(self, req: InferenceRequest) -> None:
+        SUBMITTED.labels(req.model, req.lane).inc()
+
+    def rejected(self, req: InferenceRequest, code: str) -> None:
+        REJECTED.labels(req.model, req.lane, code).inc()
+
+    def cancelled(self, model: str) -> None:
+        CANCELLED.labels(model).inc()

@@ -1,5 +1,8 @@
 """The OpenAPI 3.1 document of the HTTP API, served at /openapi.json (and as a page at /docs).
 
+The paths are written here; every body schema is generated from the schema types (`shared.submit` for
+what callers send, `shared.views` for what they get back), the same types the gateway checks and answers with.
+
 Kept true by the schemathesis fuzz test (tests/integration/test_openapi_fuzz.py): every operation is
 called with generated inputs and every response must match what is declared here.
 """
@@ -10,9 +13,14 @@ import html
 import json
 from typing import Any
 
-from shared.config import Settings
+import msgspec
 
-ERROR = {"$ref": "#/components/schemas/Error"}
+from shared.config import Settings
+from shared.submit import EmbedSubmit, GenerateSubmit
+from shared.views import Accepted, ErrorBody, RequestView
+
+REF = "#/components/schemas/{name}"
+ERROR = {"$ref": REF.format(name="ErrorBody")}
 
 
 def _err(desc: str) -> dict[str, Any]:
@@ -31,38 +39,18 @@ def _json(schema: dict[str, Any], desc: str) -> dict[str, Any]:
     return {"description": desc, "content": {"application/json": {"schema": schema}}}
 
 
+def components() -> dict[str, Any]:
+    """The schemas, generated from the types the gateway validates with and answers with."""
+    _, schemas = msgspec.json.schema_components([GenerateSubmit, EmbedSubmit, RequestView, Accepted, ErrorBody],
+                                                ref_template=REF)
+    return schemas
+
+
 def document(settings: Settings) -> dict[str, Any]:
     models = [m.name for m in settings.models]
-    submit_body = {
-        "type": "object",
-        "required": ["input"],
-        "additionalProperties": False,
-        "properties": {
-            "input": {"description": "generate: {prompt} or {input_ids}; embed: {texts} or {text}",
-                      "oneOf": [
-                          {"type": "object", "required": ["prompt"], "additionalProperties": False,
-                           "properties": {"prompt": {"type": "string", "minLength": 1}}},
-                          {"type": "object", "required": ["input_ids"], "additionalProperties": False,
-                           "properties": {"input_ids": {"type": "array", "minItems": 1,
-                                                        "items": {"type": "integer", "minimum": 0}}}},
-                          {"type": "object", "required": ["texts"], "additionalProperties": False,
-                           "properties": {"texts": {"type": "array", "minItems": 1,
-                                                    "items": {"type": "string", "minLength": 1}}}},
-                          {"type": "object", "required": ["text"], "additionalProperties": False,
-                           "properties": {"text": {"type": "string", "minLength": 1}}},
-                      ]},
-            "params": {"type": "object", "description": "generate: max_new_tokens, temperature, top_p, top_k, "
-                                                          "seed, stop, ignore_eos; embed: normalize"},
-            "timeout_s": {"type": "number", "exclusiveMinimum": 0},
-            "deadline": {"oneOf": [{"type": "number"}, {"type": "string", "format": "date-time"}],
-                         "description": "absolute: epoch seconds or ISO 8601 with a zone"},
-            "priority": {"type": "string", "enum": ["interactive", "batch"]},
-            "callback": {"type": "object", "required": ["url"], "additionalProperties": False,
-                         "properties": {"url": {"type": "string", "format": "uri"},
-                                        "events": {"type": "array", "items": {"enum": ["started", "completed"]}}}},
-        },
-    }
-    request_view = {"$ref": "#/components/schemas/Request"}
+    submit_body = {"description": "generate models: GenerateSubmit; embed models: EmbedSubmit",
+                   "anyOf": [{"$ref": REF.format(name="GenerateSubmit")}, {"$ref": REF.format(name="EmbedSubmit")}]}
+    request_view = {"$ref": REF.format(name="RequestView")}
     model_param = {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "enum": models}}
     id_param = {"name": "request_id", "in": "path", "required": True,
                 "schema": {"type": "string", "pattern": "^req_[a-z2-7]{26}$"}}
@@ -79,28 +67,7 @@ def document(settings: Settings) -> dict[str, Any]:
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
                                 "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"}},
-            "schemas": {
-                "Error": {"type": "object", "required": ["error"], "properties": {"error": {
-                    "type": "object", "required": ["code", "message"],
-                    "properties": {"code": {"type": "string"}, "message": {"type": "string"},
-                                   "field": {"type": "string"}, "lane": {"type": "string"}}}}},
-                "Accepted": {"type": "object", "required": ["id", "status", "links"], "properties": {
-                    "id": {"type": "string"}, "status": {"type": "string", "enum": ["queued"]},
-                    "model": {"type": "string"}, "lane": {"type": "string"},
-                    "eta_ms": {"type": ["integer", "null"]}, "queue_position": {"type": "integer"},
-                    "deadline": {"type": "number"}, "links": {"type": "object"}, "admission": {"type": "string"}}},
-                "Request": {"type": "object", "required": ["id", "status"], "properties": {
-                    "id": {"type": "string"},
-                    "status": {"type": "string",
-                               "enum": ["queued", "running", "succeeded", "failed", "expired", "cancelled"]},
-                    "model": {"type": "string"}, "task": {"type": "string"}, "lane": {"type": "string"},
-                    "priority": {"type": "string"}, "created_at": {"type": ["number", "null"]},
-                    "deadline": {"type": ["number", "null"]}, "started_at": {"type": ["number", "null"]},
-                    "finished_at": {"type": ["number", "null"]}, "output": {"type": ["object", "null"]},
-                    "finish_reason": {"type": ["string", "null"]}, "error": {"type": ["object", "null"]},
-                    "timings": {"type": "object"}, "attempts": {"type": "integer"},
-                    "callback": {"type": "object"}, "links": {"type": "object"}}},
-            },
+            "schemas": components(),
         },
         "security": security,
         "paths": {
@@ -110,7 +77,7 @@ def document(settings: Settings) -> dict[str, Any]:
                 "requestBody": {"required": True, "content": {"application/json": {"schema": submit_body}}},
                 "responses": {
                     "200": _json(request_view, "Finished within the wait (or an idempotent replay)"),
-                    "202": _json({"anyOf": [{"$ref": "#/components/schemas/Accepted"}, request_view]}, "Accepted"),
+                    "202": _json({"anyOf": [{"$ref": REF.format(name="Accepted")}, request_view]}, "Accepted"),
                     **COMMON_ERRORS,
                     "409": _err("Idempotency-Key reused with a different body, or in progress"),
                     "413": _err("Body too large"), "415": _err("Unsupported content type"),

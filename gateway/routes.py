@@ -19,6 +19,7 @@ from gateway.api import (
     NotFound,
     PayloadTooLarge,
     ServiceUnavailable,
+    error_response,
 )
 from gateway.service import GatewayService
 from shared.redis_io import UNAVAILABLE
@@ -88,11 +89,11 @@ async def dispatch(route: RouteSpec, svc: GatewayService, req: ApiRequest, args:
         return await route.handler(svc, req, *args)
     except ApiError as exc:
         metrics.ERRORS.labels(exc.code).inc()
-        return exc.to_response()
+        return error_response(exc)
     except UNAVAILABLE as exc:
         metrics.ERRORS.labels("unavailable").inc()
         log.warning("redis unavailable", error=repr(exc))
-        return ServiceUnavailable("the queue is unreachable; retry shortly", retry_after=1).to_response()
+        return error_response(ServiceUnavailable("the queue is unreachable; retry shortly", retry_after=1))
     finally:
         structlog.contextvars.clear_contextvars()
 
@@ -102,7 +103,7 @@ async def handle(svc: GatewayService, req: ApiRequest, trusted_tenant: str | Non
     try:
         route, args = match(req.method, req.path)
     except ApiError as exc:
-        return exc.to_response()
+        return error_response(exc)
     if route.with_body and len(req.body) > svc.settings.max_body_bytes:
-        return PayloadTooLarge(f"body exceeds the limit of {svc.settings.max_body_bytes} bytes").to_response()
+        return error_response(PayloadTooLarge(f"body exceeds the limit of {svc.settings.max_body_bytes} bytes"))
     return await dispatch(route, svc, req, args, trusted_tenant)

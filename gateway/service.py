@@ -1,205 +1,24 @@
-"""The gateway's Redis side: store a request, read, wait on and cancel records. No HTTP here.
-
-Submit order: XADD the request to its lane stream, then write the queued record if none exists
-yet, in one pipeline. The caller gets 202 only after both succeeded, so an id it holds always
-has a stream entry; a worker that finishes before the record exists simply creates it.
-"""
+"""The gateway's Redis side: `shared.queue_client.QueueClient` (admit, enqueue, read, wait on and cancel
+requests; the SDK's direct mode uses the same) plus who is calling (`gateway.auth`). No HTTP here."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import msgpack
 import redis.asyncio as aioredis
 
+from gateway import metrics
 from gateway.auth import Auth
-from gateway.waiters import SubscriptionUnavailable, WaiterHub
-from shared import admission
-from shared.admission import Decision
-from shared.callback_store import CallbackStore
-from shared.codec import decode, encode
-from shared.config import ModelSpec, Settings
-from shared.errors import CodecError
-from shared.keys import Keys
-from shared.messages import ErrorInfo, InferenceRequest, LaneStats, RequestResult
-from shared.records import RecordStore, StoredRecord
-from shared.redis_io import make_redis
-from shared.ssrf import AllowList
-from shared.states import FinishReason, Status
+from shared.config import Settings
+from shared.idempotency import IdempotencyClaim
+from shared.queue_client import QueueClient, Submitted
 
-CAS_LUA = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-return 1
-"""
+__all__ = ["GatewayService", "IdempotencyClaim", "Submitted"]
 
 
-@dataclass(frozen=True, slots=True)
-class IdempotencyClaim:
-    """What an `Idempotency-Key` maps to: the request it created and a hash of the body that created it."""
-
-    request_id: str
-    body_hash: str
-    at_ms: int
-
-    def encode(self) -> bytes:
-        return msgpack.packb([self.request_id, self.body_hash, self.at_ms])
-
-    @classmethod
-    def decode(cls, raw: bytes) -> IdempotencyClaim:
-        rid, body_hash, at_ms = msgpack.unpackb(raw)
-        return cls(rid, body_hash, int(at_ms))
-
-
-@dataclass(frozen=True, slots=True)
-class Submitted:
-    request: InferenceRequest
-    queue_position: int
-    decision: Decision
-
-
-class GatewayService:
+class GatewayService(QueueClient):
     def __init__(self, settings: Settings, *, redis: aioredis.Redis | None = None,
                  clock: Callable[[], float] = time.time) -> None:
-        self.settings = settings
-        self.keys = Keys(settings.key_prefix)
-        self.redis = redis or make_redis(settings.redis_url)
-        self._own_redis = redis is None
-        self.store = RecordStore(self.redis, self.keys, settings.result_ttl_s)
-        self.hub = WaiterHub(self.redis, f"{settings.key_prefix}:hub")
-        self.callbacks = CallbackStore(self.redis, self.keys)
-        self._cas = self.redis.register_script(CAS_LUA)
-        self.auth = Auth(self.redis, self.keys, mode=settings.auth, default_rate_per_s=settings.tenant_rate_per_s,
-                         default_burst=settings.tenant_burst, default_max_backlog=settings.tenant_max_backlog,
-                         clock=clock)
-        self.callback_allow = AllowList.parse(settings.callback_allow)
-        self.clock = clock
-
-    async def start(self) -> None:
-        await self.hub.start()
-
-    async def close(self) -> None:
-        await self.hub.close()
-        if self._own_redis:
-            await self.redis.aclose()
-
-    def now_ms(self) -> int:
-        return int(self.clock() * 1000)
-
-    async def load(self, model: str, lane: str) -> tuple[int, list[LaneStats]]:
-        """The lane's stream length and the fresh per-worker stats of the model, in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xlen(self.keys.lane_stream(model, lane))
-        pipe.hgetall(self.keys.lane_stats(model))
-        queued, raw = await pipe.execute()
-        stats = []
-        for blob in raw.values():
-            try:
-                stats.append(decode(blob, LaneStats))
-            except CodecError:
-                continue  # a worker of another schema version: its figures do not count
-        return int(queued), admission.fresh(stats, self.now_ms())
-
-    async def admit(self, req: InferenceRequest, spec: ModelSpec) -> tuple[Decision, int]:
-        queued, stats = await self.load(req.model, req.lane)
-        lane = spec.lane(req.lane)
-        new_tokens = int(req.params.get("max_new_tokens", 0))
-        est = admission.estimate(stats, req.lane, queued, max(1, req.est_tokens - new_tokens), new_tokens,
-                                 (lane.window_ms if lane else 10.0) / 1000)
-        decision = admission.decide(now_s=self.clock(), deadline_s=req.deadline_ms / 1000, est=est, queued=queued,
-                                    max_backlog=lane.max_backlog if lane else 10_000,
-                                    deadline_aware=spec.deadline_aware)
-        return decision, queued
-
-    async def submit(self, req: InferenceRequest, decision: Decision) -> Submitted:
-        (out,) = await self.submit_many([(req, decision)])
-        return out
-
-    async def submit_many(self, items: list[tuple[InferenceRequest, Decision]]) -> list[Submitted]:
-        """Store requests: per request, XADD to its lane stream, then the queued record, in one pipeline."""
-        pipe = self.redis.pipeline(transaction=False)
-        now = self.now_ms()
-        for req, _ in items:
-            stream = self.keys.lane_stream(req.model, req.lane)
-            pipe.xadd(stream, {"m": encode(req)})
-            await self.store.init_in(pipe, req, now)
-            pipe.xlen(stream)
-        replies = await pipe.execute()
-        return [Submitted(req, int(replies[3 * i + 2]), decision) for i, (req, decision) in enumerate(items)]
-
-    async def idempotency_get(self, tenant: str, key: str) -> IdempotencyClaim | None:
-        raw = await self.redis.get(self.keys.idempotency(tenant, key))
-        return IdempotencyClaim.decode(raw) if raw else None
-
-    async def idempotency_claim(self, tenant: str, key: str, claim: IdempotencyClaim) -> IdempotencyClaim | None:
-        """Claim the key for `claim` (atomically: SET NX). None if claimed, else the existing claim."""
-        name = self.keys.idempotency(tenant, key)
-        if await self.redis.set(name, claim.encode(), px=self.settings.result_ttl_s * 1000, nx=True):
-            return None
-        return await self.idempotency_get(tenant, key)
-
-    async def idempotency_takeover(self, tenant: str, key: str, old: IdempotencyClaim,
-                                   new: IdempotencyClaim) -> bool:
-        """Replace `old` with `new` only if the key still holds `old` (compare-and-set)."""
-        return bool(await self._cas(keys=[self.keys.idempotency(tenant, key)],
-                                    args=[old.encode(), new.encode(), self.settings.result_ttl_s * 1000]))
-
-    async def get(self, request_id: str) -> StoredRecord | None:
-        """The record, expiring it first if its deadline (plus grace) passed with no result."""
-        rec = await self.store.get(request_id)
-        if rec is None or rec.terminal or rec.meta is None:
-            return rec
-        grace_ms = self.settings.expiry_grace_s * 1000
-        if self.now_ms() <= rec.meta.deadline_ms + grace_ms:
-            return rec
-        await self.store.finish(RequestResult(
-            id=request_id, status=Status.EXPIRED, finish_reason=FinishReason.DEADLINE,
-            error=ErrorInfo("deadline_exceeded", "no result by the deadline"), finished_ms=self.now_ms(),
-            worker="gateway",
-        ), rec.meta)  # with the meta, the "completed" webhook is queued as for any other terminal state
-        return await self.store.get(request_id)
-
-    async def wait(self, request_id: str, timeout: float) -> StoredRecord | None:
-        """Block until the record is terminal or `timeout` passes; woken by pub/sub, never by polling."""
-        await self.hub.ensure_started()
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
-        try:
-            async with self.hub.subscribe(self.keys.done_channel(request_id)) as sub:
-                while True:
-                    rec = await self.get(request_id)
-                    if rec is None or rec.terminal:
-                        return rec
-                    remaining = end - loop.time()
-                    if rec.meta is not None:  # never wait past the point where get() would expire it
-                        expiry = (rec.meta.deadline_ms / 1000 + self.settings.expiry_grace_s) - self.clock()
-                        remaining = min(remaining, max(expiry, 0.0) + 0.05)
-                    if remaining <= 0 or (not await sub.wait(remaining) and loop.time() >= end):
-                        return await self.get(request_id)
-        except SubscriptionUnavailable:
-            return await self.get(request_id)
-
-    async def cancel(self, rec: StoredRecord) -> bool:
-        """Cancel unless already terminal. True if this call's write won."""
-        won = await self.store.finish(RequestResult(
-            id=rec.id, status=Status.CANCELLED, finish_reason=FinishReason.CANCELLED,
-            error=ErrorInfo("cancelled", "cancelled by the caller"), finished_ms=self.now_ms(),
-            worker="gateway",
-        ), rec.meta)
-        if won and rec.meta is not None:
-            await self.redis.publish(self.keys.cancel_channel(rec.meta.model), rec.id)
-            await self.redis.zrem(self.keys.tenant_active(rec.meta.tenant), rec.id)
-        return won
-
-    async def backlog(self, model: str, lanes: tuple[str, ...]) -> dict[str, int]:
-        pipe = self.redis.pipeline(transaction=False)
-        for lane in lanes:
-            pipe.xlen(self.keys.lane_stream(model, lane))
-        counts = await pipe.execute()
-        return {lane: int(n) for lane, n in zip(lanes, counts, strict=True)}
-
-    async def ping(self) -> bool:
-        return bool(await self.redis.ping())
+        super().__init__(settings, redis=redis, clock=clock, observer=metrics.Counted())
+        self.auth = Auth(self.redis, self.keys, mode=settings.auth, limits=self.limits)

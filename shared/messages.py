@@ -1,4 +1,6 @@
-"""Typed messages for every hop through Redis. Encoded by `shared.codec`, never pickled.
+"""Typed messages for every hop through Redis: these types are the wire schema. `shared.codec` encodes
+and decodes them with msgspec (which checks every field against its annotation), never pickled.
+They stay frozen dataclasses (msgspec handles them natively), so `dataclasses.replace` works on them.
 
 gateway --InferenceRequest--> lane stream --> worker
 worker  --RequestResult-----> result record (+ "done" event) --> gateway / callback dispatcher

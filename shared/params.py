@@ -1,20 +1,33 @@
-"""Validation of a request's `input` and `params` per task. Pure; raises `ValidationError` with the field.
+"""What a request asks for, per task: its `input` and `params`, as schema types (msgspec Structs).
 
-The gateway validates once at submit; the worker re-reads the normalised dicts with the same code.
+The types are the rule: `shared.validation.convert` checks a body against them, and the OpenAPI
+document is generated from them. Model-dependent limits (a model's `max_new_tokens`, prompt length,
+texts per request) cannot be written in a type; they are checked right after, in the functions below.
+The gateway validates once at submit and puts the normalised dicts on the wire; the worker builds its
+typed params once from them: `GenerateParams(**req.params)` (a list `stop` becomes a tuple).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from typing import Any, cast
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
 
 from shared.errors import ValidationError
+from shared.validation import convert
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 64
 MAX_SEED = 2**63 - 1
+MAX_TOKEN_ID = 2**31 - 1
+
+NonEmptyStr = Annotated[str, Meta(min_length=1)]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LENGTH)]
+TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+# lists of short values: an error on one item is reported at the list ("params.stop: item 0: ...")
+ITEM_LISTS = ("params.stop", "input.input_ids")
 
 
 def finite_number(value: Any) -> float | None:
@@ -28,145 +41,113 @@ def finite_number(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def _int(raw: Mapping[str, Any], name: str, default: int | None, lo: int, hi: int, path: str) -> int | None:
-    value = raw.get(name, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValidationError(f"{path}.{name}", f"must be an integer, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise ValidationError(f"{path}.{name}", f"must be between {lo} and {hi}, got {value}")
-    return value
+class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Sampling and stopping for a generation (`params` of a generate request)."""
 
-
-def _float(raw: Mapping[str, Any], name: str, default: float, lo: float, hi: float, path: str) -> float:
-    value = finite_number(raw.get(name, default))
-    if value is None:
-        raise ValidationError(f"{path}.{name}", "must be a finite number")
-    if not lo <= value <= hi:
-        raise ValidationError(f"{path}.{name}", f"must be between {lo} and {hi}, got {value}")
-    return value
-
-
-def _bool(raw: Mapping[str, Any], name: str, default: bool, path: str) -> bool:
-    value = raw.get(name, default)
-    if not isinstance(value, bool):
-        raise ValidationError(f"{path}.{name}", "must be true or false")
-    return value
-
-
-def _reject_unknown(raw: Mapping[str, Any], known: set[str], path: str) -> None:
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValidationError(f"{path}.{unknown[0]}", f"unknown field (allowed: {', '.join(sorted(known))})")
-
-
-def _mapping(value: Any, path: str) -> Mapping[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ValidationError(path, "must be an object")
-    return value
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateParams:
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+    max_new_tokens: Annotated[int, Meta(ge=1, description="at most the model's max_new_tokens; "
+                                                          "default: the model's default")] = 64
+    temperature: Annotated[float, Meta(ge=0.0, le=10.0, description="0: greedy")] = 0.0
+    top_p: Annotated[float, Meta(ge=1e-6, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=0, le=1_000_000, description="0: off")] | None = 0
+    seed: Annotated[int, Meta(ge=0, le=MAX_SEED)] | None = None
+    stop: Annotated[tuple[StopString, ...], Meta(max_length=MAX_STOP_STRINGS)] | StopString = ()
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stop, tuple):  # one string, or a list from the wire dict
+            msgspec.structs.force_setattr(self, "stop", (self.stop,) if isinstance(self.stop, str)
+                                          else tuple(self.stop))
+        if self.top_k is None:
+            msgspec.structs.force_setattr(self, "top_k", 0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = msgspec.structs.asdict(self)
         out["stop"] = list(self.stop)
         return out
 
+    def within(self, *, given: bool, limit: int, default_max_new_tokens: int) -> GenerateParams:
+        """These params under a model's limits: its default `max_new_tokens` unless `given`, at most `limit`."""
+        if not given:
+            return msgspec.structs.replace(self, max_new_tokens=min(default_max_new_tokens, limit))
+        if self.max_new_tokens > limit:
+            raise ValidationError("params.max_new_tokens",
+                                  f"must be between 1 and {limit} for this model, got {self.max_new_tokens}")
+        return self
+
     @classmethod
     def parse(cls, raw: Any, *, limit: int, default_max_new_tokens: int) -> GenerateParams:
-        raw = _mapping(raw, "params")
-        _reject_unknown(raw, {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"},
-                        "params")
-        stop = raw.get("stop", [])
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
-            raise ValidationError("params.stop", "must be a string or a list of non-empty strings")
-        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in stop):
-            raise ValidationError("params.stop",
-                                  f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters")
-        max_new = _int(raw, "max_new_tokens", min(default_max_new_tokens, limit), 1, limit, "params")
-        return cls(
-            max_new_tokens=cast(int, max_new),
-            temperature=_float(raw, "temperature", 0.0, 0.0, 10.0, "params"),
-            top_p=_float(raw, "top_p", 1.0, 1e-6, 1.0, "params"),
-            top_k=_int(raw, "top_k", 0, 0, 1_000_000, "params") or 0,
-            seed=_int(raw, "seed", None, 0, MAX_SEED, "params"),
-            stop=tuple(stop),
-            ignore_eos=_bool(raw, "ignore_eos", False, "params"),
-        )
+        raw = {} if raw is None else raw
+        params = convert(raw, cls, "params", item_lists=ITEM_LISTS)
+        return params.within(given="max_new_tokens" in raw, limit=limit, default_max_new_tokens=default_max_new_tokens)
 
 
-@dataclass(frozen=True, slots=True)
-class EmbedParams:
+class EmbedParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`params` of an embed request."""
+
     normalize: bool = True
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return msgspec.structs.asdict(self)
 
     @classmethod
     def parse(cls, raw: Any) -> EmbedParams:
-        raw = _mapping(raw, "params")
-        _reject_unknown(raw, {"normalize"}, "params")
-        return cls(normalize=_bool(raw, "normalize", True, "params"))
+        return convert({} if raw is None else raw, cls, "params")
+
+
+class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Exactly one of `prompt` (text) or `input_ids` (token ids)."""
+
+    prompt: NonEmptyStr | UnsetType = UNSET
+    input_ids: Annotated[list[TokenId], Meta(min_length=1)] | UnsetType = UNSET
+
+    def normalised(self, *, max_prompt_chars: int, max_input_tokens: int) -> dict[str, Any]:
+        """The wire form, {"prompt"} or {"input_ids"}, under a model's limits."""
+        if isinstance(self.prompt, str) and self.input_ids is UNSET:
+            if len(self.prompt) > max_prompt_chars:
+                raise ValidationError("input.prompt", f"longer than {max_prompt_chars} characters")
+            return {"prompt": self.prompt}
+        if isinstance(self.input_ids, list) and self.prompt is UNSET:
+            if len(self.input_ids) > max_input_tokens:
+                raise ValidationError("input.input_ids", f"more than {max_input_tokens} tokens")
+            return {"input_ids": self.input_ids}
+        raise ValidationError("input", "give exactly one of `prompt` or `input_ids`")
+
+
+class EmbedInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`texts` (list of strings) or `text` (one string); normalised to `texts`."""
+
+    texts: Annotated[list[NonEmptyStr], Meta(min_length=1)] | UnsetType = UNSET
+    text: NonEmptyStr | UnsetType = UNSET
+
+    def normalised(self, *, max_texts: int, max_text_chars: int) -> dict[str, Any]:
+        """The wire form, {"texts"}, under a model's limits."""
+        if isinstance(self.text, str) and self.texts is UNSET:
+            texts, field = [self.text], "input.text"
+        elif isinstance(self.texts, list) and self.text is UNSET:
+            texts, field = self.texts, "input.texts"
+        else:
+            raise ValidationError("input", "give exactly one of `texts` or `text`")
+        if len(texts) > max_texts:
+            raise ValidationError(field, f"at most {max_texts} texts per request")
+        for i, text in enumerate(texts):
+            if len(text) > max_text_chars:
+                raise ValidationError(f"{field}[{i}]", f"longer than {max_text_chars} characters")
+        return {"texts": list(texts)}
+
+
+def exactly_one(*names: str) -> Meta:
+    """The JSON Schema half of an "exactly one of these fields" rule (`normalised` checks it)."""
+    return Meta(extra_json_schema={"oneOf": [{"required": [n]} for n in names]})
 
 
 def parse_generate_input(raw: Any, *, max_prompt_chars: int, max_input_tokens: int) -> dict[str, Any]:
-    """Exactly one of `prompt` (text) or `input_ids` (token ids)."""
-    if not isinstance(raw, Mapping):
-        raise ValidationError("input", "must be an object with `prompt` (string) or `input_ids` (integers)")
-    _reject_unknown(raw, {"prompt", "input_ids"}, "input")
-    if ("prompt" in raw) == ("input_ids" in raw):
-        raise ValidationError("input", "give exactly one of `prompt` or `input_ids`")
-    if "prompt" in raw:
-        prompt = raw["prompt"]
-        if not isinstance(prompt, str) or not prompt:
-            raise ValidationError("input.prompt", "must be a non-empty string")
-        if len(prompt) > max_prompt_chars:
-            raise ValidationError("input.prompt", f"longer than {max_prompt_chars} characters")
-        return {"prompt": prompt}
-    ids = raw["input_ids"]
-    if not isinstance(ids, list) or not ids:
-        raise ValidationError("input.input_ids", "must be a non-empty list of integers")
-    if len(ids) > max_input_tokens:
-        raise ValidationError("input.input_ids", f"more than {max_input_tokens} tokens")
-    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in ids):
-        raise ValidationError("input.input_ids", "must hold non-negative integers")
-    return {"input_ids": list(ids)}
+    inp = convert(raw, GenerateInput, "input", item_lists=ITEM_LISTS)
+    return inp.normalised(max_prompt_chars=max_prompt_chars, max_input_tokens=max_input_tokens)
 
 
 def parse_embed_input(raw: Any, *, max_texts: int, max_text_chars: int) -> dict[str, Any]:
-    """`texts` (list of strings) or `text` (one string); normalised to `texts`."""
-    if not isinstance(raw, Mapping):
-        raise ValidationError("input", "must be an object with `texts` (list of strings) or `text`")
-    _reject_unknown(raw, {"texts", "text"}, "input")
-    if ("texts" in raw) == ("text" in raw):
-        raise ValidationError("input", "give exactly one of `texts` or `text`")
-    texts = [raw["text"]] if "text" in raw else raw["texts"]
-    field = "input.text" if "text" in raw else "input.texts"
-    if not isinstance(texts, list) or not texts:
-        raise ValidationError(field, "must be a non-empty list of strings")
-    if len(texts) > max_texts:
-        raise ValidationError(field, f"at most {max_texts} texts per request")
-    for i, text in enumerate(texts):
-        if not isinstance(text, str) or not text:
-            raise ValidationError(f"{field}[{i}]", "must be a non-empty string")
-        if len(text) > max_text_chars:
-            raise ValidationError(f"{field}[{i}]", f"longer than {max_text_chars} characters")
-    return {"texts": list(texts)}
+    return convert(raw, EmbedInput, "input").normalised(max_texts=max_texts, max_text_chars=max_text_chars)

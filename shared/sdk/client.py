@@ -1,5 +1,6 @@
 """Sync and async clients. Both speak HTTP (httpx); `AsyncBatchgateClient.direct()` speaks straight
-to Redis through the gateway's own handlers (for callers inside the VPC: no HTTP hop)."""
+to Redis through the shared caller operations the gateway runs too (for callers inside the VPC: no HTTP
+hop; see `shared.sdk.direct`)."""
 
 from __future__ import annotations
 
@@ -225,37 +226,11 @@ class AsyncBatchgateClient(_Common):
     @classmethod
     def direct(cls, redis_url: str, *, tenant: str = "default", key_prefix: str = "bg",
                env: dict[str, str] | None = None, **kw: Any) -> AsyncBatchgateClient:
-        """A client that goes straight into Redis through the gateway's handlers (inside the VPC)."""
-        return _DirectClient(redis_url, tenant=tenant, key_prefix=key_prefix, env=env, **kw)
+        """A client that goes straight into Redis (inside the VPC), through the same caller operations as the
+        gateway (`shared.sdk.direct`)."""
+        from shared.sdk.direct import DirectClient  # only direct mode needs redis
 
-
-class _DirectClient(AsyncBatchgateClient):
-    def __init__(self, redis_url: str, *, tenant: str, key_prefix: str, env: dict[str, str] | None, **kw: Any) -> None:
-        from gateway.service import GatewayService
-        from shared.config import Settings
-
-        super().__init__("http://direct", **kw)
-        settings = Settings.from_environ({**(env or {}), "BATCHGATE_REDIS_URL": redis_url,
-                                          "BATCHGATE_KEY_PREFIX": key_prefix})
-        self._svc = GatewayService(settings)
-        self._tenant = tenant
-
-    async def aclose(self) -> None:
-        await super().aclose()
-        await self._svc.close()
-
-    async def _request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
-                       headers: dict[str, str] | None = None) -> Any:
-        import json as _json
-
-        from gateway import routes
-        from gateway.api import ApiRequest
-
-        req = ApiRequest(method, path, query={k: str(v) for k, v in (params or {}).items()},
-                         headers={"content-type": "application/json", **(headers or {})},
-                         body=_json.dumps(json).encode() if json is not None else b"")
-        resp = await routes.handle(self._svc, req, trusted_tenant=self._tenant)
-        return self._parse(resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.body)
+        return DirectClient(redis_url, tenant=tenant, key_prefix=key_prefix, env=env, **kw)
 
 
 class BatchgateClient(_Common):

@@ -1,4 +1,5 @@
-"""Long-poll and sync-wait: one shared pub/sub connection per gateway process, many waiters.
+"""Long-poll and sync-wait: one shared pub/sub connection per process (a gateway, or an SDK client in
+direct mode), many waiters.
 
 A waiter subscribes to its request's "done" channel and waits for the confirmation before it reads
 the record, so a result written after that read always produces an event it will see; a result

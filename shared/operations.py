@@ -1,0 +1,271 @@
+"""What a caller can do with requests, over a `QueueClient`: submit (with its idempotency key and an
+optional wait), submit a batch, get (with an optional long-poll), cancel.
+
+The HTTP gateway's handlers parse HTTP and call these; the SDK's direct mode calls them itself, so both
+give the same statuses, bodies and errors (`shared.api_errors`). An `Answer` is a status and a JSON-ready
+body (`shared.views` types), plus the headers the API sends with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import structlog
+from msgspec import UNSET
+
+from shared.admission import Decision
+from shared.api_errors import ApiError, BadRequest, Conflict, Gone, NotFound, TooManyRequests, Unprocessable
+from shared.config import ModelSpec
+from shared.errors import ValidationError
+from shared.idempotency import IdempotencyClaim, body_hash
+from shared.ids import created_ms, is_request_id
+from shared.messages import InferenceRequest
+from shared.params import finite_number
+from shared.queue_client import QueueClient
+from shared.records import StoredRecord
+from shared.states import Status
+from shared.submit import build_request
+from shared.views import Accepted, links, record_view
+
+log = structlog.get_logger(__name__)
+
+IDEMPOTENCY_TAKEOVER_S = 5.0  # a key claimed this long ago without a stored request is taken over
+IDEMPOTENCY_RACE_POLLS = 20
+IDEMPOTENCY_RACE_POLL_S = 0.025
+NO_ESTIMATE = "no worker has reported load recently: accepted without an estimate (up to the lane's backlog cap)"
+
+
+@dataclass(slots=True)
+class Answer:
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def wait_seconds(value: float, cap: float) -> float:
+    """How long a caller may wait for a result: a non-negative number of seconds, at most `cap`."""
+    if finite_number(value) is None or value < 0:
+        raise BadRequest("wait must be a non-negative number of seconds", code="invalid_wait")
+    return min(float(value), cap)
+
+
+def check_idempotency_key(key: str) -> str:
+    if not 1 <= len(key) <= 255 or not key.isprintable():
+        raise BadRequest("Idempotency-Key must be 1-255 printable characters", code="invalid_idempotency_key")
+    return key
+
+
+def model_spec(q: QueueClient, name: str) -> ModelSpec:
+    spec = q.settings.model(name)
+    if spec is None:
+        known = ", ".join(m.name for m in q.settings.models)
+        raise NotFound(f"unknown model {name!r} (known: {known})", code="model_not_found")
+    return spec
+
+
+def _build(q: QueueClient, body: Any, spec: ModelSpec, tenant: str, at: str = "") -> InferenceRequest:
+    """The request a body asks for; a 422 naming the field otherwise (`at`: where the body sits in a batch)."""
+    try:
+        return build_request(body, spec, tenant, q.clock(), q.callback_allow)
+    except ValidationError as exc:
+        where = f"{at}.{exc.field}" if at and exc.field else (at or exc.field)
+        raise Unprocessable(f"{exc.field}: {exc.message}" if exc.field else exc.message,
+                            extra={"field": where}) from exc
+
+
+async def submit(q: QueueClient, body: Any, spec: ModelSpec, tenant: str, *, wait: float = 0.0,
+                 idempotency_key: str | None = None) -> Answer:
+    inference = _build(q, body, spec, tenant)
+    if inference.callback and await q.callbacks.is_disabled(tenant, inference.callback.url):
+        raise Unprocessable("callback.url: this URL answered 410 Gone and is disabled for this tenant",
+                            extra={"field": "callback.url"})
+    digest = ""
+    if idempotency_key is not None:
+        inference = dataclasses.replace(inference, idempotency_key=idempotency_key)
+        digest = body_hash(spec.name, body)
+        existing = await q.idempotency.get(tenant, idempotency_key)
+        if existing is not None:
+            return await _replay(q, existing, digest, inference, wait)
+    decision = await _admit(q, inference, spec)
+    if idempotency_key is not None:
+        existing = await q.idempotency.claim(tenant, idempotency_key, IdempotencyClaim(inference.id, digest,
+                                                                                       q.now_ms()))
+        if existing is not None:  # a concurrent submit with the same key won the race
+            await q.limits.release(tenant, inference.id)
+            return await _replay(q, existing, digest, inference, wait)
+    return await _store_and_answer(q, inference, decision, wait)
+
+
+async def _admit(q: QueueClient, inference: InferenceRequest, spec: ModelSpec) -> Decision:
+    """Tenant limits (rate, quota slot) then the deadline/backlog estimate; a refusal frees the slot."""
+    expires = inference.deadline_ms + int(q.settings.expiry_grace_s * 1000)
+    await q.limits.admit(inference.tenant, inference.id, expires)
+    decision, _ = await q.admit(inference, spec)
+    if not decision.accept:
+        await q.limits.release(inference.tenant, inference.id)
+        q.observer.rejected(inference, decision.code)
+        raise TooManyRequests(decision.reason, code=decision.code, retry_after=decision.retry_after_s,
+                              extra={"lane": inference.lane})
+    return decision
+
+
+def _eta_ms(decision: Decision) -> int | None:
+    est = decision.estimate
+    return round(est.finish_s * 1000) if est.basis == "stats" else None
+
+
+async def submit_batch(q: QueueClient, body: Any, spec: ModelSpec, tenant: str) -> Answer:
+    """Many inputs in one call (e.g. an SQS batch): one id per accepted item, an error per refused one.
+
+    Body: {"requests": [<submit body>, ...]}; an item may carry `idempotency_key` (an SQS message id,
+    say) so a redelivered batch does not create its accepted items twice."""
+    items = body.get("requests") if isinstance(body, dict) else None
+    if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
+        raise Unprocessable("requests: a non-empty list of submit bodies (objects) is required",
+                            extra={"field": "requests"})
+    if set(body) - {"requests"}:
+        name = sorted(set(body) - {"requests"})[0]
+        raise Unprocessable(f"{name}: unknown field (allowed: requests)", extra={"field": name})
+    if len(items) > q.settings.max_batch_items:
+        raise Unprocessable(f"requests: at most {q.settings.max_batch_items} items per batch",
+                            extra={"field": "requests"})
+    results: list[dict[str, Any]] = []
+    to_store: list[tuple[int, InferenceRequest, Decision]] = []
+    for i, item in enumerate(items):
+        try:
+            results.append(await _batch_item(q, spec, tenant, i, item, to_store))
+        except ApiError as exc:
+            err: dict[str, Any] = {"code": exc.code, "message": exc.message, **exc.extra}
+            if exc.retry_after is not None:
+                err["retry_after"] = exc.retry_after
+            results.append({"index": i, "status": exc.status, "error": err})
+    if to_store:
+        stored = await q.submit_many([(inf, dec) for _, inf, dec in to_store])
+        for (i, inf, _), sub in zip(to_store, stored, strict=True):
+            q.observer.submitted(inf)
+            results[i] = {"index": i, "status": 202, "id": inf.id, "lane": inf.lane,
+                          "queue_position": sub.queue_position, "eta_ms": _eta_ms(sub.decision),
+                          "links": links(inf.id)}
+    accepted = sum(1 for r in results if r["status"] in (200, 202))
+    return Answer(200, {"results": results, "accepted": accepted, "refused": len(results) - accepted})
+
+
+async def _batch_item(q: QueueClient, spec: ModelSpec, tenant: str, i: int, item: Any,
+                      to_store: list[tuple[int, InferenceRequest, Decision]]) -> dict[str, Any]:
+    key = item.get("idempotency_key")
+    body = {k: v for k, v in item.items() if k != "idempotency_key"}
+    if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 255):
+        raise Unprocessable("idempotency_key must be a string of 1-255 characters",
+                            extra={"field": f"requests[{i}].idempotency_key"})
+    inference = _build(q, body, spec, tenant, at=f"requests[{i}]")
+    digest = body_hash(spec.name, body)
+    if key is not None:
+        inference = dataclasses.replace(inference, idempotency_key=key)
+        existing = await q.idempotency.get(tenant, key)
+        if existing is not None:
+            return await _batch_replay(q, i, existing, digest, inference)
+    decision = await _admit(q, inference, spec)
+    if key is not None:
+        existing = await q.idempotency.claim(tenant, key, IdempotencyClaim(inference.id, digest, q.now_ms()))
+        if existing is not None:
+            await q.limits.release(tenant, inference.id)
+            return await _batch_replay(q, i, existing, digest, inference)
+    to_store.append((i, inference, decision))
+    return {"index": i, "status": 0}  # filled in once stored
+
+
+async def _batch_replay(q: QueueClient, i: int, existing: IdempotencyClaim, digest: str,
+                        inference: InferenceRequest) -> dict[str, Any]:
+    """A batch item whose key was seen: the original request, never a second one (as `_replay`)."""
+    answer = await _replay(q, existing, digest, inference, wait=0.0)
+    return {"index": i, "status": answer.status, "id": existing.request_id, "replayed": True,
+            "links": links(existing.request_id)}
+
+
+async def _store_and_answer(q: QueueClient, inference: InferenceRequest, decision: Decision, wait: float,
+                            headers: dict[str, str] | None = None) -> Answer:
+    submitted = await q.submit(inference, decision)
+    q.observer.submitted(inference)
+    log.info("request accepted", request_id=inference.id, model=inference.model, lane=inference.lane,
+             priority=inference.priority.value, est_tokens=inference.est_tokens)
+    headers = {"Location": links(inference.id)["self"], **(headers or {})}
+    if wait > 0:
+        rec = await q.wait(inference.id, wait)
+        if rec is not None and rec.terminal:
+            return Answer(200, record_view(rec), headers)
+    accepted = Accepted(
+        id=inference.id, status="queued", model=inference.model, lane=inference.lane,
+        eta_ms=_eta_ms(submitted.decision), queue_position=submitted.queue_position,
+        deadline=inference.deadline_ms / 1000, links=links(inference.id),
+        admission=UNSET if submitted.decision.estimate.basis == "stats" else NO_ESTIMATE)
+    return Answer(202, msgspec.to_builtins(accepted), headers)
+
+
+async def _replay(q: QueueClient, existing: IdempotencyClaim, digest: str, inference: InferenceRequest,
+                  wait: float) -> Answer:
+    """A submit whose idempotency key was seen before: the original request, never a second one."""
+    if existing.body_hash != digest:
+        raise Conflict("this Idempotency-Key was used with a different request body", code="idempotency_conflict")
+    replayed = {"Idempotent-Replayed": "true", "Location": links(existing.request_id)["self"]}
+    rec = await q.get(existing.request_id)
+    for _ in range(IDEMPOTENCY_RACE_POLLS):  # the first submit is a few milliseconds ahead of us
+        if rec is not None or q.now_ms() - existing.at_ms > IDEMPOTENCY_TAKEOVER_S * 1000:
+            break
+        await asyncio.sleep(IDEMPOTENCY_RACE_POLL_S)
+        rec = await q.get(existing.request_id)
+    if rec is None:
+        if q.now_ms() - existing.at_ms <= IDEMPOTENCY_TAKEOVER_S * 1000:
+            raise Conflict("a request with this Idempotency-Key is being accepted; retry shortly",
+                           code="idempotency_in_progress", retry_after=1)
+        # the first submit claimed the key and never stored its request (its gateway died): store it now,
+        # under the same id, so the key still maps to exactly one request. Compare-and-set: of several
+        # takeovers at once, one wins; the others answer as replays.
+        takeover = dataclasses.replace(inference, id=existing.request_id)
+        fresh = IdempotencyClaim(takeover.id, digest, q.now_ms())
+        if not await q.idempotency.takeover(inference.tenant, inference.idempotency_key or "", existing, fresh):
+            raise Conflict("a request with this Idempotency-Key is being accepted; retry shortly",
+                           code="idempotency_in_progress", retry_after=1)
+        decision = await _admit(q, takeover, model_spec(q, takeover.model))
+        return await _store_and_answer(q, takeover, decision, wait, replayed)
+    if wait > 0 and not rec.terminal:
+        rec = await q.wait(rec.id, wait) or rec
+    return Answer(200 if rec.terminal else 202, record_view(rec), replayed)
+
+
+async def visible(q: QueueClient, tenant: str, request_id: str) -> StoredRecord:
+    """The tenant's request: 404 for an unknown id or another tenant's, 410 for one whose result expired."""
+    if not is_request_id(request_id):
+        raise NotFound(f"no request {request_id!r}", code="request_not_found")
+    rec = await q.get(request_id)
+    if rec is None or (rec.meta is not None and rec.meta.tenant != tenant):
+        born = created_ms(request_id) or 0
+        ttl = q.settings.result_ttl_s
+        if rec is None and q.now_ms() - born > ttl * 1000:
+            raise Gone(f"request {request_id!r} is gone: results are kept for {ttl} s", code="result_expired")
+        raise NotFound(f"no request {request_id!r}", code="request_not_found")
+    return rec
+
+
+async def get(q: QueueClient, tenant: str, request_id: str, *, wait: float = 0.0) -> Answer:
+    rec = await visible(q, tenant, request_id)
+    if wait > 0 and not rec.terminal:
+        rec = await q.wait(request_id, wait) or rec
+    return Answer(200, record_view(rec))
+
+
+async def cancel(q: QueueClient, tenant: str, request_id: str) -> Answer:
+    rec = await visible(q, tenant, request_id)
+    if rec.terminal:
+        if rec.state is Status.CANCELLED:
+            return Answer(200, record_view(rec))
+        raise Conflict(f"request already {rec.state.value}; nothing to cancel", code="already_finished")
+    await q.cancel(rec)
+    rec = await q.get(request_id) or rec
+    if rec.state is not Status.CANCELLED:  # a worker finished it first
+        raise Conflict(f"request already {rec.state.value}; nothing to cancel", code="already_finished")
+    q.observer.cancelled(rec.meta.model if rec.meta else "unknown")
+    return Answer(200, record_view(rec))

@@ -1,0 +1,90 @@
+"""The SDK's direct mode: straight into Redis, for callers inside the VPC (no HTTP hop).
+
+It runs the same caller operations as the gateway (`shared.operations` over a `shared.queue_client`),
+so a submit, get, wait or cancel answers with the same statuses, bodies and errors as over HTTP; only the
+API key check is skipped (the caller names its tenant: it already holds the Redis credentials). Imports
+no gateway, Starlette or uvicorn module.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from shared import operations as ops
+from shared.api_errors import ApiError, MethodNotAllowed, NotFound, PayloadTooLarge, ServiceUnavailable
+from shared.config import Settings
+from shared.queue_client import QueueClient
+from shared.redis_io import UNAVAILABLE
+from shared.sdk.client import AsyncBatchgateClient
+
+_ROUTES = (
+    ("POST", re.compile(r"^/v1/models/([^/]+)/requests$"), "submit"),
+    ("POST", re.compile(r"^/v1/models/([^/]+)/requests:batch$"), "submit_batch"),
+    ("GET", re.compile(r"^/v1/requests/([^/]+)$"), "get"),
+    ("DELETE", re.compile(r"^/v1/requests/([^/]+)$"), "cancel"),
+)
+
+
+class DirectClient(AsyncBatchgateClient):
+    def __init__(self, redis_url: str, *, tenant: str, key_prefix: str, env: dict[str, str] | None,
+                 **kw: Any) -> None:
+        super().__init__("http://direct", **kw)
+        settings = Settings.from_environ({**(env or {}), "BATCHGATE_REDIS_URL": redis_url,
+                                          "BATCHGATE_KEY_PREFIX": key_prefix})
+        self._queue = QueueClient(settings)
+        self._tenant = tenant
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await self._queue.close()
+
+    async def _request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
+                       headers: dict[str, str] | None = None) -> Any:
+        try:
+            answer = await self._call(method, path, json, params or {}, headers or {})
+        except ApiError as exc:
+            return self._parse(exc.status, _lower(exc.headers()), exc.body())
+        except UNAVAILABLE:
+            down = ServiceUnavailable("the queue is unreachable; retry shortly", retry_after=1)
+            return self._parse(down.status, _lower(down.headers()), down.body())
+        return self._parse(answer.status, _lower(answer.headers), answer.body)
+
+    async def _call(self, method: str, path: str, body: Any, params: dict[str, Any],
+                    headers: dict[str, str]) -> ops.Answer:
+        q, tenant = self._queue, self._tenant
+        name, arg = _route(method, path)
+        wait = ops.wait_seconds(float(params.get("wait", 0.0)), q.settings.max_wait_s)
+        if name == "get":
+            return await ops.get(q, tenant, arg, wait=wait)
+        if name == "cancel":
+            return await ops.cancel(q, tenant, arg)
+        spec = ops.model_spec(q, arg)
+        body = _as_sent(body, q.settings.max_body_bytes)
+        if name == "submit_batch":
+            return await ops.submit_batch(q, body, spec, tenant)
+        key = headers.get("idempotency-key")
+        return await ops.submit(q, body, spec, tenant, wait=wait,
+                                idempotency_key=ops.check_idempotency_key(key) if key is not None else None)
+
+
+def _route(method: str, path: str) -> tuple[str, str]:
+    for verb, pattern, name in _ROUTES:
+        if verb == method and (m := pattern.match(path)):
+            return name, m.group(1)
+    if any(p.match(path) for _, p, _ in _ROUTES):
+        raise MethodNotAllowed(f"{method} is not allowed on {path}")
+    raise NotFound(f"no route {method} {path}")
+
+
+def _as_sent(body: Any, max_bytes: int) -> Any:
+    """The body as the gateway would receive it: JSON (tuples become lists, keys strings), size-limited."""
+    raw = json.dumps(body).encode()
+    if len(raw) > max_bytes:
+        raise PayloadTooLarge(f"body exceeds the limit of {max_bytes} bytes")
+    return json.loads(raw)
+
+
+def _lower(headers: dict[str, str]) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()}

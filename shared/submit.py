@@ -1,0 +1,130 @@
+"""What a caller submits, as schema types, and how a submitted body becomes an `InferenceRequest`.
+
+`GenerateSubmit` and `EmbedSubmit` are the submit body of a generation and an embedding model: the
+gateway's validation and the OpenAPI document's request body both come from them. `build_request`
+checks a body against its model's type, then what depends on the model (its limits, the deadline from
+`timeout_s`/`deadline` or its default, the callback URL's address), and assigns the lane. Pure: the
+clock value is passed in; used by the HTTP gateway and by the SDK's direct mode alike.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
+
+from shared.config import ModelSpec
+from shared.errors import ValidationError
+from shared.ids import new_request_id
+from shared.lanes import assign_lane, estimate_embed_tokens, estimate_generate_tokens
+from shared.messages import Callback, InferenceRequest
+from shared.params import ITEM_LISTS, EmbedInput, EmbedParams, GenerateInput, GenerateParams, exactly_one
+from shared.ssrf import AllowList, RefusedURL, check_url
+from shared.states import Priority, Task
+from shared.validation import convert
+
+MAX_TIMEOUT_S = 10**9  # a bound only to keep the number finite; each model's max_timeout_s is checked after
+MAX_EPOCH_S = 10**11
+CallbackEvent = Literal["started", "completed"]
+DateTimeStr = Annotated[str, Meta(extra_json_schema={"format": "date-time"})]  # parsed by resolve_deadline
+
+
+class CallbackSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where to send webhooks, and for which events."""
+
+    url: Annotated[str, Meta(extra_json_schema={"format": "uri"})]
+    events: Annotated[tuple[CallbackEvent, ...], Meta(min_length=1, extra_json_schema={"uniqueItems": True})] = (
+        "completed",)
+
+
+class _SubmitFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    timeout_s: Annotated[float, Meta(gt=0, le=MAX_TIMEOUT_S, description="seconds from now")] | UnsetType = UNSET
+    deadline: Annotated[float, Meta(ge=0, le=MAX_EPOCH_S)] | DateTimeStr | UnsetType = UNSET
+    priority: Priority = Priority.INTERACTIVE
+    callback: CallbackSpec | UnsetType = UNSET
+
+
+class GenerateSubmit(_SubmitFields, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The submit body for a generation model. `deadline`: epoch seconds or ISO 8601 with a zone."""
+
+    input: Annotated[GenerateInput, exactly_one("prompt", "input_ids")]
+    params: GenerateParams | None = None
+
+
+class EmbedSubmit(_SubmitFields, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The submit body for an embedding model. `deadline`: epoch seconds or ISO 8601 with a zone."""
+
+    input: Annotated[EmbedInput, exactly_one("texts", "text")]
+    params: EmbedParams | None = None
+
+
+SUBMIT_TYPES: dict[Task, type[GenerateSubmit] | type[EmbedSubmit]] = {Task.GENERATE: GenerateSubmit,
+                                                                       Task.EMBED: EmbedSubmit}
+
+
+def resolve_deadline(timeout_s: float | UnsetType, deadline: float | str | UnsetType, spec: ModelSpec,
+                     now: float) -> float:
+    """Absolute deadline (epoch seconds) from `timeout_s` or `deadline`, else the model's default."""
+    if timeout_s is not UNSET and deadline is not UNSET:
+        raise ValidationError("timeout_s", "give either timeout_s or deadline, not both")
+    if isinstance(timeout_s, float):
+        if timeout_s > spec.max_timeout_s:
+            raise ValidationError("timeout_s", f"at most {spec.max_timeout_s} seconds for this model")
+        return now + timeout_s
+    if isinstance(deadline, str):
+        try:
+            parsed = datetime.fromisoformat(deadline.replace("Z", "+00:00"))
+        except ValueError as exc:
+            raise ValidationError("deadline", "must be epoch seconds or an ISO 8601 time") from exc
+        if parsed.tzinfo is None:
+            raise ValidationError("deadline", "an ISO 8601 deadline needs a time zone (e.g. Z)")
+        deadline = parsed.timestamp()
+    if isinstance(deadline, float):
+        if deadline <= now:
+            raise ValidationError("deadline", "is in the past")
+        if deadline - now > spec.max_timeout_s:
+            raise ValidationError("deadline", f"at most {spec.max_timeout_s} seconds ahead for this model")
+        return deadline
+    return now + spec.default_timeout_s
+
+
+def resolve_callback(spec: CallbackSpec, allow: AllowList) -> Callback:
+    if len(set(spec.events)) != len(spec.events):
+        raise ValidationError("callback.events", "a list of distinct events from ['started', 'completed']")
+    if not spec.url.isprintable():
+        raise ValidationError("callback.url", "must not contain control characters")
+    try:
+        check_url(spec.url, allow)
+    except RefusedURL as exc:
+        raise ValidationError("callback.url", str(exc)) from exc
+    return Callback(url=spec.url, events=spec.events)
+
+
+def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
+                  allow: AllowList | None = None) -> InferenceRequest:
+    """The request a submit body asks for (raises `ValidationError` with the field it concerns)."""
+    if not isinstance(body, dict):
+        raise ValidationError("", "the body must be a JSON object")
+    sub = convert(body, SUBMIT_TYPES[spec.task], item_lists=ITEM_LISTS)
+    if isinstance(sub, GenerateSubmit):
+        raw_params = body.get("params")
+        params = (sub.params or GenerateParams()).within(
+            given=isinstance(raw_params, dict) and "max_new_tokens" in raw_params,
+            limit=spec.max_new_tokens, default_max_new_tokens=spec.default_max_new_tokens)
+        inp = sub.input.normalised(max_prompt_chars=spec.max_input_tokens * 16,
+                                   max_input_tokens=spec.max_input_tokens)
+        _, tokens = estimate_generate_tokens(inp, params.max_new_tokens)
+        params_dict = params.to_dict()
+    else:
+        inp = sub.input.normalised(max_texts=spec.max_texts, max_text_chars=spec.max_input_tokens * 16)
+        tokens = estimate_embed_tokens(inp)
+        params_dict = (sub.params or EmbedParams()).to_dict()
+    callback = resolve_callback(sub.callback, allow or AllowList()) if sub.callback is not UNSET else None
+    deadline = resolve_deadline(sub.timeout_s, sub.deadline, spec, now)
+    return InferenceRequest(
+        id=new_request_id(int(now * 1000)), tenant=tenant, model=spec.name, task=spec.task, input=inp,
+        params=params_dict, lane=assign_lane(tokens, spec.lanes).name, priority=sub.priority,
+        created_ms=int(now * 1000), deadline_ms=int(deadline * 1000), est_tokens=tokens, callback=callback,
+    )

@@ -1,0 +1,130 @@
+"""The public shapes of what the API answers, as schema types: a request record (GET /v1/requests/{id},
+sync-wait, callbacks), an accepted submit, an error. The views are built from these types and the OpenAPI
+document's response schemas are generated from them, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from shared.messages import Callback, CallbackState
+from shared.records import StoredRecord
+from shared.states import FinishReason, Priority, Status, Task
+
+
+class ErrorDetail(msgspec.Struct, frozen=True):
+    code: str
+    message: str
+    field: str | UnsetType = UNSET  # the body field a 422 concerns ("params.max_new_tokens")
+    lane: str | UnsetType = UNSET  # the lane a 429 concerns
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    """Every error: `{"error": {"code", "message", ...}}`."""
+
+    error: ErrorDetail
+
+
+class CallbackView(msgspec.Struct, frozen=True):
+    url: str
+    events: list[str]
+    status: str  # "waiting" until a delivery is queued, then the delivery's status
+    event: str | UnsetType = UNSET
+    attempts: int | UnsetType = UNSET
+    last_status_code: int | UnsetType | None = UNSET
+    last_error: str | UnsetType | None = UNSET
+    next_attempt_at: float | UnsetType | None = UNSET
+    delivered_at: float | UnsetType | None = UNSET
+    webhook_id: str | UnsetType = UNSET
+
+
+class ResultError(msgspec.Struct, frozen=True):
+    code: str
+    message: str
+
+
+class RequestView(msgspec.Struct, frozen=True):
+    """A request: its state and, once terminal, its result. Times are epoch seconds."""
+
+    id: str
+    status: Status
+    model: str | UnsetType = UNSET
+    task: Task | UnsetType = UNSET
+    lane: str | UnsetType = UNSET
+    priority: Priority | UnsetType = UNSET
+    created_at: float | UnsetType | None = UNSET
+    deadline: float | UnsetType | None = UNSET
+    started_at: float | None = None
+    finished_at: float | None = None
+    output: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
+    error: ResultError | None = None
+    timings: dict[str, float] = {}
+    attempts: int = 0
+    callback: CallbackView | UnsetType = UNSET
+    links: dict[str, str] = {}
+
+
+class Accepted(msgspec.Struct, frozen=True):
+    """A submit accepted and queued (202)."""
+
+    id: str
+    status: Literal["queued"]
+    model: str
+    lane: str
+    eta_ms: int | None  # null when no worker reported load recently (see `admission`)
+    queue_position: int
+    deadline: float
+    links: dict[str, str]
+    admission: str | UnsetType = UNSET
+
+
+def links(request_id: str) -> dict[str, str]:
+    return {"self": f"/v1/requests/{request_id}"}
+
+
+def _sec(ms: int | None) -> float | None:
+    return None if ms is None else ms / 1000
+
+
+def _callback(cb: Callback, state: CallbackState | None) -> CallbackView:
+    if state is None:  # nothing to deliver yet (or the delivery is queued)
+        return CallbackView(url=cb.url, events=list(cb.events), status="waiting")
+    return CallbackView(
+        url=cb.url, events=list(cb.events), status=state.status, event=state.event, attempts=state.attempts,
+        last_status_code=state.last_status_code, last_error=state.last_error or None,
+        next_attempt_at=_sec(state.next_attempt_ms), delivered_at=_sec(state.delivered_ms),
+        webhook_id=state.delivery_id)
+
+
+def callback_view(cb: Callback, state: CallbackState | None) -> dict[str, Any]:
+    return msgspec.to_builtins(_callback(cb, state))
+
+
+def request_view(rec: StoredRecord) -> RequestView:
+    meta, result = rec.meta, rec.result
+    started = result.started_ms if result and result.started_ms else rec.started_ms
+    callback: CallbackView | UnsetType = UNSET
+    out_links = links(rec.id)
+    if meta is not None and meta.callback is not None:
+        callback = _callback(meta.callback, rec.callback)
+        if rec.callback is not None and rec.callback.status in ("dead", "failed"):
+            out_links["replay_callback"] = f"/v1/requests/{rec.id}/callback:replay"
+    return RequestView(
+        id=rec.id, status=rec.state,
+        model=meta.model if meta else UNSET, task=meta.task if meta else UNSET,
+        lane=meta.lane if meta else UNSET, priority=meta.priority if meta else UNSET,
+        created_at=_sec(meta.created_ms) if meta else UNSET, deadline=_sec(meta.deadline_ms) if meta else UNSET,
+        started_at=_sec(started), finished_at=_sec(result.finished_ms) if result else None,
+        output=result.output if result else None, finish_reason=result.finish_reason if result else None,
+        error=ResultError(result.error.code, result.error.message) if result and result.error else None,
+        timings=result.timings if result else {}, attempts=rec.attempts, callback=callback, links=out_links,
+    )
+
+
+def record_view(rec: StoredRecord) -> dict[str, Any]:
+    """The JSON-ready view of a record (enums as their values, absent fields left out)."""
+    return msgspec.to_builtins(request_view(rec))
