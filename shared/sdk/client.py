@@ -144,6 +144,7 @@ class _Common:
 class AsyncBatchgateClient(_Common):
     def __init__(self, base_url: str = "http://127.0.0.1:8000", **kw: Any) -> None:
         transport = kw.pop("transport", None)
+        self._direct: Any = kw.pop("direct", None)  # a `shared.sdk.direct.DirectTransport`: no HTTP at all
         super().__init__(base_url, **kw)
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s + LONG_POLL_S,
                                        transport=transport)
@@ -156,9 +157,13 @@ class AsyncBatchgateClient(_Common):
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        if self._direct is not None:
+            await self._direct.aclose()
 
     async def _request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
                        headers: dict[str, str] | None = None) -> Any:
+        if self._direct is not None:
+            return self._parse(*await self._direct.request(method, path, json, params or {}, headers or {}))
         try:
             r = await self._http.request(method, path, json=json, params=params, headers=headers or self._headers())
         except httpx.TransportError as exc:
@@ -228,9 +233,10 @@ class AsyncBatchgateClient(_Common):
                env: dict[str, str] | None = None, **kw: Any) -> AsyncBatchgateClient:
         """A client that goes straight into Redis (inside the VPC), through the same caller operations as the
         gateway (`shared.sdk.direct`)."""
-        from shared.sdk.direct import DirectClient  # only direct mode needs redis
+        from shared.sdk.direct import DirectTransport  # only direct mode needs redis
 
-        return DirectClient(redis_url, tenant=tenant, key_prefix=key_prefix, env=env, **kw)
+        return cls("http://direct", direct=DirectTransport(redis_url, tenant=tenant, key_prefix=key_prefix, env=env),
+                   **kw)
 
 
 class BatchgateClient(_Common):

@@ -17,7 +17,6 @@ from shared.api_errors import ApiError, MethodNotAllowed, NotFound, PayloadTooLa
 from shared.config import Settings
 from shared.queue_client import QueueClient
 from shared.redis_io import UNAVAILABLE
-from shared.sdk.client import AsyncBatchgateClient
 
 _ROUTES = (
     ("POST", re.compile(r"^/v1/models/([^/]+)/requests$"), "submit"),
@@ -27,29 +26,28 @@ _ROUTES = (
 )
 
 
-class DirectClient(AsyncBatchgateClient):
-    def __init__(self, redis_url: str, *, tenant: str, key_prefix: str, env: dict[str, str] | None,
-                 **kw: Any) -> None:
-        super().__init__("http://direct", **kw)
+class DirectTransport:
+    """What `AsyncBatchgateClient.direct()` sends its calls through instead of HTTP: (status, headers, body)."""
+
+    def __init__(self, redis_url: str, *, tenant: str, key_prefix: str, env: dict[str, str] | None) -> None:
         settings = Settings.from_environ({**(env or {}), "BATCHGATE_REDIS_URL": redis_url,
                                           "BATCHGATE_KEY_PREFIX": key_prefix})
         self._queue = QueueClient(settings)
         self._tenant = tenant
 
     async def aclose(self) -> None:
-        await super().aclose()
         await self._queue.close()
 
-    async def _request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
-                       headers: dict[str, str] | None = None) -> Any:
+    async def request(self, method: str, path: str, body: Any, params: dict[str, Any],
+                      headers: dict[str, str]) -> tuple[int, dict[str, str], Any]:
         try:
-            answer = await self._call(method, path, json, params or {}, headers or {})
+            answer = await self._call(method, path, body, params, headers)
         except ApiError as exc:
-            return self._parse(exc.status, _lower(exc.headers()), exc.body())
+            return exc.status, _lower(exc.headers()), exc.body()
         except UNAVAILABLE:
             down = ServiceUnavailable("the queue is unreachable; retry shortly", retry_after=1)
-            return self._parse(down.status, _lower(down.headers()), down.body())
-        return self._parse(answer.status, _lower(answer.headers), answer.body)
+            return down.status, _lower(down.headers()), down.body()
+        return answer.status, _lower(answer.headers), answer.body
 
     async def _call(self, method: str, path: str, body: Any, params: dict[str, Any],
                     headers: dict[str, str]) -> ops.Answer:
