@@ -1,0 +1,256 @@
+"""The queue port (`gpu_worker.work_queue`) over Redis Streams with a consumer group per lane stream.
+
+- read: XREADGROUP `>`; a NOGROUP reply (Redis restarted empty, FLUSHDB) recreates the groups. fakeredis
+  answers XREADGROUP COUNT+BLOCK at once on an empty stream (RELIABILITY.md): `create_groups` probes
+  for that, and on such a server reads without COUNT, which it does block on, instead of spinning.
+- renew: `XCLAIM <stream> <group> <self> 0 <ids> JUSTID` resets the idle time without counting a
+  delivery, for the entries still in our own pending list only.
+- reclaim: XAUTOCLAIM, then XPENDING for the delivery counts; entries deleted meanwhile are dropped.
+- terminal records: the Lua scripts of `shared.records` (first terminal write wins, atomically with
+  the done event and the webhook delivery); acks go in a second pipeline, after the records landed.
+- trimming: an acked entry is deleted at once (XDEL); the dead-letter stream is capped (approximate).
+Every Redis error leaves as `QueueUnavailable` (a cancellation stays a cancellation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError, ResponseError
+
+from gpu_worker.work_queue import DeadLetter, Entry, Finished, Held, QueueUnavailable, entry_fields
+from shared.faults import Faults
+from shared.keys import GROUP, Keys
+from shared.messages import InferenceRequest
+from shared.records import RecordStore
+from shared.redis_io import UNAVAILABLE, raise_if_cancelling
+from shared.states import Status
+
+log = structlog.get_logger(__name__)
+
+DEAD_LETTER_MAXLEN = 10_000
+PENDING_SLACK = 100  # renew: how many more of our pending entries to list than we hold
+
+
+@contextlib.asynccontextmanager
+async def _translated() -> AsyncIterator[None]:
+    try:
+        yield
+    except (*UNAVAILABLE, RedisError) as exc:
+        raise_if_cancelling(exc)  # redis-py can turn a cancellation into a ConnectionError
+        raise QueueUnavailable(repr(exc)) from exc
+
+
+class RedisQueue:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, store: RecordStore, faults: Faults | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.store = store
+        self.faults = faults or Faults()
+        self.use_count = True  # False on a server that does not block on XREADGROUP with COUNT
+
+    async def create_groups(self, streams: Sequence[str]) -> None:
+        async with _translated():
+            await self._create_groups(streams)
+            await self._probe_blocking_count()
+
+    async def _create_groups(self, streams: Sequence[str]) -> None:
+        for stream in streams:
+            try:
+                await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def _probe_blocking_count(self) -> None:
+        probe = f"{self.keys.prefix}:probe:{secrets.token_hex(4)}"
+        try:
+            await self.redis.xgroup_create(probe, GROUP, id="$", mkstream=True)
+            t0 = time.monotonic()
+            await self.redis.xreadgroup(GROUP, "probe", {probe: ">"}, count=1, block=200)
+            self.use_count = time.monotonic() - t0 >= 0.1
+        finally:
+            await self.redis.delete(probe)
+        if not self.use_count:
+            log.warning("this Redis does not block on XREADGROUP with COUNT (fakeredis?): reading without COUNT")
+
+    async def enqueue(self, stream: str, request: InferenceRequest) -> bytes:
+        async with _translated():
+            return _b(await self.redis.xadd(stream, entry_fields(request)))
+
+    async def read(self, consumer: str, streams: Sequence[str], count: int, block_s: float) -> list[Entry]:
+        block = int(block_s * 1000)
+        async with _translated():
+            try:
+                resp = await self.redis.xreadgroup(GROUP, consumer, {s: ">" for s in streams},
+                                                   count=count if self.use_count else None, block=block or None)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                await self._create_groups(streams)  # the stream is gone: recreate the groups, read again
+                return []
+        return [Entry(stream, _b(eid), fields) for stream, entries in stream_items(resp or [])
+                for eid, fields in entries]
+
+    async def pending(self, stream: str, consumer: str, count: int) -> dict[bytes, int]:
+        async with _translated():
+            return await self._pending(stream, consumer, count)
+
+    async def _pending(self, stream: str, consumer: str, count: int) -> dict[bytes, int]:
+        try:
+            rows = await self.redis.xpending_range(stream, GROUP, min="-", max="+", count=count,
+                                                   consumername=consumer)
+        except ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                return {}
+            raise
+        return {_b(r["message_id"]): int(r["times_delivered"]) for r in rows}
+
+    async def renew(self, consumer: str, held: dict[str, list[bytes]]) -> int:
+        """Only entries still in *our* pending list are renewed: one that another worker reclaimed while we
+        were paused stays theirs (the first terminal write wins either way)."""
+        renewed = 0
+        async with _translated():
+            for stream, ids in held.items():
+                if not ids:
+                    continue
+                mine = await self._pending(stream, consumer, len(ids) + PENDING_SLACK)
+                keep = [i for i in ids if i in mine]
+                if keep:
+                    await self.redis.xclaim(stream, GROUP, consumer, 0, keep, justid=True)
+                    renewed += len(keep)
+        return renewed
+
+    async def reclaim(self, consumer: str, stream: str, min_idle_s: float, count: int) -> list[Entry]:
+        async with _translated():
+            try:
+                resp = await self.redis.xautoclaim(stream, GROUP, consumer, int(min_idle_s * 1000), start_id="0-0",
+                                                   count=count)
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    return []
+                raise
+            entries = resp[1] if len(resp) > 1 else []
+            entries = [(_b(eid), fields) for eid, fields in entries if fields]  # deleted entries come back empty
+            if not entries:
+                return []
+            counts = await self._pending(stream, consumer, count + 1000)
+        return [Entry(stream, eid, fields, counts.get(eid, 1)) for eid, fields in entries]
+
+    async def dead_letter(self, dead_stream: str, letters: Sequence[DeadLetter]) -> None:
+        if not letters:
+            return
+        async with _translated():
+            pipe = self.redis.pipeline(transaction=False)
+            for letter in letters:
+                if letter.failed is not None:
+                    await self.store.finish_in(pipe, letter.failed.result, letter.failed.request.meta())
+                e = letter.entry
+                pipe.xadd(dead_stream, {**e.fields, b"reason": letter.reason.encode(), b"stream": e.stream.encode(),
+                                        b"deliveries": str(e.deliveries).encode()},
+                          maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+                pipe.xack(e.stream, GROUP, e.id)
+                pipe.xdel(e.stream, e.id)
+            await pipe.execute()
+
+    async def complete(self, finished: Sequence[Finished]) -> None:
+        if not finished:
+            return
+        async with _translated():
+            pipe = self.redis.pipeline(transaction=False)
+            for f in finished:
+                await self.store.finish_in(pipe, f.result, f.request.meta())
+            await pipe.execute()
+            self.faults.point("kill_after_result_write")
+            pipe = self.redis.pipeline(transaction=False)
+            self._ack_in(pipe, [f.held for f in finished if f.held is not None])
+            for f in finished:  # no longer counts against its tenant's backlog quota
+                pipe.zrem(self.keys.tenant_active(f.request.tenant), f.request.id)
+            await self._execute_acks(pipe)
+
+    async def ack(self, held: Sequence[Held]) -> None:
+        if held:
+            async with _translated():
+                pipe = self.redis.pipeline(transaction=False)
+                self._ack_in(pipe, held)
+                await self._execute_acks(pipe)
+
+    async def hand_back(self, held: Sequence[Held]) -> None:
+        """Fresh entries, then ours dropped: another worker takes them at once, without waiting for the
+        reclaim threshold."""
+        if held:
+            async with _translated():
+                pipe = self.redis.pipeline(transaction=False)
+                for h in held:
+                    pipe.xadd(h.stream, entry_fields(h.request))
+                    pipe.xack(h.stream, GROUP, h.entry_id)
+                    pipe.xdel(h.stream, h.entry_id)
+                await self._execute_acks(pipe)
+
+    def _ack_in(self, pipe: aioredis.client.Pipeline, held: Sequence[Held]) -> None:
+        by_stream: dict[str, list[bytes]] = {}
+        for h in held:
+            by_stream.setdefault(h.stream, []).append(h.entry_id)
+        for stream, ids in by_stream.items():
+            pipe.xack(stream, GROUP, *ids)
+            pipe.xdel(stream, *ids)
+
+    async def _execute_acks(self, pipe: aioredis.client.Pipeline) -> None:
+        if len(pipe):
+            await pipe.execute()
+            self.faults.point("kill_after_ack")
+
+    async def mark_running(self, requests: Sequence[InferenceRequest], now_ms: int) -> list[bool]:
+        async with _translated():
+            states = await self.store.start(list(requests), now_ms)
+        return [s is Status.RUNNING for s in states]
+
+    async def consumers(self, stream: str) -> dict[str, int]:
+        async with _translated():
+            try:
+                rows = await self.redis.xinfo_consumers(stream, GROUP)
+            except ResponseError:
+                return {}
+        return {_s(c["name"]): int(c["pending"]) for c in rows}
+
+    async def clean_departed(self, streams: Sequence[str], keep: str, idle_s: float) -> int:
+        removed = 0
+        async with _translated():
+            for stream in streams:
+                try:
+                    rows = await self.redis.xinfo_consumers(stream, GROUP)
+                except ResponseError:
+                    continue
+                for c in rows:
+                    name = _s(c["name"])
+                    if name != keep and int(c["pending"]) == 0 and int(c["idle"]) >= idle_s * 1000:
+                        await self.redis.xgroup_delconsumer(stream, GROUP, name)
+                        removed += 1
+        return removed
+
+    async def leave(self, consumer: str, streams: Sequence[str]) -> None:
+        async with _translated():
+            for stream in streams:
+                if not await self._pending(stream, consumer, 1):
+                    with contextlib.suppress(ResponseError):  # NOGROUP: nothing to leave
+                        await self.redis.xgroup_delconsumer(stream, GROUP, consumer)
+
+
+def stream_items(resp: Any) -> list[tuple[str, list[tuple[bytes, dict[bytes, bytes]]]]]:
+    """XREADGROUP replies: a list of [stream, entries] (RESP2) or a dict (RESP3); deleted entries left out."""
+    items = resp.items() if isinstance(resp, dict) else resp
+    return [(_s(stream), [(eid, fields) for eid, fields in entries if fields]) for stream, entries in items]
+
+
+def _b(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
