@@ -1,8 +1,10 @@
 """The queue port (`gpu_worker.work_queue`) over Redis Streams with a consumer group per lane stream.
 
 - read: XREADGROUP `>`; a NOGROUP reply (Redis restarted empty, FLUSHDB) recreates the groups. fakeredis
-  answers XREADGROUP COUNT+BLOCK at once on an empty stream (RELIABILITY.md): `create_groups` probes
-  for that, and on such a server reads without COUNT, which it does block on, instead of spinning.
+  answers XREADGROUP COUNT+BLOCK at once on an empty stream (RELIABILITY.md), and XREADGROUP BLOCK without
+  COUNT moves entries already there to the pending list but returns none of them (seen with 2.40):
+  `create_groups` probes for the first; on such a server a read takes what is there without blocking,
+  and if nothing is, waits on XREAD BLOCK `$` (which takes nothing) before taking what arrived.
 - renew: `XCLAIM <stream> <group> <self> 0 <ids> JUSTID` resets the idle time without counting a
   delivery, for the entries still in our own pending list only.
 - reclaim: XAUTOCLAIM, then XPENDING for the delivery counts; entries deleted meanwhile are dropped.
@@ -53,7 +55,7 @@ class RedisQueue:
         self.keys = keys
         self.store = store
         self.faults = faults or Faults()
-        self.use_count = True  # False on a server that does not block on XREADGROUP with COUNT
+        self.blocks_with_count = True  # False on a server that answers XREADGROUP COUNT+BLOCK at once
 
     async def create_groups(self, streams: Sequence[str]) -> None:
         async with _translated():
@@ -74,27 +76,35 @@ class RedisQueue:
             await self.redis.xgroup_create(probe, GROUP, id="$", mkstream=True)
             t0 = time.monotonic()
             await self.redis.xreadgroup(GROUP, "probe", {probe: ">"}, count=1, block=200)
-            self.use_count = time.monotonic() - t0 >= 0.1
+            self.blocks_with_count = time.monotonic() - t0 >= 0.1
         finally:
             await self.redis.delete(probe)
-        if not self.use_count:
-            log.warning("this Redis does not block on XREADGROUP with COUNT (fakeredis?): reading without COUNT")
+        if not self.blocks_with_count:
+            log.warning("this Redis does not block on XREADGROUP with COUNT (fakeredis?): waiting on XREAD instead")
 
     async def enqueue(self, stream: str, request: InferenceRequest) -> bytes:
         async with _translated():
             return _b(await self.redis.xadd(stream, entry_fields(request)))
 
     async def read(self, consumer: str, streams: Sequence[str], count: int, block_s: float) -> list[Entry]:
-        block = int(block_s * 1000)
+        block = int(block_s * 1000) or None
         async with _translated():
             try:
-                resp = await self.redis.xreadgroup(GROUP, consumer, {s: ">" for s in streams},
-                                                   count=count if self.use_count else None, block=block or None)
+                if self.blocks_with_count:
+                    return await self._read_group(consumer, streams, count, block)
+                got = await self._read_group(consumer, streams, count, None)
+                if got or block is None:
+                    return got
+                await self.redis.xread({s: "$" for s in streams}, count=1, block=block)
+                return await self._read_group(consumer, streams, count, None)
             except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+                if not _no_group(exc):
                     raise
                 await self._create_groups(streams)  # the stream is gone: recreate the groups, read again
                 return []
+
+    async def _read_group(self, consumer: str, streams: Sequence[str], count: int, block: int | None) -> list[Entry]:
+        resp = await self.redis.xreadgroup(GROUP, consumer, {s: ">" for s in streams}, count=count, block=block)
         return [Entry(stream, _b(eid), fields) for stream, entries in stream_items(resp or [])
                 for eid, fields in entries]
 
@@ -107,7 +117,7 @@ class RedisQueue:
             rows = await self.redis.xpending_range(stream, GROUP, min="-", max="+", count=count,
                                                    consumername=consumer)
         except ResponseError as exc:
-            if "NOGROUP" in str(exc):
+            if _no_group(exc):
                 return {}
             raise
         return {_b(r["message_id"]): int(r["times_delivered"]) for r in rows}
@@ -133,7 +143,7 @@ class RedisQueue:
                 resp = await self.redis.xautoclaim(stream, GROUP, consumer, int(min_idle_s * 1000), start_id="0-0",
                                                    count=count)
             except ResponseError as exc:
-                if "NOGROUP" in str(exc):
+                if _no_group(exc):
                     return []
                 raise
             entries = resp[1] if len(resp) > 1 else []
@@ -246,6 +256,11 @@ def stream_items(resp: Any) -> list[tuple[str, list[tuple[bytes, dict[bytes, byt
     """XREADGROUP replies: a list of [stream, entries] (RESP2) or a dict (RESP3); deleted entries left out."""
     items = resp.items() if isinstance(resp, dict) else resp
     return [(_s(stream), [(eid, fields) for eid, fields in entries if fields]) for stream, entries in items]
+
+
+def _no_group(exc: ResponseError) -> bool:
+    """The stream or its group is gone (fakeredis words it differently for XREADGROUP)."""
+    return "NOGROUP" in str(exc) or "requires the key to exist" in str(exc)
 
 
 def _b(value: bytes | str) -> bytes:

@@ -1,9 +1,11 @@
-"""The queue port's contract (`gpu_worker.work_queue`), run against every implementation: Redis Streams
-(real Redis, own key prefix) and the in-memory queue (no Redis; its clock moved by hand)."""
+"""The queue port's contract (`gpu_worker.work_queue`), run against every implementation: the in-memory
+queue (its clock moved by hand), the Redis adapter over fakeredis (in process) and over a real Redis (own
+key prefix, marked `redis`)."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -91,10 +93,16 @@ async def redis_backend(client: Any, prefix: str) -> Backend:
     return Backend(q, keys, asyncio.sleep, add_raw, entries, state, drop_stream, unavailable)
 
 
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture(params=["memory", "fakeredis", pytest.param("redis", marks=pytest.mark.redis)])
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
-    if request.param == "memory":
-        b = await memory_backend()
+    """The in-memory queue; the Redis adapter over fakeredis (in process: its quirks, no server); over Redis."""
+    if request.param in ("memory", "fakeredis"):
+        if request.param == "memory":
+            b = await memory_backend()
+        else:
+            import fakeredis
+
+            b = await redis_backend(fakeredis.FakeAsyncRedis(), "fake")
         await b.queue.create_groups([b.stream])
         yield b
         return
@@ -121,6 +129,17 @@ def succeeded(h: Held) -> Finished:
                                           output={"text": "ok"}, reason=FinishReason.LENGTH), h)
 
 
+def test_every_implementation_offers_the_ports_operations():
+    from gpu_worker.redis_queue import RedisQueue
+
+    ops = {name: inspect.signature(op) for name, op in vars(WorkQueue).items()
+           if inspect.iscoroutinefunction(op) and not name.startswith("_")}
+    assert len(ops) == 14
+    for impl in (MemoryQueue, RedisQueue):
+        for name, sig in ops.items():
+            assert inspect.signature(getattr(impl, name)).parameters.keys() == sig.parameters.keys(), (impl, name)
+
+
 # --- reading ---------------------------------------------------------------------------------------------
 async def test_read_delivers_each_entry_once_up_to_count(backend):
     b = backend
@@ -144,6 +163,15 @@ async def test_read_blocks_until_an_entry_arrives_or_the_timeout(backend):
     got = await b.queue.read("a", [b.stream], 10, 2.0)
     later.cancel()
     assert len(got) == 1 and time.monotonic() - t0 < 1.0  # woken by the entry, not by the timeout
+
+
+async def test_a_blocking_read_returns_the_entries_already_there_at_once(backend):
+    b = backend
+    ids = await setup_stream(b, 2)
+    t0 = time.monotonic()
+    got = await b.queue.read("a", [b.stream], 10, 1.0)
+    assert [e.id for e in got] == ids and time.monotonic() - t0 < 0.5
+    assert await b.queue.pending(b.stream, "a", 10) == {i: 1 for i in ids}
 
 
 async def test_a_vanished_group_is_recreated_by_read(backend):
