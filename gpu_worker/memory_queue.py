@@ -1,11 +1,9 @@
 """The queue port (`gpu_worker.work_queue`) in memory, for tests: pure Python on asyncio, clock injected.
 
-It models what the worker relies on from Redis Streams with one consumer group per stream: entries in
-id order, a group's last-delivered id, a pending list per group (owner, time of last delivery, delivery
-count), consumers with a last-seen time, deleted entries dropped by reclaim, a vanished group recreated
-by `read`; and the result records' rules: the first terminal write wins, `mark_running` refuses
-terminal requests and counts attempts. Idle times come from `clock`; `read` blocks in real time (on an
-asyncio event, woken by `enqueue`). `available = False` makes every call raise `QueueUnavailable`.
+Streams and their consumer groups are modelled in `gpu_worker.memory_streams`; here are the result
+records' rules (the first terminal write wins; `mark_running` refuses terminal requests and counts
+attempts), a vanished group recreated by `read`, and blocking: `read` waits in real time on an asyncio
+event that `add` sets. `available = False` makes every call raise `QueueUnavailable`.
 Not modelled: the tenants' backlog sets, done events, webhook deliveries, trimming.
 """
 
@@ -15,39 +13,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from gpu_worker.memory_streams import Group, Stream
 from gpu_worker.work_queue import DeadLetter, Entry, Finished, Held, QueueUnavailable, entry_fields
 from shared.messages import InferenceRequest, RequestResult
 from shared.states import TERMINAL, Status
-
-
-@dataclass(slots=True)
-class Pending:
-    consumer: str
-    delivered_at: float
-    deliveries: int = 1
-
-
-@dataclass(slots=True)
-class Group:
-    last_delivered: tuple[int, int] = (0, 0)
-    pending: dict[bytes, Pending] = field(default_factory=dict)
-    consumers: dict[str, float] = field(default_factory=dict)  # name: last seen
-
-    def seen(self, consumer: str, now: float, *, create: bool = False) -> None:
-        """A consumer is created by its first delivery or claim (as in Redis 7.0), seen on every call."""
-        if create or consumer in self.consumers:
-            self.consumers[consumer] = now
-
-    def owned_by(self, consumer: str) -> dict[bytes, Pending]:
-        return {eid: p for eid, p in self.pending.items() if p.consumer == consumer}
-
-
-@dataclass(slots=True)
-class Stream:
-    entries: dict[bytes, dict[bytes, bytes]] = field(default_factory=dict)  # in id order
-    group: Group | None = None
 
 
 @dataclass(slots=True)
@@ -73,7 +44,7 @@ class MemoryQueue:
         ms = int(self.clock() * 1000)
         self._last_id = (ms, 0) if ms > self._last_id[0] else (self._last_id[0], self._last_id[1] + 1)
         eid = f"{self._last_id[0]}-{self._last_id[1]}".encode()
-        self.streams.setdefault(stream, Stream()).entries[eid] = fields
+        self._stream(stream).entries[eid] = fields
         self._arrived.set()
         return eid
 
@@ -103,18 +74,18 @@ class MemoryQueue:
         s = self.streams.get(stream)
         return s.group if s is not None else None
 
+    def _stream(self, name: str) -> Stream:
+        return self.streams.setdefault(name, Stream(name))
+
     def _delete(self, stream: str, entry_id: bytes) -> None:
-        s = self.streams.get(stream)
-        if s is not None:
-            s.entries.pop(entry_id, None)
-            if s.group is not None:
-                s.group.pending.pop(entry_id, None)
+        if stream in self.streams:
+            self.streams[stream].delete(entry_id)
 
     # --- the port --------------------------------------------------------------------------------
     async def create_groups(self, streams: Sequence[str]) -> None:
         self._check()
         for name in streams:
-            s = self.streams.setdefault(name, Stream())
+            s = self._stream(name)
             if s.group is None:
                 s.group = Group()
 
@@ -139,65 +110,27 @@ class MemoryQueue:
             self._check()
 
     def _deliver(self, consumer: str, streams: Sequence[str], count: int) -> list[Entry]:
-        now = self.clock()
         out: list[Entry] = []
         for name in streams:
-            s = self.streams.get(name)
-            if s is None or s.group is None:
-                continue
-            s.group.seen(consumer, now)
-            for eid, fields in s.entries.items():
-                if len(out) >= count:
-                    return out
-                if _key(eid) > s.group.last_delivered:
-                    s.group.last_delivered = _key(eid)
-                    s.group.pending[eid] = Pending(consumer, now)
-                    s.group.seen(consumer, now, create=True)
-                    out.append(Entry(name, eid, fields))
+            if name in self.streams:
+                out.extend(self.streams[name].deliver(consumer, count - len(out), self.clock()))
         return out
 
     async def pending(self, stream: str, consumer: str, count: int) -> dict[bytes, int]:
         self._check()
         g = self._group(stream)
-        owned = g.owned_by(consumer) if g else {}
-        return {eid: p.deliveries for eid, p in sorted(owned.items(), key=lambda kv: _key(kv[0]))[:count]}
+        owned = list(g.owned_by(consumer).items())[:count] if g else []
+        return {eid: p.deliveries for eid, p in owned}
 
     async def renew(self, consumer: str, held: dict[str, list[bytes]]) -> int:
         self._check()
-        now, renewed = self.clock(), 0
-        for stream, ids in held.items():
-            g = self._group(stream)
-            if g is None or not ids:
-                continue
-            g.seen(consumer, now)
-            for eid in ids:
-                p = g.pending.get(eid)
-                if p is not None and p.consumer == consumer:
-                    p.delivered_at = now
-                    renewed += 1
-                    g.seen(consumer, now, create=True)
-        return renewed
+        return sum(g.renew(consumer, ids, self.clock()) for stream, ids in held.items()
+                   if ids and (g := self._group(stream)) is not None)
 
     async def reclaim(self, consumer: str, stream: str, min_idle_s: float, count: int) -> list[Entry]:
         self._check()
         s = self.streams.get(stream)
-        if s is None or s.group is None:
-            return []
-        now, g, out = self.clock(), s.group, []
-        g.seen(consumer, now)
-        for eid in sorted(g.pending, key=_key):
-            p = g.pending[eid]
-            if len(out) >= count:
-                break
-            if now - p.delivered_at < min_idle_s:
-                continue
-            if eid not in s.entries:  # deleted meanwhile: dropped from the pending list, not returned
-                del g.pending[eid]
-                continue
-            p.consumer, p.delivered_at, p.deliveries = consumer, now, p.deliveries + 1
-            g.seen(consumer, now, create=True)
-            out.append(Entry(stream, eid, s.entries[eid], p.deliveries))
-        return out
+        return s.claim_idle(consumer, min_idle_s, count, self.clock()) if s is not None else []
 
     async def dead_letter(self, dead_stream: str, letters: Sequence[DeadLetter]) -> None:
         self._check()
@@ -266,7 +199,3 @@ class MemoryQueue:
             if g is not None and not g.owned_by(consumer):
                 g.consumers.pop(consumer, None)
 
-
-def _key(entry_id: bytes) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition(b"-")
-    return int(ms), int(seq)
