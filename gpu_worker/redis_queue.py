@@ -11,7 +11,7 @@
 - terminal records: the Lua scripts of `shared.records` (first terminal write wins, atomically with
   the done event and the webhook delivery); acks go in a second pipeline, after the records landed.
 - trimming: an acked entry is deleted at once (XDEL); the dead-letter stream is capped (approximate).
-Every Redis error leaves as `QueueUnavailable` (a cancellation stays a cancellation).
+Every Redis error leaves as `QueueUnavailable` (`gpu_worker.redis_replies`).
 """
 
 from __future__ import annotations
@@ -19,34 +19,24 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
-from gpu_worker.work_queue import DeadLetter, Entry, Finished, Held, QueueUnavailable, entry_fields
+from gpu_worker.redis_replies import as_bytes, as_str, no_group, queue_errors, stream_items
+from gpu_worker.work_queue import DeadLetter, Entry, Finished, Held, entry_fields
 from shared.faults import Faults
 from shared.keys import GROUP, Keys
 from shared.messages import InferenceRequest
 from shared.records import RecordStore
-from shared.redis_io import UNAVAILABLE, raise_if_cancelling
 from shared.states import Status
 
 log = structlog.get_logger(__name__)
 
 DEAD_LETTER_MAXLEN = 10_000
 PENDING_SLACK = 100  # renew: how many more of our pending entries to list than we hold
-
-
-@contextlib.asynccontextmanager
-async def _translated() -> AsyncIterator[None]:
-    try:
-        yield
-    except (*UNAVAILABLE, RedisError) as exc:
-        raise_if_cancelling(exc)  # redis-py can turn a cancellation into a ConnectionError
-        raise QueueUnavailable(repr(exc)) from exc
 
 
 class RedisQueue:
@@ -58,7 +48,7 @@ class RedisQueue:
         self.blocks_with_count = True  # False on a server that answers XREADGROUP COUNT+BLOCK at once
 
     async def create_groups(self, streams: Sequence[str]) -> None:
-        async with _translated():
+        async with queue_errors():
             await self._create_groups(streams)
             await self._probe_blocking_count()
 
@@ -83,12 +73,12 @@ class RedisQueue:
             log.warning("this Redis does not block on XREADGROUP with COUNT (fakeredis?): waiting on XREAD instead")
 
     async def enqueue(self, stream: str, request: InferenceRequest) -> bytes:
-        async with _translated():
-            return _b(await self.redis.xadd(stream, entry_fields(request)))
+        async with queue_errors():
+            return as_bytes(await self.redis.xadd(stream, entry_fields(request)))
 
     async def read(self, consumer: str, streams: Sequence[str], count: int, block_s: float) -> list[Entry]:
         block = int(block_s * 1000) or None
-        async with _translated():
+        async with queue_errors():
             try:
                 if self.blocks_with_count:
                     return await self._read_group(consumer, streams, count, block)
@@ -98,18 +88,18 @@ class RedisQueue:
                 await self.redis.xread({s: "$" for s in streams}, count=1, block=block)
                 return await self._read_group(consumer, streams, count, None)
             except ResponseError as exc:
-                if not _no_group(exc):
+                if not no_group(exc):
                     raise
                 await self._create_groups(streams)  # the stream is gone: recreate the groups, read again
                 return []
 
     async def _read_group(self, consumer: str, streams: Sequence[str], count: int, block: int | None) -> list[Entry]:
         resp = await self.redis.xreadgroup(GROUP, consumer, {s: ">" for s in streams}, count=count, block=block)
-        return [Entry(stream, _b(eid), fields) for stream, entries in stream_items(resp or [])
+        return [Entry(stream, eid, fields) for stream, entries in stream_items(resp or [])
                 for eid, fields in entries]
 
     async def pending(self, stream: str, consumer: str, count: int) -> dict[bytes, int]:
-        async with _translated():
+        async with queue_errors():
             return await self._pending(stream, consumer, count)
 
     async def _pending(self, stream: str, consumer: str, count: int) -> dict[bytes, int]:
@@ -117,16 +107,16 @@ class RedisQueue:
             rows = await self.redis.xpending_range(stream, GROUP, min="-", max="+", count=count,
                                                    consumername=consumer)
         except ResponseError as exc:
-            if _no_group(exc):
+            if no_group(exc):
                 return {}
             raise
-        return {_b(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        return {as_bytes(r["message_id"]): int(r["times_delivered"]) for r in rows}
 
     async def renew(self, consumer: str, held: dict[str, list[bytes]]) -> int:
         """Only entries still in *our* pending list are renewed: one that another worker reclaimed while we
         were paused stays theirs (the first terminal write wins either way)."""
         renewed = 0
-        async with _translated():
+        async with queue_errors():
             for stream, ids in held.items():
                 if not ids:
                     continue
@@ -138,16 +128,16 @@ class RedisQueue:
         return renewed
 
     async def reclaim(self, consumer: str, stream: str, min_idle_s: float, count: int) -> list[Entry]:
-        async with _translated():
+        async with queue_errors():
             try:
                 resp = await self.redis.xautoclaim(stream, GROUP, consumer, int(min_idle_s * 1000), start_id="0-0",
                                                    count=count)
             except ResponseError as exc:
-                if _no_group(exc):
+                if no_group(exc):
                     return []
                 raise
             entries = resp[1] if len(resp) > 1 else []
-            entries = [(_b(eid), fields) for eid, fields in entries if fields]  # deleted entries come back empty
+            entries = [(as_bytes(eid), fields) for eid, fields in entries if fields]  # deleted entries come back empty
             if not entries:
                 return []
             counts = await self._pending(stream, consumer, count + 1000)
@@ -156,7 +146,7 @@ class RedisQueue:
     async def dead_letter(self, dead_stream: str, letters: Sequence[DeadLetter]) -> None:
         if not letters:
             return
-        async with _translated():
+        async with queue_errors():
             pipe = self.redis.pipeline(transaction=False)
             for letter in letters:
                 if letter.failed is not None:
@@ -172,7 +162,7 @@ class RedisQueue:
     async def complete(self, finished: Sequence[Finished]) -> None:
         if not finished:
             return
-        async with _translated():
+        async with queue_errors():
             pipe = self.redis.pipeline(transaction=False)
             for f in finished:
                 await self.store.finish_in(pipe, f.result, f.request.meta())
@@ -186,7 +176,7 @@ class RedisQueue:
 
     async def ack(self, held: Sequence[Held]) -> None:
         if held:
-            async with _translated():
+            async with queue_errors():
                 pipe = self.redis.pipeline(transaction=False)
                 self._ack_in(pipe, held)
                 await self._execute_acks(pipe)
@@ -195,7 +185,7 @@ class RedisQueue:
         """Fresh entries, then ours dropped: another worker takes them at once, without waiting for the
         reclaim threshold."""
         if held:
-            async with _translated():
+            async with queue_errors():
                 pipe = self.redis.pipeline(transaction=False)
                 for h in held:
                     pipe.xadd(h.stream, entry_fields(h.request))
@@ -217,55 +207,36 @@ class RedisQueue:
             self.faults.point("kill_after_ack")
 
     async def mark_running(self, requests: Sequence[InferenceRequest], now_ms: int) -> list[bool]:
-        async with _translated():
+        async with queue_errors():
             states = await self.store.start(list(requests), now_ms)
         return [s is Status.RUNNING for s in states]
 
     async def consumers(self, stream: str) -> dict[str, int]:
-        async with _translated():
-            try:
-                rows = await self.redis.xinfo_consumers(stream, GROUP)
-            except ResponseError:
-                return {}
-        return {_s(c["name"]): int(c["pending"]) for c in rows}
+        async with queue_errors():
+            return {name: pending for name, pending, _ in await self._consumers(stream)}
 
     async def clean_departed(self, streams: Sequence[str], keep: str, idle_s: float) -> int:
         removed = 0
-        async with _translated():
+        async with queue_errors():
             for stream in streams:
-                try:
-                    rows = await self.redis.xinfo_consumers(stream, GROUP)
-                except ResponseError:
-                    continue
-                for c in rows:
-                    name = _s(c["name"])
-                    if name != keep and int(c["pending"]) == 0 and int(c["idle"]) >= idle_s * 1000:
+                for name, pending, idle_ms in await self._consumers(stream):
+                    if name != keep and pending == 0 and idle_ms >= idle_s * 1000:
                         await self.redis.xgroup_delconsumer(stream, GROUP, name)
                         removed += 1
         return removed
 
+    async def _consumers(self, stream: str) -> list[tuple[str, int, int]]:
+        """(name, pending entries, idle ms) of each consumer of the stream's group; none if it has no group."""
+        try:
+            rows = await self.redis.xinfo_consumers(stream, GROUP)
+        except ResponseError:
+            return []
+        return [(as_str(c["name"]), int(c["pending"]), int(c["idle"])) for c in rows]
+
     async def leave(self, consumer: str, streams: Sequence[str]) -> None:
-        async with _translated():
+        async with queue_errors():
             for stream in streams:
                 if not await self._pending(stream, consumer, 1):
                     with contextlib.suppress(ResponseError):  # NOGROUP: nothing to leave
                         await self.redis.xgroup_delconsumer(stream, GROUP, consumer)
 
-
-def stream_items(resp: Any) -> list[tuple[str, list[tuple[bytes, dict[bytes, bytes]]]]]:
-    """XREADGROUP replies: a list of [stream, entries] (RESP2) or a dict (RESP3); deleted entries left out."""
-    items = resp.items() if isinstance(resp, dict) else resp
-    return [(_s(stream), [(eid, fields) for eid, fields in entries if fields]) for stream, entries in items]
-
-
-def _no_group(exc: ResponseError) -> bool:
-    """The stream or its group is gone (fakeredis words it differently for XREADGROUP)."""
-    return "NOGROUP" in str(exc) or "requires the key to exist" in str(exc)
-
-
-def _b(value: bytes | str) -> bytes:
-    return value if isinstance(value, bytes) else value.encode()
-
-
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
