@@ -28,19 +28,19 @@ BACKOFF_MAX_S = 2.0
 
 class Publisher:
     def __init__(self, queue: WorkQueue, held: dict[str, Held], on_released: Callable[[], None]) -> None:
-        self.work_queue = queue
+        self.queue = queue
         self.held = held
         self._released = on_released
-        self.queue: asyncio.Queue[list[Emitted] | None] = asyncio.Queue()
+        self.inbox: asyncio.Queue[list[Emitted] | None] = asyncio.Queue()  # from the compute side, via the worker
 
     async def run(self) -> None:
         """Publish until `close()`; never cancelled mid-write (a cancelled hand-back would strand entries)."""
         while True:
-            items = await self.queue.get()
+            items = await self.inbox.get()
             closing = items is None
             batch: list[Emitted] = items or []
-            while not self.queue.empty():
-                more = self.queue.get_nowait()
+            while not self.inbox.empty():
+                more = self.inbox.get_nowait()
                 if more is None:
                     closing = True
                 else:
@@ -52,7 +52,7 @@ class Publisher:
 
     def close(self) -> None:
         """Ask `run` to return once everything queued before this call is written."""
-        self.queue.put_nowait(None)
+        self.inbox.put_nowait(None)
 
     async def publish(self, items: list[Emitted]) -> None:
         steps = self._steps(items)
@@ -80,11 +80,11 @@ class Publisher:
                 for req in i.requests if (h := self.held.get(req.id)) is not None]
         steps: list[Callable[[], Awaitable[None]]] = []
         if finished:
-            steps.append(lambda: self.work_queue.complete(finished))
+            steps.append(lambda: self.queue.complete(finished))
         if acks:
-            steps.append(lambda: self.work_queue.ack(acks))
+            steps.append(lambda: self.queue.ack(acks))
         if back:
-            steps.append(lambda: self.work_queue.hand_back(back))
+            steps.append(lambda: self.queue.hand_back(back))
             log.info("handing back unfinished work", count=len(back))
         return steps
 

@@ -70,7 +70,7 @@ class Worker:
         self._room = asyncio.Event()
         self.publisher = Publisher(self.queue, self.held, self._room.set)
         self.intake = Intake(settings, self.queue, self.name, self.engines, self.held, self._room,
-                             self.publisher.queue.put, intake_buffer)
+                             self.publisher.inbox.put, intake_buffer)
         self.upkeep = Upkeep(self.intake, lambda: self._draining)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.ready = asyncio.Event()
@@ -199,7 +199,7 @@ class Worker:
     def emit(self, items: list[Emitted]) -> None:
         """Outcomes, acks and hand-backs, to the publisher."""
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self.publisher.queue.put_nowait, items)
+            self._loop.call_soon_threadsafe(self.publisher.inbox.put_nowait, items)
 
     def mark_running(self, reqs: list[InferenceRequest]) -> list[bool] | None:
         """The start gate: mark requests running; False for those already terminal (done or cancelled).
