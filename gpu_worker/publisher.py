@@ -1,62 +1,46 @@
-"""Writing outcomes back to Redis: result record + done event first, then XACK + XDEL.
+"""Writes what the compute side emits through the queue port: outcomes (terminal record, then ack),
+acks, hand-backs; then releases the requests from the worker's held entries.
 
-Order is the invariant: an entry is acknowledged only after its request's terminal record exists.
-A crash between the two leaves the entry pending; whoever reclaims it finds the record terminal and
-only acknowledges. Redis errors are retried with backoff until the write lands: finishing is
-idempotent (first terminal write wins) and so is XACK.
+Order is the invariant (see `gpu_worker.work_queue`): an entry is acknowledged only after its request's
+terminal record exists. A crash between the two leaves the entry pending; whoever reclaims it finds the
+record terminal and only acknowledges. An unavailable queue is retried with backoff until the writes
+land: finishing is idempotent (first terminal write wins) and so is an ack; a step that landed is not
+repeated (a hand-back queues a fresh entry, so it must not).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 
-import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError
 
 from gpu_worker import metrics
 from gpu_worker.outcomes import Ack, Emitted, HandBack, Outcome
-from shared.codec import encode
-from shared.faults import Faults
-from shared.keys import GROUP
-from shared.messages import InferenceRequest
-from shared.records import RecordStore
-from shared.redis_io import UNAVAILABLE, raise_if_cancelling
+from gpu_worker.work_queue import Finished, Held, QueueUnavailable, WorkQueue
 from shared.states import Status
 
 log = structlog.get_logger(__name__)
 
-
-@dataclass(slots=True)
-class Held:
-    """A stream entry this worker read and has not acknowledged yet."""
-
-    model: str
-    stream: str
-    entry_id: bytes
-    request: InferenceRequest
+BACKOFF_START_S = 0.05
+BACKOFF_MAX_S = 2.0
 
 
 class Publisher:
-    def __init__(self, redis: aioredis.Redis, store: RecordStore, held: dict[str, Held], faults: Faults,
-                 on_released: Callable[[], None]) -> None:
-        self.redis = redis
-        self.store = store
+    def __init__(self, queue: WorkQueue, held: dict[str, Held], on_released: Callable[[], None]) -> None:
+        self.queue = queue
         self.held = held
-        self.faults = faults
         self._released = on_released
-        self.queue: asyncio.Queue[list[Emitted] | None] = asyncio.Queue()
+        self.inbox: asyncio.Queue[list[Emitted] | None] = asyncio.Queue()  # from the compute side, via the worker
 
     async def run(self) -> None:
         """Publish until `close()`; never cancelled mid-write (a cancelled hand-back would strand entries)."""
         while True:
-            items = await self.queue.get()
+            items = await self.inbox.get()
             closing = items is None
             batch: list[Emitted] = items or []
-            while not self.queue.empty():
-                more = self.queue.get_nowait()
+            while not self.inbox.empty():
+                more = self.inbox.get_nowait()
                 if more is None:
                     closing = True
                 else:
@@ -68,19 +52,19 @@ class Publisher:
 
     def close(self) -> None:
         """Ask `run` to return once everything queued before this call is written."""
-        self.queue.put_nowait(None)
+        self.inbox.put_nowait(None)
 
     async def publish(self, items: list[Emitted]) -> None:
-        backoff = 0.05
-        while True:
+        steps = self._steps(items)
+        backoff = BACKOFF_START_S
+        while steps:
             try:
-                await self._write(items)
-                break
-            except (*UNAVAILABLE, RedisError) as exc:  # outage, OOM, READONLY after a failover: retry
-                raise_if_cancelling(exc)
-                log.warning("publisher: redis error, retrying", error=repr(exc), retry_in_s=backoff)
+                await steps[0]()
+                steps.pop(0)
+            except QueueUnavailable as exc:  # outage, OOM, READONLY after a failover: retry
+                log.warning("publisher: queue unavailable, retrying", error=str(exc), retry_in_s=backoff)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
         for item in items:
             if isinstance(item, Outcome):
                 observe(item)  # once, after the write landed (a retried write must not count twice)
@@ -88,44 +72,21 @@ class Publisher:
                 self.held.pop(req.id, None)
         self._released()
 
-    async def _write(self, items: list[Emitted]) -> None:
-        results = [i for i in items if isinstance(i, Outcome)]
-        if results:
-            pipe = self.redis.pipeline(transaction=False)
-            for o in results:
-                await self.store.finish_in(pipe, o.result, o.request.meta())
-            await pipe.execute()
-            self.faults.point("kill_after_result_write")
-        pipe = self.redis.pipeline(transaction=False)
-        acks: dict[str, list[bytes]] = {}
-        for item in items:
-            if isinstance(item, HandBack):
-                self._hand_back_in(pipe, item)
-                continue
-            held = self.held.get(item.request.id)
-            if held is not None and isinstance(item, Outcome | Ack):
-                acks.setdefault(held.stream, []).append(held.entry_id)
-        for stream, ids in acks.items():
-            pipe.xack(stream, GROUP, *ids)
-            pipe.xdel(stream, *ids)
-        for o in results:  # no longer counts against its tenant's backlog quota
-            pipe.zrem(self.store.keys.tenant_active(o.request.tenant), o.request.id)
-        if len(pipe):
-            await pipe.execute()
-            self.faults.point("kill_after_ack")
-
-    def _hand_back_in(self, pipe: aioredis.client.Pipeline, item: HandBack) -> None:
-        """Re-queue unfinished work as fresh entries, then drop ours: another worker takes it at once,
-        without waiting for the reclaim threshold."""
-        for req in item.requests:
-            held = self.held.get(req.id)
-            if held is None:
-                continue
-            pipe.xadd(held.stream, {"m": encode(req)})
-            pipe.xack(held.stream, GROUP, held.entry_id)
-            pipe.xdel(held.stream, held.entry_id)
-        if item.requests:
-            log.info("handed back unfinished work", count=len(item.requests))
+    def _steps(self, items: list[Emitted]) -> list[Callable[[], Awaitable[None]]]:
+        """The writes `items` need, in order: terminal records (then their acks), plain acks, hand-backs."""
+        finished = [Finished(i.request, i.result, self.held.get(i.request.id)) for i in items if isinstance(i, Outcome)]
+        acks = [h for i in items if isinstance(i, Ack) and (h := self.held.get(i.request.id)) is not None]
+        back = [Held(h.model, h.stream, h.entry_id, req) for i in items if isinstance(i, HandBack)
+                for req in i.requests if (h := self.held.get(req.id)) is not None]
+        steps: list[Callable[[], Awaitable[None]]] = []
+        if finished:
+            steps.append(lambda: self.queue.complete(finished))
+        if acks:
+            steps.append(lambda: self.queue.ack(acks))
+        if back:
+            steps.append(lambda: self.queue.hand_back(back))
+            log.info("handing back unfinished work", count=len(back))
+        return steps
 
 
 def observe(o: Outcome) -> None:

@@ -1,0 +1,146 @@
+"""What a worker announces and hears besides its queue: a heartbeat (`batchgate up` and ops tools read
+it), per-lane load figures for the gateway's admission control, and cancellations (pub/sub: fire and
+forget; the record's terminal state is what the start gate checks). A port, a Redis adapter, an
+in-memory one for tests, and the loops that drive them. Outages are tolerated: announcements are
+retried on the next tick, the cancel listener resubscribes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import ResponseError
+
+from shared.codec import encode
+from shared.keys import Keys
+from shared.messages import LaneStats
+from shared.redis_io import UNAVAILABLE, raise_if_cancelling, tolerate_outage
+
+log = structlog.get_logger(__name__)
+
+HEARTBEAT_S = 2.0
+SILENT_WORKER_S = 60.0  # a heartbeat older than this is removed
+STATS_INTERVAL_S = 0.5
+STATS_TTL_MS = 30_000
+RESUBSCRIBE_S = 1.0
+
+Stats = dict[str, dict[str, LaneStats]]  # model: {stats field: figures}
+
+
+class Announcer(Protocol):
+    async def heartbeat(self, worker: str, info: dict[str, Any]) -> None: ...
+
+    async def publish_stats(self, stats: Stats) -> None: ...
+
+    def cancels(self, models: Sequence[str]) -> AsyncIterator[str]:
+        """Ids of requests cancelled from now on, for ever (reconnecting as needed)."""
+        ...
+
+    async def withdraw(self, worker: str, fields: dict[str, list[str]]) -> None:
+        """Remove this worker's heartbeat and its stats fields (by model)."""
+
+
+class RedisAnnouncer:
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def heartbeat(self, worker: str, info: dict[str, Any]) -> None:
+        """Announce `info` (with its time) and remove workers silent for a minute."""
+        now = info["at"]
+        async with tolerate_outage():
+            await self.redis.hset(self.keys.workers(), worker, json.dumps(info).encode())
+            for name, raw in (await self.redis.hgetall(self.keys.workers())).items():
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    if now - json.loads(raw)["at"] > SILENT_WORKER_S:
+                        await self.redis.hdel(self.keys.workers(), name)
+
+    async def publish_stats(self, stats: Stats) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for model, fields in stats.items():
+            if fields:
+                key = self.keys.lane_stats(model)
+                pipe.hset(key, mapping={field: encode(s) for field, s in fields.items()})
+                pipe.pexpire(key, STATS_TTL_MS)
+        async with tolerate_outage():
+            await pipe.execute()
+
+    async def cancels(self, models: Sequence[str]) -> AsyncIterator[str]:
+        channels = [self.keys.cancel_channel(m) for m in models]
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(*channels)
+                while True:
+                    msg = await pubsub.get_message(timeout=5.0)
+                    if msg and msg.get("type") == "message":
+                        yield msg["data"].decode()
+            except UNAVAILABLE as exc:
+                raise_if_cancelling(exc)
+                log.warning("cancel listener: redis unavailable", error=repr(exc))
+                await asyncio.sleep(RESUBSCRIBE_S)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    async def withdraw(self, worker: str, fields: dict[str, list[str]]) -> None:
+        with contextlib.suppress(ResponseError):
+            async with tolerate_outage():
+                await self.redis.hdel(self.keys.workers(), worker)
+                for model, names in fields.items():
+                    if names:
+                        await self.redis.hdel(self.keys.lane_stats(model), *names)
+
+
+class MemoryAnnouncer:
+    """For tests: keeps what was announced; `cancel(id)` plays a cancellation published by a gateway."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, dict[str, Any]] = {}
+        self.stats: Stats = {}
+        self._cancels: asyncio.Queue[str] = asyncio.Queue()
+
+    def cancel(self, request_id: str) -> None:
+        self._cancels.put_nowait(request_id)
+
+    async def heartbeat(self, worker: str, info: dict[str, Any]) -> None:
+        self.workers[worker] = info
+
+    async def publish_stats(self, stats: Stats) -> None:
+        for model, fields in stats.items():
+            self.stats.setdefault(model, {}).update(fields)
+
+    async def cancels(self, models: Sequence[str]) -> AsyncIterator[str]:
+        while True:
+            yield await self._cancels.get()
+
+    async def withdraw(self, worker: str, fields: dict[str, list[str]]) -> None:
+        self.workers.pop(worker, None)
+        for model, names in fields.items():
+            for name in names:
+                self.stats.get(model, {}).pop(name, None)
+
+
+async def heartbeat_loop(announcer: Announcer, worker: str, info: Callable[[], dict[str, Any]]) -> None:
+    while True:
+        await announcer.heartbeat(worker, {**info(), "at": time.time()})
+        await asyncio.sleep(HEARTBEAT_S)
+
+
+async def stats_loop(announcer: Announcer, stats: Callable[[], Stats]) -> None:
+    """Per-lane load and service figures, at a steady interval."""
+    while True:
+        await announcer.publish_stats(stats())
+        await asyncio.sleep(STATS_INTERVAL_S)
+
+
+async def cancel_loop(announcer: Announcer, models: Sequence[str], cancel: Callable[[str], None]) -> None:
+    async for request_id in announcer.cancels(models):
+        cancel(request_id)

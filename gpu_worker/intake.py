@@ -1,0 +1,124 @@
+"""Intake: new entries of a model's lane streams, read while there is room, decoded once, handed to the
+model's engines. Every entry read becomes held (until the publisher releases it) or is settled at once:
+a duplicate of a held request is acked, an undecodable entry is dead-lettered, a request already past
+its deadline ends `expired` without reaching the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import structlog
+
+from gpu_worker import metrics
+from gpu_worker.outcomes import Emitted, expired_outcome
+from gpu_worker.work_queue import DeadLetter, Entry, Held, QueueUnavailable, WorkQueue, decode_request
+from shared.config import Settings
+from shared.errors import CodecError
+from shared.keys import Keys
+from shared.messages import InferenceRequest
+from shared.redis_io import raise_if_cancelling
+from shared.states import Task
+
+if TYPE_CHECKING:
+    from gpu_worker.engines import ModelEngines
+
+log = structlog.get_logger(__name__)
+
+MIN_INTAKE_BUFFER = 32
+ROOM_WAIT_S = 1.0
+BACKOFF_START_S = 0.1
+BACKOFF_MAX_S = 5.0
+
+
+class Intake:
+    def __init__(self, settings: Settings, queue: WorkQueue, consumer: str, engines: dict[str, ModelEngines],
+                 held: dict[str, Held], room: asyncio.Event, publish: Callable[[list[Emitted]], Awaitable[None]],
+                 buffer: int | None = None) -> None:
+        self.settings = settings
+        self.queue = queue
+        self.consumer = consumer
+        self.keys = Keys(settings.key_prefix)
+        self.engines = engines
+        self.held = held
+        self.room = room  # set by the publisher whenever it releases held entries
+        self._publish = publish
+        self._buffer = buffer
+
+    def streams(self, model: str) -> list[str]:
+        spec = self.settings.model(model)
+        return self.keys.lane_streams(model, spec.lane_names) if spec else []
+
+    def room_for(self, model: str) -> int:
+        """How many more entries of `model` this worker may hold."""
+        spec = self.settings.model(model)
+        if spec is None:
+            return 0
+        if self._buffer is not None:
+            limit = self._buffer
+        else:
+            # enough to order by deadline and priority across a window of the stream; bounded so that
+            # one worker does not hoard a burst that other workers could serve
+            rows = spec.max_running if spec.task is Task.GENERATE else spec.max_batch_size
+            limit = max(2 * rows + spec.max_batch_size, MIN_INTAKE_BUFFER)
+        return limit - sum(1 for h in self.held.values() if h.model == model)
+
+    async def run(self, model: str) -> None:
+        """Read `model`'s streams until cancelled; an unavailable queue is retried with backoff."""
+        streams = self.streams(model)
+        block_s = self.settings.intake_block_ms / 1000
+        backoff = BACKOFF_START_S
+        while True:
+            raise_if_cancelling()
+            room = self.room_for(model)
+            if room <= 0:
+                self.room.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.room.wait(), timeout=ROOM_WAIT_S)
+                continue
+            try:
+                entries = await self.queue.read(self.consumer, streams, room, block_s)
+                await self.accept(model, entries)
+                backoff = BACKOFF_START_S
+            except QueueUnavailable as exc:
+                log.warning("intake: queue unavailable", model=model, error=str(exc), retry_in_s=backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def accept(self, model: str, entries: list[Entry]) -> None:
+        """Hold `entries` (read or reclaimed) and submit their requests to the model's engines."""
+        engines = self.engines[model]
+        now = time.time()
+        fresh: list[InferenceRequest] = []
+        late: list[Emitted] = []
+        for entry in entries:
+            req = await self._decode(model, entry)
+            if req is None:
+                continue
+            held = self.held.get(req.id)
+            if held is not None:  # a second entry for a request we already hold (a retried XADD, a hand-back)
+                if held.entry_id != entry.id:
+                    await self.queue.ack([Held(model, entry.stream, entry.id, req)])
+                continue
+            self.held[req.id] = Held(model, entry.stream, entry.id, req)
+            if req.deadline_ms <= now * 1000 and engines.spec.deadline_aware:
+                metrics.EXPIRED_BEFORE_COMPUTE.labels(model, req.lane).inc()
+                late.append(expired_outcome(req, self.consumer, now, "before the worker read it"))
+            else:
+                fresh.append(req)
+        if late:
+            await self._publish(late)
+        engines.submit(fresh, now)
+
+    async def _decode(self, model: str, entry: Entry) -> InferenceRequest | None:
+        try:
+            return decode_request(entry)
+        except (CodecError, KeyError) as exc:
+            log.error("undecodable stream entry: dead-lettered", stream=entry.stream, entry=entry.id, error=str(exc))
+            metrics.DEAD_LETTERS.labels(model).inc()
+            await self.queue.dead_letter(self.keys.dead_letter(model), [DeadLetter(entry, f"undecodable: {exc}")])
+            return None

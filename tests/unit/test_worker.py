@@ -1,0 +1,227 @@
+"""The worker's I/O side on the in-memory queue with a fake compute side: no Redis, no torch, milliseconds.
+
+Each test runs a real `Worker` (intake, upkeep, publisher, announcements, drain) against `MemoryQueue`;
+`FakeEngines` (tests/fakes.py) stands in for the models."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gpu_worker.announce import MemoryAnnouncer
+from gpu_worker.memory_queue import MemoryQueue
+from gpu_worker.outcomes import HandBack, result_for
+from gpu_worker.worker import Worker
+from shared.codec import encode
+from shared.config import BUILTIN_MODELS, Settings
+from shared.keys import Keys
+from shared.states import FinishReason, Status
+from tests.fakes import FakeEngines, ManualClock, fake_engines_factory, make_request
+
+KEYS = Keys("unit")
+STREAM = KEYS.lane_stream("m", "short")
+DEAD = KEYS.dead_letter("m")
+SPEC = dataclasses.replace(BUILTIN_MODELS["tiny-llama"], name="m", source="fake")
+
+
+def settings(**overrides: Any) -> Settings:
+    base: dict[str, Any] = {"key_prefix": "unit", "models": (SPEC,), "worker_name": "w1", "intake_block_ms": 20,
+                            "reclaim_idle_s": 0.3, "max_deliveries": 2, "drain_budget_s": 0.2}
+    return Settings(**{**base, **overrides}).validate()
+
+
+@dataclass
+class Running:
+    worker: Worker
+    engines: FakeEngines
+    queue: MemoryQueue
+    announcer: MemoryAnnouncer
+    stop: asyncio.Event
+    task: asyncio.Task[None]
+
+
+@contextlib.asynccontextmanager
+async def running(q: MemoryQueue, s: Settings | None = None, **fake: Any) -> AsyncIterator[Running]:
+    made: dict[str, FakeEngines] = {}
+    announcer = MemoryAnnouncer()
+    worker = Worker(s or settings(), queue=q, announcer=announcer, engines_factory=fake_engines_factory(made, **fake))
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    await asyncio.wait([task, asyncio.create_task(worker.ready.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        task.result()
+    try:
+        yield Running(worker, made["m"], q, announcer, stop, task)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+async def until(condition: Callable[[], bool], timeout: float = 3.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "condition not reached in time"
+        await asyncio.sleep(0.002)
+
+
+def state(q: MemoryQueue, rid: str) -> Status | None:
+    rec = q.records.get(rid)
+    return rec.state if rec else None
+
+
+def test_the_worker_and_these_tests_import_no_torch():
+    code = "import sys, tests.unit.test_worker; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+async def test_results_are_written_then_entries_acked_and_released():
+    q = MemoryQueue()
+    async with running(q) as r:
+        for i in range(3):
+            await q.enqueue(STREAM, make_request(f"r{i}"))
+        await until(lambda: all(state(q, f"r{i}") is Status.SUCCEEDED for i in range(3)) and not r.worker.held)
+        assert q.entries(STREAM) == {} and await q.pending(STREAM, "w1", 10) == {}
+        assert q.records["r0"].attempts == 1 and sorted(r.engines.computed) == ["r0", "r1", "r2"]
+        assert r.announcer.workers["w1"]["models"] == ["m"]
+    assert "w1" not in r.announcer.workers  # withdrawn on leaving
+
+
+async def test_drain_stops_intake_finishes_or_hands_back_and_leaves_nothing_owned():
+    q = MemoryQueue()
+    async with running(q, settings(drain_budget_s=0.3), hold=lambda req: True) as r:
+        await q.enqueue(STREAM, make_request("finishes"))
+        await q.enqueue(STREAM, make_request("too-long"))
+        await until(lambda: len(r.engines.running) == 2)
+        t0 = time.monotonic()
+        r.stop.set()
+        await until(lambda: r.engines.drained_until is not None)
+        late = await q.enqueue(STREAM, make_request("after-stop"))  # intake has stopped: nobody reads it
+        r.engines.finish("finishes")  # running work may finish within the budget
+        await asyncio.wait_for(r.task, 5)
+        assert time.monotonic() - t0 < 0.3 + 0.5
+    assert state(q, "finishes") is Status.SUCCEEDED
+    assert state(q, "too-long") is Status.RUNNING  # handed back, not failed: another worker runs it
+    fresh = q.entries(STREAM)
+    assert late in fresh and len(fresh) == 2  # the late entry and the handed-back copy, both unread
+    assert "after-stop" not in r.engines.computed
+    assert await q.consumers(STREAM) == {}  # nothing left owned; the consumer is gone
+    assert r.worker.held == {}
+    other = await q.read("w2", [STREAM], 10, 0)
+    assert {e.id for e in other} == set(fresh)
+
+
+async def test_a_dead_consumers_entries_are_reclaimed_and_a_live_ones_are_not():
+    clock = ManualClock()
+    q = MemoryQueue(clock)
+    await q.create_groups([STREAM])
+    await q.enqueue(STREAM, make_request("orphan"))
+    assert len(await q.read("dead", [STREAM], 10, 0)) == 1
+    async with running(q, hold=lambda req: req.id == "long") as r:
+        await q.enqueue(STREAM, make_request("long"))
+        await until(lambda: "long" in r.engines.running)
+        clock.advance(1.0)  # past the idle threshold: the dead consumer's entry is up for reclaim
+        await until(lambda: state(q, "orphan") is Status.SUCCEEDED)
+        assert await q.pending(STREAM, "dead", 10) == {}
+        assert q.records["orphan"].attempts == 1
+        clock.advance(1.0)
+        await r.worker.upkeep.renew()  # the live worker's entry is renewed, so nobody else takes it
+        assert await q.reclaim("rescuer", STREAM, 0.3, 10) == []
+        assert "long" in r.worker.held and r.engines.computed.count("long") == 1
+        r.engines.finish("long")
+        await until(lambda: state(q, "long") is Status.SUCCEEDED)
+    assert q.entries(STREAM) == {}
+
+
+async def test_an_entry_delivered_too_often_is_dead_lettered_and_fails():
+    clock = ManualClock()
+    q = MemoryQueue(clock)
+    await q.create_groups([STREAM])
+    await q.enqueue(STREAM, make_request("poison"))
+    await q.read("crashed-1", [STREAM], 10, 0)
+    clock.advance(1.0)
+    assert [e.deliveries for e in await q.reclaim("crashed-2", STREAM, 0.3, 10)] == [2]
+    clock.advance(1.0)
+    async with running(q, fail=lambda req: req.id == "raises") as r:  # max_deliveries=2: a third is one too many
+        await q.enqueue(STREAM, make_request("raises"))
+        await q.enqueue(STREAM, make_request("mate"))
+        await until(lambda: state(q, "poison") is Status.FAILED and state(q, "mate") is Status.SUCCEEDED)
+        assert "poison" not in r.engines.computed
+        rec = q.records["poison"]
+        assert rec.result is not None and rec.result.error is not None
+        assert rec.result.error.code == "poison_request" and "dead-lettered" in rec.result.error.message
+        (letter,) = q.entries(DEAD).values()
+        assert letter[b"deliveries"] == b"3" and letter[b"stream"] == STREAM.encode()
+        await until(lambda: state(q, "raises") is Status.FAILED)  # a model error fails that request alone
+    assert q.entries(STREAM) == {}
+
+
+async def test_hand_back_queues_a_fresh_entry_and_drops_ours():
+    q = MemoryQueue()
+    async with running(q, hold=lambda req: True) as r:
+        req = make_request("r0")
+        first = await q.enqueue(STREAM, req)
+        await until(lambda: "r0" in r.engines.running)
+        r.engines.running.clear()
+        r.worker.emit([HandBack([req])])
+        await until(lambda: "r0" in r.worker.held and r.worker.held["r0"].entry_id != first)
+        assert first not in q.entries(STREAM) and len(q.entries(STREAM)) == 1
+        await until(lambda: "r0" in r.engines.running)  # read again, as any worker would
+        r.engines.finish("r0")
+        await until(lambda: state(q, "r0") is Status.SUCCEEDED and not r.worker.held)
+
+
+async def test_a_second_entry_for_a_held_request_is_acked_not_run_twice():
+    q = MemoryQueue()
+    async with running(q, hold=lambda req: True) as r:
+        req = make_request("r0")
+        first = await q.enqueue(STREAM, req)
+        await q.enqueue(STREAM, req)  # a retried XADD
+        await until(lambda: list(q.entries(STREAM)) == [first] and "r0" in r.engines.running)
+        assert r.engines.computed == ["r0"] and r.worker.held["r0"].entry_id == first
+        assert await q.pending(STREAM, "w1", 10) == {first: 1}
+        r.engines.finish("r0")
+        await until(lambda: state(q, "r0") is Status.SUCCEEDED and q.entries(STREAM) == {})
+
+
+async def test_undecodable_entries_are_dead_lettered_and_the_worker_carries_on():
+    q = MemoryQueue()
+    async with running(q) as r:
+        q.add(STREAM, {b"m": b"\xc1 not msgpack"})
+        q.add(STREAM, {b"other": b"field"})
+        await q.enqueue(STREAM, make_request("good"))
+        await until(lambda: state(q, "good") is Status.SUCCEEDED and len(q.entries(DEAD)) == 2)
+        assert all(f[b"reason"].startswith(b"undecodable") for f in q.entries(DEAD).values())
+        assert q.entries(STREAM) == {} and r.engines.computed == ["good"]
+
+
+async def test_cancelled_and_expired_requests_are_never_computed():
+    q = MemoryQueue()
+    async with running(q, hold=lambda req: True) as r:
+        gone = make_request("cancelled-before")
+        q.finish(result_for(gone, Status.CANCELLED, worker="gateway", now=time.time(), reason=FinishReason.CANCELLED))
+        await q.enqueue(STREAM, gone)
+        await q.enqueue(STREAM, make_request("late", timeout_s=-1))
+        await q.enqueue(STREAM, make_request("running"))
+        await until(lambda: "running" in r.engines.running)
+        r.announcer.cancel("running")  # the gateway's cancel event
+        await until(lambda: not r.worker.held and q.entries(STREAM) == {})
+        assert r.engines.computed == ["running"] and r.engines.cancelled == ["running"]
+        assert state(q, "late") is Status.EXPIRED and state(q, "cancelled-before") is Status.CANCELLED
+
+
+async def test_the_worker_rides_out_an_unavailable_queue():
+    q = MemoryQueue()
+    async with running(q) as r:
+        q.available = False
+        q.add(STREAM, {b"m": encode(make_request("r0"))})  # wakes the blocked read into the outage
+        await asyncio.sleep(0.15)
+        q.available = True
+        await until(lambda: state(q, "r0") is Status.SUCCEEDED)
+        assert r.worker.redis is None
