@@ -38,7 +38,7 @@ def stack_env(redis_url: str, model_cache: Path, tmp_path_factory: pytest.TempPa
            "BATCHGATE_AUTH": "api_key", "BATCHGATE_WORKER_METRICS_PORT": "0", "BATCHGATE_LOG_FORMAT": "json",
            "BATCHGATE_INTAKE_BLOCK_MS": "200"}
     log = tmp_path_factory.mktemp("sl") / "worker.log"
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker"], env={**os.environ, **env},
+    proc = subprocess.Popen([sys.executable, "-m", "batchgate", "worker"], env={**os.environ, **env},
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     r = redis.Redis.from_url(redis_url)
     end = time.monotonic() + 120
