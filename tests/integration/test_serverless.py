@@ -212,7 +212,7 @@ def test_cloud_functions_adapter(stack_env, monkeypatch):
     assert client.put("/v1/models", headers={"X-API-Key": key}).status_code == 405
 
 
-@pytest.mark.parametrize("module", ["gateway.lambda_handler", "gateway.gcf_handler", "shared.sdk"])
+@pytest.mark.parametrize("module", ["gateway.lambda_handler", "gateway.gcf_handler", "shared.sdk", "batchgate.cli"])
 def test_handler_modules_import_no_torch(stack_env, module):
     code = (f"import sys, time; t = time.perf_counter(); import {module}; "
             "print(time.perf_counter() - t, 'torch' in sys.modules, 'transformers' in sys.modules)")

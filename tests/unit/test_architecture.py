@@ -1,5 +1,5 @@
-"""The import rules between the parts (docs/architecture.md, ../shared/architecture.json), read from the
-source with `ast`: nothing of the project is imported here.
+"""The import rules between the parts (README, "Layout"; issue 16), read from the source with `ast`:
+nothing of the project is imported here.
 
 Counted: every `import` and `from ... import` (absolute or relative, at module level or inside a
 function, since a lazy import is still a dependency), except those under `if TYPE_CHECKING:`.
