@@ -1,5 +1,6 @@
 # batchgate: the two commands are `make up` (run the stack) and `make test` (run the tests).
-# Both create .venv and install what they need on first use.
+# Both create .venv and install what they need on first use. `make test-fast` runs the pure and
+# in-memory tiers alone (no Redis, no torch import, seconds).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,12 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 
-.PHONY: setup up test lint bench clean
+# The fast tier: the unit tests and the in-memory half of the contract tests (the real-Redis half is
+# marked `redis`). BATCHGATE_FAST_TIER=1 makes the session fail if anything imported torch
+# (tests/unit/conftest.py); the unreachable test Redis makes any use of the real one fail loudly.
+FAST_TIERS := tests/unit $(wildcard tests/contract)
+
+.PHONY: setup up test test-fast lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +31,10 @@ up: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+test-fast: setup
+	BATCHGATE_FAST_TIER=1 BATCHGATE_TEST_REDIS_URL=redis://127.0.0.1:1/0 \
+		$(BIN)/python -m pytest -q -m "not redis" $(FAST_TIERS)
 
 lint: setup
 	$(BIN)/ruff check .

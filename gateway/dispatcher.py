@@ -1,4 +1,6 @@
-"""`batchgate callbacks`: the webhook dispatcher. Several can run; each delivery is attempted by one.
+"""`batchgate callbacks`: the webhook dispatcher, a deployable of its own (beside the gateway and the
+workers; `run(settings)` below, or `python -m gateway.dispatcher`). Several can run; each delivery is
+attempted by one.
 
     callback stream --XREADGROUP--> schedule (due set)  --claim (lease)--> attempt --> result
                                                            ^                             |
@@ -17,6 +19,8 @@ import asyncio
 import contextlib
 import json
 import random
+import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -25,15 +29,16 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 import structlog
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Histogram, start_http_server
 from redis.exceptions import ResponseError
 
 from shared.callback_policy import backoff_s, classify, parse_retry_after
 from shared.callback_store import GROUP, CallbackStore
 from shared.codec import decode
 from shared.config import Settings
-from shared.errors import CodecError
+from shared.errors import CodecError, ConfigError
 from shared.keys import Keys
+from shared.logs import configure_logging
 from shared.messages import CallbackDelivery, CallbackState
 from shared.records import RecordStore
 from shared.redis_io import UNAVAILABLE, make_redis, raise_if_cancelling
@@ -293,3 +298,36 @@ class Dispatcher:
             return None, None, f"timeout ({type(exc).__name__})"
         except httpx.HTTPError as exc:
             return None, None, f"connect error ({type(exc).__name__})"
+
+
+# --- the deployable --------------------------------------------------------------------------------
+
+async def _serve(settings: Settings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await Dispatcher(settings, default_secret=settings.webhook_secret).run(stop)
+
+
+def run(settings: Settings, *, metrics_host: str = "127.0.0.1") -> None:
+    """One dispatcher until SIGTERM/SIGINT; its /metrics on `settings.dispatcher_metrics_port` (0: none)."""
+    if settings.dispatcher_metrics_port:
+        start_http_server(settings.dispatcher_metrics_port, addr=metrics_host)
+    asyncio.run(_serve(settings))
+
+
+def main() -> int:
+    """`python -m gateway.dispatcher`: the same as `batchgate callbacks`, configured by the environment alone."""
+    try:
+        settings = Settings.from_environ()
+    except ConfigError as exc:
+        print(f"batchgate callbacks: configuration error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level, settings.log_format)
+    run(settings)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

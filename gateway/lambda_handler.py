@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections import defaultdict
 from typing import Any
@@ -39,8 +38,8 @@ configure_logging(SETTINGS.log_level, "json")
 SERVICE = GatewayService(SETTINGS)  # module scope: one Redis pool per warm container, reused
 APP = create_app(SETTINGS, service=SERVICE)
 http_handler = Mangum(APP, lifespan="off")
-TENANT = os.environ.get("BATCHGATE_LAMBDA_TENANT", "default")
-MARGIN_S = float(os.environ.get("BATCHGATE_LAMBDA_MARGIN_S", "0.5"))
+TENANT = SETTINGS.lambda_tenant
+MARGIN_S = SETTINGS.lambda_margin_s
 SUBMIT_KEYS = ("input", "params", "timeout_s", "deadline", "priority", "callback")
 
 

@@ -11,7 +11,6 @@ No torch; the Redis client and the CloudWatch client are created once per contai
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,11 +23,11 @@ from shared.logs import configure_logging
 
 SETTINGS = Settings.from_environ()
 configure_logging(SETTINGS.log_level, "json")
-NAMESPACE = os.environ.get("BATCHGATE_METRIC_NAMESPACE", "batchgate")
-DEPLOYMENT = os.environ.get("BATCHGATE_DEPLOYMENT", SETTINGS.key_prefix)
+NAMESPACE = SETTINGS.metric_namespace
+DEPLOYMENT = SETTINGS.deployment
 REDIS = redis.Redis.from_url(SETTINGS.redis_url, socket_timeout=5, socket_connect_timeout=5,
                              retry_on_timeout=True, health_check_interval=30)
-CLOUDWATCH = boto3.client("cloudwatch", endpoint_url=os.environ.get("BATCHGATE_CLOUDWATCH_ENDPOINT") or None)
+CLOUDWATCH = boto3.client("cloudwatch", endpoint_url=SETTINGS.cloudwatch_endpoint or None)
 
 
 def read_backlog(client: redis.Redis, settings: Settings) -> dict[str, int]:

@@ -130,7 +130,7 @@ def stack(config: dict[str, Any], redis_url: str, *, log_dir: Path | None = None
            "BATCHGATE_LOG_LEVEL": "warning", "BATCHGATE_LOG_FORMAT": "json", "BATCHGATE_MAX_WAIT_S": "600",
            "BATCHGATE_AUTH": "off"}
     logs = log_dir or Path(tmp.name)
-    cli = [sys.executable, "-m", "shared.cli"]
+    cli = [sys.executable, "-m", "batchgate"]
     procs = [subprocess.Popen([*cli, role], env=env, stdout=(logs / f"{prefix}-{role}.log").open("w"),
                               stderr=subprocess.STDOUT) for role in ("worker", "gateway")]
     st = Stack(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics", prefix, redis_url, procs)

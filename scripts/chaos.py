@@ -42,7 +42,7 @@ class Workers:
     def start(self, name: str) -> None:
         env = {**os.environ, "BATCHGATE_WORKER_NAME": f"{name}-{self.started}", "BATCHGATE_WORKER_METRICS_PORT": "0"}
         log = (self.log_dir / f"{name}.log").open("a")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker"], env=env, stdout=log,
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "batchgate", "worker"], env=env, stdout=log,
                                             stderr=subprocess.STDOUT)
         self.started += 1
 

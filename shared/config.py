@@ -9,6 +9,10 @@ environment variables:
   and defines a new model when NAME is not known yet, e.g.
   `BATCHGATE_MODEL__MY_LM__SOURCE=/models/my-lm` + `BATCHGATE_MODEL__MY_LM__TASK=generate`.
 Nothing here is read at import time.
+
+This module is the one reader of the environment: every `BATCHGATE_*` variable (and `REDIS_URL`)
+goes through `Settings.from_environ`, and the rest of the code takes a `Settings`. The one exception
+is `BATCHGATE_FAULTS`, the test-only fault injection that shared/faults.py parses.
 """
 
 from __future__ import annotations
@@ -177,6 +181,15 @@ class Settings:
     callback_lease_s: float = 60.0  # a dispatcher that dies mid-attempt gives the delivery back after this
     models: tuple[ModelSpec, ...] = field(default_factory=lambda: tuple(BUILTIN_MODELS[n] for n in DEFAULT_MODELS))
     model_cache_dir: str = ""
+    # the webhook dispatcher (`batchgate callbacks`)
+    webhook_secret: str = field(default="", repr=False)  # signing secret of tenants that have none
+    dispatcher_metrics_port: int = 9465  # 0 disables the dispatcher's /metrics listener
+    # the Lambda adapters (gateway/lambda_handler.py, gateway/scaling_handler.py)
+    lambda_tenant: str = "default"  # the tenant direct and SQS invocations act for, unless they carry a key
+    lambda_margin_s: float = 0.5  # a direct invocation without a timeout: its remaining time minus this
+    metric_namespace: str = "batchgate"  # CloudWatch namespace of the backlog metric
+    deployment: str = ""  # its Deployment dimension (from_environ: the key prefix unless set)
+    cloudwatch_endpoint: str = ""  # empty: the AWS default
 
     def model(self, name: str) -> ModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
@@ -188,10 +201,11 @@ class Settings:
         d = cls(models=())
         models = load_models(env)
         cache_dir = get(ENV_PREFIX + "MODEL_CACHE") or str(Path.home() / ".cache" / "batchgate" / "models")
+        key_prefix = get(ENV_PREFIX + "KEY_PREFIX", d.key_prefix)
         try:
             return cls(
-                redis_url=get(ENV_PREFIX + "REDIS_URL") or get("REDIS_URL") or d.redis_url,
-                key_prefix=get(ENV_PREFIX + "KEY_PREFIX", d.key_prefix),
+                redis_url=redis_url_from(env) or d.redis_url,
+                key_prefix=key_prefix,
                 host=get(ENV_PREFIX + "HOST", d.host),
                 port=int(get(ENV_PREFIX + "PORT", d.port)),
                 result_ttl_s=int(get(ENV_PREFIX + "RESULT_TTL_S", d.result_ttl_s)),
@@ -226,6 +240,13 @@ class Settings:
                 callback_lease_s=float(get(ENV_PREFIX + "CALLBACK_LEASE_S", d.callback_lease_s)),
                 models=models,
                 model_cache_dir=cache_dir,
+                webhook_secret=get(ENV_PREFIX + "WEBHOOK_SECRET", d.webhook_secret),
+                dispatcher_metrics_port=int(get(ENV_PREFIX + "DISPATCHER_METRICS_PORT", d.dispatcher_metrics_port)),
+                lambda_tenant=get(ENV_PREFIX + "LAMBDA_TENANT", d.lambda_tenant),
+                lambda_margin_s=float(get(ENV_PREFIX + "LAMBDA_MARGIN_S", d.lambda_margin_s)),
+                metric_namespace=get(ENV_PREFIX + "METRIC_NAMESPACE", d.metric_namespace),
+                deployment=get(ENV_PREFIX + "DEPLOYMENT", key_prefix),
+                cloudwatch_endpoint=get(ENV_PREFIX + "CLOUDWATCH_ENDPOINT", d.cloudwatch_endpoint),
             ).validate()
         except ValueError as exc:
             raise ConfigError(f"invalid setting: {exc}") from exc
@@ -249,6 +270,11 @@ class Settings:
         if len(names) != len(set(names)):
             raise ConfigError(f"model names must be unique, got {names}")
         return self
+
+
+def redis_url_from(env: Mapping[str, str]) -> str | None:
+    """The Redis URL an environment names (`BATCHGATE_REDIS_URL`, else `REDIS_URL`), or None when it names none."""
+    return env.get(ENV_PREFIX + "REDIS_URL") or env.get("REDIS_URL") or None
 
 
 # --- model configuration -------------------------------------------------------------------------

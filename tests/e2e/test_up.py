@@ -26,7 +26,7 @@ def test_up_serves_both_models_and_stops_cleanly(model_cache, tmp_path, redis_mo
     env["BATCHGATE_MODEL_CACHE"] = str(model_cache)
     env["BATCHGATE_LOG_FORMAT"] = "json"
     log = (tmp_path / "up.log").open("w+")
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "up", "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "batchgate", "up", "--port", str(port)], env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -71,7 +71,7 @@ class WorkerProc:
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> WorkerProc:
-        self.proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker"], env=self.env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "batchgate", "worker"], env=self.env,
                                      stdout=self.log.open("a"), stderr=subprocess.STDOUT)
         return self
 

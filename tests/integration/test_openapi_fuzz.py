@@ -45,7 +45,7 @@ def gateway(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
            "BATCHGATE_AUTH": "api_key", "BATCHGATE_MAX_WAIT_S": "0.05", "BATCHGATE_LOG_LEVEL": "warning",
            "BATCHGATE_MAX_BATCH_ITEMS": "20"}
     log = tmp_path_factory.mktemp("fuzz") / "gateway.log"
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "gateway"], env=env, stdout=log.open("w"),
+    proc = subprocess.Popen([sys.executable, "-m", "batchgate", "gateway"], env=env, stdout=log.open("w"),
                             stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 60
@@ -57,7 +57,7 @@ def gateway(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             pass
         assert proc.poll() is None and time.monotonic() < end, log.read_text()[-2000:]
         time.sleep(0.1)
-    key = subprocess.run([sys.executable, "-m", "shared.cli", "keys", "create", "--tenant", "fuzz"], env=env,
+    key = subprocess.run([sys.executable, "-m", "batchgate", "keys", "create", "--tenant", "fuzz"], env=env,
                          capture_output=True, text=True, check=True).stdout.strip()
     try:
         yield base, key

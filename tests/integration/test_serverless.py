@@ -38,7 +38,7 @@ def stack_env(redis_url: str, model_cache: Path, tmp_path_factory: pytest.TempPa
            "BATCHGATE_AUTH": "api_key", "BATCHGATE_WORKER_METRICS_PORT": "0", "BATCHGATE_LOG_FORMAT": "json",
            "BATCHGATE_INTAKE_BLOCK_MS": "200"}
     log = tmp_path_factory.mktemp("sl") / "worker.log"
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker"], env={**os.environ, **env},
+    proc = subprocess.Popen([sys.executable, "-m", "batchgate", "worker"], env={**os.environ, **env},
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     r = redis.Redis.from_url(redis_url)
     end = time.monotonic() + 120
@@ -212,7 +212,7 @@ def test_cloud_functions_adapter(stack_env, monkeypatch):
     assert client.put("/v1/models", headers={"X-API-Key": key}).status_code == 405
 
 
-@pytest.mark.parametrize("module", ["gateway.lambda_handler", "gateway.gcf_handler", "shared.sdk"])
+@pytest.mark.parametrize("module", ["gateway.lambda_handler", "gateway.gcf_handler", "shared.sdk", "batchgate.cli"])
 def test_handler_modules_import_no_torch(stack_env, module):
     code = (f"import sys, time; t = time.perf_counter(); import {module}; "
             "print(time.perf_counter() - t, 'torch' in sys.modules, 'transformers' in sys.modules)")

@@ -154,7 +154,7 @@ async def test_dispatcher_killed_mid_schedule_and_restarted(redis_url, prefix, t
            "BATCHGATE_DISPATCHER_METRICS_PORT": "0", "BATCHGATE_LOG_FORMAT": "json"}
 
     def start() -> subprocess.Popen[bytes]:
-        return subprocess.Popen([sys.executable, "-m", "shared.cli", "callbacks"], env=env,
+        return subprocess.Popen([sys.executable, "-m", "batchgate", "callbacks"], env=env,
                                 stdout=(tmp_path / "d.log").open("a"), stderr=subprocess.STDOUT)
 
     async with receiver(fail_twice) as rx, running_gateway(settings) as gw:

@@ -1,6 +1,6 @@
 import pytest
 
-from shared.config import DEFAULT_MODELS, ModelSpec, Settings
+from shared.config import DEFAULT_MODELS, ModelSpec, Settings, redis_url_from
 from shared.errors import ConfigError
 from shared.lanes import LaneSpec
 from shared.states import Task
@@ -16,6 +16,25 @@ def test_redis_url_from_either_variable():
     assert Settings.from_environ({"REDIS_URL": "redis://a:1/0"}).redis_url == "redis://a:1/0"
     assert Settings.from_environ({"REDIS_URL": "redis://a:1/0",
                                   "BATCHGATE_REDIS_URL": "redis://b:2/0"}).redis_url == "redis://b:2/0"
+    assert redis_url_from({}) is None and redis_url_from({"BATCHGATE_REDIS_URL": ""}) is None
+    assert redis_url_from({"REDIS_URL": "redis://a:1/0", "BATCHGATE_REDIS_URL": "redis://b:2/0"}) == "redis://b:2/0"
+
+
+def test_the_dispatcher_and_lambda_settings_come_from_the_same_environ():
+    d = Settings.from_environ({"BATCHGATE_KEY_PREFIX": "prod"})
+    assert (d.webhook_secret, d.dispatcher_metrics_port) == ("", 9465)
+    assert (d.lambda_tenant, d.lambda_margin_s) == ("default", 0.5)
+    assert (d.metric_namespace, d.deployment, d.cloudwatch_endpoint) == ("batchgate", "prod", "")
+    s = Settings.from_environ({"BATCHGATE_WEBHOOK_SECRET": "whsec_x", "BATCHGATE_DISPATCHER_METRICS_PORT": "0",
+                               "BATCHGATE_LAMBDA_TENANT": "acme", "BATCHGATE_LAMBDA_MARGIN_S": "1.5",
+                               "BATCHGATE_METRIC_NAMESPACE": "ns", "BATCHGATE_DEPLOYMENT": "blue",
+                               "BATCHGATE_CLOUDWATCH_ENDPOINT": "http://127.0.0.1:5000"})
+    assert (s.webhook_secret, s.dispatcher_metrics_port) == ("whsec_x", 0)
+    assert (s.lambda_tenant, s.lambda_margin_s) == ("acme", 1.5)
+    assert (s.metric_namespace, s.deployment, s.cloudwatch_endpoint) == ("ns", "blue", "http://127.0.0.1:5000")
+    assert "whsec_x" not in repr(s)
+    with pytest.raises(ConfigError):
+        Settings.from_environ({"BATCHGATE_DISPATCHER_METRICS_PORT": "ninety"})
 
 
 def test_env_selects_and_overrides_models():

@@ -1,7 +1,11 @@
-"""The `batchgate` command: `up` (the whole stack locally), `gateway`, `worker`.
+"""The `batchgate` command: run the stack or one of its parts; manage keys, tenants and webhooks.
+
+Parts: `up` (the whole stack locally, see batchgate/supervisor.py), `gateway`, `worker`, `callbacks`
+(the webhook dispatcher); admin: `keys`, `tenants`, `webhooks`.
 
 Heavy modules (torch, uvicorn) are imported inside the subcommand that needs them, so `batchgate
-gateway` never loads torch.
+gateway` never loads torch. The process environment is read here once, with the command line's
+overrides laid over it, and handed to `Settings.from_environ`.
 """
 
 from __future__ import annotations
@@ -9,22 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 
 from shared.config import Settings
 from shared.errors import ConfigError
 from shared.logs import configure_logging
 
-STARTUP_TIMEOUT_S = 600.0
 
-
-def _settings(args: argparse.Namespace) -> Settings:
+def _environ(args: argparse.Namespace) -> dict[str, str]:
+    """The process environment with the command line's options laid over it."""
     env = dict(os.environ)
     if getattr(args, "config", None):
         env["BATCHGATE_CONFIG"] = args.config
@@ -36,7 +34,11 @@ def _settings(args: argparse.Namespace) -> Settings:
         env["BATCHGATE_HOST"] = args.host
     if getattr(args, "port", None) is not None:
         env["BATCHGATE_PORT"] = str(args.port)
-    return Settings.from_environ(env)
+    return env
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return Settings.from_environ(_environ(args))
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -60,25 +62,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_callbacks(args: argparse.Namespace) -> int:
     settings = _settings(args)
     configure_logging(settings.log_level, settings.log_format)
-    import asyncio
-    import signal as sig
+    from gateway.dispatcher import run
 
-    from prometheus_client import start_http_server
-
-    from gateway.dispatcher import Dispatcher
-
-    port = int(os.environ.get("BATCHGATE_DISPATCHER_METRICS_PORT", "9465"))
-    if port:
-        start_http_server(port, addr="127.0.0.1")
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for s in (sig.SIGTERM, sig.SIGINT):
-            loop.add_signal_handler(s, stop.set)
-        await Dispatcher(settings, default_secret=os.environ.get("BATCHGATE_WEBHOOK_SECRET", "")).run(stop)
-
-    asyncio.run(main())
+    run(settings)
     return 0
 
 
@@ -175,126 +161,13 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     return 0
 
 
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _workers_up(redis_url: str, prefix: str, models: set[str]) -> bool:
-    import redis
-
-    try:
-        client = redis.Redis.from_url(redis_url, socket_timeout=1.0)
-        seen: set[str] = set()
-        for raw in client.hvals(f"{prefix}:workers"):
-            seen.update(json.loads(raw).get("models", []))
-        client.close()
-        return models <= seen
-    except (redis.RedisError, OSError, ValueError):
-        return False
-
-
-class _Stack:
-    """The processes `batchgate up` supervises."""
-
-    def __init__(self, procs: dict[str, subprocess.Popen[bytes]]) -> None:
-        self.procs = procs
-        self.stop_requested = False
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        self.stop_requested = True
-
-    def exited(self) -> bool:
-        return any(p.poll() is not None for p in self.procs.values())
-
-    def wait_ready(self, base: str, redis_url: str, settings: Settings) -> bool:
-        end = time.monotonic() + STARTUP_TIMEOUT_S
-        models = {m.name for m in settings.models}
-        while not self.stop_requested and not self.exited() and time.monotonic() < end:
-            if _http_ok(base + "/readyz") and _workers_up(redis_url, settings.key_prefix, models):
-                return True
-            time.sleep(0.2)
-        return False
-
-    def supervise(self) -> int:
-        """Run until a signal (exit 0) or until a process dies (exit 1)."""
-        while not self.stop_requested:
-            if self.exited():
-                print("batchgate up: a process exited; stopping the stack", file=sys.stderr)
-                return 1
-            time.sleep(0.2)
-        return 0
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=45)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
 def cmd_up(args: argparse.Namespace) -> int:
-    from shared.embedded_redis import free_port, start_embedded_redis
+    from batchgate.supervisor import run_stack
 
-    settings = _settings(args)
+    environ = _environ(args)
+    settings = Settings.from_environ(environ)
     configure_logging(settings.log_level, settings.log_format)
-    embedded = None
-    redis_url = args.redis_url or os.environ.get("BATCHGATE_REDIS_URL") or os.environ.get("REDIS_URL")
-    if not redis_url:
-        embedded = start_embedded_redis()
-        redis_url = embedded.url
-    port = settings.port or free_port()
-    env = {**os.environ, "BATCHGATE_REDIS_URL": redis_url, "BATCHGATE_HOST": settings.host,
-           "BATCHGATE_PORT": str(port), "BATCHGATE_MODELS": ",".join(m.name for m in settings.models)}
-    env.setdefault("BATCHGATE_WORKER_METRICS_PORT", str(free_port()))
-    env.setdefault("BATCHGATE_AUTH", "off")  # local use; the gateway logs it loudly
-    if args.config:
-        env["BATCHGATE_CONFIG"] = args.config
-    cli = [sys.executable, "-m", "shared.cli"]
-    env.setdefault("BATCHGATE_DISPATCHER_METRICS_PORT", str(free_port()))
-    stack = _Stack({"worker": subprocess.Popen([*cli, "worker"], env=env),
-                    "gateway": subprocess.Popen([*cli, "gateway"], env=env),
-                    "callbacks": subprocess.Popen([*cli, "callbacks"], env=env)})
-    base = f"http://{settings.host}:{port}"
-    try:
-        if not stack.wait_ready(base, redis_url, settings):
-            if stack.stop_requested:
-                return 0
-            print("batchgate up: the stack did not become ready", file=sys.stderr)
-            return 1
-        _banner(base, redis_url, embedded.kind if embedded else "external", env, settings)
-        return stack.supervise()
-    finally:
-        stack.stop()
-        if embedded is not None:
-            embedded.stop()
-        print("batchgate up: stopped", file=sys.stderr, flush=True)
-
-
-def _banner(base: str, redis_url: str, redis_kind: str, env: dict[str, str], settings: Settings) -> None:
-    lines = [
-        f"batchgate is up: {base}",
-        f"  redis:   {redis_url} ({redis_kind})",
-        f"  models:  {', '.join(m.name + ' (' + m.task.value + ')' for m in settings.models)}",
-        f"  metrics: {base}/metrics (gateway), "
-        f"http://127.0.0.1:{env['BATCHGATE_WORKER_METRICS_PORT']}/metrics (worker)",
-        "  try:",
-        f"    curl -s -X POST '{base}/v1/models/minilm/requests?wait=5' -d '{{\"input\": {{\"texts\": [\"hello\"]}}}}'",
-        f"    curl -s -X POST '{base}/v1/models/tiny-llama/requests?wait=10' "
-        "-d '{\"input\": {\"prompt\": \"Once upon a time\"}, \"params\": {\"max_new_tokens\": 32}}'",
-        "  auth:    " + ("OFF (local use: every caller is tenant default)" if env.get("BATCHGATE_AUTH") == "off"
-                         else "API keys (batchgate keys create --tenant NAME)"),
-        "  Ctrl-C stops everything.",
-    ]
-    print("\n".join(lines), flush=True)
+    return run_stack(settings, environ)
 
 
 def build_parser() -> argparse.ArgumentParser:

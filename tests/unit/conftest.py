@@ -1,0 +1,51 @@
+"""The unit tier is pure: no Redis, no model, no torch.
+
+Under `make test-fast` (`BATCHGATE_FAST_TIER=1`) the session fails if torch was imported, and names
+where it first appeared: before the session, while collecting a test module, or while running a test.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+FAST_TIER = os.environ.get("BATCHGATE_FAST_TIER") == "1"
+_first_torch: list[str] = []  # where torch first appeared in sys.modules (one entry at most)
+
+
+def _note(where: str) -> None:
+    if FAST_TIER and not _first_torch and "torch" in sys.modules:
+        _first_torch.append(where)
+
+
+_note("before the unit tier was collected (a plugin or a conftest)")
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _note(f"collecting {report.nodeid}")
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    _note(f"running {nodeid}")
+
+
+def torch_message() -> str | None:
+    """Why the fast tier fails, or None when it imported no torch."""
+    if not FAST_TIER or "torch" not in sys.modules:
+        return None
+    where = _first_torch[0] if _first_torch else "somewhere in the session"
+    return f"BATCHGATE_FAST_TIER: the fast tier imported torch (first seen {where}); it must stay torch-free"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if torch_message() and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    message = torch_message()
+    if message:
+        terminalreporter.write_line(message, red=True, bold=True)
