@@ -17,6 +17,7 @@ recurrent layers, other mask builders) cannot be served exactly and is refused w
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,11 +55,11 @@ class AttentionLayout:
         if "causal_mask_mapping" in source and layer_types:
             patterns = {t: _pattern(t, cfg, name) for t in set(layer_types)}
             return cls(patterns, by_type=True)
-        if "create_sliding_window_causal_mask" in source:  # every layer windowed when the config says so
+        if set(layer_types or ()) - {FULL}:
+            pass  # layer types the model does not take masks by: refused below
+        elif "create_sliding_window_causal_mask" in source:  # every layer windowed when the config says so
             return cls({FULL: Pattern(window=window)}, by_type=False)
-        if "create_causal_mask" in source and not layer_types:
-            return cls({FULL: Pattern()}, by_type=False)
-        if "create_causal_mask" in source and set(layer_types or ()) == {FULL}:
+        elif "create_causal_mask" in source:
             return cls({FULL: Pattern()}, by_type=False)
         raise ConfigError(f"model {name}: its attention layout (layer types {sorted(set(layer_types or ()))}) is "
                           "not one the engine can reproduce exactly; refusing to serve it rather than serve it wrong")
@@ -100,10 +101,8 @@ def _pattern(layer_type: str, cfg: Any, name: str) -> Pattern:
 
 
 def _forward_source(model: Any) -> str:
-    """The source of the decoder's forward (where transformers builds the masks), or '' if unreadable."""
-    base = getattr(model, getattr(model, "base_model_prefix", "model"), None) or model
-    base = getattr(base, "language_model", base)
+    """The source of the model's modeling module (where transformers builds its masks), or '' if unreadable."""
     try:
-        return inspect.getsource(type(base).forward)
-    except (OSError, TypeError):
+        return inspect.getsource(sys.modules[type(model).__module__])
+    except (OSError, TypeError, KeyError):
         return ""
