@@ -18,6 +18,7 @@ from gpu_worker import metrics
 from gpu_worker.outcomes import Emitted, expired_outcome
 from gpu_worker.work_queue import DeadLetter, Entry, Held, QueueUnavailable, WorkQueue, decode_request
 from shared.config import Settings
+from shared.deadlines import cannot_finish
 from shared.errors import CodecError
 from shared.keys import Keys
 from shared.messages import InferenceRequest
@@ -105,7 +106,7 @@ class Intake:
                     await self.queue.ack([Held(model, entry.stream, entry.id, req)])
                 continue
             self.held[req.id] = Held(model, entry.stream, entry.id, req)
-            if req.deadline_ms <= now * 1000 and engines.spec.deadline_aware:
+            if engines.spec.deadline_aware and cannot_finish(req.deadline_ms / 1000, now):
                 metrics.EXPIRED_BEFORE_COMPUTE.labels(model, req.lane).inc()
                 late.append(expired_outcome(req, self.consumer, now, "before the worker read it"))
             else:

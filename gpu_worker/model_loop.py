@@ -22,6 +22,7 @@ from gpu_worker.load_report import LoadReport, Snapshot
 from gpu_worker.outcomes import Ack, Emitted, HandBack, Outcome, expired_outcome, failed_outcome
 from gpu_worker.runner import Runner
 from gpu_worker.scheduler import Plan, Scheduler
+from shared.deadlines import cannot_finish
 from shared.faults import Faults
 from shared.messages import InferenceRequest
 from shared.states import FinishReason
@@ -146,7 +147,7 @@ class ModelLoop(ThreadedLoop):
         metrics.BATCH_SIZE.labels(self.name, batch[0].lane).observe(sum(job.size for job in batch))
         for job in batch:
             metrics.QUEUE_WAIT.labels(self.name, job.lane).observe(max(0.0, now - job.req.created_ms / 1000))
-            if job.deadline <= now:  # only possible in FIFO mode: the baseline's wasted work
+            if cannot_finish(job.deadline, now):  # only possible in FIFO mode: the baseline's wasted work
                 metrics.COMPUTE_ON_EXPIRED.labels(self.name).inc()
         self.scheduler.started(batch)
         self._faults.point("kill_at_prefill")

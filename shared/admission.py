@@ -21,6 +21,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from shared.deadlines import cannot_finish
 from shared.messages import LaneStats
 
 STATS_MAX_AGE_MS = 5_000
@@ -91,7 +92,7 @@ def decide(*, now_s: float, deadline_s: float, est: Estimate, queued: int, max_b
         wait = est.start_s if est.basis == "stats" else 1.0
         return Decision(False, est, f"lane backlog is full ({queued} >= {max_backlog} requests)", "backlog_full",
                         max(1.0, wait))
-    if deadline_aware and est.basis == "stats" and now_s + est.finish_s > deadline_s:
+    if deadline_aware and est.basis == "stats" and cannot_finish(deadline_s, now_s, est.finish_s):
         budget_ms = (deadline_s - now_s) * 1000
         compute_ms = (est.finish_s - est.start_s) * 1000
         if compute_ms > budget_ms:

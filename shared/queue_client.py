@@ -22,6 +22,7 @@ from shared.admission import Decision
 from shared.callback_store import CallbackStore
 from shared.codec import decode, encode
 from shared.config import ModelSpec, Settings
+from shared.deadlines import cannot_finish
 from shared.errors import CodecError
 from shared.idempotency import IdempotencyClaim, IdempotencyStore
 from shared.keys import Keys
@@ -141,9 +142,8 @@ class QueueClient:
         rec = await self.store.get(request_id)
         if rec is None or rec.terminal or rec.meta is None:
             return rec
-        grace_ms = self.settings.expiry_grace_s * 1000
-        if self.now_ms() <= rec.meta.deadline_ms + grace_ms:
-            return rec
+        if not cannot_finish(rec.meta.deadline_ms / 1000 + self.settings.expiry_grace_s, self.now_ms() / 1000):
+            return rec  # its deadline (plus the grace a worker gets to write a result) has not passed yet
         await self.store.finish(RequestResult(
             id=request_id, status=Status.EXPIRED, finish_reason=FinishReason.DEADLINE,
             error=ErrorInfo("deadline_exceeded", "no result by the deadline"), finished_ms=self.now_ms(),

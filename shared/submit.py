@@ -16,6 +16,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from shared.config import ModelSpec
+from shared.deadlines import cannot_finish
 from shared.errors import ValidationError
 from shared.ids import new_request_id
 from shared.lanes import assign_lane, estimate_embed_tokens, estimate_generate_tokens
@@ -82,7 +83,7 @@ def resolve_deadline(timeout_s: float | UnsetType, deadline: float | str | Unset
             raise ValidationError("deadline", "an ISO 8601 deadline needs a time zone (e.g. Z)")
         deadline = parsed.timestamp()
     if isinstance(deadline, float):
-        if deadline <= now:
+        if cannot_finish(deadline, now):
             raise ValidationError("deadline", "is in the past")
         if deadline - now > spec.max_timeout_s:
             raise ValidationError("deadline", f"at most {spec.max_timeout_s} seconds ahead for this model")
