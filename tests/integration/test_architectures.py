@@ -107,3 +107,69 @@ def test_an_architecture_the_engine_cannot_drive_is_refused_at_load() -> None:
     model = tiny("bloom")
     with pytest.raises(ConfigError, match="bloom"):
         verify_exact(model, "bloom")
+
+
+ARCH_BUDGET_S = 30  # building a tiny model and generating with it; longer means it is not tiny at these sizes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400, method="thread")  # per-architecture alarms below bound each one
+def test_every_causal_lm_is_served_exactly_or_refused() -> None:
+    """Every causal LM architecture of the installed transformers that `generate` runs on CPU at tiny sizes:
+    the engine either serves it token for token like `generate` (having passed the load check) or refuses
+    it at load with a clear error. Never wrong tokens, never a crash after the load check passed."""
+    import signal
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    class OverBudget(Exception):
+        pass
+
+    def alarm(*_: object) -> None:
+        raise OverBudget
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    outcome: dict[str, str] = {}
+    try:
+        for arch in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+            signal.alarm(ARCH_BUDGET_S)
+            try:
+                outcome[arch] = _sweep_one(arch)
+            except OverBudget:
+                outcome[arch] = "out of scope: not tiny within the budget"
+            finally:
+                signal.alarm(0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    wrong = {a: o for a, o in outcome.items() if o.startswith(("WRONG", "CRASH"))}
+    served = sorted(a for a, o in outcome.items() if o == "served")
+    refused = sorted(a for a, o in outcome.items() if o.startswith("refused"))
+    print(f"\n{len(served)} served exactly, {len(refused)} refused at load, "
+          f"{len(outcome) - len(served) - len(refused)} out of scope (tiny config or generate fails)")
+    assert not wrong, wrong
+    assert set(SERVED) <= set(served), sorted(set(SERVED) - set(served))
+    assert len(served) + len(refused) >= 40  # the sweep really ran over the architectures
+
+
+def _sweep_one(arch: str) -> str:
+    try:
+        model = tiny(arch)
+        reqs, arrivals = mixed()
+        vocab = model.config.get_text_config().vocab_size
+        reqs = [GenSpec(id=s.id, prompt_ids=tuple(t % vocab for t in s.prompt_ids), max_new_tokens=s.max_new_tokens)
+                for s in reqs]
+        arrivals = {0: reqs[:3], 2: reqs[3:4], 7: reqs[4:]}
+        want = {s.id: reference(model, s) for s in reqs}
+    except Exception as exc:  # transformers itself cannot build or run it at these sizes
+        return f"out of scope: {type(exc).__name__}"
+    try:
+        verify_exact(model, arch)
+        engine = GenerationEngine(model, max_rows=8, max_seq_len=64)
+    except ConfigError as exc:
+        return f"refused: {exc}"
+    try:
+        got = serve(engine, arrivals)
+    except Exception as exc:
+        return f"CRASH after the load check passed: {type(exc).__name__}: {exc}"
+    bad = [s.id for s in reqs if got[s.id] != want[s.id]]
+    return f"WRONG tokens for {bad}" if bad else "served"
