@@ -23,7 +23,7 @@ from shared.messages import Callback, InferenceRequest
 from shared.params import ITEM_LISTS, EmbedInput, EmbedParams, GenerateInput, GenerateParams, exactly_one
 from shared.ssrf import AllowList, RefusedURL, check_url
 from shared.states import Priority, Task
-from shared.validation import convert
+from shared.validation import check_text, convert
 
 MAX_TIMEOUT_S = 10**9  # a bound only to keep the number finite; each model's max_timeout_s is checked after
 MAX_EPOCH_S = 10**11
@@ -72,6 +72,9 @@ def resolve_deadline(timeout_s: float | UnsetType, deadline: float | str | Unset
     if isinstance(timeout_s, float):
         if timeout_s > spec.max_timeout_s:
             raise ValidationError("timeout_s", f"at most {spec.max_timeout_s} seconds for this model")
+        if timeout_s < spec.min_timeout_s:
+            raise ValidationError("timeout_s", f"at least {spec.min_timeout_s:g} seconds: no request to this model "
+                                               "can finish sooner")
         return now + timeout_s
     if isinstance(deadline, str):
         try:
@@ -86,6 +89,9 @@ def resolve_deadline(timeout_s: float | UnsetType, deadline: float | str | Unset
             raise ValidationError("deadline", "is in the past")
         if deadline - now > spec.max_timeout_s:
             raise ValidationError("deadline", f"at most {spec.max_timeout_s} seconds ahead for this model")
+        if deadline - now < spec.min_timeout_s:
+            raise ValidationError("deadline", f"at least {spec.min_timeout_s:g} seconds ahead: no request to this "
+                                              "model can finish sooner")
         return deadline
     return now + spec.default_timeout_s
 
@@ -107,6 +113,7 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
     """The request a submit body asks for (raises `ValidationError` with the field it concerns)."""
     if not isinstance(body, dict):
         raise ValidationError("", "the body must be a JSON object")
+    check_text(body, item_lists=ITEM_LISTS)  # before anything encodes or measures its text
     sub = convert(body, SUBMIT_TYPES[spec.task], item_lists=ITEM_LISTS)
     if isinstance(sub, GenerateSubmit):
         raw_params = body.get("params")
