@@ -50,6 +50,12 @@ class ModelSpec:
     max_new_tokens: int = 512
     default_max_new_tokens: int = 64
     max_texts: int = 64
+    # generate: token ids must be below this (input_ids checked at submit); None: the model directory's
+    # config.json says, where the gateway can read it (shared.token_limits)
+    vocab_size: int | None = None
+    # a tokenizer.json (or a directory holding one) the gateway counts tokens with; "": the model's own,
+    # where the gateway can find it (shared.token_limits)
+    tokenizer: str = ""
     default_timeout_s: float = 60.0
     max_timeout_s: float = 3600.0
     # the shortest timeout accepted: below it no request can finish (a batching window, a forward and two
@@ -83,6 +89,8 @@ class ModelSpec:
                      "max_new_tokens", "default_max_new_tokens", "max_texts"):
             if getattr(self, attr) < 1:
                 raise ConfigError(f"model {self.name}: {attr} must be >= 1")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ConfigError(f"model {self.name}: vocab_size must be >= 1")
         if self.scheduling not in ("deadline", "fifo"):
             raise ConfigError(f"model {self.name}: scheduling must be deadline or fifo")
         if not 0 <= self.min_timeout_s < self.default_timeout_s <= self.max_timeout_s:
@@ -133,11 +141,11 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
     ),
     "tiny-llama": ModelSpec(
         name="tiny-llama", task=Task.GENERATE, source="builtin:tiny-llama",
-        max_input_tokens=384, max_new_tokens=256, max_batch_tokens=4096,
+        max_input_tokens=384, max_new_tokens=256, max_batch_tokens=4096, vocab_size=8192,
     ),
     "bench-llama": ModelSpec(
         name="bench-llama", task=Task.GENERATE, source="builtin:bench-llama",
-        max_input_tokens=384, max_new_tokens=256, max_batch_tokens=4096,
+        max_input_tokens=384, max_new_tokens=256, max_batch_tokens=4096, vocab_size=8192,
     ),
 }
 DEFAULT_MODELS = ("minilm", "tiny-llama")

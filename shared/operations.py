@@ -72,7 +72,7 @@ def model_spec(q: QueueClient, name: str) -> ModelSpec:
 def _build(q: QueueClient, body: Any, spec: ModelSpec, tenant: str, at: str = "") -> InferenceRequest:
     """The request a body asks for; a 422 naming the field otherwise (`at`: where the body sits in a batch)."""
     try:
-        return build_request(body, spec, tenant, q.clock(), q.callback_allow)
+        return build_request(body, spec, tenant, q.clock(), q.callback_allow, q.token_limits)
     except ValidationError as exc:
         where = f"{at}.{exc.field}" if at and exc.field else (at or exc.field)
         raise Unprocessable(f"{exc.field}: {exc.message}" if exc.field else exc.message,

@@ -212,3 +212,65 @@ async def test_a_body_that_never_arrives_is_cut_off(redis_url, prefix):
         data, took = await asyncio.to_thread(stall)
         assert data.startswith(b"HTTP/1.1 408"), data[:200]
         assert took < 5 and b"body_timeout" in data
+
+
+# --- token limits at submit (the model's own tokenizer, where the gateway can load it) ----------------
+
+LONG_PROMPT = " ".join(str(n) for n in range(700))  # ~2,700 characters (under the character bound), >384 tokens
+
+
+async def test_too_long_prompts_and_out_of_vocabulary_ids_are_422_at_submit(redis_url, prefix, loaded_models,
+                                                                            model_cache):
+    settings = make_settings(redis_url, prefix, model_cache_dir=str(model_cache))
+    async with running_gateway(settings) as gw:
+        assert len(LONG_PROMPT) < LLAMA.max_input_tokens * 16
+        r = await gw.client.post("/v1/models/tiny-llama/requests", json={"input": {"prompt": LONG_PROMPT}})
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        n = len(loaded_models["tiny-llama"].tokenizer(LONG_PROMPT)["input_ids"])  # the worker's own count
+        assert err["field"] == "input.prompt" and f"is {n} tokens" in err["message"] and "384" in err["message"]
+        r = await gw.client.post("/v1/models/tiny-llama/requests", json={"input": {"input_ids": [5, 8191, 8192]}})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "input.input_ids"
+        assert "item 2" in r.json()["error"]["message"] and "8192" in r.json()["error"]["message"]
+        words = "hello " * 600  # 602 tokens with [CLS] and [SEP]; MiniLM takes 512
+        r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"texts": ["short", words]}})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "input.texts[1]", r.text
+        assert "602 tokens" in r.json()["error"]["message"] and "truncate" in r.json()["error"]["message"]
+        r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": words}})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "input.text"
+        # what fits is accepted as before
+        ok = await gw.client.post("/v1/models/tiny-llama/requests", json={"input": {"prompt": "hello " * 150}})
+        assert ok.status_code == 202, ok.text
+        assert sum((await gw.service.backlog("minilm", ("short", "long"))).values()) == 0
+
+
+async def test_embedding_truncation_is_asked_for_and_reported(redis_url, prefix, loaded_models, model_cache):
+    from tests.stack import running_worker
+
+    settings = make_settings(redis_url, prefix, model_cache_dir=str(model_cache))
+    words = "hello " * 600
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        r = await gw.client.post("/v1/models/minilm/requests?wait=20", json={
+            "input": {"texts": [words, "short"]}, "params": {"truncate": True}})
+        assert r.status_code == 200, r.text
+        out = r.json()["output"]
+        assert out["truncated"] == [True, False] and out["tokens"] == [512, 3]
+        # a gateway that cannot count (no tokenizer here) lets it through: the worker refuses it, never cuts
+        gw.service.token_limits._tokenizers["minilm"] = None
+        r = await gw.client.post("/v1/models/minilm/requests?wait=20", json={"input": {"texts": ["ok", words]}})
+        assert r.status_code == 200 and r.json()["status"] == "failed", r.text
+        assert r.json()["error"]["code"] == "input_too_long" and "text 1 is 602 tokens" in r.json()["error"]["message"]
+        plain = await gw.client.post("/v1/models/minilm/requests?wait=20", json={"input": {"text": "short"}})
+        assert "truncated" not in plain.json()["output"]
+
+
+def test_the_gateway_loads_no_tokenizer_at_import():
+    """Token counting is lazy: a Lambda's cold start pays for no tokenizer (nor torch)."""
+    import os
+    import subprocess
+
+    code = ("import sys; import gateway.lambda_handler, gateway.app; "
+            "print([m for m in ('tokenizers', 'torch', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                         env={**os.environ, "BATCHGATE_LOG_FORMAT": "json"}).stdout.strip().splitlines()[-1]
+    assert out == "[]"
