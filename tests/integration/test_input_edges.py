@@ -274,3 +274,16 @@ def test_the_gateway_loads_no_tokenizer_at_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
                          env={**os.environ, "BATCHGATE_LOG_FORMAT": "json"}).stdout.strip().splitlines()[-1]
     assert out == "[]"
+
+
+def test_the_document_lists_the_statuses_these_paths_answer():
+    from gateway import openapi
+    from tests.stack import make_settings as settings_for
+
+    doc = openapi.document(settings_for("redis://127.0.0.1:6379/0", "bgdoc"))
+    for path, ops_ in doc["paths"].items():
+        for method, op in ops_.items():
+            if "{request_id}" in path:  # every read of a request id may find its result expired
+                assert "410" in op["responses"], (method, path)
+            if "requestBody" in op:
+                assert {"408", "413", "415", "422"} <= set(op["responses"]), (method, path)
