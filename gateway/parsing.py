@@ -35,8 +35,10 @@ def parse_body(req: ApiRequest, max_bytes: int) -> Any:
     # only JSON's own type: text/plain and form bodies are what a browser may send cross-site without a
     # preflight, so reading them as JSON would let any web page submit (where auth is off)
     if ctype not in JSON_TYPES and not (ctype.startswith("application/") and ctype.endswith("+json")):
+        hint = " (curl -d sends this by default: add -H 'content-type: application/json', or use --json)" \
+            if ctype == "application/x-www-form-urlencoded" else ""
         raise UnsupportedMediaType(f"content type {ctype!r} not supported; send application/json "
-                                   "or application/msgpack")
+                                   f"or application/msgpack{hint}")
     try:
         body = json.loads(req.body)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
