@@ -81,7 +81,8 @@ def _direct(event: dict[str, Any], context: Any) -> dict[str, Any]:
     if remaining is not None:
         budget = remaining - MARGIN_S
         if "timeout_s" not in body and "deadline" not in body:
-            if budget <= 0:
+            spec = SETTINGS.model(event["model"])
+            if budget <= (spec.min_timeout_s if spec else 0.0) + 0.05:  # none could finish: nothing is submitted
                 return {"statusCode": 429, "error": {"code": "deadline_infeasible", "message":
                         f"this invocation has {remaining * 1000:.0f} ms left; nothing was submitted"}}
             body["deadline"] = time.time() + budget

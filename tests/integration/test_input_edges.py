@@ -102,6 +102,19 @@ async def test_a_failure_after_admission_gives_back_the_slot_and_the_key(redis_u
         again = await ops.submit(svc, {"input": {"text": "x"}}, MINILM, "default", idempotency_key="k1")
         assert again.status == 202
         assert (await svc.idempotency.get("default", "k1")).request_id == again.body["id"]
+        await svc.cancel(await svc.get(again.body["id"]))  # frees the tenant's one slot
+
+        async def lost(items):  # the connection dropped mid-pipeline: the request may be stored
+            raise ConnectionError("reset")
+
+        with monkeypatch.context() as m:
+            m.setattr(svc, "submit_many", lost)
+            with pytest.raises(ConnectionError):
+                await ops.submit(svc, {"input": {"text": "z"}}, MINILM, "default", idempotency_key="k3")
+        assert await active_slots(gw) == 0  # the slot is free either way
+        # the key is kept: a retry within IDEMPOTENCY_TAKEOVER_S is told to wait, a later one takes the claim
+        # over under the same id, so the key never maps to two requests
+        assert await svc.idempotency.get("default", "k3") is not None
 
 
 async def test_the_same_key_twice_in_one_batch_is_a_replay(redis_url, prefix):
