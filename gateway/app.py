@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import metrics, openapi
-from gateway.api import ApiError, ApiRequest, ApiResponse, PayloadTooLarge, error_response
+from gateway.api import ApiError, ApiRequest, ApiResponse, PayloadTooLarge, RequestTimeout, error_response
 from gateway.routes import ROUTES, RouteSpec, dispatch
 from gateway.service import GatewayService
 from shared.config import Settings
@@ -24,18 +25,24 @@ from shared.redis_io import UNAVAILABLE
 log = structlog.get_logger(__name__)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing early (413) once it passes `limit` bytes."""
+async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
+    """The body, refusing early (413) once it passes `limit` bytes, and (408) when it has not arrived
+    whole within `timeout_s`: a client that sends headers and stalls holds no connection for long."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"body is {declared} bytes; the limit is {limit}")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s", code="body_timeout",
+                             headers={"Connection": "close"}) from None
     return b"".join(chunks)
 
 
@@ -50,7 +57,8 @@ def _endpoint(route: RouteSpec, svc: GatewayService):  # type: ignore[no-untyped
     async def endpoint(request: Request) -> Response:
         t0 = time.perf_counter()
         try:
-            body = await read_body(request, svc.settings.max_body_bytes) if route.with_body else b""
+            body = (await read_body(request, svc.settings.max_body_bytes, svc.settings.body_timeout_s)
+                    if route.with_body else b"")
             api_req = ApiRequest(
                 method=request.method, path=request.url.path, query=dict(request.query_params),
                 headers={k.lower(): v for k, v in request.headers.items()}, body=body,
@@ -62,6 +70,19 @@ def _endpoint(route: RouteSpec, svc: GatewayService):  # type: ignore[no-untyped
         return _send(resp, request.headers.get("accept"))
 
     endpoint.__name__ = name
+    return endpoint
+
+
+def _path_endpoint(routes: list[RouteSpec], svc: GatewayService):  # type: ignore[no-untyped-def]
+    """One Starlette route per path, serving each of its methods: so a 405 names them all in `Allow`."""
+    by_method = {r.method: _endpoint(r, svc) for r in routes}
+    if "GET" in by_method:
+        by_method.setdefault("HEAD", by_method["GET"])
+
+    async def endpoint(request: Request) -> Response:
+        return await by_method[request.method](request)
+
+    endpoint.__name__ = routes[0].handler.__name__
     return endpoint
 
 
@@ -83,7 +104,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     message = exc.detail if isinstance(exc, HTTPException) else "internal error"
     if status == 404:
         message = f"no route {request.method} {request.url.path}"
-    return _send(ApiResponse(status, {"error": {"code": codes.get(status, "error"), "message": message}}), None)
+    headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else {}
+    if status == 405:
+        allowed = headers.get("Allow") or headers.get("allow") or ""
+        message = f"{request.method} is not allowed on {request.url.path} (allowed: {allowed})"
+    return _send(ApiResponse(status, {"error": {"code": codes.get(status, "error"), "message": message}},
+                             headers), None)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -113,7 +139,11 @@ def create_app(settings: Settings | None = None, *, service: GatewayService | No
     async def docs_endpoint(request: Request) -> Response:
         return HTMLResponse(page)
 
-    routes = [Route(r.path, _endpoint(r, svc), methods=[r.method]) for r in ROUTES]
+    paths: dict[str, list[RouteSpec]] = {}
+    for r in ROUTES:
+        paths.setdefault(r.path, []).append(r)
+    routes = [Route(path, _path_endpoint(group, svc), methods=[r.method for r in group])
+              for path, group in paths.items()]
     routes += [Route("/metrics", _metrics_endpoint(svc), methods=["GET"]),
                Route("/openapi.json", openapi_endpoint, methods=["GET"]),
                Route("/docs", docs_endpoint, methods=["GET"])]

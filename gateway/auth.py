@@ -44,6 +44,8 @@ class Auth:
         if not key:
             raise Unauthorized("an API key is required (Authorization: Bearer <key> or X-API-Key)",
                                code="missing_api_key")
+        if not key.isprintable() or len(key) > 512:  # not a key we could have issued (nor valid text to hash)
+            raise Unauthorized("invalid or revoked API key", code="invalid_api_key")
         tenant = await self._cache.get("key:" + key, lambda: self.tenants.tenant_of(key))
         if not isinstance(tenant, str):
             raise Unauthorized("invalid or revoked API key", code="invalid_api_key")

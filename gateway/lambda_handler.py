@@ -24,6 +24,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+import structlog
 from mangum import Mangum
 
 from gateway import routes
@@ -33,6 +34,7 @@ from gateway.service import GatewayService
 from shared.config import Settings
 from shared.logs import configure_logging
 
+log = structlog.get_logger(__name__)
 SETTINGS = Settings.from_environ()
 configure_logging(SETTINGS.log_level, "json")
 SERVICE = GatewayService(SETTINGS)  # module scope: one Redis pool per warm container, reused
@@ -55,20 +57,31 @@ def _remaining_s(context: Any) -> float | None:
 
 
 def direct_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    """The submit handler's answer as a dict with `statusCode`; never raises (an invoker would only see
+    an unhandled-error payload, and its retry would submit again)."""
+    try:
+        return _direct(event, context)
+    except Exception:
+        log.exception("direct invocation failed")
+        return {"statusCode": 500, "error": {"code": "internal", "message": "internal error"}}
+
+
+def _direct(event: dict[str, Any], context: Any) -> dict[str, Any]:
     if not isinstance(event, dict) or not isinstance(event.get("model"), str):
         return {"statusCode": 400,
                 "error": {"code": "bad_request", "message": "event needs a `model` and an `input`"}}
     body = {k: event[k] for k in SUBMIT_KEYS if k in event}
     try:
         wanted_wait = float(event["wait"]) if "wait" in event else None
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return {"statusCode": 400, "error": {"code": "invalid_wait", "message": "wait must be a number of seconds"}}
     remaining = _remaining_s(context)
     query: dict[str, str] = {}
     if remaining is not None:
         budget = remaining - MARGIN_S
         if "timeout_s" not in body and "deadline" not in body:
-            if budget <= 0:
+            spec = SETTINGS.model(event["model"])
+            if budget <= (spec.min_timeout_s if spec else 0.0) + 0.05:  # none could finish: nothing is submitted
                 return {"statusCode": 429, "error": {"code": "deadline_infeasible", "message":
                         f"this invocation has {remaining * 1000:.0f} ms left; nothing was submitted"}}
             body["deadline"] = time.time() + budget
@@ -85,13 +98,13 @@ def sqs_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     failures: list[dict[str, str]] = []
     by_model: dict[str, list[tuple[str, dict[str, Any]]]] = defaultdict(list)
     for rec in records:
-        mid = rec.get("messageId", "")
+        mid = rec.get("messageId", "") if isinstance(rec, dict) else ""
         try:
             msg = json.loads(rec.get("body") or "")
             model = msg["model"]
             if not isinstance(model, str):
                 raise TypeError("model")
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             failures.append({"itemIdentifier": mid})
             continue
         item = {k: msg[k] for k in SUBMIT_KEYS if k in msg}
@@ -101,8 +114,15 @@ def sqs_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         step = SETTINGS.max_batch_items
         for start in range(0, len(all_items), step):  # a batching window can deliver more than one call takes
             items = all_items[start:start + step]
-            resp = _dispatch("POST", f"/v1/models/{model}/requests:batch", {"requests": [i for _, i in items]}, event)
-            results = (resp.body or {}).get("results") if resp.status == 200 else None
+            try:
+                resp = _dispatch("POST", f"/v1/models/{model}/requests:batch",
+                                 {"requests": [i for _, i in items]}, event)
+                results = (resp.body or {}).get("results") if resp.status == 200 else None
+            except Exception:  # these messages only: SQS retries them, the others of the batch stay done
+                log.exception("sqs batch submit failed", model=model, messages=len(items))
+                results = None
+            if not isinstance(results, list) or len(results) != len(items):
+                results = None
             for n, (mid, _) in enumerate(items):
                 if results is None or results[n].get("status") not in (200, 202):
                     failures.append({"itemIdentifier": mid})

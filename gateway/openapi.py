@@ -35,6 +35,10 @@ COMMON_ERRORS = {
 }
 
 
+BODY_TIMEOUT = {**_err("The body did not arrive within the server's body timeout (connection closed)"),
+                "headers": {"Connection": {"schema": {"type": "string", "enum": ["close"]}}}}
+
+
 def _json(schema: dict[str, Any], desc: str) -> dict[str, Any]:
     return {"description": desc, "content": {"application/json": {"schema": schema}}}
 
@@ -78,10 +82,12 @@ def document(settings: Settings) -> dict[str, Any]:
                 "responses": {
                     "200": _json(request_view, "Finished within the wait (or an idempotent replay)"),
                     "202": _json({"anyOf": [{"$ref": REF.format(name="Accepted")}, request_view]}, "Accepted"),
-                    **COMMON_ERRORS,
+                    **COMMON_ERRORS, "408": BODY_TIMEOUT,
                     "409": _err("Idempotency-Key reused with a different body, or in progress"),
                     "413": _err("Body too large"), "415": _err("Unsupported content type"),
-                    "422": _err("Invalid fields"),
+                    "422": _err("Invalid fields (with `field`): also text that is not valid Unicode, a prompt or "
+                                "text over the model's tokens, a token id outside its vocabulary, a timeout "
+                                "shorter than any request can meet"),
                     "429": _err("Over capacity, rate limit, quota, or deadline infeasible; see Retry-After"),
                 }}},
             "/v1/models/{model}/requests:batch": {"post": {
@@ -95,8 +101,8 @@ def document(settings: Settings) -> dict[str, Any]:
                     "200": _json({"type": "object", "required": ["results"], "properties": {
                         "results": {"type": "array", "items": {"type": "object", "required": ["index", "status"]}},
                         "accepted": {"type": "integer"}, "refused": {"type": "integer"}}}, "Per-item outcomes"),
-                    **COMMON_ERRORS, "413": _err("Body too large"), "415": _err("Unsupported content type"),
-                    "422": _err("Not a list of submit bodies"),
+                    **COMMON_ERRORS, "408": BODY_TIMEOUT, "413": _err("Body too large"),
+                    "415": _err("Unsupported content type"), "422": _err("Not a list of submit bodies"),
                 }}},
             "/v1/requests/{request_id}": {
                 "get": {"operationId": "getRequest", "summary": "Status and result (long-poll with wait)",
@@ -106,7 +112,8 @@ def document(settings: Settings) -> dict[str, Any]:
                 "delete": {"operationId": "cancelRequest", "summary": "Cancel",
                            "parameters": [id_param],
                            "responses": {"200": _json(request_view, "Cancelled"), **COMMON_ERRORS,
-                                         "409": _err("Already finished"), "410": _err("The result expired")}},
+                                         "409": _err("Already finished (cancelled included)"),
+                                         "410": _err("The result expired")}},
             },
             "/v1/requests/{request_id}/callback:replay": {"post": {
                 "operationId": "replayCallback", "summary": "Send a dead-lettered webhook again",

@@ -15,7 +15,13 @@ import msgpack
 from gateway.api import MSGPACK_TYPES, ApiRequest, BadRequest, PayloadTooLarge, UnsupportedMediaType
 from shared.operations import check_idempotency_key, wait_seconds
 
-_PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*([0-9.]+)")
+_PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\"[^\"]*\"|[^,;\s]*)", re.I)
+JSON_TYPES = ("application/json", "")  # no Content-Type at all: read as JSON
+_MSGPACK_HINTS = {
+    "FormatError": "it starts with a byte that begins no msgpack value",
+    "ExtraData": "it holds more than one msgpack value (or is not msgpack at all)",
+    "StackError": "it is nested too deeply",
+}
 
 
 def parse_body(req: ApiRequest, max_bytes: int) -> Any:
@@ -25,19 +31,37 @@ def parse_body(req: ApiRequest, max_bytes: int) -> Any:
         raise BadRequest("empty body: send a JSON object", code="invalid_body")
     ctype = (req.header("content-type") or "application/json").split(";")[0].strip().lower()
     if ctype in MSGPACK_TYPES:
-        try:
-            body = msgpack.unpackb(req.body, raw=False)
-        except Exception as exc:
-            raise BadRequest(f"invalid msgpack body: {exc}", code="invalid_body") from exc
-        _check_shape(body)
-        return body
-    if ctype not in ("application/json", "text/plain", "application/x-www-form-urlencoded", ""):
+        return _msgpack_body(req.body)
+    # only JSON's own type: text/plain and form bodies are what a browser may send cross-site without a
+    # preflight, so reading them as JSON would let any web page submit (where auth is off)
+    if ctype not in JSON_TYPES and not (ctype.startswith("application/") and ctype.endswith("+json")):
+        hint = " (curl -d sends this by default: add -H 'content-type: application/json', or use --json)" \
+            if ctype == "application/x-www-form-urlencoded" else ""
         raise UnsupportedMediaType(f"content type {ctype!r} not supported; send application/json "
-                                   "or application/msgpack")
+                                   f"or application/msgpack{hint}")
     try:
         body = json.loads(req.body)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise BadRequest(f"invalid JSON: {str(exc)[:200]}", code="invalid_json") from exc
+    _check_shape(body)
+    return body
+
+
+def _msgpack_body(raw: bytes) -> Any:
+    """One msgpack value (an object), with an error that says what is wrong with the bytes."""
+    try:
+        body = msgpack.unpackb(raw, raw=False)
+    except UnicodeDecodeError as exc:
+        raise BadRequest("invalid msgpack body: a str value is not valid UTF-8 "
+                         "(send text as UTF-8)", code="invalid_body") from exc
+    except ValueError as exc:  # msgpack's own errors derive from ValueError
+        name = type(exc).__name__
+        hint = _MSGPACK_HINTS.get(name) or ("it ends in the middle of a value" if "incomplete" in str(exc)
+                                            else str(exc) or name)
+        raise BadRequest(f"invalid msgpack body ({len(raw)} bytes, first byte 0x{raw[0]:02x}): {hint}; send one "
+                         "msgpack map with Content-Type: application/msgpack", code="invalid_body") from exc
+    except Exception as exc:
+        raise BadRequest(f"invalid msgpack body: {type(exc).__name__}", code="invalid_body") from exc
     _check_shape(body)
     return body
 
@@ -64,7 +88,7 @@ def parse_wait(req: ApiRequest, cap: float) -> float:
     raw = req.query.get("wait")
     if raw is None:
         m = _PREFER_WAIT.search(req.header("prefer") or "")
-        raw = m.group(1) if m else None
+        raw = m.group(1).strip('"') if m else None
     if raw is None:
         return 0.0
     try:

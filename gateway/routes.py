@@ -69,7 +69,8 @@ def match(method: str, path: str) -> tuple[RouteSpec, list[str]]:
             return route, [m.group(p) for p in route.params]
         allowed.append(route.method)
     if allowed:
-        raise MethodNotAllowed(f"{method} is not allowed on {path} (allowed: {', '.join(allowed)})")
+        raise MethodNotAllowed(f"{method} is not allowed on {path} (allowed: {', '.join(allowed)})",
+                               headers={"Allow": ", ".join(allowed)})
     raise NotFound(f"no route {method} {path}")
 
 

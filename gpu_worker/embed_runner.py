@@ -1,6 +1,9 @@
 """The encoder runner: the dynamic stage alone, one padded encoder forward per batch, mean pooling.
 
-A failing batch is retried in halves, so one bad request fails alone.
+A failing batch is retried in halves, so one bad request fails alone. A text longer than the model
+takes (`max_input_tokens`, at most its position embeddings) fails its request (`input_too_long`),
+unless the request asked for `params.truncate`: then it is cut, and the output says so (`truncated`,
+one flag per text). The gateway refuses such texts at submit where it can count their tokens.
 """
 
 from __future__ import annotations
@@ -64,13 +67,29 @@ class EmbedRunner:
 
     def prepare(self, req, now: float) -> Job | Outcome:  # type: ignore[no-untyped-def]
         texts = req.input["texts"]
-        enc = self.loaded.tokenizer(texts, add_special_tokens=True, truncation=True, max_length=self.max_len)
+        params = EmbedParams(**req.params)
+        enc = self.loaded.tokenizer(texts, add_special_tokens=True, truncation=False)
+        over = [(i, len(ids)) for i, ids in enumerate(enc["input_ids"]) if len(ids) > self.max_len]
+        if over and not params.truncate:
+            i, n = over[0]
+            return failed_outcome(req, self.worker, now, "input_too_long",
+                                  f"text {i} is {n} tokens; this model takes at most {self.max_len} per text "
+                                  "(set params.truncate to cut it)")
+        if over:
+            enc = self.loaded.tokenizer(texts, add_special_tokens=True, truncation=True, max_length=self.max_len)
         inputs = tuple(tuple(ids) for ids in enc["input_ids"])
         lens = [len(ids) for ids in inputs]
         tokens = sum(lens)
         return Job(id=req.id, lane=assign_lane(tokens, self.spec.lanes).name, rank=Priority(req.priority).rank,
                    deadline=req.deadline_ms / 1000, arrived=now, tokens=tokens, prompt_tokens=max(lens),
-                   size=len(texts), request=req, params=EmbedParams(**req.params), inputs=inputs)
+                   size=len(texts), request=req, params=params, inputs=inputs)
+
+    def _truncated(self, job: Job) -> list[bool]:
+        """Which texts of a `truncate` request were cut: those at the cap whose whole text is longer."""
+        texts = job.req.input["texts"]
+        return [len(ids) >= self.max_len
+                and len(self.loaded.tokenizer(text, add_special_tokens=True, truncation=False)["input_ids"])
+                > self.max_len for ids, text in zip(job.inputs, texts, strict=True)]
 
     def start(self, batch: list[Job], now: float) -> list[Outcome]:
         try:
@@ -111,6 +130,8 @@ class EmbedRunner:
             vecs = (normed if normalize else pooled)[row: row + n].float().cpu().tolist()
             row += n
             output = {"embeddings": vecs, "dim": len(vecs[0]), "tokens": [len(e) for e in job.inputs]}
+            if isinstance(job.params, EmbedParams) and job.params.truncate:
+                output["truncated"] = self._truncated(job)
             outcomes.append(Outcome(job.req, result_for(job.req, Status.SUCCEEDED, worker=self.worker, now=done,
                                                         output=output, reason=FinishReason.DONE,
                                                         timings=dict(timings), started=t0)))

@@ -16,13 +16,14 @@ class ApiError(Exception):
     code = "bad_request"
 
     def __init__(self, message: str, *, code: str | None = None, retry_after: float | None = None,
-                 extra: dict[str, Any] | None = None) -> None:
+                 extra: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         if code:
             self.code = code
         self.retry_after = retry_after
         self.extra = extra or {}
+        self._headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"code": self.code, "message": self.message, **self.extra}}
@@ -30,8 +31,8 @@ class ApiError(Exception):
     def headers(self) -> dict[str, str]:
         """`Retry-After` in whole seconds (at least 1) when the caller should retry later."""
         if self.retry_after is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
+            return dict(self._headers)
+        return {**self._headers, "Retry-After": str(max(1, math.ceil(self.retry_after)))}
 
 
 class BadRequest(ApiError):
@@ -52,6 +53,11 @@ class NotFound(ApiError):
 class MethodNotAllowed(ApiError):
     status = 405
     code = "method_not_allowed"
+
+
+class RequestTimeout(ApiError):
+    status = 408
+    code = "request_timeout"
 
 
 class Conflict(ApiError):

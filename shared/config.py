@@ -54,8 +54,17 @@ class ModelSpec:
     max_new_tokens: int = 512
     default_max_new_tokens: int = 64
     max_texts: int = 64
+    # generate: token ids must be below this (input_ids checked at submit); None: the model directory's
+    # config.json says, where the gateway can read it (shared.token_limits)
+    vocab_size: int | None = None
+    # a tokenizer.json (or a directory holding one) the gateway counts tokens with; "": the model's own,
+    # where the gateway can find it (shared.token_limits)
+    tokenizer: str = ""
     default_timeout_s: float = 60.0
     max_timeout_s: float = 3600.0
+    # the shortest timeout accepted: below it no request can finish (a batching window, a forward and two
+    # Redis round trips), so it is refused as invalid (422), not as over capacity (429: a retry never helps)
+    min_timeout_s: float = 0.005
     # "deadline": EDF lanes, expiry without compute, admission control. "fifo": arrival order, deadlines
     # ignored (the baseline the overload benchmark compares against; not for production).
     scheduling: str = "deadline"
@@ -84,10 +93,12 @@ class ModelSpec:
                      "max_new_tokens", "default_max_new_tokens", "max_texts"):
             if getattr(self, attr) < 1:
                 raise ConfigError(f"model {self.name}: {attr} must be >= 1")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ConfigError(f"model {self.name}: vocab_size must be >= 1")
         if self.scheduling not in ("deadline", "fifo"):
             raise ConfigError(f"model {self.name}: scheduling must be deadline or fifo")
-        if not 0 < self.default_timeout_s <= self.max_timeout_s:
-            raise ConfigError(f"model {self.name}: need 0 < default_timeout_s <= max_timeout_s")
+        if not 0 <= self.min_timeout_s < self.default_timeout_s <= self.max_timeout_s:
+            raise ConfigError(f"model {self.name}: need 0 <= min_timeout_s < default_timeout_s <= max_timeout_s")
         return self
 
     def _validate_lanes(self) -> None:
@@ -134,11 +145,11 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
     ),
     "tiny-llama": ModelSpec(
         name="tiny-llama", task=Task.GENERATE, source="builtin:tiny-llama",
-        max_input_tokens=384, max_new_tokens=256, max_batch_tokens=4096,
+        max_input_tokens=384, max_new_tokens=256, max_batch_tokens=4096, vocab_size=8192,
     ),
     "bench-llama": ModelSpec(
         name="bench-llama", task=Task.GENERATE, source="builtin:bench-llama",
-        max_input_tokens=384, max_new_tokens=256, max_batch_tokens=4096,
+        max_input_tokens=384, max_new_tokens=256, max_batch_tokens=4096, vocab_size=8192,
     ),
 }
 DEFAULT_MODELS = ("minilm", "tiny-llama")
@@ -152,6 +163,7 @@ class Settings:
     port: int = 8000
     result_ttl_s: int = 3600
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0  # a request body must arrive whole within this (else 408, connection closed)
     max_wait_s: float = 60.0
     expiry_grace_s: float = 2.0
     log_level: str = "info"
@@ -210,6 +222,7 @@ class Settings:
                 port=int(get(ENV_PREFIX + "PORT", d.port)),
                 result_ttl_s=int(get(ENV_PREFIX + "RESULT_TTL_S", d.result_ttl_s)),
                 max_body_bytes=int(get(ENV_PREFIX + "MAX_BODY_BYTES", d.max_body_bytes)),
+                body_timeout_s=float(get(ENV_PREFIX + "BODY_TIMEOUT_S", d.body_timeout_s)),
                 max_wait_s=float(get(ENV_PREFIX + "MAX_WAIT_S", d.max_wait_s)),
                 expiry_grace_s=float(get(ENV_PREFIX + "EXPIRY_GRACE_S", d.expiry_grace_s)),
                 log_level=get(ENV_PREFIX + "LOG_LEVEL", d.log_level).lower(),
@@ -256,6 +269,8 @@ class Settings:
             raise ConfigError(f"key prefix {self.key_prefix!r}: 1-32 letters, digits, '_', '.', '-'")
         if self.reclaim_idle_s <= 0 or self.max_deliveries < 1 or self.drain_budget_s < 0:
             raise ConfigError("reclaim_idle_s > 0, max_deliveries >= 1 and drain_budget_s >= 0 are required")
+        if not self.body_timeout_s > 0:
+            raise ConfigError("BATCHGATE_BODY_TIMEOUT_S must be > 0")
         if self.result_ttl_s < 1 or self.max_body_bytes < 1024 or self.max_wait_s < 0:
             raise ConfigError("result_ttl_s >= 1, max_body_bytes >= 1024 and max_wait_s >= 0 are required")
         if self.torch_threads < 0:

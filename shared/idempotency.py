@@ -20,6 +20,11 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return 1
 """
 
+RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class IdempotencyClaim:
@@ -51,6 +56,7 @@ class IdempotencyStore:
         self.keys = keys
         self.ttl_ms = ttl_s * 1000
         self._cas = redis.register_script(CAS_LUA)
+        self._release = redis.register_script(RELEASE_LUA)
 
     async def get(self, tenant: str, key: str) -> IdempotencyClaim | None:
         raw = await self.redis.get(self.keys.idempotency(tenant, key))
@@ -66,3 +72,8 @@ class IdempotencyStore:
         """Replace `old` with `new` only if the key still holds `old` (compare-and-set)."""
         return bool(await self._cas(keys=[self.keys.idempotency(tenant, key)],
                                     args=[old.encode(), new.encode(), self.ttl_ms]))
+
+    async def release(self, tenant: str, key: str, claim: IdempotencyClaim) -> bool:
+        """Give the key back, only if it still holds `claim` (its request was never stored): a retry with
+        the key then submits afresh instead of finding a claim that maps to nothing."""
+        return bool(await self._release(keys=[self.keys.idempotency(tenant, key)], args=[claim.encode()]))

@@ -9,6 +9,7 @@ body (`shared.views` types), plus the headers the API sends with it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from shared.messages import InferenceRequest
 from shared.params import finite_number
 from shared.queue_client import QueueClient
 from shared.records import StoredRecord
+from shared.redis_io import UNAVAILABLE
 from shared.states import Status
 from shared.submit import build_request
 from shared.views import Accepted, links, record_view
@@ -70,7 +72,7 @@ def model_spec(q: QueueClient, name: str) -> ModelSpec:
 def _build(q: QueueClient, body: Any, spec: ModelSpec, tenant: str, at: str = "") -> InferenceRequest:
     """The request a body asks for; a 422 naming the field otherwise (`at`: where the body sits in a batch)."""
     try:
-        return build_request(body, spec, tenant, q.clock(), q.callback_allow)
+        return build_request(body, spec, tenant, q.clock(), q.callback_allow, q.token_limits)
     except ValidationError as exc:
         where = f"{at}.{exc.field}" if at and exc.field else (at or exc.field)
         raise Unprocessable(f"{exc.field}: {exc.message}" if exc.field else exc.message,
@@ -91,20 +93,47 @@ async def submit(q: QueueClient, body: Any, spec: ModelSpec, tenant: str, *, wai
         if existing is not None:
             return await _replay(q, existing, digest, inference, wait)
     decision = await _admit(q, inference, spec)
+    claim = None
     if idempotency_key is not None:
-        existing = await q.idempotency.claim(tenant, idempotency_key, IdempotencyClaim(inference.id, digest,
-                                                                                       q.now_ms()))
+        claim = IdempotencyClaim(inference.id, digest, q.now_ms())
+        try:
+            existing = await q.idempotency.claim(tenant, idempotency_key, claim)
+        except BaseException as exc:
+            await _unwind(q, inference, None, exc)
+            raise
         if existing is not None:  # a concurrent submit with the same key won the race
             await q.limits.release(tenant, inference.id)
             return await _replay(q, existing, digest, inference, wait)
-    return await _store_and_answer(q, inference, decision, wait)
+    return await _store_and_answer(q, inference, decision, wait, claim=claim)
+
+
+async def _unwind(q: QueueClient, inference: InferenceRequest, claim: IdempotencyClaim | None,
+                  exc: BaseException) -> None:
+    """A step after admission failed: give back what admission took, so nothing leaks until the deadline.
+
+    The tenant's quota slot always (were the request stored after all, its worker removes it anyway).
+    The idempotency key unless the store may have reached Redis (a connection lost mid-pipeline, a
+    cancellation): then the key is kept, and a retry after `IDEMPOTENCY_TAKEOVER_S` takes the claim over
+    under the same id, so the key never maps to two requests."""
+    maybe_stored = isinstance(exc, (*UNAVAILABLE, asyncio.CancelledError))
+    log.warning("submit failed after admission; releasing what it took", request_id=inference.id,
+                error=repr(exc), key_kept=bool(claim and maybe_stored))
+    with contextlib.suppress(Exception):
+        await q.limits.release(inference.tenant, inference.id)
+    if claim is not None and inference.idempotency_key and not maybe_stored:
+        with contextlib.suppress(Exception):
+            await q.idempotency.release(inference.tenant, inference.idempotency_key, claim)
 
 
 async def _admit(q: QueueClient, inference: InferenceRequest, spec: ModelSpec) -> Decision:
     """Tenant limits (rate, quota slot) then the deadline/backlog estimate; a refusal frees the slot."""
     expires = inference.deadline_ms + int(q.settings.expiry_grace_s * 1000)
     await q.limits.admit(inference.tenant, inference.id, expires)
-    decision, _ = await q.admit(inference, spec)
+    try:
+        decision, _ = await q.admit(inference, spec)
+    except BaseException as exc:
+        await _unwind(q, inference, None, exc)
+        raise
     if not decision.accept:
         await q.limits.release(inference.tenant, inference.id)
         q.observer.rejected(inference, decision.code)
@@ -134,47 +163,75 @@ async def submit_batch(q: QueueClient, body: Any, spec: ModelSpec, tenant: str) 
         raise Unprocessable(f"requests: at most {q.settings.max_batch_items} items per batch",
                             extra={"field": "requests"})
     results: list[dict[str, Any]] = []
-    to_store: list[tuple[int, InferenceRequest, Decision]] = []
-    for i, item in enumerate(items):
-        try:
-            results.append(await _batch_item(q, spec, tenant, i, item, to_store))
-        except ApiError as exc:
-            err: dict[str, Any] = {"code": exc.code, "message": exc.message, **exc.extra}
-            if exc.retry_after is not None:
-                err["retry_after"] = exc.retry_after
-            results.append({"index": i, "status": exc.status, "error": err})
-    if to_store:
-        stored = await q.submit_many([(inf, dec) for _, inf, dec in to_store])
-        for (i, inf, _), sub in zip(to_store, stored, strict=True):
-            q.observer.submitted(inf)
-            results[i] = {"index": i, "status": 202, "id": inf.id, "lane": inf.lane,
-                          "queue_position": sub.queue_position, "eta_ms": _eta_ms(sub.decision),
-                          "links": links(inf.id)}
+    to_store: list[_Pending] = []
+    try:
+        for i, item in enumerate(items):
+            try:
+                results.append(await _batch_item(q, spec, tenant, i, item, to_store))
+            except ApiError as exc:
+                err: dict[str, Any] = {"code": exc.code, "message": exc.message, **exc.extra}
+                if exc.retry_after is not None:
+                    err["retry_after"] = exc.retry_after
+                results.append({"index": i, "status": exc.status, "error": err})
+        stored = await q.submit_many([(p.inference, p.decision) for p in to_store]) if to_store else []
+    except BaseException as exc:  # nothing of this batch was stored (or may have been: see `_unwind`)
+        for p in to_store:
+            await _unwind(q, p.inference, p.claim, exc)
+        raise
+    for p, sub in zip(to_store, stored, strict=True):
+        q.observer.submitted(p.inference)
+        results[p.index] = {"index": p.index, "status": 202, "id": p.inference.id, "lane": p.inference.lane,
+                            "queue_position": sub.queue_position, "eta_ms": _eta_ms(sub.decision),
+                            "links": links(p.inference.id)}
     accepted = sum(1 for r in results if r["status"] in (200, 202))
     return Answer(200, {"results": results, "accepted": accepted, "refused": len(results) - accepted})
 
 
+@dataclass(slots=True)
+class _Pending:
+    """A batch item admitted (and its key claimed) but not stored yet."""
+
+    index: int
+    inference: InferenceRequest
+    decision: Decision
+    digest: str
+    claim: IdempotencyClaim | None
+
+
 async def _batch_item(q: QueueClient, spec: ModelSpec, tenant: str, i: int, item: Any,
-                      to_store: list[tuple[int, InferenceRequest, Decision]]) -> dict[str, Any]:
+                      to_store: list[_Pending]) -> dict[str, Any]:
     key = item.get("idempotency_key")
     body = {k: v for k, v in item.items() if k != "idempotency_key"}
-    if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 255):
-        raise Unprocessable("idempotency_key must be a string of 1-255 characters",
+    if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 255 or not key.isprintable()):
+        raise Unprocessable("idempotency_key must be a string of 1-255 printable characters",
                             extra={"field": f"requests[{i}].idempotency_key"})
     inference = _build(q, body, spec, tenant, at=f"requests[{i}]")
     digest = body_hash(spec.name, body)
     if key is not None:
         inference = dataclasses.replace(inference, idempotency_key=key)
+        earlier = next((p for p in to_store if p.inference.idempotency_key == key), None)
+        if earlier is not None:  # the same key earlier in this batch: the same request, not a second one
+            if earlier.digest != digest:
+                raise Conflict(f"requests[{i}].idempotency_key: used by requests[{earlier.index}] of this batch "
+                               "with a different body", code="idempotency_conflict")
+            return {"index": i, "status": 202, "id": earlier.inference.id, "replayed": True,
+                    "links": links(earlier.inference.id)}
         existing = await q.idempotency.get(tenant, key)
         if existing is not None:
             return await _batch_replay(q, i, existing, digest, inference)
     decision = await _admit(q, inference, spec)
+    claim = None
     if key is not None:
-        existing = await q.idempotency.claim(tenant, key, IdempotencyClaim(inference.id, digest, q.now_ms()))
+        claim = IdempotencyClaim(inference.id, digest, q.now_ms())
+        try:
+            existing = await q.idempotency.claim(tenant, key, claim)
+        except BaseException as exc:
+            await _unwind(q, inference, None, exc)
+            raise
         if existing is not None:
             await q.limits.release(tenant, inference.id)
             return await _batch_replay(q, i, existing, digest, inference)
-    to_store.append((i, inference, decision))
+    to_store.append(_Pending(i, inference, decision, digest, claim))
     return {"index": i, "status": 0}  # filled in once stored
 
 
@@ -187,8 +244,13 @@ async def _batch_replay(q: QueueClient, i: int, existing: IdempotencyClaim, dige
 
 
 async def _store_and_answer(q: QueueClient, inference: InferenceRequest, decision: Decision, wait: float,
-                            headers: dict[str, str] | None = None) -> Answer:
-    submitted = await q.submit(inference, decision)
+                            headers: dict[str, str] | None = None, *,
+                            claim: IdempotencyClaim | None = None) -> Answer:
+    try:
+        submitted = await q.submit(inference, decision)
+    except BaseException as exc:
+        await _unwind(q, inference, claim, exc)
+        raise
     q.observer.submitted(inference)
     log.info("request accepted", request_id=inference.id, model=inference.model, lane=inference.lane,
              priority=inference.priority.value, est_tokens=inference.est_tokens)
@@ -259,13 +321,11 @@ async def get(q: QueueClient, tenant: str, request_id: str, *, wait: float = 0.0
 
 async def cancel(q: QueueClient, tenant: str, request_id: str) -> Answer:
     rec = await visible(q, tenant, request_id)
-    if rec.terminal:
-        if rec.state is Status.CANCELLED:
-            return Answer(200, record_view(rec))
+    if rec.terminal:  # cancelled included: there is nothing left to cancel (README: 409 once finished)
         raise Conflict(f"request already {rec.state.value}; nothing to cancel", code="already_finished")
-    await q.cancel(rec)
+    won = await q.cancel(rec)
     rec = await q.get(request_id) or rec
-    if rec.state is not Status.CANCELLED:  # a worker finished it first
+    if not won or rec.state is not Status.CANCELLED:  # a worker (or another cancel) finished it first
         raise Conflict(f"request already {rec.state.value}; nothing to cancel", code="already_finished")
     q.observer.cancelled(rec.meta.model if rec.meta else "unknown")
     return Answer(200, record_view(rec))

@@ -89,6 +89,8 @@ class EmbedParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`params` of an embed request."""
 
     normalize: bool = True
+    truncate: Annotated[bool, Meta(description="cut texts longer than the model takes (the result's `truncated` "
+                                               "says which); false: such a text is refused (422)")] = False
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)

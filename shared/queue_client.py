@@ -32,6 +32,7 @@ from shared.redis_io import make_redis
 from shared.ssrf import AllowList
 from shared.states import FinishReason, Status
 from shared.tenant_limits import TenantLimits
+from shared.token_limits import TokenLimits
 from shared.waiters import SubscriptionUnavailable, WaiterHub
 
 
@@ -71,6 +72,7 @@ class QueueClient:
                                    default_burst=settings.tenant_burst,
                                    default_max_backlog=settings.tenant_max_backlog, clock=clock)
         self.callback_allow = AllowList.parse(settings.callback_allow)
+        self.token_limits = TokenLimits(settings.model_cache_dir)
         self.clock = clock
 
     async def start(self) -> None:

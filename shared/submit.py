@@ -24,7 +24,8 @@ from shared.messages import Callback, InferenceRequest
 from shared.params import ITEM_LISTS, EmbedInput, EmbedParams, GenerateInput, GenerateParams, exactly_one
 from shared.ssrf import AllowList, RefusedURL, check_url
 from shared.states import Priority, Task
-from shared.validation import convert
+from shared.token_limits import TokenLimits
+from shared.validation import check_text, convert
 
 MAX_TIMEOUT_S = 10**9  # a bound only to keep the number finite; each model's max_timeout_s is checked after
 MAX_EPOCH_S = 10**11
@@ -73,6 +74,9 @@ def resolve_deadline(timeout_s: float | UnsetType, deadline: float | str | Unset
     if isinstance(timeout_s, float):
         if timeout_s > spec.max_timeout_s:
             raise ValidationError("timeout_s", f"at most {spec.max_timeout_s} seconds for this model")
+        if timeout_s < spec.min_timeout_s:
+            raise ValidationError("timeout_s", f"at least {spec.min_timeout_s:g} seconds: no request to this model "
+                                               "can finish sooner")
         return now + timeout_s
     if isinstance(deadline, str):
         try:
@@ -87,6 +91,9 @@ def resolve_deadline(timeout_s: float | UnsetType, deadline: float | str | Unset
             raise ValidationError("deadline", "is in the past")
         if deadline - now > spec.max_timeout_s:
             raise ValidationError("deadline", f"at most {spec.max_timeout_s} seconds ahead for this model")
+        if deadline - now < spec.min_timeout_s:
+            raise ValidationError("deadline", f"at least {spec.min_timeout_s:g} seconds ahead: no request to this "
+                                              "model can finish sooner")
         return deadline
     return now + spec.default_timeout_s
 
@@ -103,11 +110,38 @@ def resolve_callback(spec: CallbackSpec, allow: AllowList) -> Callback:
     return Callback(url=spec.url, events=spec.events)
 
 
+def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, truncate: bool = False,
+                 field: str = "") -> None:
+    """Token limits the gateway can know before queueing (the model's vocabulary, its tokenizer): a prompt
+    or text too long for the model, a token id outside its vocabulary. Unknowable ones are the worker's."""
+    if "input_ids" in inp:
+        vocab = limits.vocab_size(spec)
+        bad = next(((i, t) for i, t in enumerate(inp["input_ids"]) if vocab is not None and t >= vocab), None)
+        if bad is not None:
+            raise ValidationError("input.input_ids", f"item {bad[0]}: {bad[1]} is not a token of this model "
+                                                     f"(its vocabulary has {vocab} tokens: ids 0-{vocab - 1})")
+    elif "prompt" in inp:
+        counts = limits.count(spec, [inp["prompt"]])
+        if counts is not None and counts[0] > spec.max_input_tokens:
+            raise ValidationError("input.prompt", f"is {counts[0]} tokens; this model takes at most "
+                                                  f"{spec.max_input_tokens}")
+    elif "texts" in inp and not truncate:
+        cap = limits.max_text_tokens(spec)
+        counts = limits.count(spec, inp["texts"]) or []
+        for i, n in enumerate(counts):
+            if n > cap:
+                where = "input.text" if field == "input.text" else f"input.texts[{i}]"
+                raise ValidationError(where, f"is {n} tokens; this model takes at most {cap} per text "
+                                             "(or set params.truncate to cut it, reported in the result)")
+
+
 def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
-                  allow: AllowList | None = None) -> InferenceRequest:
-    """The request a submit body asks for (raises `ValidationError` with the field it concerns)."""
+                  allow: AllowList | None = None, limits: TokenLimits | None = None) -> InferenceRequest:
+    """The request a submit body asks for (raises `ValidationError` with the field it concerns).
+    `limits`: where the token limits the gateway can know come from (none checked without it)."""
     if not isinstance(body, dict):
         raise ValidationError("", "the body must be a JSON object")
+    check_text(body, item_lists=ITEM_LISTS)  # before anything encodes or measures its text
     sub = convert(body, SUBMIT_TYPES[spec.task], item_lists=ITEM_LISTS)
     if isinstance(sub, GenerateSubmit):
         raw_params = body.get("params")
@@ -116,12 +150,20 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
             limit=spec.max_new_tokens, default_max_new_tokens=spec.default_max_new_tokens)
         inp = sub.input.normalised(max_prompt_chars=spec.max_input_tokens * 16,
                                    max_input_tokens=spec.max_input_tokens)
+        if limits is not None:
+            check_tokens(inp, spec, limits)
         _, tokens = estimate_generate_tokens(inp, params.max_new_tokens)
         params_dict = params.to_dict()
     else:
+        embed_params = sub.params or EmbedParams()
+        # with params.truncate, a text over the model's tokens is accepted (within the character bound) and
+        # cut by the worker, which reports it
         inp = sub.input.normalised(max_texts=spec.max_texts, max_text_chars=spec.max_input_tokens * 16)
+        if limits is not None:
+            check_tokens(inp, spec, limits, truncate=embed_params.truncate,
+                         field="input.text" if isinstance(sub.input.text, str) else "input.texts")
         tokens = estimate_embed_tokens(inp)
-        params_dict = (sub.params or EmbedParams()).to_dict()
+        params_dict = embed_params.to_dict()
     callback = resolve_callback(sub.callback, allow or AllowList()) if sub.callback is not UNSET else None
     deadline = resolve_deadline(sub.timeout_s, sub.deadline, spec, now)
     return InferenceRequest(

@@ -25,6 +25,31 @@ _NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "
 _WORDS = {">=": "at least", "<=": "at most", ">": "greater than", "<": "less than"}
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(value: Any, path: str = "", *, item_lists: tuple[str, ...] = ()) -> None:
+    """Every string in a caller's value (keys included) is valid Unicode: no lone UTF-16 surrogate, which
+    JSON can spell (`"\\ud800"`) but UTF-8, msgpack and the tokenizers cannot carry. Raises `ValidationError`
+    naming the first such field (an item of one of `item_lists` is named at its list, as `convert` does)."""
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            field, message = path, "is not valid Unicode text (it holds a lone UTF-16 surrogate)"
+            for name in item_lists:
+                if field.startswith(name + "["):
+                    field, message = name, f"item {field[len(name) + 1:].split(']')[0]}: {message}"
+            raise ValidationError(field, message)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str) and _SURROGATE.search(k):
+                raise ValidationError(path, "a field name is not valid Unicode text (it holds a lone UTF-16 "
+                                            "surrogate)")
+            check_text(v, join(path, str(k)), item_lists=item_lists)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            check_text(v, f"{path}[{i}]", item_lists=item_lists)
+
+
 def join(path: str, field: str) -> str:
     if not path:
         return field

@@ -154,3 +154,14 @@ variable "result_ttl_s" {
   type    = number
   default = 86400
 }
+
+variable "sqs_queue_arn" {
+  description = "An SQS queue whose messages ({model, input, params, ...}) are submitted by the gateway's sqs_handler; empty: none."
+  type        = string
+  default     = ""
+}
+
+variable "sqs_batch_size" {
+  type    = number
+  default = 10
+}

@@ -169,3 +169,15 @@ def test_gateway_lambda_with_auth_and_the_models_inline(planned):
 def test_bad_variables_are_refused_with_a_message(workdir, fake_aws):
     proc = plan(workdir, fake_aws, "bgbad", subnet_ids=fake_aws["subnet_ids"][:1])
     assert proc.returncode != 0 and "at least two subnets" in proc.stderr + proc.stdout
+
+
+def test_an_sqs_queue_feeds_the_sqs_handler_with_per_message_failures(workdir, fake_aws):
+    """Without ReportBatchItemFailures one refused message would redeliver its whole batch (issue 17)."""
+    values = planned_values(workdir, fake_aws, "bgsqs", redis_url=REDIS_URL,
+                            sqs_queue_arn="arn:aws:sqs:us-east-1:123456789012:batchgate-in")
+    mapping = values["aws_lambda_event_source_mapping.sqs[0]"]
+    assert mapping["function_response_types"] == ["ReportBatchItemFailures"]
+    fn = values["aws_lambda_function.sqs[0]"]
+    assert fn["handler"] == "gateway.lambda_handler.sqs_handler"
+    assert fn["environment"][0]["variables"]["BATCHGATE_AUTH"] == "api_key"
+    assert not any("sqs" in address for address in planned_values(workdir, fake_aws, "bgnosqs", redis_url=REDIS_URL))

@@ -116,7 +116,7 @@ async def test_cancel_queued_request_is_never_computed(redis_url, prefix, loaded
         d = await gw.client.delete(f"/v1/requests/{rid}")
         assert d.status_code == 200 and d.json()["status"] == "cancelled"
         again = await gw.client.delete(f"/v1/requests/{rid}")
-        assert again.status_code == 200  # idempotent
+        assert again.status_code == 409 and again.json()["error"]["code"] == "already_finished"
         async with running_worker(settings, loaded_models) as w:
             async def drained() -> bool:
                 return sum([await gw.service.redis.xlen(s) for s in keys.lane_streams("tiny-llama", (
@@ -146,7 +146,7 @@ async def test_cancel_running_generation_stops_it(redis_url, prefix, loaded_mode
         await wait_until(stopped, timeout=5)
         assert (await gw.client.get(f"/v1/requests/{rid}")).json()["status"] == "cancelled"
         late = await gw.client.delete(f"/v1/requests/{rid}")
-        assert late.status_code == 200
+        assert late.status_code == 409
 
 
 async def test_cancel_after_success_is_a_conflict(redis_url, prefix, loaded_models):
@@ -288,6 +288,18 @@ BAD_SUBMITS = [
     ("/v1/models/minilm/requests", b'{"input": {"text": "x"}, "callback": {"url": "https://x.example/\\u0001"}}',
      {}, 422),
     ("/v1/models/minilm/requests:batch", b'{"requests": [1, 2]}', {}, 422),
+    # issue 17: the header spelling of wait is checked like the query's; only JSON and msgpack are read
+    # (a text/plain or form body is what any web page may post cross-site); a timeout nothing can meet
+    ("/v1/models/minilm/requests", b'{"input": {"text": "x"}}', {"prefer": "wait=abc"}, 400),
+    ("/v1/models/minilm/requests", b'{"input": {"text": "x"}}', {"prefer": "respond-async, wait=-3"}, 400),
+    ("/v1/models/minilm/requests", b'{"input": {"text": "x"}}', {"content-type": "text/plain"}, 415),
+    ("/v1/models/minilm/requests", b'{"input": {"text": "x"}}',
+     {"content-type": "application/x-www-form-urlencoded"}, 415),
+    ("/v1/models/minilm/requests", b'{"input": {"text": "x"}}', {"content-type": "multipart/form-data"}, 415),
+    ("/v1/models/minilm/requests", b'{"input": {"text": "x"}, "timeout_s": 0.001}', {}, 422),
+    ("/v1/models/minilm/requests", b'{"input": {"text": "\\ud800"}}', {}, 422),
+    ("/v1/models/minilm/requests:batch", b'{"requests": [{"input": {"text": "x"}}]}', {"content-type": "text/plain"},
+     415),
 ]
 
 
@@ -315,6 +327,23 @@ async def test_unknown_ids_routes_and_methods(redis_url, prefix):
         assert (await gw.client.get("/nope")).status_code == 404
         r = await gw.client.put("/v1/models")
         assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+        # every 405 says what is allowed (issue 17), the paths with two methods included
+        assert set(r.headers["allow"].replace(" ", "").split(",")) == {"GET", "HEAD"}
+        r = await gw.client.post("/v1/requests/" + new_request_id())
+        assert r.status_code == 405 and set(r.headers["allow"].replace(" ", "").split(",")) == {"GET", "HEAD", "DELETE"}
+        for method, path in (("PUT", "/metrics"), ("DELETE", "/openapi.json"), ("GET", "/v1/models/minilm/requests")):
+            r = await gw.client.request(method, path)
+            assert r.status_code == 405 and r.headers["allow"] and r.json()["error"]["code"] == "method_not_allowed"
+
+
+async def test_garbage_msgpack_says_what_is_wrong(redis_url, prefix):
+    settings = make_settings(redis_url, prefix)
+    async with running_gateway(settings) as gw:
+        for raw, words in ((b"\xc1", "begins no msgpack value"), (b"\x92\x01", "ends in the middle"),
+                           (b"not msgpack", "more than one msgpack value")):
+            r = await gw.client.post("/v1/models/minilm/requests", content=raw,
+                                     headers={"content-type": "application/msgpack"})
+            assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
 async def test_msgpack_in_and_out(redis_url, prefix, loaded_models):

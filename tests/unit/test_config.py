@@ -158,3 +158,16 @@ def test_models_inline_in_the_environment():
         Settings.from_environ({"BATCHGATE_CONFIG_YAML": text, "BATCHGATE_CONFIG": "/etc/models.yaml"})
     with pytest.raises(ConfigError, match="BATCHGATE_CONFIG_YAML"):
         Settings.from_environ({"BATCHGATE_CONFIG_YAML": "models: [a: b: c"})
+
+
+def test_the_gateway_finds_the_builtin_models_where_the_worker_creates_them(tmp_path):
+    """shared.token_limits may not import gpu_worker; its copy of the built-in directory name stays in step."""
+    from gpu_worker import models
+    from shared import token_limits
+    from shared.config import BUILTIN_MODELS
+
+    for name in models.BUILTIN_LLAMAS:
+        expected = tmp_path / f"{name}-{models.BUILTIN_VERSION}"
+        assert token_limits.model_dir(BUILTIN_MODELS[name], tmp_path) == expected
+        assert BUILTIN_MODELS[name].vocab_size == models.TOKENIZER_VOCAB
+    assert token_limits.model_dir(BUILTIN_MODELS["minilm"], tmp_path) == models.minilm_path()

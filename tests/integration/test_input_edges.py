@@ -1,0 +1,302 @@
+"""Input that must never produce a 500 (issue 17): invalid text refused at the edge, and nothing that
+admission took (a tenant's quota slot, an idempotency key) leaked by a step that fails after it."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import socket
+import sys
+import time
+
+import pytest
+
+from shared import operations as ops
+from shared.config import BUILTIN_MODELS
+from shared.keys import Keys
+from tests.stack import make_settings, running_gateway
+
+pytestmark = [pytest.mark.redis]
+
+MINILM, LLAMA = BUILTIN_MODELS["minilm"], BUILTIN_MODELS["tiny-llama"]
+LONE = "\ud800"  # a lone UTF-16 surrogate: JSON can spell it, UTF-8 cannot carry it
+
+# (path, body as JSON text with the surrogate escaped as JSON spells it, the field the 422 names)
+SURROGATES = [
+    ("/v1/models/tiny-llama/requests", {"input": {"prompt": "hi" + LONE}}, "input.prompt"),
+    ("/v1/models/tiny-llama/requests", {"input": {"prompt": "hi"}, "params": {"stop": ["ok", LONE]}}, "params.stop"),
+    ("/v1/models/tiny-llama/requests", {"input": {"prompt": "hi"}, "params": {"stop": LONE}}, "params.stop"),
+    ("/v1/models/minilm/requests", {"input": {"texts": ["fine", "x" + LONE]}}, "input.texts[1]"),
+    ("/v1/models/minilm/requests", {"input": {"text": LONE}}, "input.text"),
+    ("/v1/models/minilm/requests", {"input": {"text": "x"}, "callback": {"url": "https://a.example/" + LONE}},
+     "callback.url"),
+    ("/v1/models/minilm/requests", {"input": {"text": "x"}, "deadline": "2030-01-01T00:00:00" + LONE},
+     "deadline"),
+    ("/v1/models/minilm/requests", {"input": {"text": "x"}, "priority": LONE}, "priority"),
+]
+
+
+async def active_slots(gw, tenant: str = "default") -> int:
+    return await gw.service.redis.zcard(Keys(gw.service.settings.key_prefix).tenant_active(tenant))
+
+
+@pytest.mark.parametrize(("path", "body", "field"), SURROGATES)
+async def test_a_lone_surrogate_is_a_422_naming_the_field_and_takes_no_slot(redis_url, prefix, path, body, field):
+    settings = make_settings(redis_url, prefix, tenant_max_backlog=1)
+    async with running_gateway(settings) as gw:
+        raw = json.dumps(body).encode()  # ensure_ascii: the surrogate travels as "\ud800"
+        assert b"\\ud800" in raw
+        r = await gw.client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["field"] == field and "surrogate" in r.json()["error"]["message"]
+        assert await active_slots(gw) == 0
+        # the tenant's only slot is free: a valid request is accepted at once
+        ok = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"}})
+        assert ok.status_code == 202, ok.text
+
+
+async def test_a_surrogate_in_a_batch_fails_its_item_alone(redis_url, prefix):
+    settings = make_settings(redis_url, prefix)
+    async with running_gateway(settings) as gw:
+        raw = json.dumps({"requests": [
+            {"input": {"text": "a"}, "idempotency_key": "k-a"},
+            {"input": {"text": "b" + LONE}, "idempotency_key": "k-b"},
+            {"input": {"text": "c"}, "idempotency_key": "k-c" + LONE},
+            {"input": {"text": "d"}, "idempotency_key": "k-d"},
+        ]}).encode()
+        r = await gw.client.post("/v1/models/minilm/requests:batch", content=raw,
+                                 headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+        res = r.json()["results"]
+        assert [x["status"] for x in res] == [202, 422, 422, 202]
+        assert res[1]["error"]["field"] == "requests[1].input.text"
+        assert res[2]["error"]["field"] == "requests[2].idempotency_key"
+        svc = gw.service
+        for i, key in ((0, "k-a"), (3, "k-d")):  # each valid item's key maps to its own stored request
+            claim = await svc.idempotency.get("default", key)
+            assert claim is not None and claim.request_id == res[i]["id"]
+            assert await svc.get(res[i]["id"]) is not None
+        assert await svc.idempotency.get("default", "k-b") is None
+
+
+async def test_a_failure_after_admission_gives_back_the_slot_and_the_key(redis_url, prefix, monkeypatch):
+    settings = make_settings(redis_url, prefix, tenant_max_backlog=1)
+    async with running_gateway(settings) as gw:
+        svc = gw.service
+
+        async def broken(items):
+            raise RuntimeError("boom")
+
+        with monkeypatch.context() as m:
+            m.setattr(svc, "submit_many", broken)
+            with pytest.raises(RuntimeError):
+                await ops.submit(svc, {"input": {"text": "x"}}, MINILM, "default", idempotency_key="k1")
+            with pytest.raises(RuntimeError):
+                await ops.submit_batch(svc, {"requests": [{"input": {"text": "x"}, "idempotency_key": "k2"},
+                                                          {"input": {"text": "y"}}]}, MINILM, "default")
+        assert await active_slots(gw) == 0
+        assert await svc.idempotency.get("default", "k1") is None
+        assert await svc.idempotency.get("default", "k2") is None
+        # and the key, retried, creates its request now
+        again = await ops.submit(svc, {"input": {"text": "x"}}, MINILM, "default", idempotency_key="k1")
+        assert again.status == 202
+        assert (await svc.idempotency.get("default", "k1")).request_id == again.body["id"]
+        await svc.cancel(await svc.get(again.body["id"]))  # frees the tenant's one slot
+
+        async def lost(items):  # the connection dropped mid-pipeline: the request may be stored
+            raise ConnectionError("reset")
+
+        with monkeypatch.context() as m:
+            m.setattr(svc, "submit_many", lost)
+            with pytest.raises(ConnectionError):
+                await ops.submit(svc, {"input": {"text": "z"}}, MINILM, "default", idempotency_key="k3")
+        assert await active_slots(gw) == 0  # the slot is free either way
+        # the key is kept: a retry within IDEMPOTENCY_TAKEOVER_S is told to wait, a later one takes the claim
+        # over under the same id, so the key never maps to two requests
+        assert await svc.idempotency.get("default", "k3") is not None
+
+
+async def test_the_same_key_twice_in_one_batch_is_a_replay(redis_url, prefix):
+    settings = make_settings(redis_url, prefix)
+    async with running_gateway(settings) as gw:
+        r = await gw.client.post("/v1/models/minilm/requests:batch", json={"requests": [
+            {"input": {"text": "a"}, "idempotency_key": "dup"},
+            {"input": {"text": "a"}, "idempotency_key": "dup"},
+            {"input": {"text": "other"}, "idempotency_key": "dup"},
+        ]})
+        res = r.json()["results"]
+        assert res[0]["status"] == 202 and res[1]["status"] == 202, res
+        assert res[1]["id"] == res[0]["id"] and res[1]["replayed"] is True
+        assert res[2]["status"] == 409 and res[2]["error"]["code"] == "idempotency_conflict"
+        assert r.json()["accepted"] == 2
+        assert sum((await gw.service.backlog("minilm", ("short", "long"))).values()) == 1
+
+
+async def test_cancel_of_a_cancelled_request_is_a_conflict(redis_url, prefix):
+    settings = make_settings(redis_url, prefix)
+    async with running_gateway(settings) as gw:
+        rid = (await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"}})).json()["id"]
+        assert (await gw.client.delete(f"/v1/requests/{rid}")).status_code == 200
+        again = await gw.client.delete(f"/v1/requests/{rid}")
+        assert again.status_code == 409 and again.json()["error"]["code"] == "already_finished"
+
+
+# --- AWS Lambda: the direct and SQS handlers answer, never raise -------------------------------------
+
+class Context:
+    def get_remaining_time_in_millis(self) -> int:
+        return 20_000
+
+
+@pytest.fixture
+def lambda_mod(redis_url, prefix, monkeypatch):
+    env = {"BATCHGATE_REDIS_URL": redis_url, "BATCHGATE_KEY_PREFIX": prefix, "BATCHGATE_AUTH": "api_key",
+           "BATCHGATE_LOG_FORMAT": "json"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    sys.modules.pop("gateway.lambda_handler", None)
+    yield importlib.import_module("gateway.lambda_handler")
+    sys.modules.pop("gateway.lambda_handler", None)
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
+
+
+def test_lambda_direct_invocation_answers_a_surrogate_with_422(lambda_mod, monkeypatch):
+    bad = lambda_mod.direct_handler({"model": "tiny-llama", "input": {"prompt": LONE}}, Context())
+    assert bad["statusCode"] == 422 and bad["error"]["field"] == "input.prompt"
+    assert lambda_mod.direct_handler({"model": "tiny-llama", "input": {"prompt": "x"}, "wait": 10**400},
+                                     Context())["statusCode"] == 400
+
+    def boom(*a, **k):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(lambda_mod, "_dispatch", boom)
+    out = lambda_mod.direct_handler({"model": "tiny-llama", "input": {"prompt": "x"}}, Context())
+    assert out["statusCode"] == 500 and out["error"]["code"] == "internal"
+
+
+def test_lambda_sqs_reports_only_the_failing_messages(lambda_mod, monkeypatch):
+    def record(mid: str, msg: object) -> dict:
+        return {"messageId": mid, "body": json.dumps(msg)}
+
+    event = {"Records": [
+        record("m1", {"model": "minilm", "input": {"text": "a"}}),
+        record("m2", {"model": "minilm", "input": {"text": "b" + LONE}}),
+        record("m3", {"model": "tiny-llama", "input": {"prompt": "c"}, "params": {"stop": LONE}}),
+        record("m4", {"model": "tiny-llama", "input": {"prompt": "d"}}),
+    ]}
+    out = lambda_mod.sqs_handler(event, Context())
+    assert sorted(f["itemIdentifier"] for f in out["batchItemFailures"]) == ["m2", "m3"]
+
+    real = lambda_mod._dispatch
+
+    def flaky(method, path, body, ev, query=None):
+        if "tiny-llama" in path:
+            raise RuntimeError("a bug in one model's call")
+        return real(method, path, body, ev, query)
+
+    monkeypatch.setattr(lambda_mod, "_dispatch", flaky)
+    out = lambda_mod.sqs_handler({"Records": [record("n1", {"model": "minilm", "input": {"text": "e"}}),
+                                              record("n2", {"model": "tiny-llama", "input": {"prompt": "f"}})]},
+                                 Context())
+    assert out["batchItemFailures"] == [{"itemIdentifier": "n2"}]
+
+
+# --- the smaller ones ------------------------------------------------------------------------------
+
+async def test_a_body_that_never_arrives_is_cut_off(redis_url, prefix):
+    settings = make_settings(redis_url, prefix, body_timeout_s=0.5)
+    async with running_gateway(settings) as gw:
+        host, port = gw.base_url.removeprefix("http://").split(":")
+
+        def stall() -> tuple[bytes, float]:
+            with socket.create_connection((host, int(port)), timeout=10) as s:
+                s.sendall(b"POST /v1/models/minilm/requests HTTP/1.1\r\nHost: x\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"input\"")
+                t0 = time.monotonic()
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+                return data, time.monotonic() - t0
+
+        data, took = await asyncio.to_thread(stall)
+        assert data.startswith(b"HTTP/1.1 408"), data[:200]
+        assert took < 5 and b"body_timeout" in data
+
+
+# --- token limits at submit (the model's own tokenizer, where the gateway can load it) ----------------
+
+LONG_PROMPT = " ".join(str(n) for n in range(700))  # ~2,700 characters (under the character bound), >384 tokens
+
+
+async def test_too_long_prompts_and_out_of_vocabulary_ids_are_422_at_submit(redis_url, prefix, loaded_models,
+                                                                            model_cache):
+    settings = make_settings(redis_url, prefix, model_cache_dir=str(model_cache))
+    async with running_gateway(settings) as gw:
+        assert len(LONG_PROMPT) < LLAMA.max_input_tokens * 16
+        r = await gw.client.post("/v1/models/tiny-llama/requests", json={"input": {"prompt": LONG_PROMPT}})
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        n = len(loaded_models["tiny-llama"].tokenizer(LONG_PROMPT)["input_ids"])  # the worker's own count
+        assert err["field"] == "input.prompt" and f"is {n} tokens" in err["message"] and "384" in err["message"]
+        r = await gw.client.post("/v1/models/tiny-llama/requests", json={"input": {"input_ids": [5, 8191, 8192]}})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "input.input_ids"
+        assert "item 2" in r.json()["error"]["message"] and "8192" in r.json()["error"]["message"]
+        words = "hello " * 600  # 602 tokens with [CLS] and [SEP]; MiniLM takes 512
+        r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"texts": ["short", words]}})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "input.texts[1]", r.text
+        assert "602 tokens" in r.json()["error"]["message"] and "truncate" in r.json()["error"]["message"]
+        r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": words}})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "input.text"
+        # what fits is accepted as before
+        ok = await gw.client.post("/v1/models/tiny-llama/requests", json={"input": {"prompt": "hello " * 150}})
+        assert ok.status_code == 202, ok.text
+        assert sum((await gw.service.backlog("minilm", ("short", "long"))).values()) == 0
+
+
+async def test_embedding_truncation_is_asked_for_and_reported(redis_url, prefix, loaded_models, model_cache):
+    from tests.stack import running_worker
+
+    settings = make_settings(redis_url, prefix, model_cache_dir=str(model_cache))
+    words = "hello " * 600
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        r = await gw.client.post("/v1/models/minilm/requests?wait=20", json={
+            "input": {"texts": [words, "short"]}, "params": {"truncate": True}})
+        assert r.status_code == 200, r.text
+        out = r.json()["output"]
+        assert out["truncated"] == [True, False] and out["tokens"] == [512, 3]
+        # a gateway that cannot count (no tokenizer here) lets it through: the worker refuses it, never cuts
+        gw.service.token_limits._tokenizers["minilm"] = None
+        r = await gw.client.post("/v1/models/minilm/requests?wait=20", json={"input": {"texts": ["ok", words]}})
+        assert r.status_code == 200 and r.json()["status"] == "failed", r.text
+        assert r.json()["error"]["code"] == "input_too_long" and "text 1 is 602 tokens" in r.json()["error"]["message"]
+        plain = await gw.client.post("/v1/models/minilm/requests?wait=20", json={"input": {"text": "short"}})
+        assert "truncated" not in plain.json()["output"]
+
+
+def test_the_gateway_loads_no_tokenizer_at_import():
+    """Token counting is lazy: a Lambda's cold start pays for no tokenizer (nor torch)."""
+    import os
+    import subprocess
+
+    code = ("import sys; import gateway.lambda_handler, gateway.app; "
+            "print([m for m in ('tokenizers', 'torch', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                         env={**os.environ, "BATCHGATE_LOG_FORMAT": "json"}).stdout.strip().splitlines()[-1]
+    assert out == "[]"
+
+
+def test_the_document_lists_the_statuses_these_paths_answer():
+    from gateway import openapi
+    from tests.stack import make_settings as settings_for
+
+    doc = openapi.document(settings_for("redis://127.0.0.1:6379/0", "bgdoc"))
+    for path, ops_ in doc["paths"].items():
+        for method, op in ops_.items():
+            if "{request_id}" in path:  # every read of a request id may find its result expired
+                assert "410" in op["responses"], (method, path)
+            if "requestBody" in op:
+                assert {"408", "413", "415", "422"} <= set(op["responses"]), (method, path)
