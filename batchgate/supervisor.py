@@ -132,8 +132,9 @@ def _banner(base: str, redis_url: str, redis_kind: str, env: Mapping[str, str], 
         f"  metrics: {base}/metrics (gateway), "
         f"http://127.0.0.1:{env['BATCHGATE_WORKER_METRICS_PORT']}/metrics (worker)",
         "  try:",
-        f"    curl -s -X POST '{base}/v1/models/minilm/requests?wait=5' -d '{{\"input\": {{\"texts\": [\"hello\"]}}}}'",
-        f"    curl -s -X POST '{base}/v1/models/tiny-llama/requests?wait=10' "
+        f"    curl -s -X POST '{base}/v1/models/minilm/requests?wait=5' -H 'content-type: application/json' "
+        "-d '{\"input\": {\"texts\": [\"hello\"]}}'",
+        f"    curl -s -X POST '{base}/v1/models/tiny-llama/requests?wait=10' -H 'content-type: application/json' "
         "-d '{\"input\": {\"prompt\": \"Once upon a time\"}, \"params\": {\"max_new_tokens\": 32}}'",
         "  auth:    " + ("OFF (local use: every caller is tenant default)" if env.get("BATCHGATE_AUTH") == "off"
                          else "API keys (batchgate keys create --tenant NAME)"),

@@ -55,7 +55,7 @@ resource "aws_lambda_function" "gateway" {
   }
   environment {
     variables = merge(local.lambda_env, {
-      BATCHGATE_AUTH       = "on"
+      BATCHGATE_AUTH       = "api_key"
       BATCHGATE_MAX_WAIT_S = tostring(max(1, var.gateway_timeout_s - 3))
     })
   }

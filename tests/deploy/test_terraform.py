@@ -155,7 +155,10 @@ def test_gateway_lambda_with_auth_and_the_models_inline(planned):
     gw = planned["aws_lambda_function.gateway"]
     assert gw["handler"] == "gateway.lambda_handler.http_handler" and gw["runtime"] == "python3.11"
     env = gw["environment"][0]["variables"]
-    assert env["BATCHGATE_AUTH"] == "on" and env["BATCHGATE_CONFIG_YAML"] == MODELS_YAML
+    assert env["BATCHGATE_AUTH"] == "api_key" and env["BATCHGATE_CONFIG_YAML"] == MODELS_YAML
+    from shared.config import Settings
+
+    assert Settings.from_environ(env).auth == "api_key"  # the Lambda's settings really start (was "on": refused)
     assert env["BATCHGATE_KEY_PREFIX"] == "bgtest" and int(env["BATCHGATE_MAX_WAIT_S"]) < gw["timeout"]
     assert env["BATCHGATE_REDIS_URL"] == REDIS_URL
     assert gw["vpc_config"][0]["subnet_ids"]
