@@ -51,7 +51,8 @@ def build_scheduler(spec: ModelSpec, runner: Runner, lanes: tuple[LaneSpec, ...]
     rows = runner.free_rows if spec.task is Task.GENERATE else None
     return Scheduler([LanePolicy(lane.name, lane.window_ms / 1000, lane.max_share) for lane in lanes or spec.lanes],
                      BatchLimits(spec.max_batch_size, spec.max_batch_tokens), deadline_aware=spec.deadline_aware,
-                     total_rows=rows)
+                     total_rows=rows,
+                     chunk_tokens=(spec.prefill_chunk_tokens or None) if spec.task is Task.GENERATE else None)
 
 
 async def load_engines(settings: Settings, *, worker: str, faults: Faults,

@@ -39,6 +39,8 @@ class EmbedRunner:
         self.model_calls: dict[str, int] = {}
 
     busy = False
+    chunking = False
+    last_chunk = (0, 0.0)
 
     @property
     def free_rows(self) -> int:
@@ -56,8 +58,11 @@ class EmbedRunner:
     def remove(self, ids: set[str], reason: FinishReason) -> list[Outcome]:
         return []  # nothing runs between calls
 
-    def step(self) -> list[Outcome]:
+    def step(self, chunk_tokens: int = 0) -> list[Outcome]:
         return []
+
+    def begin_chunked(self, job: Job, now: float) -> list[Outcome]:
+        return self.start([job], now)
 
     @torch.inference_mode()
     def warm_up(self) -> None:

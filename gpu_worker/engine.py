@@ -16,30 +16,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 
 from gpu_worker.attention import AttentionLayout
+from gpu_worker.chunked_prefill import ChunkedPrefill
 from gpu_worker.kv_cache import SlotKVCache
 from gpu_worker.sampling import make_generator, select_tokens
-from gpu_worker.sequences import EngineFull, EngineStats, GenResult, GenSpec, group_by_length
+from gpu_worker.sequences import EngineFull, EngineStats, GenResult, GenSpec, Row, finish_reason, group_by_length
 from shared.states import FinishReason
 
 # Prefill sub-batches: rows are grouped by prompt length so that padding stays under this fraction.
 PREFILL_PAD_TOLERANCE = 0.25
-
-
-@dataclass(slots=True)
-class _Row:
-    spec: GenSpec
-    start: int
-    tokens: list[int]
-    generator: torch.Generator | None
-    admitted_at: float
-    prefill_s: float
-    first_token_at: float
-    stop_tail: int = 0
 
 
 class GenerationEngine:
@@ -64,33 +52,44 @@ class GenerationEngine:
         self.layout = AttentionLayout.of(model)  # which keys each layer type may see (windows, chunks)
         self._bool_mask = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
         self._clock = clock
-        self.rows: list[_Row] = []
+        self.rows: list[Row] = []
         self.end = 0  # the column after every row's last cached token
         self.stats = EngineStats()
         self.last_logits: dict[str, torch.Tensor] | None = {} if keep_logits else None  # by row, last forward
+        self.chunked = ChunkedPrefill(self)  # at most one long prompt prefilled a chunk per step
 
     # --- capacity ------------------------------------------------------------------------------
     @property
     def running(self) -> int:
-        return len(self.rows)
+        return len(self.rows) + self.chunked.active
 
     @property
     def free_rows(self) -> int:
-        return self.max_rows - len(self.rows)
+        return self.max_rows - self.running
 
     def fits(self, spec: GenSpec) -> bool:
         return spec.total_tokens <= self.max_seq_len and len(spec.prompt_ids) >= 1
 
     # --- prefill -------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, specs: Iterable[GenSpec]) -> list[GenResult]:
-        """Prefill new sequences and merge them into the running batch. Returns the ones already done."""
-        specs = list(specs)
+    def _check(self, specs: list[GenSpec]) -> None:
         if len(specs) > self.free_rows:
             raise EngineFull(f"{len(specs)} new rows but {self.free_rows} free")
         for spec in specs:
             if not self.fits(spec):
                 raise EngineFull(f"{spec.id}: {spec.total_tokens} tokens exceed max_seq_len {self.max_seq_len}")
+
+    def prefill_in_chunks(self, spec: GenSpec) -> None:
+        """Start prefilling a long prompt a chunk per `step` (see `gpu_worker.chunked_prefill`)."""
+        self._check([spec])
+        if self.chunked.active:
+            raise EngineFull("a chunked prefill is already in progress")
+        self.chunked.begin(spec)
+
+    @torch.inference_mode()
+    def prefill(self, specs: Iterable[GenSpec]) -> list[GenResult]:
+        """Prefill new sequences and merge them into the running batch. Returns the ones already done."""
+        specs = list(specs)
+        self._check(specs)
         done: list[GenResult] = []
         if self.last_logits is not None:
             self.last_logits.clear()
@@ -127,23 +126,29 @@ class GenerationEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        self._keep([s.id for s in specs], out.logits[:, -1, :])
-        params = [s.sampling for s in specs]
-        gens = [make_generator(p, self.device) for p in params]
-        tokens = select_tokens(out.logits[:, -1, :], params, gens)
-        now = self._clock()
         self.stats.forward_s += time.perf_counter() - f0
-        self.stats.prefill_s += now - t0
         self.stats.prefill_tokens += sum(lens)
         self.stats.prefill_padded_tokens += n * width
+        return self._admit(specs, out.logits[:, -1, :], t0)
 
-        for i, spec in enumerate(specs):
-            self.rows.append(_Row(
-                spec=spec, start=self.end - lens[i], tokens=[tokens[i]], generator=gens[i],
+    def _admit(self, specs: list[GenSpec], logits: torch.Tensor, t0: float) -> list[GenResult]:
+        """Prompts whose last prefill forward gave `logits` (their caches already in rows `len(rows)` on, right-
+        aligned at `end`) join the running batch with their first token; those already done leave at once."""
+        self._keep([s.id for s in specs], logits)
+        params = [s.sampling for s in specs]
+        gens = [make_generator(p, self.device) for p in params]
+        tokens = select_tokens(logits, params, gens)
+        now = self._clock()
+        self.stats.prefill_s += now - t0
+        first = len(self.rows)
+        for spec, token, gen in zip(specs, tokens, gens, strict=True):
+            self.rows.append(Row(
+                spec=spec, start=self.end - len(spec.prompt_ids), tokens=[token], generator=gen,
                 admitted_at=t0, prefill_s=now - t0, first_token_at=now,
                 stop_tail=max((len(s) for s in spec.stop), default=0) + 8,
             ))
-        return self._retire([r for r in range(first, first + n) if self._finish_reason(self.rows[r]) is not None], now)
+        return self._retire([r for r in range(first, len(self.rows)) if self._finish_reason(self.rows[r]) is not None],
+                            now)
 
     def _mask(self, allowed: torch.Tensor, q_pos: torch.Tensor,
               k_pos: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -169,10 +174,13 @@ class GenerationEngine:
 
     # --- decode --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self) -> list[GenResult]:
-        """Advance every running row by one token; return the rows that finished."""
-        if not self.rows:
-            return []
+    def step(self, chunk_tokens: int = 0) -> list[GenResult]:
+        """Prefill up to `chunk_tokens` of a chunked prompt, then advance every running row by one token;
+        return the rows that finished."""
+        done = self.chunked.advance(chunk_tokens)
+        return done + self._decode() if self.rows else done
+
+    def _decode(self) -> list[GenResult]:
         t0 = self._clock()
         self._make_room_right()
         n = len(self.rows)
@@ -219,17 +227,8 @@ class GenerationEngine:
         self.end -= lo
 
     # --- leaving the batch ---------------------------------------------------------------------
-    def _finish_reason(self, row: _Row) -> FinishReason | None:
-        spec = row.spec
-        if row.tokens[-1] in spec.eos_ids:
-            return FinishReason.EOS
-        if spec.stop and self._decode_tail is not None:
-            tail = self._decode_tail(row.tokens[-row.stop_tail:])
-            if any(s in tail for s in spec.stop):
-                return FinishReason.STOP
-        if len(row.tokens) >= spec.max_new_tokens:
-            return FinishReason.LENGTH
-        return None
+    def _finish_reason(self, row: Row) -> FinishReason | None:
+        return finish_reason(row, self._decode_tail)
 
     def _retire(self, indices: list[int], now: float,
                 reason: FinishReason | None = None) -> list[GenResult]:
@@ -258,10 +257,13 @@ class GenerationEngine:
         it leaves at once with the tokens it has, `reason` as its finish reason."""
         wanted = set(ids)
         hits = [i for i, r in enumerate(self.rows) if r.spec.id in wanted]
-        return self._retire(hits, self._clock(), reason)
+        return self.chunked.cancel(wanted, reason) + self._retire(hits, self._clock(), reason)
 
     def running_ids(self) -> list[str]:
-        return [r.spec.id for r in self.rows]
+        return [r.spec.id for r in self.rows] + ([self.chunked.current.spec.id] if self.chunked.current else [])
 
     def remaining_tokens(self) -> dict[str, int]:
-        return {r.spec.id: r.spec.max_new_tokens - len(r.tokens) for r in self.rows}
+        left = {r.spec.id: r.spec.max_new_tokens - len(r.tokens) for r in self.rows}
+        if (cur := self.chunked.current) is not None:
+            left[cur.spec.id] = cur.spec.max_new_tokens
+        return left

@@ -119,8 +119,27 @@ class GenerateRunner:
             mid = len(batch) // 2
             return self.start(batch[:mid], now) + self.start(batch[mid:], now)
 
-    def step(self) -> list[Outcome]:
-        return self._outcomes(self.engine.step())
+    def begin_chunked(self, job: Job, now: float) -> list[Outcome]:
+        count_calls(self.model_calls, [job])
+        try:
+            self.faults.check_tokens(job.inputs[0])
+            self.engine.prefill_in_chunks(self._spec(job))
+        except Exception as exc:
+            log.warning("chunked prefill refused", request_id=job.id, error=repr(exc))
+            return [failed_outcome(job.req, self.worker, self.clock(), "model_error",
+                                   f"the model raised {type(exc).__name__}: {exc}", computed=True)]
+        return []
+
+    @property
+    def chunking(self) -> bool:
+        return self.engine.chunked.active
+
+    @property
+    def last_chunk(self) -> tuple[int, float]:
+        return self.engine.chunked.last
+
+    def step(self, chunk_tokens: int = 0) -> list[Outcome]:
+        return self._outcomes(self.engine.step(chunk_tokens))
 
     def remove(self, ids: set[str], reason: FinishReason) -> list[Outcome]:
         return self._outcomes(self.engine.remove(ids, reason))

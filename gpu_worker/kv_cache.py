@@ -65,6 +65,14 @@ class SlotKVCache:
             k[dst, :, lo:hi] = k[src, :, lo:hi]
             v[dst, :, lo:hi] = v[src, :, lo:hi]
 
+    def copy_span(self, src: int, src_lo: int, dst: int, dst_lo: int, length: int) -> None:
+        """Copy `length` columns of row `src` from `src_lo` to row `dst` at `dst_lo` (the spans may overlap)."""
+        if (src, src_lo) == (dst, dst_lo) or length <= 0:
+            return
+        for k, v in zip(self.keys, self.values, strict=True):
+            k[dst, :, dst_lo: dst_lo + length] = k[src, :, src_lo: src_lo + length].clone()
+            v[dst, :, dst_lo: dst_lo + length] = v[src, :, src_lo: src_lo + length].clone()
+
     def shift_columns(self, rows: int, lo: int, hi: int, offset: int) -> None:
         """Move columns [lo, hi) of rows [0, rows) by `offset` (either direction)."""
         if offset == 0 or rows == 0 or hi <= lo:

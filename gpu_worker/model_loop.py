@@ -89,9 +89,10 @@ class ModelLoop(ThreadedLoop):
             self.on_work(self.runner.busy or len(self.scheduler) > 0)
         now = self._clock()
         left = self.runner.remaining_tokens() if self.scheduler.deadline_aware else {}
-        plan = self.scheduler.plan(now, self.runner.free_rows, left, yielding=self.yielding)
+        plan = self.scheduler.plan(now, self.runner.free_rows, left, yielding=self.yielding,
+                                   chunking=self.runner.chunking)
         out = self._carry_out(plan, now)
-        out.extend(self._step())
+        out.extend(self._step(plan.chunk_tokens))
         self._publish(out)
         self.report.refresh(self.scheduler, self.runner.free_rows, self.runner.engine_stats())
         if self._drain_until is not None and (not self.runner.busy or self._clock() >= self._drain_until):
@@ -121,9 +122,11 @@ class ModelLoop(ThreadedLoop):
             log.info("preempted batch-priority rows for interactive work", model=self.name, count=len(plan.preempt))
         if plan.batch:
             out.extend(self._start(plan.batch))
+        if plan.chunked is not None:
+            out.extend(self._start([plan.chunked], chunked=True))
         return out
 
-    def _start(self, batch: list[Job]) -> list[Emitted]:
+    def _start(self, batch: list[Job], *, chunked: bool = False) -> list[Emitted]:
         g0 = self._clock()
         live = self._mark_running([job.req for job in batch])
         # a normal round trip delays every running row and belongs in the token interval; a stalled one
@@ -151,14 +154,17 @@ class ModelLoop(ThreadedLoop):
                 metrics.COMPUTE_ON_EXPIRED.labels(self.name).inc()
         self.scheduler.started(batch)
         self._faults.point("kill_at_prefill")
+        if chunked:  # its chunks are measured step by step
+            out.extend(self.runner.begin_chunked(batch[0], now))
+            return out
         t0 = self._clock()
         out.extend(self.runner.start(batch, now))
         self.tracker.observe_prefill(sum(job.prompt_tokens * job.size for job in batch), self._clock() - t0)
         return out
 
-    def _step(self) -> list[Emitted]:
-        """One decode step and its measured token interval; if the model raises, the rows running now fail
-        (not the loop, not the worker)."""
+    def _step(self, chunk_tokens: int = 0) -> list[Emitted]:
+        """Up to `chunk_tokens` of a chunked prefill, one decode step, and the measured token interval; if the
+        model raises, the rows running now fail (not the loop, not the worker)."""
         if not self.runner.busy:
             self._last_step_end = None
             self._excluded_s = 0.0
@@ -166,7 +172,7 @@ class ModelLoop(ThreadedLoop):
         rows = len(self.scheduler.running)
         t0 = self._clock()
         try:
-            out: list[Emitted] = list(self.runner.step())
+            out: list[Emitted] = list(self.runner.step(chunk_tokens))
         except Exception as exc:
             log.exception("decode step failed; failing the running rows", model=self.name)
             self.runner.remove(set(self.runner.running_ids()), FinishReason.ERROR)
@@ -179,6 +185,13 @@ class ModelLoop(ThreadedLoop):
         # Abnormally long waits on Redis are left out.
         since = self._last_step_end if self._last_step_end is not None else t0
         self.tracker.observe_step(rows, max(t1 - t0, t1 - since - self._excluded_s))
+        chunk, chunk_s = self.runner.last_chunk
+        if chunk:  # a chunk's cost teaches the prefill fit; the step without it, the bare decode fit
+            self.tracker.observe_prefill(chunk, chunk_s)
+            if rows > 1:
+                self.tracker.observe_bare_step(rows - 1, max(0.0, t1 - t0 - chunk_s))
+        else:
+            self.tracker.observe_bare_step(rows, t1 - t0)
         self._last_step_end = t1
         self._excluded_s = 0.0
         return out

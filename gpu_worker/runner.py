@@ -33,8 +33,23 @@ class Runner(Protocol):
         """Start `batch` on the model; returns the jobs already done (an encoder's whole batch)."""
         ...
 
-    def step(self) -> list[Outcome]:
-        """One decode step for every running row; returns the rows that finished."""
+    def begin_chunked(self, job: Job, now: float) -> list[Outcome]:
+        """Start prefilling a long prompt a chunk per `step` (an encoder runs it whole)."""
+        ...
+
+    @property
+    def chunking(self) -> bool:
+        """A prompt is being prefilled in chunks."""
+        ...
+
+    @property
+    def last_chunk(self) -> tuple[int, float]:
+        """(prompt tokens, seconds) of the chunk the last step prefilled; (0, 0.0) if none."""
+        ...
+
+    def step(self, chunk_tokens: int = 0) -> list[Outcome]:
+        """Up to `chunk_tokens` of a chunked prefill, then one decode step for every running row; returns the
+        rows that finished."""
         ...
 
     def remove(self, ids: set[str], reason: FinishReason) -> list[Outcome]:

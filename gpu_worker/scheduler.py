@@ -31,13 +31,12 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gpu_worker.dynamic_stage import BatchLimits, DynamicStage
 from gpu_worker.job import Job, JobState
 from gpu_worker.lane_queue import LanePolicy, LaneQueue
 from gpu_worker.service_model import ServiceModel, ServiceTracker
 from shared.deadlines import cannot_finish
 
-SLACK_FACTOR = 1.5
-SLACK_MARGIN_S = 0.02
 # A running row is given up only if even 80% of its estimated remaining time would end past its deadline.
 DOOM_OPTIMISM = 0.8
 # While its engine yields to a foreground engine with running rows (CPU engines taking turns on one
@@ -46,28 +45,26 @@ DOOM_OPTIMISM = 0.8
 BACKGROUND_PREFILL_WAIT_S = 0.5
 
 
-@dataclass(frozen=True, slots=True)
-class BatchLimits:
-    max_batch_size: int  # rows per batch
-    max_batch_tokens: int  # padded prompt tokens per batch (rows x longest prompt)
-
-
 @dataclass(slots=True)
 class Plan:
     evict: list[Job] = field(default_factory=list)  # running rows that cannot finish: leave now
     expired: list[Job] = field(default_factory=list)  # waiting requests that cannot finish: never computed
     preempt: list[Job] = field(default_factory=list)  # running batch rows given back to interactive work
     batch: list[Job] = field(default_factory=list)  # to start now, all of one lane
+    chunked: Job | None = None  # a long prompt to prefill a chunk per step beside the decoding rows
+    chunk_tokens: int = 0  # prompt tokens of a chunked prefill this step may add
     lane: str | None = None
     wake_at: float | None = None  # ask again at this time if nothing else happens first
 
 
-class Scheduler:
+class Scheduler(DynamicStage):
     def __init__(self, lanes: Iterable[LanePolicy], limits: BatchLimits, *, aging: float = 1.0,
                  service: ServiceModel | None = None, deadline_aware: bool = True,
-                 total_rows: int | None = None) -> None:
+                 total_rows: int | None = None, chunk_tokens: int | None = None) -> None:
         self.deadline_aware = deadline_aware
         self.total_rows = total_rows  # rows of the running batch (for lane shares); None: shares unused
+        # a step's prefill budget while rows decode, before the costs are measured; None: no chunked prefill
+        self.chunk_tokens = chunk_tokens
         self.queues = {lane.name: LaneQueue(lane, fifo=not deadline_aware) for lane in lanes}
         self.limits = limits
         self.aging = aging
@@ -141,10 +138,13 @@ class Scheduler:
 
     # --- decisions -----------------------------------------------------------------------------
     def plan(self, now: float, free_rows: int, left: Mapping[str, int] | None = None, *,
-             yielding: bool = False) -> Plan:
+             yielding: bool = False, chunking: bool = False) -> Plan:
         """`free_rows`: rows the runner has free now; `left`: tokens each running row still has to generate;
-        `yielding`: this engine's turn comes while a foreground engine has rows running."""
+        `yielding`: this engine's turn comes while a foreground engine has rows running; `chunking`: a long
+        prompt is being prefilled a chunk per step."""
         plan = Plan()
+        budget = self.step_budget(chunking)
+        plan.chunk_tokens = budget or self.limits.max_batch_tokens  # no decoding row to protect: all at once
         remaining = dict(left or {})
         if self.deadline_aware:
             plan.evict = self._unfinishable(now, remaining)
@@ -163,23 +163,49 @@ class Scheduler:
         gone = {j.id for j in plan.evict}
         running = (Counter(j.lane for j in self.running.values() if j.id not in gone)
                    if self.shares_apply else Counter())
-        ready: list[LaneQueue] = []
-        wake: list[float] = []
         rows = {name: self.lane_rows(q, free_rows, running) for name, q in self.queues.items() if len(q)}
-        for queue in self.queues.values():
-            if rows.get(queue.policy.name, 0) > 0:  # a lane at its share waits, like an empty one
-                at = self.ready_at(queue, now)
-                if at <= now:
-                    ready.append(queue)
-                else:
-                    wake.append(at)
+        ready, wake = self._ready_lanes(now, rows, budget, chunking)
         if not ready:
             plan.wake_at = min(wake, default=None)
             return plan
         lane = min(ready, key=lambda q: self.urgency(q, now))
         plan.lane = lane.policy.name
-        plan.batch = self._take(lane, rows[lane.policy.name])
+        head = lane.peek()
+        if budget and head is not None and head.prompt_tokens > budget:
+            plan.chunked = lane.pop()  # too long for one step beside the decoding rows: in chunks
+            return plan
+        plan.batch = self._take(lane, rows[lane.policy.name], budget)
+        if budget and chunking:  # new prompts first within the step's budget; the chunk gets the rest
+            plan.chunk_tokens = max(budget // 4, budget - sum(j.prompt_tokens * j.size for j in plan.batch))
         return plan
+
+    def _ready_lanes(self, now: float, rows: Mapping[str, int], budget: int | None,
+                     chunking: bool) -> tuple[list[LaneQueue], list[float]]:
+        """Lanes whose window has closed, and when the others' will (a lane at its share waits, like an empty
+        one; so does one whose head must wait for the chunked prefill in progress)."""
+        ready: list[LaneQueue] = []
+        wake: list[float] = []
+        for queue in self.queues.values():
+            if rows.get(queue.policy.name, 0) > 0 and not self._waits_for_chunk(queue, budget, chunking):
+                at = self.ready_at(queue, now)
+                if at <= now:
+                    ready.append(queue)
+                else:
+                    wake.append(at)
+        return ready, wake
+
+    def step_budget(self, chunking: bool) -> int | None:
+        """Prompt tokens one step may prefill while rows decode (None: no row decodes, or no chunking)."""
+        decoding = len(self.running) - int(chunking)
+        if not self.chunk_tokens or decoding <= 0:
+            return None
+        return self.tracker.chunk_tokens(decoding, self.chunk_tokens)
+
+    @staticmethod
+    def _waits_for_chunk(queue: LaneQueue, budget: int | None, chunking: bool) -> bool:
+        """A lane whose head needs chunks waits while another prompt is being chunked (one at a time)."""
+        head = queue.peek()
+        return bool(budget and chunking and head is not None and head.prompt_tokens > budget)
 
     def late(self, batch: list[Job], now: float) -> list[Job]:
         """Of a batch about to start, those already past their deadline (deadline-aware mode only)."""
@@ -220,61 +246,3 @@ class Scheduler:
         wanted = sum(p.size for q in self.queues.values() for p in q.items()
                      if p.rank == 0 and self.latest_start(p) <= now)
         return sorted(candidates, key=lambda j: -j.deadline)[:wanted]
-
-    def ready_at(self, queue: LaneQueue, now: float) -> float:
-        """When this non-empty lane's dynamic window closes (<= now: ready)."""
-        items = list(queue.items())
-        size = sum(p.size for p in items)
-        width = max(p.prompt_tokens for p in items)
-        if size >= self.limits.max_batch_size or size * width >= self.limits.max_batch_tokens:
-            return now
-        close = min(p.arrived for p in items) + queue.policy.window_s
-        if not self.deadline_aware:
-            return close
-        # Slack: start early enough that the most pressing request can still finish in time.
-        return min(close, min(self.latest_start(p) for p in items))
-
-    def latest_start(self, item: Job) -> float:
-        """The last moment to start `item` and still finish by its deadline, with a safety margin
-        (estimates are averages; a start this late must not depend on them being exact)."""
-        return item.deadline - SLACK_FACTOR * self.service.estimate(item) - SLACK_MARGIN_S
-
-    def urgency(self, queue: LaneQueue, now: float) -> tuple[int, int, float]:
-        """Lower is more urgent: (head priority, 0 if out of slack else 1, overdue time or -waited windows)."""
-        head = queue.peek()
-        oldest = queue.oldest_arrival()
-        if head is None or oldest is None:
-            return (1 << 30, 1, float("inf"))
-        if not self.deadline_aware:
-            return 0, 1, oldest
-        latest = min(self.latest_start(p) for p in queue.items() if p.rank == head.rank)
-        if latest <= now:
-            return head.rank, 0, latest
-        return head.rank, 1, -self.aging * (now - oldest) / max(queue.policy.window_s, 1e-3)
-
-    @property
-    def shares_apply(self) -> bool:
-        """Whether some lane is held to a share of the rows (then `plan` needs rows running per lane)."""
-        return bool(self.total_rows) and any(q.policy.max_share < 1.0 for q in self.queues.values())
-
-    def lane_rows(self, queue: LaneQueue, free_rows: int, running: Mapping[str, int]) -> int:
-        """Rows this lane may take now: the free rows, within its share of the running batch."""
-        share = queue.policy.max_share
-        if share >= 1.0 or not self.total_rows:
-            return free_rows
-        cap = max(1, int(share * self.total_rows))
-        return min(free_rows, cap - running.get(queue.policy.name, 0))
-
-    def _take(self, queue: LaneQueue, free_rows: int) -> list[Job]:
-        batch: list[Job] = []
-        rows = 0
-        width = 0
-        while (head := queue.peek()) is not None:
-            new_rows = rows + head.size
-            new_width = max(width, head.prompt_tokens)
-            if batch and (new_rows > min(free_rows, self.limits.max_batch_size)
-                          or new_rows * new_width > self.limits.max_batch_tokens):
-                break
-            batch.append(queue.pop())
-            rows, width = new_rows, new_width
-        return batch

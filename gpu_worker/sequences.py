@@ -3,6 +3,7 @@ sampling parameters, its result, and the engine's running counters."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,3 +91,32 @@ def group_by_length(lengths: list[int], tolerance: float) -> list[list[int]]:
                 continue
         groups.append([i])
     return groups
+
+
+@dataclass(slots=True)
+class Row:
+    """A sequence in the running batch: its tokens so far and where its cache starts."""
+
+    spec: GenSpec
+    start: int
+    tokens: list[int]
+    generator: Any  # a torch.Generator of its own when sampling, else None
+    admitted_at: float
+    prefill_s: float
+    first_token_at: float
+    stop_tail: int = 0
+
+
+def finish_reason(row: Row, decode_tail: Callable[[list[int]], str] | None) -> FinishReason | None:
+    """Why `row` is done after its latest token (None: not done): EOS, a stop string in the decoded tail,
+    or its length."""
+    spec = row.spec
+    if row.tokens[-1] in spec.eos_ids:
+        return FinishReason.EOS
+    if spec.stop and decode_tail is not None:
+        tail = decode_tail(row.tokens[-row.stop_tail:])
+        if any(s in tail for s in spec.stop):
+            return FinishReason.STOP
+    if len(row.tokens) >= spec.max_new_tokens:
+        return FinishReason.LENGTH
+    return None

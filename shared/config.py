@@ -49,6 +49,9 @@ class ModelSpec:
     max_batch_size: int = 32  # requests per prefill (generate) or texts per forward (embed)
     max_batch_tokens: int = 8192  # padded tokens per prefill / encoder forward
     max_running: int = 64  # generate: rows in the running decode batch
+    # generate: prompt tokens one step may prefill beside decoding rows until the costs are measured (then
+    # the scheduler sizes chunks to a decode step); a longer prompt is prefilled in chunks. 0: never chunk
+    prefill_chunk_tokens: int = 128
     kv_budget_tokens: int | None = None  # generate: KV cache size in tokens; None = sized from the device
     max_input_tokens: int = 512
     max_new_tokens: int = 512
@@ -95,6 +98,8 @@ class ModelSpec:
                 raise ConfigError(f"model {self.name}: {attr} must be >= 1")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ConfigError(f"model {self.name}: vocab_size must be >= 1")
+        if self.prefill_chunk_tokens < 0:
+            raise ConfigError(f"model {self.name}: prefill_chunk_tokens must be >= 0")
         if self.scheduling not in ("deadline", "fifo"):
             raise ConfigError(f"model {self.name}: scheduling must be deadline or fifo")
         if not 0 <= self.min_timeout_s < self.default_timeout_s <= self.max_timeout_s:

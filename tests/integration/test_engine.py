@@ -236,3 +236,39 @@ def test_eager_attention_gets_an_additive_mask():
     results = run(GenerationEngine(model, max_rows=8, max_seq_len=64), {0: reqs[:3], 2: reqs[3:]})
     for spec in reqs:
         assert results[spec.id].token_ids == reference(model, spec), spec.id
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_a_prompt_prefilled_in_chunks_equals_generate_and_running_rows_keep_decoding(arch):
+    from tests.integration.test_architectures import tiny as tiny_arch
+
+    model = tiny_arch(arch)  # mistral and gemma2 with a window of 8: chunks cross it
+    rng = random.Random(7)
+    running = [GenSpec(id=f"s{i}", prompt_ids=tuple(rng.randrange(VOCAB) for _ in range(n)), max_new_tokens=30)
+               for i, n in enumerate((3, 9, 17))]
+    long = GenSpec(id="long", prompt_ids=tuple(rng.randrange(VOCAB) for _ in range(100)), max_new_tokens=12)
+    engine = GenerationEngine(model, max_rows=6, max_seq_len=160)
+    results = {r.id: r for r in engine.prefill(running)}
+    engine.prefill_in_chunks(long)
+    assert engine.chunked.active and engine.free_rows == 2
+    chunk_steps = 0
+    while engine.chunked.active:
+        before = {r.spec.id: len(r.tokens) for r in engine.rows}
+        for r in engine.step(chunk_tokens=16):
+            results[r.id] = r
+        chunk_steps += 1
+        assert all(len(r.tokens) == before[r.spec.id] + 1 for r in engine.rows if r.spec.id in before)
+    assert chunk_steps == 7  # 100 tokens in chunks of 16, one per step, every running row decoding meanwhile
+    results.update({r.id: r for r in run(engine, {0: []}).values()})
+    for spec in [*running, long]:
+        assert results[spec.id].token_ids == reference(model, spec), spec.id
+
+
+def test_a_chunked_prefill_can_be_cancelled_midway(model):
+    engine = GenerationEngine(model, max_rows=4, max_seq_len=160)
+    long = GenSpec(id="long", prompt_ids=tuple(range(1, 101)), max_new_tokens=5)
+    engine.prefill_in_chunks(long)
+    engine.step(chunk_tokens=16)
+    (gone,) = engine.remove({"long"}, FinishReason.CANCELLED)
+    assert gone.token_ids == [] and gone.finish_reason is FinishReason.CANCELLED
+    assert not engine.chunked.active and engine.free_rows == 4 and engine.running == 0

@@ -80,7 +80,13 @@ class FakeRunner:
             self.rows[job.id] = Row(job.req, job.new_tokens)
         return []
 
-    def step(self) -> list[Outcome]:
+    chunking = False
+    last_chunk = (0, 0.0)
+
+    def begin_chunked(self, job: Job, now: float) -> list[Outcome]:
+        return self.start([job], now)
+
+    def step(self, chunk_tokens: int = 0) -> list[Outcome]:
         self.clock.t += STEP_S
         done = []
         for rid, row in list(self.rows.items()):

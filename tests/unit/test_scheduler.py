@@ -348,3 +348,68 @@ def test_cannot_finish_is_the_one_feasibility_rule(deadline, now, work, cannot):
     from shared.deadlines import cannot_finish
 
     assert cannot_finish(deadline, now, work) is cannot
+
+
+# --- chunked prefill: a step's prefill budget while rows decode ------------------------------------------
+
+def chunky(budget=64, **kw):
+    return Scheduler([LanePolicy("short", 0.0), LanePolicy("long", 0.0)], BatchLimits(8, 4096),
+                     chunk_tokens=budget, **kw)
+
+
+def test_a_long_prompt_beside_decoding_rows_is_prefilled_in_chunks():
+    s = chunky()
+    running(s, 2)  # rows decoding
+    s.add(item(1, "long", prompt=500))
+    plan = s.plan(1.0, free_rows=4)
+    assert plan.chunked is not None and plan.chunked.id == "r1" and plan.batch == []
+    assert plan.chunk_tokens == 64
+
+
+def test_with_no_row_decoding_a_long_prompt_is_prefilled_whole():
+    s = chunky()
+    s.add(item(1, "long", prompt=500))
+    plan = s.plan(1.0, free_rows=4)
+    assert plan.chunked is None and [j.id for j in plan.batch] == ["r1"]
+    assert plan.chunk_tokens == 4096  # nothing to protect: a chunk in progress finishes at once
+
+
+def test_prompts_that_fit_the_budget_batch_within_it():
+    s = chunky(budget=64)
+    running(s, 2)
+    for i in range(4):
+        s.add(item(i, prompt=20))
+    assert len(s.plan(1.0, free_rows=8).batch) == 3  # 3 x 20 <= 64 < 4 x 20
+
+
+def test_while_a_prompt_is_chunked_short_work_still_starts_and_long_work_waits():
+    s = chunky(budget=64)
+    running(s, 2)
+    s.started([item(50, "long", prompt=500)])  # the prompt being chunked
+    s.add(item(1, "long", prompt=400))
+    s.add(item(2, "short", prompt=16))
+    plan = s.plan(1.0, free_rows=4, chunking=True)
+    assert [j.id for j in plan.batch] == ["r2"] and plan.chunked is None
+    assert plan.chunk_tokens == 64 - 16  # the new prompt first within the step's budget, the chunk the rest
+    assert s.plan(1.0, free_rows=4, chunking=True).batch == []  # the long one waits for the chunk in progress
+
+
+def test_no_chunking_for_an_encoder_or_when_switched_off():
+    s = Scheduler([LanePolicy("short", 0.0)], BatchLimits(8, 4096))  # chunk_tokens None
+    running(s, 2)
+    s.add(item(1, prompt=500))
+    plan = s.plan(1.0, free_rows=4)
+    assert plan.chunked is None and [j.id for j in plan.batch] == ["r1"]
+
+
+def test_chunks_are_sized_to_a_bare_decode_step_once_measured():
+    from gpu_worker.service_model import ServiceTracker
+
+    t = ServiceTracker(("short",))
+    assert t.chunk_tokens(4, default=128) == 128  # nothing measured yet
+    for n in (64, 128, 256, 512) * 3:
+        t.observe_prefill(n, 0.002 + 0.0001 * n)  # 2 ms + 0.1 ms a token
+    for rows in (1, 2, 4, 8) * 3:
+        t.observe_bare_step(rows, 0.01 + 0.001 * rows)  # 10 ms + 1 ms a row
+    assert t.chunk_tokens(4, default=128) == 120  # (14 ms - 2 ms) / 0.1 ms
+    assert t.chunk_tokens(4, default=128, least=200) == 200

@@ -36,9 +36,9 @@ class LoggingRunner(FakeRunner):
         super().__init__(clock, rows)
         self.name, self.log = name, log
 
-    def step(self):
+    def step(self, chunk_tokens: int = 0):
         self.log.append(self.name)
-        return super().step()
+        return super().step(chunk_tokens)
 
 
 def two_engines(share: float = 0.3):

@@ -1,0 +1,90 @@
+"""Chunked prefill: a long prompt is prefilled a chunk at a time, one chunk per engine step, while the
+running rows keep decoding (Sarathi-Serve's idea, on the engine's right-aligned cache).
+
+The prompt is written into a cache row of its own (the engine's last row, kept out of the running
+batch meanwhile), left-aligned: chunk i covers positions [lo, hi), attends to [0, hi) with the
+model's own per-layer pattern (causal, windows). After the last chunk its first token is sampled and
+the row joins the running batch: its cache is copied right-aligned to the batch's `end`, as if it had
+been prefilled there in one forward. Between two tokens a running row then waits one decode step plus
+one chunk, and the chunk's size is the scheduler's to choose.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from gpu_worker.sequences import GenResult, GenSpec
+from shared.states import FinishReason
+
+if TYPE_CHECKING:
+    from gpu_worker.engine import GenerationEngine
+
+
+@dataclass(slots=True)
+class _Prompt:
+    spec: GenSpec
+    done: int  # prompt tokens already in the cache
+    admitted_at: float
+
+
+class ChunkedPrefill:
+    def __init__(self, engine: GenerationEngine) -> None:
+        self.engine = engine
+        self.slot = engine.max_rows - 1  # the cache row it writes into, outside the running batch
+        self.current: _Prompt | None = None
+        self.last = (0, 0.0)  # (tokens, seconds) of the chunk the last step prefilled
+
+    @property
+    def active(self) -> bool:
+        return self.current is not None
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to prefill (0 when none is in progress)."""
+        return len(self.current.spec.prompt_ids) - self.current.done if self.current else 0
+
+    def begin(self, spec: GenSpec) -> None:
+        self.current = _Prompt(spec, 0, self.engine._clock())
+
+    def cancel(self, ids: set[str], reason: FinishReason) -> list[GenResult]:
+        cur = self.current
+        if cur is None or cur.spec.id not in ids:
+            return []
+        self.current = None
+        return [GenResult(id=cur.spec.id, token_ids=[], finish_reason=reason, prompt_tokens=len(cur.spec.prompt_ids),
+                          admitted_at=cur.admitted_at, owner=cur.spec.owner)]
+
+    @torch.inference_mode()
+    def advance(self, budget: int) -> list[GenResult]:
+        """Prefill up to `budget` more prompt tokens; after the last chunk the row joins the running batch
+        (returned if it is already done)."""
+        cur = self.current
+        self.last = (0, 0.0)
+        if cur is None or budget <= 0:
+            return []
+        e = self.engine
+        prompt = cur.spec.prompt_ids
+        lo, hi = cur.done, min(len(prompt), cur.done + budget)
+        q_pos = torch.arange(lo, hi, device=e.device)[None]
+        k_pos = torch.arange(0, hi, device=e.device)[None]
+        allowed = k_pos[:, None, None, :] <= q_pos[:, None, :, None]
+        f0 = time.perf_counter()
+        out = e.model(input_ids=torch.tensor([prompt[lo:hi]], dtype=torch.long, device=e.device),
+                      attention_mask=e._mask(allowed, q_pos, k_pos), position_ids=q_pos,
+                      past_key_values=e.cache.window(slice(self.slot, self.slot + 1), lo, hi, 0),
+                      use_cache=True, logits_to_keep=1)
+        self.last = (hi - lo, time.perf_counter() - f0)
+        e.stats.forward_s += self.last[1]
+        e.stats.prefill_tokens += hi - lo
+        e.stats.prefill_padded_tokens += hi - lo
+        cur.done = hi
+        if hi < len(prompt):
+            return []
+        self.current = None
+        e._make_room_left(len(prompt))
+        e.cache.copy_span(self.slot, 0, len(e.rows), e.end - len(prompt), len(prompt))
+        return e._admit([cur.spec], out.logits[:, -1, :], cur.admitted_at)

@@ -1,0 +1,92 @@
+"""The dynamic stage of the scheduler, pure: when a lane's window closes, which ready lane goes first, how
+many rows a lane may take, and which waiting requests form its batch (within the rows, the batch size and
+the token budgets). `gpu_worker.scheduler.Scheduler` adds the decisions about running rows on top.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gpu_worker.job import Job
+from gpu_worker.lane_queue import LaneQueue
+from gpu_worker.service_model import ServiceModel
+
+SLACK_FACTOR = 1.5
+SLACK_MARGIN_S = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    max_batch_size: int  # rows per batch
+    max_batch_tokens: int  # padded prompt tokens per batch (rows x longest prompt)
+
+
+class DynamicStage:
+    queues: dict[str, LaneQueue]
+    limits: BatchLimits
+    aging: float
+    service: ServiceModel
+    deadline_aware: bool
+    total_rows: int | None
+
+    def ready_at(self, queue: LaneQueue, now: float) -> float:
+        """When this non-empty lane's dynamic window closes (<= now: ready)."""
+        items = list(queue.items())
+        size = sum(p.size for p in items)
+        width = max(p.prompt_tokens for p in items)
+        if size >= self.limits.max_batch_size or size * width >= self.limits.max_batch_tokens:
+            return now
+        close = min(p.arrived for p in items) + queue.policy.window_s
+        if not self.deadline_aware:
+            return close
+        # Slack: start early enough that the most pressing request can still finish in time.
+        return min(close, min(self.latest_start(p) for p in items))
+
+    def latest_start(self, item: Job) -> float:
+        """The last moment to start `item` and still finish by its deadline, with a safety margin
+        (estimates are averages; a start this late must not depend on them being exact)."""
+        return item.deadline - SLACK_FACTOR * self.service.estimate(item) - SLACK_MARGIN_S
+
+    def urgency(self, queue: LaneQueue, now: float) -> tuple[int, int, float]:
+        """Lower is more urgent: (head priority, 0 if out of slack else 1, overdue time or -waited windows)."""
+        head = queue.peek()
+        oldest = queue.oldest_arrival()
+        if head is None or oldest is None:
+            return (1 << 30, 1, float("inf"))
+        if not self.deadline_aware:
+            return 0, 1, oldest
+        latest = min(self.latest_start(p) for p in queue.items() if p.rank == head.rank)
+        if latest <= now:
+            return head.rank, 0, latest
+        return head.rank, 1, -self.aging * (now - oldest) / max(queue.policy.window_s, 1e-3)
+
+    @property
+    def shares_apply(self) -> bool:
+        """Whether some lane is held to a share of the rows (then `plan` needs rows running per lane)."""
+        return bool(self.total_rows) and any(q.policy.max_share < 1.0 for q in self.queues.values())
+
+    def lane_rows(self, queue: LaneQueue, free_rows: int, running: Mapping[str, int]) -> int:
+        """Rows this lane may take now: the free rows, within its share of the running batch."""
+        share = queue.policy.max_share
+        if share >= 1.0 or not self.total_rows:
+            return free_rows
+        cap = max(1, int(share * self.total_rows))
+        return min(free_rows, cap - running.get(queue.policy.name, 0))
+
+    def _take(self, queue: LaneQueue, free_rows: int, token_cap: int | None = None) -> list[Job]:
+        """The lane's batch: its requests in order while the rows, the batch size and the padded prompt tokens
+        (the batch limit, or `token_cap` when a step's prefill budget is smaller) allow; the head always."""
+        cap = min(self.limits.max_batch_tokens, token_cap or self.limits.max_batch_tokens)
+        batch: list[Job] = []
+        rows = 0
+        width = 0
+        while (head := queue.peek()) is not None:
+            new_rows = rows + head.size
+            new_width = max(width, head.prompt_tokens)
+            if batch and (new_rows > min(free_rows, self.limits.max_batch_size)
+                          or new_rows * new_width > cap):
+                break
+            batch.append(queue.pop())
+            rows, width = new_rows, new_width
+        return batch
