@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from gpu_worker.sequences import GenResult, GenSpec
 from shared.states import FinishReason
-
-if TYPE_CHECKING:
-    from gpu_worker.engine import GenerationEngine
 
 
 @dataclass(slots=True)
@@ -32,7 +29,7 @@ class _Prompt:
 
 
 class ChunkedPrefill:
-    def __init__(self, engine: GenerationEngine) -> None:
+    def __init__(self, engine: Any) -> None:  # the GenerationEngine that owns it (no import: it imports this)
         self.engine = engine
         self.slot = engine.max_rows - 1  # the cache row it writes into, outside the running batch
         self.current: _Prompt | None = None
