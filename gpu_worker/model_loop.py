@@ -186,12 +186,8 @@ class ModelLoop(ThreadedLoop):
         since = self._last_step_end if self._last_step_end is not None else t0
         self.tracker.observe_step(rows, max(t1 - t0, t1 - since - self._excluded_s))
         chunk, chunk_s = self.runner.last_chunk
-        if chunk:  # a chunk's cost teaches the prefill fit; the step without it, the bare decode fit
+        if chunk:  # a chunk of prefill teaches the prefill fit too
             self.tracker.observe_prefill(chunk, chunk_s)
-            if rows > 1:
-                self.tracker.observe_bare_step(rows - 1, max(0.0, t1 - t0 - chunk_s))
-        else:
-            self.tracker.observe_bare_step(rows, t1 - t0)
         self._last_step_end = t1
         self._excluded_s = 0.0
         return out

@@ -199,7 +199,7 @@ class Scheduler(DynamicStage):
         decoding = len(self.running) - int(chunking)
         if not self.chunk_tokens or decoding <= 0:
             return None
-        return self.tracker.chunk_tokens(decoding, self.chunk_tokens)
+        return self.chunk_tokens
 
     @staticmethod
     def _waits_for_chunk(queue: LaneQueue, budget: int | None, chunking: bool) -> bool:

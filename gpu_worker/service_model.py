@@ -96,7 +96,6 @@ class ServiceTracker:
     lanes: tuple[str, ...]
     prefill: RunningFit = field(default_factory=RunningFit)
     decode: RunningFit = field(default_factory=RunningFit)  # the token interval a running row sees, all included
-    bare: RunningFit = field(default_factory=RunningFit)  # the decode step alone (no chunk of prefill beside it)
     counters: dict[str, LaneCounters] = field(default_factory=dict)
     rate_tau_s: float = RATE_TAU_S
 
@@ -108,17 +107,6 @@ class ServiceTracker:
 
     def observe_step(self, rows: int, seconds: float) -> None:
         self.decode.add(rows, seconds)
-
-    def observe_bare_step(self, rows: int, seconds: float) -> None:
-        self.bare.add(rows, seconds)
-
-    def chunk_tokens(self, rows: int, default: int, *, least: int = 16) -> int:
-        """Prompt tokens a chunk of prefill may hold so that it takes no longer than the bare decode step of
-        `rows` rows beside it (so a running row's token interval stays within about twice a decode step);
-        `default` until both fits have seen enough."""
-        if self.prefill.n < WARM_SAMPLES or self.bare.n < WARM_SAMPLES or self.prefill.slope <= 0:
-            return default
-        return max(least, int((self.bare.predict(rows) - self.prefill.intercept) / self.prefill.slope))
 
     def observe_completion(self, lane: str) -> None:
         self.counters.setdefault(lane, LaneCounters()).completed += 1

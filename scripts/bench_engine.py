@@ -315,10 +315,19 @@ def main() -> None:
                     help="retry a run when other processes or steal took more than this share of CPU")
     ap.add_argument("--model-cache", default=os.environ.get("BATCHGATE_MODEL_CACHE",
                                                              str(Path.home() / ".cache/batchgate/models")))
+    ap.add_argument("--prefill-chunk-tokens", type=int, help="override the model's prefill_chunk_tokens (0: off)")
+    ap.add_argument("--long-prefill", action="store_true",
+                    help="rows decoding while a 2,048-token prompt arrives: inter-token gaps, chunked vs not")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     torch.manual_seed(0)
     loaded, model, hf_model = load_models(Path(args.model_cache))
+    if args.prefill_chunk_tokens is not None:
+        import dataclasses
+
+        loaded.spec = dataclasses.replace(loaded.spec, prefill_chunk_tokens=args.prefill_chunk_tokens)
+    if args.long_prefill:
+        return long_prefill_mode(loaded, args)
     reqs = workload(args.requests, args.seed, model.config.vocab_size)
     methods: dict[str, Callable[[list[Req]], RunResult]] = {
         "batch1": lambda rs: run_batch1(model, rs),
@@ -365,6 +374,33 @@ def main() -> None:
                   f"  (others {res.disturbance:.0%})", flush=True)
     summarize(report, runs, total_tokens, args.arrivals)
     print_table(report, args.arrivals)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+def long_prefill_mode(loaded: Any, args: argparse.Namespace) -> None:
+    """Chunked prefill on (the default) and off, alternating --reps times; medians, and the ratio to a decode step."""
+    import long_prefill
+
+    runs: dict[str, list[dict[str, float]]] = {"chunked": [], "whole": []}
+    for rep in range(args.reps):
+        for name, chunk in (("chunked", loaded.spec.prefill_chunk_tokens), ("whole", 0)):
+            r = long_prefill.run(loaded, chunk_tokens=chunk, seed=args.seed + rep)
+            runs[name].append(r)
+            print(f"  rep {rep + 1} {name:<8} decode step {r['decode_step_ms']:6.1f} ms  longest gap during the "
+                  f"prefill {r['max_itl_ms_during_long_prefill']:7.1f} ms  long TTFT {r['long_ttft_ms']:7.0f} ms",
+                  flush=True)
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    report = {"mode": "long_prefill", "prompt_tokens": long_prefill.LONG_PROMPT, "runs": runs, "median": med,
+              "decode_step_ms": med["chunked"]["decode_step_ms"],
+              "max_itl_ms_during_long_prefill": med["chunked"]["max_itl_ms_during_long_prefill"],
+              "itl_vs_decode_step": med["chunked"]["max_itl_ms_during_long_prefill"] / med["chunked"]["decode_step_ms"],
+              "whole_prefill_max_itl_ms": med["whole"]["max_itl_ms_during_long_prefill"]}
+    print(f"\n{'prefill':<10}{'decode step ms':>16}{'longest gap ms':>16}{'x step':>8}{'long TTFT ms':>14}")
+    for name, m in med.items():
+        print(f"{name:<10}{m['decode_step_ms']:>16.1f}{m['max_itl_ms_during_long_prefill']:>16.1f}"
+              f"{m['max_itl_ms_during_long_prefill'] / m['decode_step_ms']:>8.2f}{m['long_ttft_ms']:>14.0f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -49,9 +49,9 @@ class ModelSpec:
     max_batch_size: int = 32  # requests per prefill (generate) or texts per forward (embed)
     max_batch_tokens: int = 8192  # padded tokens per prefill / encoder forward
     max_running: int = 64  # generate: rows in the running decode batch
-    # generate: prompt tokens one step may prefill beside decoding rows until the costs are measured (then
-    # the scheduler sizes chunks to a decode step); a longer prompt is prefilled in chunks. 0: never chunk
-    prefill_chunk_tokens: int = 128
+    # generate: prompt tokens one step may prefill beside decoding rows; a longer prompt is prefilled in
+    # chunks of this size, one per step, while the rows keep decoding. 0: never chunk (see docs/scheduling.md)
+    prefill_chunk_tokens: int = 512
     kv_budget_tokens: int | None = None  # generate: KV cache size in tokens; None = sized from the device
     max_input_tokens: int = 512
     max_new_tokens: int = 512

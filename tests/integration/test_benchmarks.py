@@ -30,6 +30,22 @@ def test_engine_benchmark_smoke(tmp_path, model_cache):
     assert "ratio_vs_hf_continuous" in proc.stdout  # the human table
 
 
+def test_engine_benchmark_long_prefill_mode(tmp_path, model_cache):
+    """Rows decoding while a 2,048-token prompt arrives: the keys the checks read (the figures themselves are
+    the benchmark's to report, not a test's to time)."""
+    out = tmp_path / "long.json"
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_engine.py", "--long-prefill", "--reps", "1", "--model-cache",
+         str(model_cache), "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["decode_step_ms"] > 0 and report["max_itl_ms_during_long_prefill"] > 0
+    assert report["whole_prefill_max_itl_ms"] > 0 and report["median"]["chunked"]["long_ttft_ms"] > 0
+    assert "longest gap" in proc.stdout  # the human table
+
+
 @pytest.mark.redis
 def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
     out = tmp_path / "e2e.json"

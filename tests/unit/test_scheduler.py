@@ -400,16 +400,3 @@ def test_no_chunking_for_an_encoder_or_when_switched_off():
     s.add(item(1, prompt=500))
     plan = s.plan(1.0, free_rows=4)
     assert plan.chunked is None and [j.id for j in plan.batch] == ["r1"]
-
-
-def test_chunks_are_sized_to_a_bare_decode_step_once_measured():
-    from gpu_worker.service_model import ServiceTracker
-
-    t = ServiceTracker(("short",))
-    assert t.chunk_tokens(4, default=128) == 128  # nothing measured yet
-    for n in (64, 128, 256, 512) * 3:
-        t.observe_prefill(n, 0.002 + 0.0001 * n)  # 2 ms + 0.1 ms a token
-    for rows in (1, 2, 4, 8) * 3:
-        t.observe_bare_step(rows, 0.01 + 0.001 * rows)  # 10 ms + 1 ms a row
-    assert t.chunk_tokens(4, default=128) == 120  # (14 ms - 2 ms) / 0.1 ms
-    assert t.chunk_tokens(4, default=128, least=200) == 200

@@ -1,0 +1,82 @@
+"""The engine benchmark's long-prefill mode (`bench_engine.py --long-prefill`): rows decoding while a
+2,048-token prompt arrives; how long a running row waits between two of its tokens meanwhile.
+
+The worker's own compute loop (scheduler, runner, engine; no Redis) serves `--rows` short requests
+with long outputs; once they have decoded a while, one 2,048-token prompt arrives. Every decode step
+advances every running row by one token, so the gaps between step ends are the rows' inter-token
+latencies: `decode_step_ms` is their median before the long prompt arrives, and
+`max_itl_ms_during_long_prefill` the longest from its arrival to its first token. Run twice, side
+by side: with chunked prefill (the default) and with it off (`prefill_chunk_tokens: 0`, the whole
+prompt in one forward), so the ratio is measured on the same machine in the same minute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import statistics
+import time
+from typing import Any
+
+LONG_PROMPT = 2048
+WARM_STEPS = 40  # decode steps before the long prompt arrives (the fits warm up meanwhile)
+
+
+def run(loaded: Any, *, chunk_tokens: int, rows: int = 8, seed: int = 0) -> dict[str, float]:
+    import random
+
+    from gpu_worker.assembly import build_scheduler
+    from gpu_worker.commands import Add, Drain
+    from gpu_worker.generate_runner import GenerateRunner
+    from gpu_worker.model_loop import ModelLoop
+    from gpu_worker.outcomes import Outcome
+    from shared.messages import InferenceRequest
+    from shared.states import Priority
+
+    spec = dataclasses.replace(loaded.spec, max_input_tokens=LONG_PROMPT, max_new_tokens=256,
+                               max_running=rows + 2, prefill_chunk_tokens=chunk_tokens)
+    runner = GenerateRunner(dataclasses.replace(loaded, spec=spec), "bench", max_rows=rows + 2,
+                            max_seq_len=spec.max_seq_len)
+    steps: list[tuple[float, bool]] = []  # (end of a decode step, the long prompt has joined the decoding rows)
+    inner = runner.step
+
+    def timed_step(chunk: int = 0) -> list[Any]:
+        out = inner(chunk)
+        steps.append((time.perf_counter(), any(r.spec.id == "long" for r in runner.engine.rows)))
+        return out
+
+    runner.step = timed_step  # type: ignore[method-assign]
+    done: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
+    loop = ModelLoop(spec.name, runner, build_scheduler(spec, runner), mark_running=lambda rs: [True] * len(rs),
+                     emit=done.put, worker="bench")
+    rng = random.Random(seed)
+    vocab = loaded.model.config.vocab_size
+    now_ms = int(time.time() * 1000)
+
+    def request(rid: str, prompt: int, new: int) -> InferenceRequest:
+        return InferenceRequest(id=rid, tenant="bench", model=spec.name, task=spec.task,
+                                input={"input_ids": [rng.randrange(3, vocab) for _ in range(prompt)]},
+                                params={"max_new_tokens": new, "ignore_eos": True}, lane=spec.lanes[-1].name,
+                                priority=Priority.INTERACTIVE, created_ms=now_ms, deadline_ms=now_ms + 3_600_000,
+                                est_tokens=prompt + new)
+
+    loop.start()
+    loop.submit(Add([request(f"s{i}", 16, 240) for i in range(rows)], time.time()))
+    while len(steps) < WARM_STEPS:
+        time.sleep(0.005)
+    arrived = time.perf_counter()
+    loop.submit(Add([request("long", LONG_PROMPT, 8)], time.time()))
+    finished = 0
+    while finished < rows + 1:
+        for item in done.get(timeout=600):
+            if isinstance(item, Outcome):
+                finished += 1
+    loop.submit(Drain(time.time()))
+    loop.join(30)
+    before = [b - a for (a, _), (b, _) in itertools.pairwise(steps) if b < arrived]
+    first_token = next(t for t, joined in steps if joined)
+    during = [b - a for (a, _), (b, _) in itertools.pairwise(steps) if b > arrived and a < first_token]
+    return {"decode_step_ms": statistics.median(before[5:]) * 1000,
+            "max_itl_ms_during_long_prefill": max(during) * 1000 if during else float("nan"),
+            "long_ttft_ms": (first_token - arrived) * 1000, "chunk_tokens_setting": float(chunk_tokens)}
