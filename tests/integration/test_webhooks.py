@@ -323,3 +323,24 @@ async def test_thin_payload_when_the_tenant_asks(redis_url, prefix):
         await wait_until(lambda: _true(len(rx.requests) == 1))
         payload = verify(SECRET, rx.requests[0].body, rx.requests[0].headers)
         assert payload == {"id": rid, "event": "completed", "links": {"self": f"/v1/requests/{rid}"}}
+
+
+async def test_rotate_keeps_the_default_secret_from_the_environment(redis_url, prefix):
+    """A tenant signing with BATCHGATE_WEBHOOK_SECRET (no secret of its own): `batchgate webhooks rotate` keeps
+    that secret beside the new one, so the next delivery carries both signatures (receivers on the old one pass)."""
+    env = {**os.environ, "BATCHGATE_REDIS_URL": redis_url, "BATCHGATE_KEY_PREFIX": prefix,
+           "BATCHGATE_WEBHOOK_SECRET": SECRET}
+    out = subprocess.run([sys.executable, "-m", "batchgate.cli", "webhooks", "rotate", "--tenant", "default"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    new = out.stdout.splitlines()[0].strip()
+    assert new.startswith("whsec_") and f"also accepted: {SECRET}" in out.stdout
+    settings = settings_for(redis_url, prefix)
+    async with receiver() as rx, running_gateway(settings) as gw, dispatcher(settings, secret=SECRET):
+        rid = await submit(gw, rx.url)
+        await complete(gw, rid)
+        await wait_until(lambda: _true(len(rx.requests) == 1))
+        got = rx.requests[0]
+        assert len(got.headers["webhook-signature"].split(" ")) == 2
+        verify(SECRET, got.body, got.headers)
+        verify(new, got.body, got.headers)
