@@ -344,3 +344,46 @@ async def test_rotate_keeps_the_default_secret_from_the_environment(redis_url, p
         assert len(got.headers["webhook-signature"].split(" ")) == 2
         verify(SECRET, got.body, got.headers)
         verify(new, got.body, got.headers)
+
+
+async def test_a_tarpit_receiver_does_not_delay_other_destinations(redis_url, prefix):
+    """Deliveries are independent: while a receiver takes 3 s per answer, deliveries to another destination
+    go out at once (before: they waited for the claimed batch, tarpit included), and the tarpit never has more
+    than `per_host` attempts running at once (the rest wait on the schedule, not in the dispatcher's slots)."""
+    running = {"now": 0, "max": 0}
+
+    def tarpit(rec: Received, n: int):
+        return 200, {}, 3.0
+
+    settings = settings_for(redis_url, prefix, callback_timeout_s=6.0)
+    async with receiver(tarpit) as slow, receiver() as fast, running_gateway(settings) as gw, \
+            dispatcher(settings, per_host=4) as d:
+        orig = d._post
+
+        async def counting_post(target, body, headers):
+            if target.port == slow.port:
+                running["now"] += 1
+                running["max"] = max(running["max"], running["now"])
+                try:
+                    return await orig(target, body, headers)
+                finally:
+                    running["now"] -= 1
+            return await orig(target, body, headers)
+
+        d._post = counting_post
+        slow_ids = [await submit(gw, slow.url) for _ in range(10)]
+        for rid in slow_ids:
+            await complete(gw, rid)
+        await wait_until(lambda: _true(len(slow.requests) >= 1))
+        lat = []
+        for _ in range(5):
+            rid = await submit(gw, fast.url)
+            t0 = time.monotonic()
+            await complete(gw, rid)
+            n = len(fast.requests)
+            await wait_until(lambda n=n: _true(len(fast.requests) > n), timeout=10)
+            lat.append(time.monotonic() - t0)
+        assert max(lat) < 1.0, lat
+        for rid in slow_ids:
+            await wait_until(lambda rid=rid: _cb_status(gw, rid, "delivered"), timeout=30)
+        assert running["max"] <= 4 and len(slow.requests) == 10
