@@ -119,6 +119,7 @@ class Dispatcher:
         await self._ensure_group()
         tasks = [asyncio.create_task(self._intake(), name="cb-intake"),
                  asyncio.create_task(self._deliver_due(), name="cb-due")]
+        self.allow.log_effective(log, "dispatcher")
         self.ready.set()
         log.info("callback dispatcher ready", dispatcher=self.name)
         await stop.wait()

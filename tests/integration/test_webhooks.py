@@ -387,3 +387,17 @@ async def test_a_tarpit_receiver_does_not_delay_other_destinations(redis_url, pr
         for rid in slow_ids:
             await wait_until(lambda rid=rid: _cb_status(gw, rid, "delivered"), timeout=30)
         assert running["max"] <= 4 and len(slow.requests) == 10
+
+
+async def test_internal_callback_names_get_422_at_submit_and_the_answer_names_no_env_var(redis_url, prefix):
+    settings = settings_for(redis_url, prefix, allow="127.0.0.0/8,dev.localhost")
+    async with running_gateway(settings) as gw:
+        for url in ("http://localhost:8080/hook", "http://app.localhost/", "http://db.internal/x",
+                    "http://printer.local/", "http://10.0.0.5/", "http://169.254.169.254/latest/"):
+            r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"},
+                                                                          "callback": {"url": url}})
+            assert r.status_code == 422, (url, r.text)
+            assert "BATCHGATE" not in r.text and "_ALLOW" not in r.text, r.text
+        r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"},
+                                                                      "callback": {"url": "http://dev.localhost/"}})
+        assert r.status_code == 202, r.text  # allowed by name
