@@ -387,6 +387,9 @@ async def test_a_tarpit_receiver_does_not_delay_other_destinations(redis_url, pr
         for rid in slow_ids:
             await wait_until(lambda rid=rid: _cb_status(gw, rid, "delivered"), timeout=30)
         assert running["max"] <= 4 and len(slow.requests) == 10
+        # waiting for a busy destination is not an attempt: one attempt each, one webhook-id each
+        assert [(await callback_of(gw, rid))["attempts"] for rid in slow_ids] == [1] * 10
+        assert len({r.headers["webhook-id"] for r in slow.requests}) == 10
 
 
 async def test_internal_callback_names_get_422_at_submit_and_the_answer_names_no_env_var(redis_url, prefix):
