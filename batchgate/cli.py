@@ -80,7 +80,8 @@ def cmd_webhooks(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         redis = make_redis(settings.redis_url)
-        store = TenantStore(redis, Keys(settings.key_prefix))
+        # the default secret matters here: a tenant without its own signs with it, so rotate must keep it
+        store = TenantStore(redis, Keys(settings.key_prefix), settings.webhook_secret)
         if args.action == "rotate":
             print(await store.rotate_webhook_secret(args.tenant))
         elif args.action == "drop-old":

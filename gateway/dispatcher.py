@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import redis.asyncio as aioredis
@@ -58,7 +59,18 @@ LATENCY = Histogram("batchgate_webhook_delivery_seconds", "Event to successful d
 
 CLAIM_BATCH = 100
 MAX_IN_FLIGHT = 64
+PER_HOST_IN_FLIGHT = 8
+HOST_BUSY_DEFER_MS = 250
 STREAM_RECLAIM_IDLE_MS = 30_000
+
+
+def _destination(url: str) -> str:
+    """The key that bounds attempts per destination: the URL's host name (lower-case) and port."""
+    try:
+        parts = urlsplit(url)
+        return f"{(parts.hostname or '').lower().rstrip('.')}:{parts.port or ''}"
+    except ValueError:
+        return url
 
 
 def _reason_label(reason: str) -> str:
@@ -72,7 +84,8 @@ class Dispatcher:
     def __init__(self, settings: Settings, *, redis: aioredis.Redis | None = None,
                  resolver: Resolver = system_resolver, transport: httpx.AsyncBaseTransport | None = None,
                  clock: Callable[[], float] = time.time, rng: random.Random | None = None,
-                 default_secret: str = "") -> None:
+                 default_secret: str = "", max_in_flight: int = MAX_IN_FLIGHT,
+                 per_host: int = PER_HOST_IN_FLIGHT) -> None:
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.redis = redis or make_redis(settings.redis_url)
@@ -93,7 +106,10 @@ class Dispatcher:
             limits=httpx.Limits(max_keepalive_connections=0),
             headers={"user-agent": "batchgate-webhooks/1", "content-type": "application/json"})
         self._wake = asyncio.Event()
-        self._sem = asyncio.Semaphore(MAX_IN_FLIGHT)
+        self.max_in_flight = max_in_flight  # attempts running at once, all destinations together
+        self.per_host = per_host  # ... and to one destination (host name as written in the URL)
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._per_host: dict[str, int] = {}
         self.ready = asyncio.Event()
 
     def now_ms(self) -> int:
@@ -103,12 +119,19 @@ class Dispatcher:
         await self._ensure_group()
         tasks = [asyncio.create_task(self._intake(), name="cb-intake"),
                  asyncio.create_task(self._deliver_due(), name="cb-due")]
+        self.allow.log_effective(log, "dispatcher")
         self.ready.set()
         log.info("callback dispatcher ready", dispatcher=self.name)
         await stop.wait()
         for t in tasks:
             t.cancel()
         await asyncio.wait(tasks, timeout=10)
+        # attempts still running are abandoned, leased: the next dispatcher makes them again after the lease
+        attempts = list(self._in_flight)
+        for t in attempts:
+            t.cancel()
+        if attempts:
+            await asyncio.wait(attempts, timeout=10)
         await self.http.aclose()
         with contextlib.suppress(*UNAVAILABLE, ResponseError):
             await self.redis.xgroup_delconsumer(self.keys.callback_stream(), GROUP, self.name)
@@ -162,13 +185,24 @@ class Dispatcher:
 
     # --- schedule -> attempts ------------------------------------------------------------------
     async def _deliver_due(self) -> None:
+        """Claim due deliveries as slots free and start each at once, on its own: a slow receiver holds its own
+        slots (at most `per_host` of them), never the loop, so it cannot delay other tenants' deliveries."""
         lease_ms = int(self.settings.callback_lease_s * 1000)
         while True:
             raise_if_cancelling()
+            self._wake.clear()
+            free = self.max_in_flight - len(self._in_flight)
+            if free <= 0:  # every slot busy: the next finished attempt wakes us
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 1.0)
+                continue
             try:
-                ids = await self.store.claim_due(self.now_ms(), lease_ms, CLAIM_BATCH)
+                ids = await self.store.claim_due(self.now_ms(), lease_ms, min(free, CLAIM_BATCH))
                 if ids:
-                    await asyncio.gather(*(self._attempt_one(i) for i in ids))
+                    for i in ids:
+                        task = asyncio.create_task(self._attempt_one(i), name=f"cb-attempt-{i}")
+                        self._in_flight.add(task)
+                        task.add_done_callback(self._attempt_done)
                     continue
                 nxt = await self.store.next_due_ms()
             except UNAVAILABLE as exc:
@@ -179,34 +213,52 @@ class Dispatcher:
             # sleep until the next attempt is due or a new delivery arrives (capped: another dispatcher
             # may have scheduled something sooner)
             wait = 1.0 if nxt is None else min(1.0, max(0.0, (nxt - self.now_ms()) / 1000))
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait)
 
+    def _attempt_done(self, task: asyncio.Task[None]) -> None:
+        self._in_flight.discard(task)
+        self._wake.set()
+
     async def _attempt_one(self, delivery_id: str) -> None:
         """One delivery: whatever goes wrong stays with it (never stops the dispatcher). A Redis outage
-        leaves it leased; it is attempted again when the lease runs out."""
-        async with self._sem:
-            try:
+        leaves it leased; it is attempted again when the lease runs out. A destination that already has
+        `per_host` attempts running gets this one back on the schedule shortly (not an attempt: its count,
+        state and webhook-id are unchanged), so a tarpit receiver cannot fill the dispatcher's slots."""
+        host = ""
+        try:
+            loaded = await self.store.load(delivery_id)
+            if loaded is None:
+                await self.redis.zrem(self.keys.callback_due(), delivery_id)
+                return
+            delivery, state = loaded
+            if state.status != "pending":
+                await self.store.record(state, None)
+                return
+            host = _destination(delivery.url)
+            if self._per_host.get(host, 0) >= self.per_host:
+                await self.store.defer(delivery_id, self.now_ms() + HOST_BUSY_DEFER_MS)
+                host = ""
+                return
+            self._per_host[host] = self._per_host.get(host, 0) + 1
+            await self._attempt(delivery, state)
+        except UNAVAILABLE as exc:
+            raise_if_cancelling(exc)
+            log.warning("webhook attempt interrupted by a redis outage", delivery=delivery_id, error=repr(exc))
+        except Exception as exc:  # a bug or an impossible URL must not stop every other delivery
+            log.exception("webhook attempt failed unexpectedly", delivery=delivery_id)
+            with contextlib.suppress(Exception):
                 loaded = await self.store.load(delivery_id)
-                if loaded is None:
-                    await self.redis.zrem(self.keys.callback_due(), delivery_id)
-                    return
-                delivery, state = loaded
-                if state.status != "pending":
-                    await self.store.record(state, None)
-                    return
-                await self._attempt(delivery, state)
-            except UNAVAILABLE as exc:
-                raise_if_cancelling(exc)
-                log.warning("webhook attempt interrupted by a redis outage", delivery=delivery_id, error=repr(exc))
-            except Exception as exc:  # a bug or an impossible URL must not stop every other delivery
-                log.exception("webhook attempt failed unexpectedly", delivery=delivery_id)
-                with contextlib.suppress(Exception):
-                    loaded = await self.store.load(delivery_id)
-                    if loaded is not None:
-                        await self._finish(loaded[0], replace(loaded[1], status="failed",
-                                                              last_error=f"internal: {type(exc).__name__}: {exc}"))
+                if loaded is not None:
+                    await self._finish(loaded[0], replace(loaded[1], status="failed",
+                                                          last_error=f"internal: {type(exc).__name__}: {exc}"))
+        finally:
+            if host:
+                left = self._per_host.get(host, 1) - 1
+                if left > 0:
+                    self._per_host[host] = left
+                else:
+                    self._per_host.pop(host, None)
 
     async def _attempt(self, delivery: CallbackDelivery, state: CallbackState) -> None:
         attempt = state.attempts + 1

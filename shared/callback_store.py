@@ -75,6 +75,10 @@ class CallbackStore:
         ids = await self._claim(keys=[self.keys.callback_due()], args=[now_ms, now_ms + lease_ms, limit])
         return [i.decode() if isinstance(i, bytes) else i for i in ids]
 
+    async def defer(self, delivery_id: str, due_ms: int) -> None:
+        """Give a claimed delivery back, due at `due_ms`, without an attempt (its state is untouched)."""
+        await self.redis.zadd(self.keys.callback_due(), {delivery_id: due_ms}, xx=True)
+
     async def next_due_ms(self) -> int | None:
         first = await self.redis.zrange(self.keys.callback_due(), 0, 0, withscores=True)
         return int(first[0][1]) if first else None

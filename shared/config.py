@@ -286,6 +286,12 @@ class Settings:
             raise ConfigError("BATCHGATE_AUTH must be api_key or off")
         if self.log_format not in ("json", "console", "auto"):
             raise ConfigError("log format must be json, console or auto")
+        from shared.ssrf import AllowList  # stdlib only: no cycle
+
+        try:
+            AllowList.parse(self.callback_allow)
+        except ValueError as exc:
+            raise ConfigError(f"BATCHGATE_CALLBACK_ALLOW: {exc}") from exc
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise ConfigError(f"model names must be unique, got {names}")

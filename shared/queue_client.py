@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+import structlog
 
 from shared import admission
 from shared.admission import Decision
@@ -76,6 +77,7 @@ class QueueClient:
         self.clock = clock
 
     async def start(self) -> None:
+        self.callback_allow.log_effective(structlog.get_logger(__name__), "gateway")
         await self.hub.start()
 
     async def close(self) -> None:

@@ -10,15 +10,22 @@ Two checks:
 "Public" means `ipaddress`'s `is_global` and not multicast: loopback, private ranges, link-local
 (169.254.169.254, the cloud metadata address, included), shared, reserved and unspecified addresses
 are refused, also when embedded in IPv6 (mapped, 6to4, Teredo). An operator allow-list of host names
-and networks (`BATCHGATE_CALLBACK_ALLOW`) overrides the refusal.
+and networks (`BATCHGATE_CALLBACK_ALLOW`) overrides the refusal, with limits: entries are validated
+(a bad network is an error, not a host name), entries wide enough to turn the guard off need
+`force:`, link-local and metadata addresses stay refused unless an entry names them, an allowed host
+name still has its resolved addresses checked against link-local/metadata, and obviously internal
+names (`localhost`, `*.localhost`, `*.internal`, `*.local`) are refused unless allowed. Messages
+never name server environment variables (they reach API callers).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -46,26 +53,88 @@ class Target:
     path: str
 
 
+# link-local and cloud metadata: refused even when a wider allow-list entry covers them, unless an entry
+# names (a part of) one of these networks itself
+SENSITIVE = tuple(ipaddress.ip_network(n) for n in (
+    "169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128", "::ffff:169.254.0.0/112"))
+# obviously internal host names: refused at submit (422) unless allow-listed
+INTERNAL_SUFFIXES = (".localhost", ".internal", ".local")
+FORCE = "force:"
+_LABEL = r"[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?"
+_HOST_RE = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
+
+
+def _too_wide(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bool:
+    """A network so wide that allowing it turns the guard off (0.0.0.0/0, ::/0, 0.0.0.0/1, ...)."""
+    return net.prefixlen < (8 if net.version == 4 else 16)
+
+
 @dataclass(frozen=True)
 class AllowList:
     hosts: frozenset[str] = frozenset()
     networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = field(default_factory=tuple)
+    forced: tuple[str, ...] = ()  # guard-disabling entries the operator forced with `force:`
 
     @classmethod
     def parse(cls, raw: str) -> AllowList:
-        hosts, nets = set(), []
+        """Comma-separated host names, addresses and networks. Raises ValueError on an entry that is none of
+        these (`10.20.0.0/33`, `10.1.2.300`, `hooks example`) and on one wide enough to turn the guard off
+        (`0.0.0.0/0`, `::/0`) unless written `force:0.0.0.0/0`."""
+        hosts, nets, forced = set(), [], []
         for item in filter(None, (p.strip() for p in raw.split(","))):
-            try:
-                nets.append(ipaddress.ip_network(item, strict=False))
-            except ValueError:
-                hosts.add(item.lower().rstrip("."))
-        return cls(frozenset(hosts), tuple(nets))
+            force = item.lower().startswith(FORCE)
+            entry = item[len(FORCE):].strip() if force else item
+            looks_numeric = "/" in entry or ":" in entry or re.fullmatch(r"[0-9.]+", entry) is not None
+            if looks_numeric:
+                try:
+                    net = ipaddress.ip_network(entry, strict=False)
+                except ValueError as exc:
+                    raise ValueError(f"callback allow-list entry {item!r} is not a valid address or network: "
+                                     f"{exc}") from exc
+                if _too_wide(net):
+                    if not force:
+                        raise ValueError(f"callback allow-list entry {item!r} allows (nearly) every address and "
+                                         f"turns the SSRF guard off; write {FORCE}{entry} if that is meant")
+                    forced.append(str(net))
+                nets.append(net)
+                continue
+            name = entry.lower().rstrip(".")
+            if not _HOST_RE.match(name):
+                raise ValueError(f"callback allow-list entry {item!r} is neither a host name nor a network")
+            hosts.add(name)
+        return cls(frozenset(hosts), tuple(nets), tuple(forced))
+
+    def describe(self) -> list[str]:
+        return sorted(self.hosts) + [str(n) for n in self.networks]
+
+    def log_effective(self, logger: Any, who: str) -> None:
+        """Start-up: the effective list at info, and a loud warning for each forced guard-disabling entry."""
+        logger.info("callback allow-list", component=who, entries=self.describe() or "(none: only public "
+                    "addresses)")
+        for net in self.forced:
+            logger.warning("callback allow-list entry turns the SSRF guard off (forced)", component=who,
+                           entry=net, still_refused="link-local and metadata addresses")
 
     def allows_host(self, host: str) -> bool:
         return host.lower().rstrip(".") in self.hosts
 
     def allows_ip(self, ip: IPAddress) -> bool:
-        return any(ip.version == n.version and ip in n for n in self.networks)
+        sensitive = is_sensitive(ip)
+        for n in self.networks:
+            named = any(n.version == s.version and n.subnet_of(s) for s in SENSITIVE)  # type: ignore[arg-type]
+            if ip.version == n.version and ip in n and (not sensitive or named):
+                return True
+        return False
+
+
+def is_sensitive(ip: IPAddress) -> bool:
+    """Link-local or a cloud metadata address, in any embedding."""
+    return any(a.version == s.version and a in s for a in _embedded(ip) for s in SENSITIVE)
+
+
+def is_internal_name(host: str) -> bool:
+    h = host.lower().rstrip(".")
+    return h == "localhost" or h.endswith(INTERNAL_SUFFIXES)
 
 
 def literal_ip(host: str) -> IPAddress | None:
@@ -107,7 +176,7 @@ def check_ip(ip: IPAddress, allow: AllowList) -> None:
     if allow.allows_ip(ip) or is_public(ip):
         return
     raise RefusedURL(f"address {ip} is not public (loopback, private, link-local, metadata, multicast or "
-                     "reserved); allow it explicitly with BATCHGATE_CALLBACK_ALLOW")
+                     "reserved); the operator's callback allow-list can allow it")
 
 
 def _split(url: str) -> tuple[str, str, int, str]:
@@ -138,6 +207,9 @@ def check_url(url: str, allow: AllowList) -> None:
     ip = literal_ip(host)
     if ip is not None:
         check_ip(ip, allow)
+    elif is_internal_name(host):
+        raise RefusedURL(f"host {host} is an internal name (localhost, *.localhost, *.internal, *.local); the "
+                         "operator's callback allow-list can allow it")
 
 
 def system_resolver(host: str, port: int) -> list[str]:
@@ -159,7 +231,14 @@ def resolve_and_check(url: str, allow: AllowList, resolver: Resolver = system_re
     addresses = list(addresses)
     if not addresses:
         raise ResolveFailed(f"{host} resolves to no address")
-    if not allow.allows_host(host):
-        for a in addresses:
+    named = allow.allows_host(host)
+    if not named and ip is None and is_internal_name(host):
+        raise RefusedURL(f"host {host} is an internal name; the operator's callback allow-list can allow it")
+    for a in addresses:
+        if named:  # an allowed name may resolve inside, but never to link-local/metadata unless that is allowed
+            if is_sensitive(a) and not allow.allows_ip(a):
+                raise RefusedURL(f"{host} resolves to {a}, a link-local or metadata address; allow-listing the "
+                                 "name does not allow that address")
+        else:
             check_ip(a, allow)
     return Target(url=url, scheme=scheme, host=host, port=port, ip=str(addresses[0]), path=path)

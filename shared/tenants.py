@@ -85,7 +85,10 @@ class TenantStore:
 
     async def rotate_webhook_secret(self, tenant: str, keep_previous: bool = True) -> str:
         """A new secret, signed with alongside the previous one until `drop_old_webhook_secrets`."""
-        current = (await self.get(tenant)).webhook_secrets
+        # the secret signed with until now: the tenant's own, or the default (BATCHGATE_WEBHOOK_SECRET) that a
+        # tenant without one of its own signs with; either way receivers hold it, so it is kept
+        current = (await self.get(tenant)).webhook_secrets or \
+            ((self.default_webhook_secret,) if self.default_webhook_secret else ())
         secret = new_webhook_secret()
         kept = list(current[:1]) if keep_previous else []
         await self.redis.hset(self.keys.tenant(tenant), "webhook_secrets", json.dumps([secret, *kept]))

@@ -93,3 +93,20 @@ def test_overload_benchmark_smoke(tmp_path, redis_url, model_cache):
     assert report["compute_on_expired"] == report["deadline_aware"]["compute_on_expired"]
     assert report["deadline_aware"]["all_terminal_or_429"] is True
     assert "capacity (sustained" in proc.stdout and "goodput/s" in proc.stdout  # progress and the human table
+
+
+@pytest.mark.redis
+def test_webhook_benchmark_smoke(tmp_path, redis_url):
+    out = tmp_path / "webhooks.json"
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_webhooks.py", "--duration", "2", "--rate", "20", "--tarpit-s", "2",
+         "--grace-s", "10", "--redis-url", redis_url, "--json", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for name in ("no_tarpit", "tarpit"):
+        assert report[name]["normal_delivered"] == report[name]["normal_deliveries"] == 40
+        assert report[name]["p99_s"] is not None
+    assert report["tarpit"]["tarpit_received"] > 0 and report["p99_ratio"] is not None
+    assert "tarpit / no tarpit" in proc.stdout  # the human table

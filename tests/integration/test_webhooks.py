@@ -323,3 +323,84 @@ async def test_thin_payload_when_the_tenant_asks(redis_url, prefix):
         await wait_until(lambda: _true(len(rx.requests) == 1))
         payload = verify(SECRET, rx.requests[0].body, rx.requests[0].headers)
         assert payload == {"id": rid, "event": "completed", "links": {"self": f"/v1/requests/{rid}"}}
+
+
+async def test_rotate_keeps_the_default_secret_from_the_environment(redis_url, prefix):
+    """A tenant signing with BATCHGATE_WEBHOOK_SECRET (no secret of its own): `batchgate webhooks rotate` keeps
+    that secret beside the new one, so the next delivery carries both signatures (receivers on the old one pass)."""
+    env = {**os.environ, "BATCHGATE_REDIS_URL": redis_url, "BATCHGATE_KEY_PREFIX": prefix,
+           "BATCHGATE_WEBHOOK_SECRET": SECRET}
+    out = subprocess.run([sys.executable, "-m", "batchgate.cli", "webhooks", "rotate", "--tenant", "default"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    new = out.stdout.splitlines()[0].strip()
+    assert new.startswith("whsec_") and f"also accepted: {SECRET}" in out.stdout
+    settings = settings_for(redis_url, prefix)
+    async with receiver() as rx, running_gateway(settings) as gw, dispatcher(settings, secret=SECRET):
+        rid = await submit(gw, rx.url)
+        await complete(gw, rid)
+        await wait_until(lambda: _true(len(rx.requests) == 1))
+        got = rx.requests[0]
+        assert len(got.headers["webhook-signature"].split(" ")) == 2
+        verify(SECRET, got.body, got.headers)
+        verify(new, got.body, got.headers)
+
+
+async def test_a_tarpit_receiver_does_not_delay_other_destinations(redis_url, prefix):
+    """Deliveries are independent: while a receiver takes 3 s per answer, deliveries to another destination
+    go out at once (before: they waited for the claimed batch, tarpit included), and the tarpit never has more
+    than `per_host` attempts running at once (the rest wait on the schedule, not in the dispatcher's slots)."""
+    running = {"now": 0, "max": 0}
+
+    def tarpit(rec: Received, n: int):
+        return 200, {}, 3.0
+
+    settings = settings_for(redis_url, prefix, callback_timeout_s=6.0)
+    async with receiver(tarpit) as slow, receiver() as fast, running_gateway(settings) as gw, \
+            dispatcher(settings, per_host=4) as d:
+        orig = d._post
+
+        async def counting_post(target, body, headers):
+            if target.port == slow.port:
+                running["now"] += 1
+                running["max"] = max(running["max"], running["now"])
+                try:
+                    return await orig(target, body, headers)
+                finally:
+                    running["now"] -= 1
+            return await orig(target, body, headers)
+
+        d._post = counting_post
+        slow_ids = [await submit(gw, slow.url) for _ in range(10)]
+        for rid in slow_ids:
+            await complete(gw, rid)
+        await wait_until(lambda: _true(len(slow.requests) >= 1))
+        lat = []
+        for _ in range(5):
+            rid = await submit(gw, fast.url)
+            t0 = time.monotonic()
+            await complete(gw, rid)
+            n = len(fast.requests)
+            await wait_until(lambda n=n: _true(len(fast.requests) > n), timeout=10)
+            lat.append(time.monotonic() - t0)
+        assert max(lat) < 1.0, lat
+        for rid in slow_ids:
+            await wait_until(lambda rid=rid: _cb_status(gw, rid, "delivered"), timeout=30)
+        assert running["max"] <= 4 and len(slow.requests) == 10
+        # waiting for a busy destination is not an attempt: one attempt each, one webhook-id each
+        assert [(await callback_of(gw, rid))["attempts"] for rid in slow_ids] == [1] * 10
+        assert len({r.headers["webhook-id"] for r in slow.requests}) == 10
+
+
+async def test_internal_callback_names_get_422_at_submit_and_the_answer_names_no_env_var(redis_url, prefix):
+    settings = settings_for(redis_url, prefix, allow="127.0.0.0/8,dev.localhost")
+    async with running_gateway(settings) as gw:
+        for url in ("http://localhost:8080/hook", "http://app.localhost/", "http://db.internal/x",
+                    "http://printer.local/", "http://10.0.0.5/", "http://169.254.169.254/latest/"):
+            r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"},
+                                                                          "callback": {"url": url}})
+            assert r.status_code == 422, (url, r.text)
+            assert "BATCHGATE" not in r.text and "_ALLOW" not in r.text, r.text
+        r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"},
+                                                                      "callback": {"url": "http://dev.localhost/"}})
+        assert r.status_code == 202, r.text  # allowed by name

@@ -73,3 +73,75 @@ def test_literal_ip_spellings():
     assert str(literal_ip("0xa9fea9fe")) == "169.254.169.254"
     assert str(literal_ip("0251.0376.0251.0376")) == "169.254.169.254"
     assert literal_ip("hooks.example.com") is None
+
+
+@pytest.mark.parametrize("entry", ["10.20.0.0/33", "10.1.2.300", "300.1.2.3", "hooks example", "fe80::1::2/64",
+                                   "a/b"])
+def test_mistyped_allow_list_entries_are_errors_not_host_names(entry):
+    with pytest.raises(ValueError, match="allow-list entry"):
+        AllowList.parse(f"127.0.0.0/8,{entry}")
+
+
+@pytest.mark.parametrize("entry", ["0.0.0.0/0", "::/0", "0.0.0.0/1", "128.0.0.0/1", "::/1"])
+def test_guard_disabling_entries_need_force(entry):
+    with pytest.raises(ValueError, match="turns the SSRF guard off"):
+        AllowList.parse(entry)
+    forced = AllowList.parse(f"force:{entry}")
+    assert forced.forced == (str(forced.networks[0]),)
+
+
+def test_settings_refuse_a_bad_allow_list_at_start_up():
+    from shared.config import Settings
+    from shared.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"10\.20\.0\.0/33"):
+        Settings(callback_allow="10.20.0.0/33").validate()
+    with pytest.raises(ConfigError, match="force:"):
+        Settings(callback_allow="0.0.0.0/0").validate()
+    Settings(callback_allow="10.20.0.0/16, hooks.internal, force:0.0.0.0/0").validate()
+
+
+@pytest.mark.parametrize("url", ["http://169.254.169.254/latest/", "http://[::ffff:a9fe:a9fe]/", "http://2852039166/",
+                                 "http://[fd00:ec2::254]/", "http://[fe80::1]/", "http://[::ffff:169.254.1.1]/"])
+def test_metadata_and_link_local_stay_refused_under_a_forced_wide_entry(url):
+    allow = AllowList.parse("force:0.0.0.0/0, force:::/0")
+    with pytest.raises(RefusedURL):
+        check_url(url, allow)
+    with pytest.raises(RefusedURL):
+        resolve_and_check(url, allow, stub)
+    assert resolve_and_check("http://10.0.0.5/", allow, stub).ip == "10.0.0.5"  # the rest is allowed
+
+
+def test_metadata_is_allowed_when_named_explicitly():
+    allow = AllowList.parse("169.254.169.254, fd00:ec2::254, ::ffff:169.254.169.254")
+    assert resolve_and_check("http://169.254.169.254/", allow, stub).ip == "169.254.169.254"
+    assert resolve_and_check("http://[fd00:ec2::254]/", allow, stub).ip == "fd00:ec2::254"
+    assert resolve_and_check("http://[::ffff:a9fe:a9fe]/", allow, stub).ip == "::ffff:a9fe:a9fe"
+
+
+def test_an_allowed_name_still_has_its_resolved_address_checked():
+    def resolver(host, port):
+        return {"hooks.internal": ["10.20.1.2"], "evil.example": ["169.254.169.254"],
+                "evil6.example": ["::ffff:169.254.169.254"]}[host]
+
+    allow = AllowList.parse("hooks.internal, evil.example, evil6.example")
+    assert resolve_and_check("http://hooks.internal/", allow, resolver).ip == "10.20.1.2"  # private: the point
+    for name in ("evil.example", "evil6.example"):
+        with pytest.raises(RefusedURL, match="metadata"):
+            resolve_and_check(f"http://{name}/", allow, resolver)
+
+
+@pytest.mark.parametrize("host", ["localhost", "LOCALHOST.", "app.localhost", "db.internal", "printer.local",
+                                  "metadata.google.internal"])
+def test_obviously_internal_names_are_refused_at_submit_unless_allowed(host):
+    with pytest.raises(RefusedURL, match="internal name"):
+        check_url(f"http://{host}:8080/hook", AllowList())
+    check_url(f"http://{host}:8080/hook", AllowList.parse(host.rstrip(".")))
+    check_url("http://hooks.example.com/x", AllowList())  # ordinary names still pass submit
+
+
+def test_refusals_shown_to_api_callers_name_no_environment_variable():
+    for url in ("http://10.0.0.5/", "http://localhost/", "http://169.254.169.254/"):
+        with pytest.raises(RefusedURL) as exc:
+            check_url(url, AllowList())
+        assert "BATCHGATE" not in str(exc.value) and "_ALLOW" not in str(exc.value)
