@@ -103,8 +103,10 @@ def test_ctrl_c_stops_in_order_quickly_and_quietly(model_cache, tmp_path):
         assert created.stdout.strip() not in listed.stdout  # hashes only
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             r = client.post("/v1/models/tiny-llama/requests",
-                            json={"input": {"prompt": "Once upon a time"}, "params": {"max_new_tokens": 64}})
+                            json={"input": {"prompt": "Once upon a time"},
+                                  "params": {"max_new_tokens": 200, "ignore_eos": True}})
             assert r.status_code == 202
+            request_id = r.json()["id"]
         mark = len(log_path.read_text().splitlines())
         started = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
@@ -120,6 +122,14 @@ def test_ctrl_c_stops_in_order_quickly_and_quietly(model_cache, tmp_path):
     assert took < 25, took
     assert len(noisy) <= 3, "\n".join(noisy)
     assert "batchgate up: stopped" in tail[-1]
+
+    def at(needle: str) -> int:
+        return next(i for i, line in enumerate(tail) if needle in line)
+
+    # in order: intake stops, the worker drains and finishes the request it was running, then the rest
+    finished = at(request_id)
+    assert '"succeeded"' in tail[finished], tail[finished]
+    assert at("Finished server process") < at("worker draining") < finished < at("worker stopped")
     assert not any(_alive(k) for k in kids)
     assert not (tmp_path / "state" / "up.json").exists()  # removed on a clean exit
     # with the stack gone, the CLI says so in one line and fails
