@@ -60,6 +60,7 @@ class Stack:
     def __init__(self, procs: dict[str, subprocess.Popen[bytes]]) -> None:
         self.procs = procs
         self.stop_requested = False
+        self.signals = 0  # a signal that arrives while stopping means: stop at once
 
     @classmethod
     def start(cls, env: Mapping[str, str]) -> Stack:
@@ -74,6 +75,7 @@ class Stack:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stop_requested = True
+        self.signals += 1
 
     def exited(self) -> bool:
         return any(p.poll() is not None for p in self.procs.values())
@@ -99,16 +101,21 @@ class Stack:
     def stop(self, drain_budget_s: float = UP_DRAIN_BUDGET_S) -> bool:
         """Stop the parts one by one in `STOP_ORDER`; True when each exited cleanly within its time."""
         clean = True
+        signals_before = self.signals
+        if any(p.poll() is None for p in self.procs.values()):
+            print("batchgate up: stopping in order (Ctrl-C again stops at once)", file=sys.stderr, flush=True)
         for part in STOP_ORDER:
             p = self.procs.get(part)
             if p is None:
                 continue
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=(drain_budget_s if part == "worker" else 0) + 10)
-                except subprocess.TimeoutExpired:
-                    print(f"batchgate up: the {part} did not stop in time; killing it", file=sys.stderr)
+                end = time.monotonic() + (drain_budget_s if part == "worker" else 0) + 10
+                while p.poll() is None and time.monotonic() < end and self.signals == signals_before:
+                    time.sleep(0.05)
+                if p.poll() is None:
+                    why = "asked to stop at once" if self.signals != signals_before else "did not stop in time"
+                    print(f"batchgate up: the {part} {why}; killing it", file=sys.stderr, flush=True)
                     p.kill()
                     p.wait()
                     clean = False

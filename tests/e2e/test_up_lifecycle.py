@@ -136,3 +136,4 @@ def test_ctrl_c_stops_in_order_quickly_and_quietly(model_cache, tmp_path):
     gone = _cli(env, "tenants", "show", "t1", "--redis-url", state["redis_url"])
     assert gone.returncode == 1 and "Traceback" not in gone.stderr
     assert len(gone.stderr.strip().splitlines()) == 1 and state["redis_url"] in gone.stderr, gone.stderr
+
