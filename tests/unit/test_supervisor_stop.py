@@ -49,3 +49,20 @@ def test_a_second_signal_while_stopping_kills_at_once_and_the_stop_is_not_clean(
     assert stack.stop(drain_budget_s=30.0) is False
     assert time.monotonic() - started < 5
     assert stack.procs["worker"].returncode is not None
+
+
+def test_up_uses_the_documented_metrics_ports_unless_taken_or_off():
+    import socket
+
+    from batchgate.supervisor import _port_or_free
+    from shared.config import Settings
+
+    defaults = Settings.from_environ({})
+    assert (defaults.worker_metrics_port, defaults.dispatcher_metrics_port) == (9464, 9465)  # as the README says
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert _port_or_free(port) != port
+    assert _port_or_free(port) == port  # free again
+    assert _port_or_free(0) == 0  # off stays off
