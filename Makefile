@@ -4,10 +4,14 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# torch: pinned to the release the project is tested with. On a machine without a GPU, set
-# TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu to get the small CPU build instead of CUDA.
+# torch: pinned to the release the project is tested with, from pip's usual index (works with or
+# without a GPU). Optional, only where download.pytorch.org is reachable:
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu for the smaller CPU-only build.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
+# pip shows its progress on the first `make up` (minutes, mostly torch); `make test`/`lint` keep it quiet.
+PIP_QUIET ?=
+test test-fast lint: PIP_QUIET = -q
 
 # The fast tier: the unit tests and the in-memory half of the contract tests (the real-Redis half is
 # marked `redis`). BATCHGATE_FAST_TIER=1 makes the session fail if anything imported torch
@@ -19,10 +23,11 @@ FAST_TIERS := tests/unit $(wildcard tests/contract)
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
+	@echo "batchgate: first run: installing torch and the project into $(VENV) (a few minutes)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e '.[worker,dev]'
+	$(BIN)/pip install $(PIP_QUIET) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(TORCH_SPEC)"
+	$(BIN)/pip install $(PIP_QUIET) -e '.[worker,dev]'
 	touch $@
 
 up: setup

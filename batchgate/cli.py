@@ -14,7 +14,8 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 from shared.config import Settings
 from shared.errors import ConfigError
@@ -39,6 +40,40 @@ def _environ(args: argparse.Namespace) -> dict[str, str]:
 
 def _settings(args: argparse.Namespace) -> Settings:
     return Settings.from_environ(_environ(args))
+
+
+def _admin_settings(args: argparse.Namespace) -> Settings:
+    """Settings for `keys`, `tenants`, `webhooks`: with no Redis named (`--redis-url`, BATCHGATE_REDIS_URL,
+    REDIS_URL), the Redis and key prefix of the running `batchgate up` (batchgate/state.py)."""
+    from batchgate.state import read_state
+    from shared.config import redis_url_from
+
+    env = _environ(args)
+    if not redis_url_from(env):
+        state = read_state(env)
+        if state is not None:
+            env["BATCHGATE_REDIS_URL"] = str(state["redis_url"])
+            if "BATCHGATE_KEY_PREFIX" not in env and state.get("key_prefix"):
+                env["BATCHGATE_KEY_PREFIX"] = str(state["key_prefix"])
+    return Settings.from_environ(env)
+
+
+class RedisUnreachable(Exception):
+    pass
+
+
+def _run_admin(settings: Settings, coro_fn: Callable[[], Coroutine[Any, Any, int | None]]) -> int:
+    """Run an admin command; an unreachable Redis is one clear line and exit status 1, not a traceback."""
+    import asyncio
+
+    import redis.exceptions
+
+    try:
+        return int(asyncio.run(coro_fn()) or 0)
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+        raise RedisUnreachable(
+            f"batchgate: cannot reach Redis at {settings.redis_url} ({type(exc).__name__}); is `batchgate up` "
+            "running? Otherwise name the Redis with --redis-url or BATCHGATE_REDIS_URL") from None
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -69,74 +104,82 @@ def cmd_callbacks(args: argparse.Namespace) -> int:
 
 
 def cmd_webhooks(args: argparse.Namespace) -> int:
-    """Show, rotate or retire a tenant's webhook signing secret."""
-    import asyncio
-
+    """Show, rotate or retire a tenant's webhook signing secret; `thin on|off` prints no secret."""
     from shared.keys import Keys
     from shared.redis_io import make_redis
     from shared.tenants import TenantStore
 
-    settings = _settings(args)
+    settings = _admin_settings(args)
+    if args.action == "thin" and args.value is None:
+        print("batchgate: webhooks thin needs on or off", file=sys.stderr)
+        return 2
 
     async def main() -> None:
         redis = make_redis(settings.redis_url)
         # the default secret matters here: a tenant without its own signs with it, so rotate must keep it
         store = TenantStore(redis, Keys(settings.key_prefix), settings.webhook_secret)
-        if args.action == "rotate":
-            print(await store.rotate_webhook_secret(args.tenant))
-        elif args.action == "drop-old":
-            await store.drop_old_webhook_secrets(args.tenant)
-        elif args.action == "thin":
-            await store.set(args.tenant, thin_callbacks=args.value == "on")
-        secrets = await store.webhook_secrets(args.tenant)
-        print("\n".join(f"{'signing' if i == 0 else 'also accepted'}: {s}" for i, s in enumerate(secrets)))
-        await redis.aclose()
+        try:
+            if args.action == "thin":
+                await store.set(args.tenant, thin_callbacks=args.value == "on")
+                print(f"tenant {args.tenant}: thin webhook payloads {args.value}")
+                return
+            if args.action == "rotate":
+                print(await store.rotate_webhook_secret(args.tenant))
+            elif args.action == "drop-old":
+                await store.drop_old_webhook_secrets(args.tenant)
+            secrets = await store.webhook_secrets(args.tenant)
+            print("\n".join(f"{'signing' if i == 0 else 'also accepted'}: {s}" for i, s in enumerate(secrets)))
+        finally:
+            await redis.aclose()
 
-    asyncio.run(main())
-    return 0
+    return _run_admin(settings, main)
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
     """Create, revoke or list API keys (stored hashed: a new key is printed once, never again)."""
-    import asyncio
-
     from shared.keys import Keys
     from shared.redis_io import make_redis
     from shared.tenants import TenantStore
 
-    settings = _settings(args)
+    settings = _admin_settings(args)
 
     async def main() -> int:
         redis = make_redis(settings.redis_url)
         store = TenantStore(redis, Keys(settings.key_prefix))
         try:
             if args.action == "create":
-                print(await store.create_key(args.tenant))
+                print(await store.create_key(args.tenant or "default"))
             elif args.action == "revoke":
                 tenant = await store.revoke_key(args.key)
                 if tenant is None:
                     print("no such key", file=sys.stderr)
                     return 1
                 print(f"revoked a key of tenant {tenant}")
-            else:
+            elif args.tenant is not None:
                 for digest in await store.list_keys(args.tenant):
                     print(digest)
+            else:  # every tenant's keys: `TENANT HASH` lines (hashes only; keys are never stored)
+                keys = Keys(settings.key_prefix)
+                head, tail = keys.tenant_keys("\0").split("\0")
+                tenants = sorted({raw.decode()[len(head):-len(tail)] async for raw in
+                                  redis.scan_iter(match=keys.tenant_keys("*"))})
+                for tenant in tenants:
+                    for digest in await store.list_keys(tenant):
+                        print(f"{tenant} {digest}")
             return 0
         finally:
             await redis.aclose()
 
-    return asyncio.run(main())
+    return _run_admin(settings, main)
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
     """Per-tenant limits: submit rate, burst, backlog quota, thin webhook payloads."""
-    import asyncio
-
     from shared.keys import Keys
     from shared.redis_io import make_redis
     from shared.tenants import TenantStore
 
-    settings = _settings(args)
+    settings = _admin_settings(args)
 
     async def main() -> None:
         redis = make_redis(settings.redis_url)
@@ -158,8 +201,7 @@ def cmd_tenants(args: argparse.Namespace) -> int:
                           "webhook_secrets": len(cfg.webhook_secrets)}))
         await redis.aclose()
 
-    asyncio.run(main())
-    return 0
+    return _run_admin(settings, main)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -217,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(ks)
     ks.add_argument("action", choices=["create", "revoke", "list"])
     ks.add_argument("key", nargs="?", help="for revoke: the key, or its hash as `list` shows it")
-    ks.add_argument("--tenant", default="default")
+    ks.add_argument("--tenant", default=None,
+                    help="the tenant (default: default; `list` without it lists every tenant's key hashes)")
     ks.set_defaults(func=cmd_keys)
 
     ts = sub.add_parser("tenants", help="show or set a tenant's limits")
@@ -240,6 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"batchgate: configuration error: {exc}", file=sys.stderr)
         return 2
+    except RedisUnreachable as exc:
+        print(exc, file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -1,12 +1,20 @@
 """`batchgate up`: Redis (embedded unless one is named), a gateway, a worker and a webhook dispatcher as
 child processes; ready when the gateway answers /readyz and a worker has announced every model; stops
 them all on a signal or when one of them exits.
+
+Stopping goes in order, so that work in flight is not lost and nothing retries against a Redis that is
+already gone: the gateway first (no new intake), then the worker (it finishes what it runs within its
+drain budget, `BATCHGATE_DRAIN_BUDGET_S`, 10 s under `up`), then the webhook dispatcher, then Redis.
+The children run in their own sessions, so a terminal's Ctrl+C reaches `up` alone, and on Linux they
+die with `up` (PR_SET_PDEATHSIG) should it be killed outright. Exit status: 0 when every part stopped
+cleanly on request, 1 when a part failed or had to be killed.
 """
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,10 +22,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping
 
+from batchgate.state import remove_state, write_state
 from shared.config import Settings, redis_url_from
 from shared.embedded_redis import free_port, start_embedded_redis
+from shared.lifeline import die_with_parent
 
 STARTUP_TIMEOUT_S = 600.0
+UP_DRAIN_BUDGET_S = 10.0  # the worker's drain budget under `up` unless BATCHGATE_DRAIN_BUDGET_S is set
+STOP_ORDER = ("gateway", "worker", "callbacks")  # intake first, then the work, then its webhooks
 
 
 def _http_ok(url: str) -> bool:
@@ -48,19 +60,22 @@ class Stack:
     def __init__(self, procs: dict[str, subprocess.Popen[bytes]]) -> None:
         self.procs = procs
         self.stop_requested = False
+        self.signals = 0  # a signal that arrives while stopping means: stop at once
 
     @classmethod
     def start(cls, env: Mapping[str, str]) -> Stack:
         """A worker, a gateway and a dispatcher, each `python -m batchgate <part>`; SIGINT/SIGTERM ask it to stop."""
         cli = [sys.executable, "-m", "batchgate"]
         parts = ("worker", "gateway", "callbacks")
-        stack = cls({part: subprocess.Popen([*cli, part], env=dict(env)) for part in parts})
+        stack = cls({part: subprocess.Popen([*cli, part], env=dict(env), start_new_session=True,
+                                            preexec_fn=die_with_parent()) for part in parts})
         signal.signal(signal.SIGINT, stack._on_signal)
         signal.signal(signal.SIGTERM, stack._on_signal)
         return stack
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stop_requested = True
+        self.signals += 1
 
     def exited(self) -> bool:
         return any(p.poll() is not None for p in self.procs.values())
@@ -83,15 +98,42 @@ class Stack:
             time.sleep(0.2)
         return 0
 
-    def stop(self) -> None:
-        for p in self.procs.values():
+    def stop(self, drain_budget_s: float = UP_DRAIN_BUDGET_S) -> bool:
+        """Stop the parts one by one in `STOP_ORDER`; True when each exited cleanly within its time."""
+        clean = True
+        signals_before = self.signals
+        if any(p.poll() is None for p in self.procs.values()):
+            print("batchgate up: stopping in order (Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+        for part in STOP_ORDER:
+            p = self.procs.get(part)
+            if p is None:
+                continue
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=45)
-            except subprocess.TimeoutExpired:
-                p.kill()
+                end = time.monotonic() + (drain_budget_s if part == "worker" else 0) + 10
+                while p.poll() is None and time.monotonic() < end and self.signals == signals_before:
+                    time.sleep(0.05)
+                if p.poll() is None:
+                    why = "asked to stop at once" if self.signals != signals_before else "did not stop in time"
+                    print(f"batchgate up: the {part} {why}; killing it", file=sys.stderr, flush=True)
+                    p.kill()
+                    p.wait()
+                    clean = False
+            if p.returncode not in (0, -signal.SIGTERM):
+                clean = False
+        return clean
+
+
+def _port_or_free(preferred: int, host: str = "127.0.0.1") -> int:
+    """`preferred` (a documented default) when it is free or 0 (off), else a free port."""
+    if preferred == 0:
+        return 0
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, preferred))
+        return preferred
+    except OSError:
+        return free_port(host)
 
 
 def run_stack(settings: Settings, environ: Mapping[str, str]) -> int:
@@ -104,33 +146,49 @@ def run_stack(settings: Settings, environ: Mapping[str, str]) -> int:
     port = settings.port or free_port()
     env = {**environ, "BATCHGATE_REDIS_URL": redis_url, "BATCHGATE_HOST": settings.host,
            "BATCHGATE_PORT": str(port), "BATCHGATE_MODELS": ",".join(m.name for m in settings.models)}
-    env.setdefault("BATCHGATE_WORKER_METRICS_PORT", str(free_port()))
+    # the documented metrics ports (9464 worker, 9465 dispatcher) unless set or taken
+    env.setdefault("BATCHGATE_WORKER_METRICS_PORT", str(_port_or_free(settings.worker_metrics_port)))
+    env.setdefault("BATCHGATE_DISPATCHER_METRICS_PORT", str(_port_or_free(settings.dispatcher_metrics_port)))
     env.setdefault("BATCHGATE_AUTH", "off")  # local use; the gateway logs it loudly
-    env.setdefault("BATCHGATE_DISPATCHER_METRICS_PORT", str(free_port()))
+    env.setdefault("BATCHGATE_DRAIN_BUDGET_S", str(UP_DRAIN_BUDGET_S))
+    drain_budget_s = float(env["BATCHGATE_DRAIN_BUDGET_S"])
     stack = Stack.start(env)
     base = f"http://{settings.host}:{port}"
+    code = 1
     try:
         if not stack.wait_ready(base, redis_url, settings):
             if stack.stop_requested:
-                return 0
+                code = 0
+                return code
             print("batchgate up: the stack did not become ready", file=sys.stderr)
-            return 1
+            return code
+        write_state(environ, {"redis_url": redis_url, "key_prefix": settings.key_prefix, "gateway": base,
+                              "worker_metrics_port": int(env["BATCHGATE_WORKER_METRICS_PORT"]),
+                              "dispatcher_metrics_port": int(env["BATCHGATE_DISPATCHER_METRICS_PORT"])})
         _banner(base, redis_url, embedded.kind if embedded else "external", env, settings)
-        return stack.supervise()
+        code = stack.supervise()
+        return code
     finally:
-        stack.stop()
+        remove_state(environ)
+        if not stack.stop(drain_budget_s):
+            code = 1
         if embedded is not None:
-            embedded.stop()
+            embedded.stop()  # last: everything that used it has stopped
         print("batchgate up: stopped", file=sys.stderr, flush=True)
 
 
+def _metrics_url(port: str) -> str:
+    return f"http://127.0.0.1:{port}/metrics" if port != "0" else "off"
+
+
 def _banner(base: str, redis_url: str, redis_kind: str, env: Mapping[str, str], settings: Settings) -> None:
+    allow = env.get("BATCHGATE_CALLBACK_ALLOW", "")
     lines = [
         f"batchgate is up: {base}",
         f"  redis:   {redis_url} ({redis_kind})",
         f"  models:  {', '.join(m.name + ' (' + m.task.value + ')' for m in settings.models)}",
-        f"  metrics: {base}/metrics (gateway), "
-        f"http://127.0.0.1:{env['BATCHGATE_WORKER_METRICS_PORT']}/metrics (worker)",
+        f"  metrics: {base}/metrics (gateway), {_metrics_url(env['BATCHGATE_WORKER_METRICS_PORT'])} (worker), "
+        f"{_metrics_url(env['BATCHGATE_DISPATCHER_METRICS_PORT'])} (webhook dispatcher)",
         "  try:",
         f"    curl -s -X POST '{base}/v1/models/minilm/requests?wait=5' -H 'content-type: application/json' "
         "-d '{\"input\": {\"texts\": [\"hello\"]}}'",
@@ -138,6 +196,10 @@ def _banner(base: str, redis_url: str, redis_kind: str, env: Mapping[str, str], 
         "-d '{\"input\": {\"prompt\": \"Once upon a time\"}, \"params\": {\"max_new_tokens\": 32}}'",
         "  auth:    " + ("OFF (local use: every caller is tenant default)" if env.get("BATCHGATE_AUTH") == "off"
                          else "API keys (batchgate keys create --tenant NAME)"),
-        "  Ctrl-C stops everything.",
+        "  webhooks: " + (f"may also target {allow} (BATCHGATE_CALLBACK_ALLOW)" if allow else
+                          "public addresses only; for a receiver on this machine (development), start with "
+                          "BATCHGATE_CALLBACK_ALLOW=127.0.0.1 batchgate up"),
+        "  admin:   batchgate keys|tenants|webhooks ... find this stack by itself while it runs",
+        "  Ctrl-C stops everything (intake, then in-flight work, then webhooks, then Redis).",
     ]
     print("\n".join(lines), flush=True)

@@ -15,6 +15,8 @@ from typing import Any
 
 import structlog
 
+from shared.lifeline import die_with_parent
+
 log = structlog.get_logger(__name__)
 
 
@@ -66,6 +68,9 @@ def start_embedded_redis(host: str = "127.0.0.1") -> EmbeddedRedis:
             [exe, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no",
              "--dir", workdir.name, "--protected-mode", "yes"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            # its own session: a terminal's Ctrl+C must not stop Redis before the processes using it;
+            # and it dies with this process rather than outliving it, orphaned
+            start_new_session=True, preexec_fn=die_with_parent(),
         )
         if _wait_for_port(host, port, 10):
             log.info("embedded redis: started a local redis-server", url=f"redis://{host}:{port}/0", exe=exe)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ def test_up_serves_both_models_and_stops_cleanly(model_cache, tmp_path, redis_mo
         env["BATCHGATE_KEY_PREFIX"] = request.getfixturevalue("prefix")
     env["BATCHGATE_MODEL_CACHE"] = str(model_cache)
     env["BATCHGATE_LOG_FORMAT"] = "json"
+    env["BATCHGATE_STATE_DIR"] = str(tmp_path / "state")  # not the user's own state file
     log = (tmp_path / "up.log").open("w+")
     proc = subprocess.Popen([sys.executable, "-m", "batchgate", "up", "--port", str(port)], env=env,
                             stdout=log, stderr=subprocess.STDOUT)
@@ -36,6 +38,8 @@ def test_up_serves_both_models_and_stops_cleanly(model_cache, tmp_path, redis_mo
             assert time.monotonic() < end, "batchgate up did not become ready"
             time.sleep(0.2)
         text = (tmp_path / "up.log").read_text()
+        state = json.loads((tmp_path / "state" / "up.json").read_text())  # what the operations CLI reads
+        assert state["redis_url"] in text and state["gateway"] == base
         if redis_mode == "embedded":
             assert "embedded redis" in text  # says which Redis it started
         else:
@@ -58,3 +62,4 @@ def test_up_serves_both_models_and_stops_cleanly(model_cache, tmp_path, redis_mo
             raise
     assert code == 0, (tmp_path / "up.log").read_text()[-3000:]
     assert "batchgate up: stopped" in (tmp_path / "up.log").read_text()
+    assert not (tmp_path / "state" / "up.json").exists()
