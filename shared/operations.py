@@ -93,18 +93,29 @@ async def submit(q: QueueClient, body: Any, spec: ModelSpec, tenant: str, *, wai
         if existing is not None:
             return await _replay(q, existing, digest, inference, wait)
     decision = await _admit(q, inference, spec)
-    claim = None
-    if idempotency_key is not None:
-        claim = IdempotencyClaim(inference.id, digest, q.now_ms())
-        try:
-            existing = await q.idempotency.claim(tenant, idempotency_key, claim)
-        except BaseException as exc:
-            await _unwind(q, inference, None, exc)
-            raise
-        if existing is not None:  # a concurrent submit with the same key won the race
-            await q.limits.release(tenant, inference.id)
-            return await _replay(q, existing, digest, inference, wait)
+    claim, existing = await _claim_key(q, inference, digest)
+    if existing is not None:  # a concurrent submit with the same key won the race
+        return await _replay(q, existing, digest, inference, wait)
     return await _store_and_answer(q, inference, decision, wait, claim=claim)
+
+
+async def _claim_key(q: QueueClient, inference: InferenceRequest,
+                     digest: str) -> tuple[IdempotencyClaim | None, IdempotencyClaim | None]:
+    """After admission, claim the request's idempotency key: (our claim, None), or (None, the claim that won
+    a race for it) with the quota slot given back; (None, None) without a key. If claiming fails, what
+    admission took is given back before the error goes on."""
+    if inference.idempotency_key is None:
+        return None, None
+    claim = IdempotencyClaim(inference.id, digest, q.now_ms())
+    try:
+        existing = await q.idempotency.claim(inference.tenant, inference.idempotency_key, claim)
+    except BaseException as exc:
+        await _unwind(q, inference, None, exc)
+        raise
+    if existing is not None:
+        await q.limits.release(inference.tenant, inference.id)
+        return None, existing
+    return claim, None
 
 
 async def _unwind(q: QueueClient, inference: InferenceRequest, claim: IdempotencyClaim | None,
@@ -220,17 +231,9 @@ async def _batch_item(q: QueueClient, spec: ModelSpec, tenant: str, i: int, item
         if existing is not None:
             return await _batch_replay(q, i, existing, digest, inference)
     decision = await _admit(q, inference, spec)
-    claim = None
-    if key is not None:
-        claim = IdempotencyClaim(inference.id, digest, q.now_ms())
-        try:
-            existing = await q.idempotency.claim(tenant, key, claim)
-        except BaseException as exc:
-            await _unwind(q, inference, None, exc)
-            raise
-        if existing is not None:
-            await q.limits.release(tenant, inference.id)
-            return await _batch_replay(q, i, existing, digest, inference)
+    claim, existing = await _claim_key(q, inference, digest)
+    if existing is not None:
+        return await _batch_replay(q, i, existing, digest, inference)
     to_store.append(_Pending(i, inference, decision, digest, claim))
     return {"index": i, "status": 0}  # filled in once stored
 
