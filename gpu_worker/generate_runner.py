@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import cast
 
 import structlog
 
@@ -97,8 +98,7 @@ class GenerateRunner:
                    new_tokens=params.max_new_tokens, request=req, params=params, inputs=(tuple(ids),))
 
     def _spec(self, job: Job) -> GenSpec:
-        params = job.params
-        assert isinstance(params, GenerateParams)  # built so by prepare
+        params = cast(GenerateParams, job.params)  # prepare builds a generation job's params so
         return GenSpec(id=job.id, prompt_ids=job.inputs[0], max_new_tokens=job.new_tokens,
                        sampling=SamplingParams(params.temperature, params.top_p, params.top_k, params.seed),
                        stop=tuple(params.stop), eos_ids=frozenset() if params.ignore_eos else self.eos_ids,

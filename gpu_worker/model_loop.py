@@ -144,7 +144,9 @@ class ModelLoop(ThreadedLoop):
         for job in late:
             metrics.EXPIRED_BEFORE_COMPUTE.labels(self.name, job.lane).inc()
             out.append(expired_outcome(job.req, self._worker, now, "before prefill"))
-        batch = [job for job in batch if job not in late]
+        if late:
+            gone = {job.id for job in late}
+            batch = [job for job in batch if job.id not in gone]
         if not batch:
             return out
         metrics.BATCH_SIZE.labels(self.name, batch[0].lane).observe(sum(job.size for job in batch))
