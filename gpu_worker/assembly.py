@@ -46,12 +46,18 @@ def build_runners(loaded: Any, worker: str, faults: Faults,
             for r, n in zip(rows, seq_lens, strict=True)]
 
 
-def build_scheduler(spec: ModelSpec, runner: Runner, lanes: tuple[LaneSpec, ...] | None = None) -> Scheduler:
+def build_scheduler(spec: ModelSpec, runner: Runner, lanes: tuple[LaneSpec, ...] | None = None,
+                    overflow: tuple[LaneSpec, ...] = ()) -> Scheduler:
+    """`overflow`: other engines' lanes this engine also takes while the model is saturated (see
+    `gpu_worker.engines`)."""
     # lane shares are of a running batch's rows; an encoder's batch ends with its forward, so it has none
     rows = runner.free_rows if spec.task is Task.GENERATE else None
-    return Scheduler([LanePolicy(lane.name, lane.window_ms / 1000, lane.max_share) for lane in lanes or spec.lanes],
-                     BatchLimits(spec.max_batch_size, spec.max_batch_tokens), deadline_aware=spec.deadline_aware,
-                     total_rows=rows,
+
+    def policies(specs: tuple[LaneSpec, ...]) -> list[LanePolicy]:
+        return [LanePolicy(lane.name, lane.window_ms / 1000, lane.max_share) for lane in specs]
+
+    return Scheduler(policies(lanes or spec.lanes), BatchLimits(spec.max_batch_size, spec.max_batch_tokens),
+                     deadline_aware=spec.deadline_aware, total_rows=rows, overflow=policies(overflow),
                      chunk_tokens=(spec.prefill_chunk_tokens or None) if spec.task is Task.GENERATE else None)
 
 
@@ -76,7 +82,9 @@ async def load_engines(settings: Settings, *, worker: str, faults: Faults,
         for i, ((engine, lanes), runner) in enumerate(zip(groups, runners, strict=True)):
             await asyncio.to_thread(single_threaded, runner.warm_up)
             bind = functools.partial(bind_compute_thread, loaded.device, background=i > 0)
-            engines.add(ModelLoop(spec.name, runner, build_scheduler(spec, runner, lanes),
+            # the last engine's rows hold any request: it takes the other engines' lanes when saturated
+            overflow = tuple(ln for _, earlier in groups[:i] for ln in earlier) if i == len(groups) - 1 else ()
+            engines.add(ModelLoop(spec.name, runner, build_scheduler(spec, runner, lanes, overflow),
                                   mark_running=mark_running,
                                   emit=emit, on_crash=on_crash, worker=worker, faults=faults, engine=engine,
                                   bind_thread=bind, hand_over=engines.hand_over if len(groups) > 1 else None))

@@ -8,6 +8,13 @@ belongs to another engine's lane hands it over. Cancellations and drains go to e
 The shortest lanes' engine runs in the foreground; the others run in the background: a lower-priority
 CUDA stream, or on CPU turns on one shared compute thread (`gpu_worker.turns`; a niced thread of their
 own with `BATCHGATE_CPU_ENGINES=parallel`). See docs/scheduling.md for why and what it measured.
+
+Overflow: a forward of its own for the short lane costs throughput (two smaller forwards do less per
+second than one that carries every row), which only matters once the model is saturated. So while the
+last engine (the one whose rows hold any request) has had work waiting `OVERFLOW_AFTER_S`, new requests
+of the other engines' lanes go to it too, and it runs them in its one batch, its scheduler still
+starting the shortest lanes first; the other engines drain and leave it the whole device. Once its
+queue clears, each lane's requests go back to their own engine.
 """
 
 from __future__ import annotations
@@ -26,6 +33,11 @@ from shared.messages import InferenceRequest, LaneStat, LaneStats
 
 T = TypeVar("T")
 
+# The last engine has had a request waiting this long: the model is saturated, and every lane's new work
+# joins its batch (see the module's docstring). Long enough that a long prompt waiting out a foreground
+# engine's busy moment does not count; short enough that a backlog is met within a few seconds.
+OVERFLOW_AFTER_S = 2.0
+
 
 @dataclass
 class ModelEngines:
@@ -35,7 +47,7 @@ class ModelEngines:
 
     def add(self, loop: ModelLoop) -> None:
         self.loops.append(loop)
-        for lane in loop.scheduler.queues:
+        for lane in loop.scheduler.own_lanes:
             self._by_lane[lane] = loop
 
     def __iter__(self) -> Iterator[ModelLoop]:
@@ -46,11 +58,26 @@ class ModelEngines:
         goes to the engine of the last lane, as the scheduler files it under its last lane)."""
         return self._by_lane.get(lane) or self.loops[-1]
 
+    @property
+    def saturated(self) -> bool:
+        """The last engine has had work waiting `OVERFLOW_AFTER_S` (as of its last load snapshot)."""
+        last = self.loops[-1]
+        return len(self.loops) > 1 and last.snapshot.oldest_wait_s >= OVERFLOW_AFTER_S
+
+    def route(self, lane: str) -> ModelLoop:
+        """The engine a request of `lane` goes to now: its own, or the last engine's batch while the model is
+        saturated (if that engine takes the lane)."""
+        loop = self.for_lane(lane)
+        last = self.loops[-1]
+        if loop is not last and lane in last.scheduler.queues and self.saturated:
+            return last
+        return loop
+
     def split(self, items: Iterable[T], lane: Callable[[T], str]) -> list[tuple[ModelLoop, list[T]]]:
         """`items` grouped by the engine serving each one's lane, in engine order, empty groups left out."""
         groups: list[list[T]] = [[] for _ in self.loops]
         for item in items:
-            groups[self.loops.index(self.for_lane(lane(item)))].append(item)
+            groups[self.loops.index(self.route(lane(item)))].append(item)
         return [(loop, group) for loop, group in zip(self.loops, groups, strict=True) if group]
 
     def hand_over(self, items: list[Job]) -> None:

@@ -35,6 +35,7 @@ class Snapshot:
     prefill_fixed_ms: float = 0.0
     prefill_ms_per_token: float = 0.0
     decode_ms_per_step: float = 0.0
+    oldest_wait_s: float = 0.0  # how long its longest-waiting request has waited (0: none waits)
 
 
 class LoadReport:
@@ -47,7 +48,8 @@ class LoadReport:
         self._last = time.monotonic()
         self._last_stats: Any = None
 
-    def refresh(self, scheduler: Scheduler, free_rows: int, engine_stats: Any) -> None:
+    def refresh(self, scheduler: Scheduler, free_rows: int, engine_stats: Any, clock_now: float | None = None) -> None:
+        """`clock_now`: the compute loop's clock (the one its jobs' arrival times are on); wall time by default."""
         now = time.monotonic()
         dt = now - self._last
         if dt < METRICS_INTERVAL_S and self.snapshot.at:
@@ -61,7 +63,8 @@ class LoadReport:
         work = [*scheduler.running.values(), *(p for q in scheduler.queues.values() for p in q.items())]
         mean_s = sum(scheduler.service.estimate(p) for p in work) / len(work) if work else 1.0
         lanes: dict[str, LaneLoad] = {}
-        for lane, q in scheduler.queues.items():
+        for lane in scheduler.own_lanes:  # lanes it takes only as overflow are published by their own engine
+            q = scheduler.queues[lane]
             rate = tracker.counters[lane].rate if lane in tracker.counters else 0.0
             wait_ms = lane_wait_ms(window_s=q.policy.window_s, waiting=len(q), free_rows=free_rows,
                                    drain_rps=tracker.total_rate(), max_rows=self.max_rows, mean_service_s=mean_s)
@@ -71,6 +74,8 @@ class LoadReport:
             at=time.time(), lanes=lanes, max_rows=self.max_rows, free_rows=free_rows,
             prefill_fixed_ms=tracker.prefill.intercept * 1000, prefill_ms_per_token=tracker.prefill.slope * 1000,
             decode_ms_per_step=tracker.step_seconds(rows) * 1000,
+            oldest_wait_s=max(0.0, (time.time() if clock_now is None else clock_now) - oldest)
+            if (oldest := scheduler.oldest_arrival()) is not None else 0.0,
         )
         metrics.RUNNING.labels(self.model).set(len(scheduler.running))
         self._engine_metrics(engine_stats, dt)

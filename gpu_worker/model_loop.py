@@ -94,7 +94,7 @@ class ModelLoop(ThreadedLoop):
         out = self._carry_out(plan, now)
         out.extend(self._step(plan.chunk_tokens))
         self._publish(out)
-        self.report.refresh(self.scheduler, self.runner.free_rows, self.runner.engine_stats())
+        self.report.refresh(self.scheduler, self.runner.free_rows, self.runner.engine_stats(), self._clock())
         if self._drain_until is not None and (not self.runner.busy or self._clock() >= self._drain_until):
             self._hand_back()
             return None
@@ -233,7 +233,7 @@ class ModelLoop(ThreadedLoop):
                                       f"the request could not be prepared: {type(exc).__name__}: {exc}")
             if not isinstance(item, Job):
                 out.append(item)
-            elif self._hand_over is not None and item.lane not in self.scheduler.queues:
+            elif self._hand_over is not None and item.lane not in self.scheduler.own_lanes:
                 elsewhere.append(item)  # the real tokenizer put it in a lane another engine serves
             else:
                 self.scheduler.add(item)

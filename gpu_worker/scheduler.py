@@ -60,12 +60,17 @@ class Plan:
 class Scheduler(DynamicStage):
     def __init__(self, lanes: Iterable[LanePolicy], limits: BatchLimits, *, aging: float = 1.0,
                  service: ServiceModel | None = None, deadline_aware: bool = True,
-                 total_rows: int | None = None, chunk_tokens: int | None = None) -> None:
+                 total_rows: int | None = None, chunk_tokens: int | None = None,
+                 overflow: Iterable[LanePolicy] = ()) -> None:
         self.deadline_aware = deadline_aware
         self.total_rows = total_rows  # rows of the running batch (for lane shares); None: shares unused
         # a step's prefill budget while rows decode, before the costs are measured; None: no chunked prefill
         self.chunk_tokens = chunk_tokens
-        self.queues = {lane.name: LaneQueue(lane, fifo=not deadline_aware) for lane in lanes}
+        lanes = list(lanes)
+        self.own_lanes = tuple(lane.name for lane in lanes)
+        # lanes this engine takes only when its model's other engines send it their work (the model is
+        # saturated: see `gpu_worker.engines`); queued and planned like its own, in lane order, shortest first
+        self.queues = {lane.name: LaneQueue(lane, fifo=not deadline_aware) for lane in [*overflow, *lanes]}
         self.limits = limits
         self.aging = aging
         self.service = service or ServiceModel()

@@ -33,7 +33,8 @@ from typing import Any
 import benchlib as bl
 
 CONFIGS = {
-    "lanes_on": dict(lanes=True),
+    "lanes_on": dict(lanes=True),  # the default: lanes as policy over one running batch
+    "two_engines": dict(lanes=True, short_engine=True),  # the short lane on an engine of its own
     "lanes_off": dict(lanes=False, scheduling="fifo"),
     "batch1": dict(lanes=True, max_running=1, max_batch_size=1),
     # the short requests alone, at the same arrival times, the long ones left out: the best short-lane
@@ -43,7 +44,7 @@ CONFIGS = {
 SHORT_ONLY = {"short_alone"}
 
 
-INTERLEAVED = ("lanes_on", "lanes_off", "short_alone")  # run side by side in rounds (see main)
+INTERLEAVED = ("lanes_on", "two_engines", "lanes_off", "short_alone")  # run side by side in rounds (see main)
 STACK_OF = {"short_alone": "lanes_on"}  # the short requests alone run on the lanes-on stack
 
 

@@ -59,6 +59,7 @@ class Outcome:
     finished_at: float | None = None  # epoch seconds, from the record
     deadline: float | None = None
     error: str = ""
+    eta_ms: float | None = None  # the gateway's estimated finish at submit (202 only)
 
     @property
     def latency_ms(self) -> float:
@@ -82,6 +83,19 @@ def mix(n: int, seed: int, long_share: float = 0.3, vocab: int = 8192, long: boo
     return jobs
 
 
+def mixed(n: int, seed: int, vocab: int = 8192, prompts: tuple[int, int] = (16, 256),
+          outputs: tuple[int, int] = (8, 128)) -> list[Job]:
+    """A mixed workload: prompt and output lengths uniform over the given ranges. Class "short" when the whole
+    request fits the default short lane (<= 128 tokens), else "long"."""
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(n):
+        plen, out = rng.randint(*prompts), rng.randint(*outputs)
+        jobs.append(Job(i, "short" if plen + out <= 128 else "long", [rng.randrange(3, vocab) for _ in range(plen)],
+                        out))
+    return jobs
+
+
 def poisson(jobs: list[Job], rate: float, seed: int) -> None:
     rng = random.Random(seed)
     t = 0.0
@@ -91,18 +105,20 @@ def poisson(jobs: list[Job], rate: float, seed: int) -> None:
 
 
 def model_config(*, lanes: bool, scheduling: str = "deadline", max_running: int = 64, max_batch_size: int = 32,
-                 max_batch_tokens: int = 1024) -> dict[str, Any]:
+                 max_batch_tokens: int = 1024, short_engine: bool = False) -> dict[str, Any]:
+    """The benchmark model's config. `lanes`: the default lanes (short/medium/long) as scheduling policy over one
+    running batch; with `short_engine` the short lane gets an engine of its own (the earlier layout); without
+    lanes, one lane (FIFO when `scheduling="fifo"`)."""
     spec: dict[str, Any] = {
         "name": MODEL, "task": "generate", "source": "builtin:bench-llama", "scheduling": scheduling,
         "max_running": max_running, "max_batch_size": max_batch_size, "max_batch_tokens": max_batch_tokens,
         "max_input_tokens": 384, "max_new_tokens": 256, "max_timeout_s": 600,
     }
     if lanes:
-        # the default lane layout (shared.lanes.DEFAULT_LANES): the short lane on an engine of its own
         spec["lanes"] = [{"name": "short", "max_tokens": 128, "window_ms": 5, "max_backlog": 100_000,
-                          "engine": "short"},
+                          "engine": "short" if short_engine else "main"},
                          {"name": "medium", "max_tokens": 512, "window_ms": 15, "max_backlog": 100_000},
-                         {"name": "long", "window_ms": 30, "max_backlog": 100_000}]
+                         {"name": "long", "window_ms": 30, "max_backlog": 100_000, "max_share": 0.75}]
     else:
         spec["lanes"] = [{"name": "all", "window_ms": 10, "max_backlog": 100_000}]
     return {"models": [spec]}
@@ -177,7 +193,10 @@ def scrape(url: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
-async def run_one(client: httpx.AsyncClient, job: Job, t0: float, wait_s: float = 600) -> Outcome:
+async def run_one(client: httpx.AsyncClient, job: Job, t0: float, wait_s: float = 600, *,
+                  sync: bool = True) -> Outcome:
+    """Submit `job` at its arrival time and follow it to its end. `sync`: the submit itself waits for the result
+    (`?wait=`); otherwise the 202 (with the gateway's `eta_ms`) comes back at once and the result is long-polled."""
     delay = t0 + job.at - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
@@ -185,9 +204,10 @@ async def run_one(client: httpx.AsyncClient, job: Job, t0: float, wait_s: float 
     body = {"input": {"input_ids": job.prompt}, "params": {"max_new_tokens": job.out, "ignore_eos": True},
             "timeout_s": job.timeout_s}
     try:
-        r = await client.post(f"/v1/models/{MODEL}/requests", params={"wait": wait_s}, json=body)
+        r = await client.post(f"/v1/models/{MODEL}/requests", params={"wait": wait_s} if sync else {}, json=body)
         o.http = r.status_code
         data = r.json()
+        o.eta_ms = data.get("eta_ms")
         while r.status_code == 202 or (r.status_code == 200 and data.get("status") in ("queued", "running")):
             r = await client.get(f"/v1/requests/{data['id']}", params={"wait": wait_s})
             data = r.json()
@@ -205,11 +225,11 @@ async def run_one(client: httpx.AsyncClient, job: Job, t0: float, wait_s: float 
     return o
 
 
-async def drive(url: str, jobs: list[Job], wait_s: float = 600) -> tuple[list[Outcome], float]:
+async def drive(url: str, jobs: list[Job], wait_s: float = 600, *, sync: bool = True) -> tuple[list[Outcome], float]:
     limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
     async with httpx.AsyncClient(base_url=url, timeout=wait_s + 30, limits=limits) as client:
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*(run_one(client, j, t0, wait_s) for j in jobs))
+        outs = await asyncio.gather(*(run_one(client, j, t0, wait_s, sync=sync) for j in jobs))
         return list(outs), time.perf_counter() - t0
 
 
@@ -291,3 +311,32 @@ def summarise(outs: list[Outcome], span_s: float) -> dict[str, Any]:
             row[f"ttft_{name}_ms"] = pct(ttft, q)
         result["classes"][cls] = row
     return result
+
+
+# A refused request counts as "would have finished in time" when an accepted request at least as long (prompt and
+# output) was submitted within this many seconds of it and finished within the refused one's timeout.
+NEIGHBOUR_S = 3.0
+
+
+def misjudged(outs: list[Outcome]) -> dict[str, Any]:
+    """Admission's two mistakes, as shares of all requests: refusals (429 deadline_infeasible) of requests that
+    would have finished in time, judged by their neighbours (see NEIGHBOUR_S), and requests accepted that then
+    expired. Also how the gateway's estimate compared with the measured finish (actual / eta, per class)."""
+    done = sorted((o for o in outs if o.status == "succeeded"), key=lambda o: o.submitted)
+    refused = [o for o in outs if o.http == 429 and "deadline" in (o.status + o.error)]
+
+    def feasible(r: Outcome) -> bool:
+        return any(abs(a.submitted - r.submitted) <= NEIGHBOUR_S and len(a.job.prompt) >= len(r.job.prompt)
+                   and a.job.out >= r.job.out and a.latency_ms <= r.job.timeout_s * 1000 for a in done)
+
+    wrong = [r for r in refused if feasible(r)]
+    accepted_expired = [o for o in outs if o.http in (200, 202) and o.status == "expired"]
+    ratios: dict[str, Any] = {}
+    for cls in ("short", "long"):
+        xs = sorted(o.latency_ms / o.eta_ms for o in done if o.job.cls == cls and o.eta_ms)
+        if xs:
+            ratios[cls] = {"n": len(xs), "p10": pct(xs, 0.1), "p50": pct(xs, 0.5), "p90": pct(xs, 0.9)}
+    n = max(1, len(outs))
+    return {"refused_deadline": len(refused), "refused_feasible": len(wrong), "refused_feasible_share": len(wrong) / n,
+            "accepted_then_expired": len(accepted_expired), "accepted_then_expired_share": len(accepted_expired) / n,
+            "finish_vs_eta": ratios}

@@ -96,6 +96,31 @@ def test_overload_benchmark_smoke(tmp_path, redis_url, model_cache):
 
 
 @pytest.mark.redis
+def test_overload_benchmark_mixed_mode_reports_admission_mistakes(tmp_path, redis_url, model_cache):
+    out = tmp_path / "overload-mixed.json"
+    env = {**os.environ, "BATCHGATE_MODEL_CACHE": str(model_cache)}
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_overload.py", "--workload", "mixed", "--duration", "4",
+         "--capacity-clients", "8", "--capacity-warm-s", "1", "--capacity-s", "4", "--redis-url", redis_url,
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["workload"] == "mixed" and report["timeout_s"] == 60.0 and report["capacity_rps"] > 0
+    for phase in ("steady", "overload"):
+        row = report[phase]
+        assert sum(row["statuses"].values()) == row["offered"] > 0  # every request accounted for
+        assert row["all_terminal_or_429"] is True
+        adm = row["admission"]
+        assert 0 <= adm["refused_feasible"] <= adm["refused_deadline"] <= row["rejected_429"]
+        assert adm["accepted_then_expired"] <= row["expired"]
+    assert report["refused_feasible_share"] == max(report[p]["admission"]["refused_feasible_share"]
+                                                   for p in ("steady", "overload"))
+    assert "refused ok" in proc.stdout and "acc+exp" in proc.stdout
+
+
+@pytest.mark.redis
 def test_webhook_benchmark_smoke(tmp_path, redis_url):
     out = tmp_path / "webhooks.json"
     proc = subprocess.run(

@@ -7,7 +7,7 @@ import dataclasses
 
 from gpu_worker.commands import Add
 from gpu_worker.cpu_threads import CpuShare, cpu_threads_per_engine
-from gpu_worker.engines import ModelEngines
+from gpu_worker.engines import OVERFLOW_AFTER_S, ModelEngines
 from gpu_worker.job import Job
 from gpu_worker.lane_queue import LanePolicy
 from gpu_worker.model_loop import ModelLoop
@@ -33,14 +33,16 @@ class LaneRunner(FakeRunner):
         return item
 
 
-def make_engines(clock: Clock):
+def make_engines(clock: Clock, main_rows: int = 4):
     engines = ModelEngines(SPEC)
     emitted: list = []
     runners = {}
-    for engine, lanes in engine_groups(SPEC.lanes):
-        runner = runners[engine] = LaneRunner(clock, 4)
+    groups = engine_groups(SPEC.lanes)
+    for i, (engine, lanes) in enumerate(groups):
+        runner = runners[engine] = LaneRunner(clock, main_rows if engine == "main" else 4)
+        overflow = [LanePolicy(ln.name, 0.0) for _, earlier in groups[:i] for ln in earlier] if engine == "main" else []
         sched = Scheduler([LanePolicy(lane.name, 0.0) for lane in lanes], BatchLimits(8, 10_000),
-                          service=ServiceModel(decode_s_per_token=STEP_S))
+                          service=ServiceModel(decode_s_per_token=STEP_S), overflow=overflow)
         engines.add(ModelLoop("m", runner, sched, mark_running=lambda rs: [True] * len(rs), emit=emitted.extend,
                               clock=clock, worker="w", idle_wait_s=0.0, engine=engine,
                               hand_over=engines.hand_over))
@@ -81,6 +83,49 @@ def test_a_request_filed_under_the_wrong_lane_is_handed_to_its_engine():
     run_all_until_idle(engines)
     assert succeeded(emitted) == ["r1"]
     assert runners["short"].started == [] and runners["main"].started == ["r1"]
+
+
+def saturate_main(engines: ModelEngines, runners, clock: Clock, wait_s: float) -> None:
+    """The main engine's rows busy with long requests and another long one waiting `wait_s`."""
+    main = engines.for_lane("long")
+    rows = runners["main"].max_rows
+    main.submit(Add([dataclasses.replace(req(90 + i, clock, new=50, timeout=1e6), lane="long")
+                     for i in range(rows + 1)], clock.t))
+    main._iterate()
+    assert len(runners["main"].running_ids()) == rows and len(main.scheduler) == 1
+    clock.t += wait_s
+    main.report._last = -1e9  # the next round refreshes its load snapshot
+    main._iterate()
+
+
+def test_while_the_last_engine_is_saturated_short_work_joins_its_batch():
+    """Two forwards a step cost throughput; once the main engine has had work waiting OVERFLOW_AFTER_S, new
+    short requests run in its one batch (started there, not on the short engine)."""
+    clock = Clock()
+    engines, runners, emitted = make_engines(clock, main_rows=2)
+    saturate_main(engines, runners, clock, OVERFLOW_AFTER_S + 0.1)
+    assert engines.saturated and engines.route("short") is engines.for_lane("long")
+    engines.submit([req(1, clock, new=5)], clock.t)
+    run_all_until_idle(engines)
+    assert "r1" in runners["main"].started and runners["short"].started == []
+    assert "r1" in succeeded(emitted)
+    # the overflow lane is not published as the main engine's: admission reads the short engine's costs for it
+    main = engines.for_lane("long")
+    main.report._last = -1e9
+    main._iterate()
+    assert set(main.snapshot.lanes) == {"long"}
+
+
+def test_short_work_keeps_its_own_engine_until_the_wait_is_long_enough():
+    clock = Clock()
+    engines, runners, _ = make_engines(clock, main_rows=1)
+    saturate_main(engines, runners, clock, OVERFLOW_AFTER_S - 0.5)
+    assert not engines.saturated and engines.route("short") is engines.for_lane("short")
+    engines.submit([req(1, clock, new=5)], clock.t)
+    for _ in range(20):
+        for loop in engines:
+            loop._iterate()
+    assert runners["short"].started == ["r1"] and "r1" not in runners["main"].started
 
 
 def test_a_hand_over_to_a_stopped_engine_goes_back_to_the_stream():
