@@ -56,6 +56,7 @@ class ModelLoop(ThreadedLoop):
         self._bind_thread = bind_thread
         self._drain_until: float | None = None
         self.yielding = False  # set by the host: a background turn while the first engine has rows running
+        self.background = False  # set by the host: the first engine has had rows running lately
         self.max_rows = runner.free_rows
         self.report = LoadReport(name, self.max_rows)
         self.tracker = scheduler.tracker
@@ -90,7 +91,7 @@ class ModelLoop(ThreadedLoop):
         now = self._clock()
         left = self.runner.remaining_tokens() if self.scheduler.deadline_aware else {}
         plan = self.scheduler.plan(now, self.runner.free_rows, left, yielding=self.yielding,
-                                   chunking=self.runner.chunking)
+                                   chunking=self.runner.chunking, background=self.background)
         out = self._carry_out(plan, now)
         out.extend(self._step(plan.chunk_tokens))
         self._publish(out)

@@ -43,6 +43,11 @@ DOOM_OPTIMISM = 0.8
 # thread), a background turn starts no prefill (a 256-token prompt's forward takes ~100 ms on the 2-core
 # VM, and every short row would wait it out) unless work has waited this long; then it starts one request.
 BACKGROUND_PREFILL_WAIT_S = 0.5
+# With chunked prefill on, a background engine beside a busy foreground engine instead prefills at most this
+# many prompt tokens a turn (a 64-token forward costs about a decode step here), new prompts and long ones in
+# chunks alike, with or without rows of its own decoding: a short row then waits at most one decode step and
+# one such chunk of long work between two of its tokens, and long work still starts at once.
+BACKGROUND_CHUNK_TOKENS = 64
 
 
 @dataclass(slots=True)
@@ -143,12 +148,13 @@ class Scheduler(DynamicStage):
 
     # --- decisions -----------------------------------------------------------------------------
     def plan(self, now: float, free_rows: int, left: Mapping[str, int] | None = None, *,
-             yielding: bool = False, chunking: bool = False) -> Plan:
+             yielding: bool = False, chunking: bool = False, background: bool = False) -> Plan:
         """`free_rows`: rows the runner has free now; `left`: tokens each running row still has to generate;
-        `yielding`: this engine's turn comes while a foreground engine has rows running; `chunking`: a long
-        prompt is being prefilled a chunk per step."""
+        `yielding`: this engine's turn comes while a foreground engine has rows running; `background`: a
+        foreground engine has had rows running lately (small prefill chunks); `chunking`: a long prompt is
+        being prefilled a chunk per step."""
         plan = Plan()
-        budget = self.step_budget(chunking)
+        budget = self.step_budget(chunking, background=background or yielding)
         plan.chunk_tokens = budget or self.limits.max_batch_tokens  # no decoding row to protect: all at once
         remaining = dict(left or {})
         if self.deadline_aware:
@@ -158,7 +164,7 @@ class Scheduler(DynamicStage):
             free_rows = min(free_rows + len(plan.evict), self._deadline_room(now, remaining, free_rows))
             for queue in self.queues.values():
                 plan.expired.extend(queue.pop_expired(now, self.service))
-        if yielding:
+        if yielding and budget is None:  # no chunked prefill to bound the turn: hold prefills back instead
             free_rows = self._rows_while_yielding(now, free_rows)
         holding = now < self._hold_until
         if holding or free_rows <= 0:
@@ -199,12 +205,15 @@ class Scheduler(DynamicStage):
                     wake.append(at)
         return ready, wake
 
-    def step_budget(self, chunking: bool) -> int | None:
-        """Prompt tokens one step may prefill while rows decode (None: no row decodes, or no chunking)."""
-        decoding = len(self.running) - int(chunking)
-        if not self.chunk_tokens or decoding <= 0:
+    def step_budget(self, chunking: bool, *, background: bool = False) -> int | None:
+        """Prompt tokens one step may prefill while rows decode, or, in the `background` of a busy foreground
+        engine, at all (None: no limit, as no row waits on this engine's forwards; or no chunking)."""
+        if not self.chunk_tokens:
             return None
-        return self.chunk_tokens
+        if background:
+            return min(self.chunk_tokens, BACKGROUND_CHUNK_TOKENS)
+        decoding = len(self.running) - int(chunking)
+        return self.chunk_tokens if decoding > 0 else None
 
     @staticmethod
     def _waits_for_chunk(queue: LaneQueue, budget: int | None, chunking: bool) -> bool:

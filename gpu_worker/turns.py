@@ -8,10 +8,14 @@ machine's speed. On one thread every forward has every core, and the engines tak
 Who goes when (`background_due`, pure): the first engine (the shortest lanes) computes whenever it
 has work. Another engine computes when the first has no running rows, or, while it has, once it has
 waited long enough since its last turn that it still gets `BACKGROUND_SHARE` of the thread's time;
-such a turn decodes but starts no prefill unless its work has waited a while
-(`Scheduler._rows_while_yielding`). So short work waits at most one decode step of long work between
-two of its tokens, and long work never starves. This plays the part CUDA stream priorities play on
-a GPU.
+such a turn prefills at most `BACKGROUND_CHUNK_TOKENS` (new prompts, and long ones in chunks), and
+keeps to that for `FOREGROUND_RECENT_S` after the first engine's last running row, so a short request
+arriving in a lull never waits out a long prompt's whole prefill (with chunked prefill off, such a turn
+starts no prefill unless its work has waited a while: `Scheduler._rows_while_yielding`). So short work
+waits at most one decode step and one small chunk of long work between two of its tokens, and long work
+never starves. While the model is saturated the first engine gets no new work
+(`gpu_worker.engines`), and after `FOREGROUND_RECENT_S` the others prefill in full-size chunks again.
+This plays the part CUDA stream priorities play on a GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ log = structlog.get_logger(__name__)
 
 # While the first engine has running rows, another engine still gets this share of the thread's time.
 BACKGROUND_SHARE = 0.15
+# The first engine counts as busy for this long after its last running row (see the module docstring).
+FOREGROUND_RECENT_S = 2.0
 
 
 def background_due(now: float, last_end: float, last_turn_s: float, share: float = BACKGROUND_SHARE) -> bool:
@@ -53,6 +59,7 @@ class SharedComputeThread:
         self._clock = clock
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._first_busy_at = float("-inf")
         self._last_end = [0.0] * len(loops)
         self._last_turn = [0.0] * len(loops)
         self.on_work: Callable[[bool], None] | None = None  # told each round whether any engine has work
@@ -65,6 +72,13 @@ class SharedComputeThread:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def foreground_recent(self, busy: bool, now: float) -> bool:
+        """Note whether the first engine has rows running now; True while it had some in the last
+        `FOREGROUND_RECENT_S` (the others then prefill in small chunks)."""
+        if busy:
+            self._first_busy_at = now
+        return now - self._first_busy_at < FOREGROUND_RECENT_S
 
     def start(self) -> None:
         if self._thread is None:
@@ -92,6 +106,7 @@ class SharedComputeThread:
                 if self.on_work is not None:
                     self.on_work(any(lp.has_work for lp in self.loops if not lp.stopped))
                 first_busy = not first.stopped and first.runner.busy
+                first_recent = self.foreground_recent(first_busy, self._clock())
                 for i, lp in enumerate(self.loops):
                     if lp.stopped:
                         continue
@@ -102,6 +117,7 @@ class SharedComputeThread:
                         continue
                     current = lp
                     lp.yielding = i > 0 and first_busy
+                    lp.background = i > 0 and first_recent
                     wait = lp._iterate(block=False)
                     end = self._clock()
                     self._last_end[i], self._last_turn[i] = end, end - now

@@ -105,20 +105,22 @@ def poisson(jobs: list[Job], rate: float, seed: int) -> None:
 
 
 def model_config(*, lanes: bool, scheduling: str = "deadline", max_running: int = 64, max_batch_size: int = 32,
-                 max_batch_tokens: int = 1024, short_engine: bool = False) -> dict[str, Any]:
-    """The benchmark model's config. `lanes`: the default lanes (short/medium/long) as scheduling policy over one
-    running batch; with `short_engine` the short lane gets an engine of its own (the earlier layout); without
+                 max_batch_tokens: int = 1024, one_engine: bool = False) -> dict[str, Any]:
+    """The benchmark model's config. `lanes`: the default lanes as shipped (`shared.lanes.DEFAULT_LANES`);
+    with `one_engine`, every lane on one engine (lanes as scheduling policy over one running batch); without
     lanes, one lane (FIFO when `scheduling="fifo"`)."""
+    from shared.lanes import DEFAULT_LANES
+
     spec: dict[str, Any] = {
         "name": MODEL, "task": "generate", "source": "builtin:bench-llama", "scheduling": scheduling,
         "max_running": max_running, "max_batch_size": max_batch_size, "max_batch_tokens": max_batch_tokens,
         "max_input_tokens": 384, "max_new_tokens": 256, "max_timeout_s": 600,
     }
     if lanes:
-        spec["lanes"] = [{"name": "short", "max_tokens": 128, "window_ms": 5, "max_backlog": 100_000,
-                          "engine": "short" if short_engine else "main"},
-                         {"name": "medium", "max_tokens": 512, "window_ms": 15, "max_backlog": 100_000},
-                         {"name": "long", "window_ms": 30, "max_backlog": 100_000, "max_share": 0.75}]
+        spec["lanes"] = [{"name": ln.name, "max_tokens": ln.max_tokens, "window_ms": ln.window_ms,
+                          "max_backlog": 100_000, "max_share": ln.max_share,
+                          "engine": "main" if one_engine else ln.engine}
+                         for ln in DEFAULT_LANES]
     else:
         spec["lanes"] = [{"name": "all", "window_ms": 10, "max_backlog": 100_000}]
     return {"models": [spec]}

@@ -58,9 +58,14 @@ def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    for name in ("lanes_on", "lanes_off", "batch1", "short_alone"):
+    for name in ("lanes_on", "one_batch", "lanes_off", "batch1", "short_alone"):
         for key in ("short_p99_ms", "goodput_rps", "throughput_rps"):
             assert report[name][key] is not None, (name, key)
+    # the lane targets' two figures, side by side in the one run
+    assert report["short_p99_vs_alone"] == report["lanes_on"]["short_p99_ms"] / report["short_alone"]["short_p99_ms"]
+    caps = report["capacity_rps_by_stack"]
+    assert report["capacity_vs_fifo"] == caps["lanes_on"] / caps["lanes_off"]
+    assert "short_p99_vs_alone" in proc.stdout and "capacity_vs_fifo" in proc.stdout
     assert report["lanes_on"]["classes"]["all"]["requests"] == 12  # both rounds, pooled
     assert report["short_alone"]["classes"]["all"]["requests"] == report["lanes_on"]["classes"]["short"]["requests"]
     assert report["short_p99_ratio_on_vs_off"] > 0 and report["short_p99_floor_ratio"] > 0
@@ -68,7 +73,7 @@ def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
     assert report["short_p99_ratio_on_vs_off"] == pytest.approx(
         report["short_p99_floor_ratio"] * report["short_p99_on_vs_alone"])
     assert report["rounds"] == 2 and (tmp_path / "cdf.png").stat().st_size > 0
-    assert set(report["capacity_rps_by_stack"]) == {"lanes_on", "lanes_off"}  # short_alone runs on lanes_on's
+    assert set(report["capacity_rps_by_stack"]) == {"lanes_on", "one_batch", "lanes_off"}  # short_alone: lanes_on's
     assert report["capacity_rps"] == report["capacity_rps_by_stack"]["lanes_on"] > 0
     assert "round 2/2" in proc.stdout
 

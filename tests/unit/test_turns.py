@@ -14,7 +14,7 @@ from gpu_worker.model_loop import ModelLoop
 from gpu_worker.outcomes import Outcome
 from gpu_worker.scheduler import BACKGROUND_PREFILL_WAIT_S, BatchLimits, Scheduler
 from gpu_worker.service_model import ServiceModel
-from gpu_worker.turns import SharedComputeThread, background_due
+from gpu_worker.turns import FOREGROUND_RECENT_S, SharedComputeThread, background_due
 from tests.unit.test_model_loop import STEP_S, Clock, FakeRunner, req
 
 
@@ -129,3 +129,14 @@ def test_a_yielding_turn_prefills_nothing_until_work_has_waited() -> None:
     short.submit(Add([req(i, clock2, new=5) for i in range(3)], clock2.t))
     short._iterate(block=False)
     assert len(short.runner.started) == 3
+
+
+def test_the_other_engines_stay_in_the_background_a_while_after_the_first_goes_quiet() -> None:
+    """A short request arriving in a lull between short rows must not wait out a long prompt's whole
+    prefill: the background engines keep to small chunks for FOREGROUND_RECENT_S after the first engine's
+    last running row, then (nothing short for that long, e.g. while saturated work overflows to them) not."""
+    host = two_engines()[0]
+    assert host.foreground_recent(False, 0.0) is False  # never busy
+    assert host.foreground_recent(True, 10.0) is True
+    assert host.foreground_recent(False, 10.0 + FOREGROUND_RECENT_S - 0.01) is True
+    assert host.foreground_recent(False, 10.0 + FOREGROUND_RECENT_S) is False
