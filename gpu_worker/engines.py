@@ -36,7 +36,7 @@ T = TypeVar("T")
 # The last engine has had a request waiting this long: the model is saturated, and every lane's new work
 # joins its batch (see the module's docstring). Long enough that a long prompt waiting out a foreground
 # engine's busy moment does not count; short enough that a backlog is met within a few seconds.
-OVERFLOW_AFTER_S = 2.0
+OVERFLOW_AFTER_S = 4.0
 
 
 @dataclass

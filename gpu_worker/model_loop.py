@@ -56,7 +56,7 @@ class ModelLoop(ThreadedLoop):
         self._bind_thread = bind_thread
         self._drain_until: float | None = None
         self.yielding = False  # set by the host: a background turn while the first engine has rows running
-        self.background = False  # set by the host: the first engine has had rows running lately
+        self.background = False  # set by the host: a first (foreground) engine on its compute thread had rows lately
         self.max_rows = runner.free_rows
         self.report = LoadReport(name, self.max_rows)
         self.tracker = scheduler.tracker

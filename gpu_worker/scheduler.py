@@ -43,11 +43,14 @@ DOOM_OPTIMISM = 0.8
 # thread), a background turn starts no prefill (a 256-token prompt's forward takes ~100 ms on the 2-core
 # VM, and every short row would wait it out) unless work has waited this long; then it starts one request.
 BACKGROUND_PREFILL_WAIT_S = 0.5
-# With chunked prefill on, a background engine beside a busy foreground engine instead prefills at most this
-# many prompt tokens a turn (a 64-token forward costs about a decode step here), new prompts and long ones in
+# With chunked prefill on, a background engine's turn beside a busy foreground engine instead prefills at most
+# this many prompt tokens (a 64-token forward costs about a decode step here), new prompts and long ones in
 # chunks alike, with or without rows of its own decoding: a short row then waits at most one decode step and
 # one such chunk of long work between two of its tokens, and long work still starts at once.
 BACKGROUND_CHUNK_TOKENS = 64
+# ... and while the foreground engine is idle, at most this many: a short request arriving then waits out no
+# more than that (a batch of four 256-token prompts at once is ~350 ms here), and long work still moves fast.
+BACKGROUND_IDLE_CHUNK_TOKENS = 128
 
 
 @dataclass(slots=True)
@@ -150,11 +153,10 @@ class Scheduler(DynamicStage):
     def plan(self, now: float, free_rows: int, left: Mapping[str, int] | None = None, *,
              yielding: bool = False, chunking: bool = False, background: bool = False) -> Plan:
         """`free_rows`: rows the runner has free now; `left`: tokens each running row still has to generate;
-        `yielding`: this engine's turn comes while a foreground engine has rows running; `background`: a
-        foreground engine has had rows running lately (small prefill chunks); `chunking`: a long prompt is
-        being prefilled a chunk per step."""
+        `background`: a foreground engine shares this engine's compute thread; `yielding`: and has rows running
+        now (both bound this turn's prefill); `chunking`: a long prompt is being prefilled a chunk per step."""
         plan = Plan()
-        budget = self.step_budget(chunking, background=background or yielding)
+        budget = self.step_budget(chunking, background=background, yielding=yielding)
         plan.chunk_tokens = budget or self.limits.max_batch_tokens  # no decoding row to protect: all at once
         remaining = dict(left or {})
         if self.deadline_aware:
@@ -205,13 +207,16 @@ class Scheduler(DynamicStage):
                     wake.append(at)
         return ready, wake
 
-    def step_budget(self, chunking: bool, *, background: bool = False) -> int | None:
-        """Prompt tokens one step may prefill while rows decode, or, in the `background` of a busy foreground
-        engine, at all (None: no limit, as no row waits on this engine's forwards; or no chunking)."""
+    def step_budget(self, chunking: bool, *, background: bool = False, yielding: bool = False) -> int | None:
+        """Prompt tokens one step may prefill while rows decode, or at all on a `background` engine (fewer while
+        `yielding` to a busy foreground engine); None: no limit, as no row waits on this engine's forwards, or
+        no chunking."""
         if not self.chunk_tokens:
             return None
-        if background:
+        if yielding:
             return min(self.chunk_tokens, BACKGROUND_CHUNK_TOKENS)
+        if background:
+            return min(self.chunk_tokens, BACKGROUND_IDLE_CHUNK_TOKENS)
         decoding = len(self.running) - int(chunking)
         return self.chunk_tokens if decoding > 0 else None
 

@@ -8,14 +8,14 @@ machine's speed. On one thread every forward has every core, and the engines tak
 Who goes when (`background_due`, pure): the first engine (the shortest lanes) computes whenever it
 has work. Another engine computes when the first has no running rows, or, while it has, once it has
 waited long enough since its last turn that it still gets `BACKGROUND_SHARE` of the thread's time;
-such a turn prefills at most `BACKGROUND_CHUNK_TOKENS` (new prompts, and long ones in chunks), and
-keeps to that for `FOREGROUND_RECENT_S` after the first engine's last running row, so a short request
-arriving in a lull never waits out a long prompt's whole prefill (with chunked prefill off, such a turn
-starts no prefill unless its work has waited a while: `Scheduler._rows_while_yielding`). So short work
-waits at most one decode step and one small chunk of long work between two of its tokens, and long work
-never starves. While the model is saturated the first engine gets no new work
-(`gpu_worker.engines`), and after `FOREGROUND_RECENT_S` the others prefill in full-size chunks again.
-This plays the part CUDA stream priorities play on a GPU.
+such a turn prefills at most `BACKGROUND_CHUNK_TOKENS` (new prompts, and long ones in chunks), any
+other turn within `FOREGROUND_RECENT_S` of the first engine's last running row at most
+`BACKGROUND_IDLE_CHUNK_TOKENS` (so a short request arriving in a lull waits out no big prefill; with
+chunked prefill off, a yielding turn starts no prefill unless its work has waited a while:
+`Scheduler._rows_while_yielding`). So short work waits at most one decode step and one small chunk of
+long work between two of its tokens, and long work never starves. While the model is saturated the
+first engine gets no new work (`gpu_worker.engines`). This plays the part CUDA stream priorities play
+on a GPU.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ log = structlog.get_logger(__name__)
 
 # While the first engine has running rows, another engine still gets this share of the thread's time.
 BACKGROUND_SHARE = 0.15
-# The first engine counts as busy for this long after its last running row (see the module docstring).
+# The first engine counts as active for this long after its last running row (see the module docstring);
+# after that (no short work for a while, e.g. while a saturated model's work overflows to the last engine)
+# the others prefill in chunks of the configured size again.
 FOREGROUND_RECENT_S = 2.0
 
 
@@ -75,7 +77,7 @@ class SharedComputeThread:
 
     def foreground_recent(self, busy: bool, now: float) -> bool:
         """Note whether the first engine has rows running now; True while it had some in the last
-        `FOREGROUND_RECENT_S` (the others then prefill in small chunks)."""
+        `FOREGROUND_RECENT_S`."""
         if busy:
             self._first_busy_at = now
         return now - self._first_busy_at < FOREGROUND_RECENT_S

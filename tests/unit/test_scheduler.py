@@ -403,24 +403,26 @@ def test_no_chunking_for_an_encoder_or_when_switched_off():
 
 
 def test_beside_a_busy_foreground_engine_long_work_starts_at_once_in_small_chunks():
-    """A background engine (the foreground one had rows lately) prefills at most BACKGROUND_CHUNK_TOKENS a
-    turn, new prompts and long ones in chunks, even with no row of its own decoding; with such a bound it
-    does not hold prefills back while yielding."""
-    from gpu_worker.scheduler import BACKGROUND_CHUNK_TOKENS
+    """A background engine's turn beside a busy foreground engine prefills at most BACKGROUND_CHUNK_TOKENS,
+    new prompts and long ones in chunks, even with no row of its own decoding; with such a bound it does not
+    hold prefills back while yielding."""
+    from gpu_worker.scheduler import BACKGROUND_CHUNK_TOKENS, BACKGROUND_IDLE_CHUNK_TOKENS
 
     s = chunky(budget=512)
     s.add(item(1, "long", prompt=256, arrived=1.0))
-    plan = s.plan(1.0, free_rows=4, background=True)
+    plan = s.plan(1.0, free_rows=4, yielding=True)
     assert plan.chunked is not None and plan.chunked.id == "r1"
     assert plan.chunk_tokens == BACKGROUND_CHUNK_TOKENS
     s.started([plan.chunked])
     for i in range(2, 6):
         s.add(item(i, "long", prompt=20, arrived=1.0))
-    plan = s.plan(1.0, free_rows=4, yielding=True, background=True, chunking=True)
+    plan = s.plan(1.0, free_rows=4, yielding=True, chunking=True)
     assert [j.id for j in plan.batch] == ["r2", "r3", "r4"]  # 3 x 20 <= 64 < 4 x 20, no wait for yielding
-    assert s.plan(1.0, free_rows=4, chunking=True).chunk_tokens == 4096  # foreground quiet, no row decoding here
+    assert s.plan(1.0, free_rows=4, chunking=True).chunk_tokens == 4096  # a lone engine, no row decoding here
+    assert s.plan(1.0, free_rows=4, chunking=True, background=True).chunk_tokens == BACKGROUND_IDLE_CHUNK_TOKENS
 
 
 def test_the_background_bound_never_exceeds_the_configured_chunk():
     assert chunky(budget=32).step_budget(False, background=True) == 32
+    assert chunky(budget=32).step_budget(False, yielding=True) == 32
     assert chunky(budget=0).step_budget(False, background=True) is None  # chunked prefill off

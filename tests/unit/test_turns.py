@@ -131,10 +131,11 @@ def test_a_yielding_turn_prefills_nothing_until_work_has_waited() -> None:
     assert len(short.runner.started) == 3
 
 
+
 def test_the_other_engines_stay_in_the_background_a_while_after_the_first_goes_quiet() -> None:
     """A short request arriving in a lull between short rows must not wait out a long prompt's whole
-    prefill: the background engines keep to small chunks for FOREGROUND_RECENT_S after the first engine's
-    last running row, then (nothing short for that long, e.g. while saturated work overflows to them) not."""
+    prefill: the other engines keep to small chunks for FOREGROUND_RECENT_S after the first engine's last
+    running row; after that (no short work for that long, as while saturated work overflows to them) not."""
     host = two_engines()[0]
     assert host.foreground_recent(False, 0.0) is False  # never busy
     assert host.foreground_recent(True, 10.0) is True
