@@ -39,10 +39,11 @@ def build_runners(loaded: Any, worker: str, faults: Faults,
         return [EmbedRunner(loaded, worker, faults=faults) for _ in groups]
     from gpu_worker.exactness import verify_exact
 
-    verify_exact(loaded.model, spec.name)  # served exactly or refused, before any request reaches it
+    # served exactly or refused, before any request reaches it; and whether chunks may ride in decode steps
+    fused = verify_exact(loaded.model, spec.name)
     seq_lens = [engine_seq_len(spec, lanes) for _, lanes in groups]
     rows = size_engines(loaded, seq_lens)
-    return [GenerateRunner(loaded, worker, max_rows=r, max_seq_len=n, faults=faults)
+    return [GenerateRunner(loaded, worker, max_rows=r, max_seq_len=n, faults=faults, fused=fused)
             for r, n in zip(rows, seq_lens, strict=True)]
 
 
@@ -58,6 +59,7 @@ def build_scheduler(spec: ModelSpec, runner: Runner, lanes: tuple[LaneSpec, ...]
 
     return Scheduler(policies(lanes or spec.lanes), BatchLimits(spec.max_batch_size, spec.max_batch_tokens),
                      deadline_aware=spec.deadline_aware, total_rows=rows, overflow=policies(overflow),
+                     fused=runner.fused,
                      chunk_tokens=(spec.prefill_chunk_tokens or None) if spec.task is Task.GENERATE else None)
 
 

@@ -81,7 +81,17 @@ class ChunkedPrefill:
         cur.done = hi
         if hi < len(prompt):
             return []
+        return self.join(out.logits[:, -1, :])
+
+    def join(self, logits: torch.Tensor) -> list[GenResult]:
+        """The whole prompt is in its cache row and `logits` ([1, vocab]) came from its last position: the row
+        joins the running batch right-aligned at `end` (returned if it is already done)."""
+        cur = self.current
+        if cur is None:
+            raise RuntimeError("no chunked prompt to join")
         self.current = None
-        e._make_room_left(len(prompt))
-        e.cache.copy_span(self.slot, 0, len(e.rows), e.end - len(prompt), len(prompt))
-        return e._admit([cur.spec], out.logits[:, -1, :], cur.admitted_at)
+        e = self.engine
+        n = len(cur.spec.prompt_ids)
+        e._make_room_left(n)
+        e.cache.copy_span(self.slot, 0, len(e.rows), e.end - n, n)
+        return e._admit([cur.spec], logits, cur.admitted_at)

@@ -40,6 +40,8 @@ class EmbedRunner:
 
     busy = False
     chunking = False
+    chunk_left = 0
+    fused = False
     last_chunk = (0, 0.0)
 
     @property

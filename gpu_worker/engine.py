@@ -21,6 +21,8 @@ import torch
 
 from gpu_worker.attention import AttentionLayout
 from gpu_worker.chunked_prefill import ChunkedPrefill
+from gpu_worker.fused_step import fused_step
+from gpu_worker.fused_step import install as install_fused
 from gpu_worker.kv_cache import SlotKVCache
 from gpu_worker.sampling import make_generator, select_tokens
 from gpu_worker.sequences import EngineFull, EngineStats, GenResult, GenSpec, Row, finish_reason, group_by_length
@@ -40,6 +42,7 @@ class GenerationEngine:
         decode_tail: Callable[[list[int]], str] | None = None,
         clock: Callable[[], float] = time.time,
         keep_logits: bool = False,
+        fused: bool = False,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -57,6 +60,9 @@ class GenerationEngine:
         self.stats = EngineStats()
         self.last_logits: dict[str, torch.Tensor] | None = {} if keep_logits else None  # by row, last forward
         self.chunked = ChunkedPrefill(self)  # at most one long prompt prefilled a chunk per step
+        self.fused = fused  # a chunk rides in the decode step's forward (see gpu_worker.fused_step)
+        if fused:
+            install_fused()
 
     # --- capacity ------------------------------------------------------------------------------
     @property
@@ -175,8 +181,10 @@ class GenerationEngine:
     # --- decode --------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, chunk_tokens: int = 0) -> list[GenResult]:
-        """Prefill up to `chunk_tokens` of a chunked prompt, then advance every running row by one token;
-        return the rows that finished."""
+        """Prefill up to `chunk_tokens` of a chunked prompt (in the same forward when `fused`), then advance
+        every running row by one token; return the rows that finished."""
+        if self.fused and self.rows and self.chunked.current is not None and chunk_tokens > 0:
+            return fused_step(self, chunk_tokens)
         done = self.chunked.advance(chunk_tokens)
         return done + self._decode() if self.rows else done
 

@@ -33,7 +33,7 @@ log = structlog.get_logger(__name__)
 
 class GenerateRunner:
     def __init__(self, loaded: LoadedModel, worker: str, *, max_rows: int, max_seq_len: int,
-                 clock: Callable[[], float] = time.time, faults: Faults | None = None) -> None:
+                 clock: Callable[[], float] = time.time, faults: Faults | None = None, fused: bool = False) -> None:
         self.loaded = loaded
         self.faults = faults or Faults()
         self.spec = loaded.spec
@@ -46,7 +46,7 @@ class GenerateRunner:
             eos = loaded.model.config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.engine = GenerationEngine(loaded.model, max_rows=max_rows, max_seq_len=max_seq_len,
-                                       decode_tail=self._decode, clock=clock)
+                                       decode_tail=self._decode, clock=clock, fused=fused)
         self.model_calls: dict[str, int] = {}
 
     @property
@@ -133,6 +133,14 @@ class GenerateRunner:
     @property
     def chunking(self) -> bool:
         return self.engine.chunked.active
+
+    @property
+    def chunk_left(self) -> int:
+        return self.engine.chunked.remaining
+
+    @property
+    def fused(self) -> bool:
+        return self.engine.fused
 
     @property
     def last_chunk(self) -> tuple[int, float]:

@@ -91,7 +91,8 @@ class ModelLoop(ThreadedLoop):
         now = self._clock()
         left = self.runner.remaining_tokens() if self.scheduler.deadline_aware else {}
         plan = self.scheduler.plan(now, self.runner.free_rows, left, yielding=self.yielding,
-                                   chunking=self.runner.chunking, background=self.background)
+                                   chunking=self.runner.chunking, background=self.background,
+                                   chunk_left=self.runner.chunk_left)
         out = self._carry_out(plan, now)
         out.extend(self._step(plan.chunk_tokens))
         self._publish(out)
@@ -191,6 +192,8 @@ class ModelLoop(ThreadedLoop):
         chunk, chunk_s = self.runner.last_chunk
         if chunk:  # a chunk of prefill teaches the prefill fit too
             self.tracker.observe_prefill(chunk, chunk_s)
+        else:  # the decode step alone: what a fused chunk is sized against
+            self.tracker.observe_bare_step(rows, t1 - t0)
         self._last_step_end = t1
         self._excluded_s = 0.0
         return out

@@ -43,6 +43,16 @@ class Runner(Protocol):
         ...
 
     @property
+    def chunk_left(self) -> int:
+        """Prompt tokens of the chunked prefill still to go (0 when none is in progress)."""
+        ...
+
+    @property
+    def fused(self) -> bool:
+        """Chunks of a long prompt ride in the decode steps' forwards (see `gpu_worker.fused_step`)."""
+        ...
+
+    @property
     def last_chunk(self) -> tuple[int, float]:
         """(prompt tokens, seconds) of the chunk the last step prefilled; (0, 0.0) if none."""
         ...

@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gpu_worker import prefill_budget
 from gpu_worker.dynamic_stage import BatchLimits, DynamicStage
 from gpu_worker.job import Job, JobState
 from gpu_worker.lane_queue import LanePolicy, LaneQueue
@@ -40,17 +41,10 @@ from shared.deadlines import cannot_finish
 # A running row is given up only if even 80% of its estimated remaining time would end past its deadline.
 DOOM_OPTIMISM = 0.8
 # While its engine yields to a foreground engine with running rows (CPU engines taking turns on one
-# thread), a background turn starts no prefill (a 256-token prompt's forward takes ~100 ms on the 2-core
-# VM, and every short row would wait it out) unless work has waited this long; then it starts one request.
+# thread) and chunked prefill is off, a background turn starts no prefill (a 256-token prompt's forward takes
+# ~100 ms on the 2-core VM, and every short row would wait it out) unless work has waited this long; then it
+# starts one request. With chunked prefill on, `gpu_worker.prefill_budget` bounds such a turn instead.
 BACKGROUND_PREFILL_WAIT_S = 0.5
-# With chunked prefill on, a background engine's turn beside a busy foreground engine instead prefills at most
-# this many prompt tokens (a 64-token forward costs about a decode step here), new prompts and long ones in
-# chunks alike, with or without rows of its own decoding: a short row then waits at most one decode step and
-# one such chunk of long work between two of its tokens, and long work still starts at once.
-BACKGROUND_CHUNK_TOKENS = 64
-# ... and while the foreground engine is idle, at most this many: a short request arriving then waits out no
-# more than that (a batch of four 256-token prompts at once is ~350 ms here), and long work still moves fast.
-BACKGROUND_IDLE_CHUNK_TOKENS = 128
 
 
 @dataclass(slots=True)
@@ -69,8 +63,10 @@ class Scheduler(DynamicStage):
     def __init__(self, lanes: Iterable[LanePolicy], limits: BatchLimits, *, aging: float = 1.0,
                  service: ServiceModel | None = None, deadline_aware: bool = True,
                  total_rows: int | None = None, chunk_tokens: int | None = None,
-                 overflow: Iterable[LanePolicy] = ()) -> None:
+                 overflow: Iterable[LanePolicy] = (), fused: bool = False) -> None:
         self.deadline_aware = deadline_aware
+        self.fused = fused  # chunks ride in the decode steps' forwards: sized per step (`_fused_chunk`)
+        self._chunk_id: str | None = None  # the job whose prompt is being chunked
         self.total_rows = total_rows  # rows of the running batch (for lane shares); None: shares unused
         # a step's prefill budget while rows decode, before the costs are measured; None: no chunked prefill
         self.chunk_tokens = chunk_tokens
@@ -151,13 +147,16 @@ class Scheduler(DynamicStage):
 
     # --- decisions -----------------------------------------------------------------------------
     def plan(self, now: float, free_rows: int, left: Mapping[str, int] | None = None, *,
-             yielding: bool = False, chunking: bool = False, background: bool = False) -> Plan:
+             yielding: bool = False, chunking: bool = False, background: bool = False, chunk_left: int = 0) -> Plan:
         """`free_rows`: rows the runner has free now; `left`: tokens each running row still has to generate;
         `background`: a foreground engine shares this engine's compute thread; `yielding`: and has rows running
-        now (both bound this turn's prefill); `chunking`: a long prompt is being prefilled a chunk per step."""
+        now (both bound this turn's prefill); `chunking`: a long prompt is being prefilled a chunk per step,
+        `chunk_left` of its tokens still to go."""
         plan = Plan()
         budget = self.step_budget(chunking, background=background, yielding=yielding)
         plan.chunk_tokens = budget or self.limits.max_batch_tokens  # no decoding row to protect: all at once
+        if self.fused and chunking and budget:
+            plan.chunk_tokens = min(budget, self._fused_chunk(now, chunk_left))
         remaining = dict(left or {})
         if self.deadline_aware:
             plan.evict = self._unfinishable(now, remaining)
@@ -186,10 +185,12 @@ class Scheduler(DynamicStage):
         head = lane.peek()
         if budget and head is not None and head.prompt_tokens > budget:
             plan.chunked = lane.pop()  # too long for one step beside the decoding rows: in chunks
+            self._chunk_id = plan.chunked.id
             return plan
         plan.batch = self._take(lane, rows[lane.policy.name], budget)
         if budget and chunking:  # new prompts first within the step's budget; the chunk gets the rest
-            plan.chunk_tokens = max(budget // 4, budget - sum(j.prompt_tokens * j.size for j in plan.batch))
+            plan.chunk_tokens = min(plan.chunk_tokens,
+                                    max(budget // 4, budget - sum(j.prompt_tokens * j.size for j in plan.batch)))
         return plan
 
     def _ready_lanes(self, now: float, rows: Mapping[str, int], budget: int | None,
@@ -208,17 +209,21 @@ class Scheduler(DynamicStage):
         return ready, wake
 
     def step_budget(self, chunking: bool, *, background: bool = False, yielding: bool = False) -> int | None:
-        """Prompt tokens one step may prefill while rows decode, or at all on a `background` engine (fewer while
-        `yielding` to a busy foreground engine); None: no limit, as no row waits on this engine's forwards, or
-        no chunking."""
-        if not self.chunk_tokens:
-            return None
-        if yielding:
-            return min(self.chunk_tokens, BACKGROUND_CHUNK_TOKENS)
-        if background:
-            return min(self.chunk_tokens, BACKGROUND_IDLE_CHUNK_TOKENS)
+        """Prompt tokens one step may prefill (see `gpu_worker.prefill_budget.step_budget`)."""
         decoding = len(self.running) - int(chunking)
-        return self.chunk_tokens if decoding > 0 else None
+        return prefill_budget.step_budget(self.chunk_tokens, decoding, background=background, yielding=yielding)
+
+    def _fused_chunk(self, now: float, chunk_left: int) -> int:
+        """Prompt tokens the next fused step carries (see `gpu_worker.prefill_budget.fused_chunk`)."""
+        chunk_job = self.running.get(self._chunk_id) if self._chunk_id else None
+        rows = [j for j in self.running.values() if j is not chunk_job]
+        fit = self.tracker.bare
+        return prefill_budget.fused_chunk(
+            self.chunk_tokens, protect=any(j.rank == 0 for j in rows), per_token_s=self.tracker.prefill.slope,
+            bare_step_s=fit.predict(len(rows)) if fit.n else 0.0,
+            interval_s=self.tracker.step_seconds(len(self.running)), chunk_left=chunk_left,
+            deadline_left_s=chunk_job.deadline - now if chunk_job is not None and self.deadline_aware else None,
+            new_tokens=chunk_job.new_tokens if chunk_job is not None else 0)
 
     @staticmethod
     def _waits_for_chunk(queue: LaneQueue, budget: int | None, chunking: bool) -> bool:

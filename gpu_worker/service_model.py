@@ -96,6 +96,7 @@ class ServiceTracker:
     lanes: tuple[str, ...]
     prefill: RunningFit = field(default_factory=RunningFit)
     decode: RunningFit = field(default_factory=RunningFit)  # the token interval a running row sees, all included
+    bare: RunningFit = field(default_factory=RunningFit)  # a decode step alone (no chunk, no prefill), by rows
     counters: dict[str, LaneCounters] = field(default_factory=dict)
     rate_tau_s: float = RATE_TAU_S
 
@@ -107,6 +108,9 @@ class ServiceTracker:
 
     def observe_step(self, rows: int, seconds: float) -> None:
         self.decode.add(rows, seconds)
+
+    def observe_bare_step(self, rows: int, seconds: float) -> None:
+        self.bare.add(rows, seconds)
 
     def observe_completion(self, lane: str) -> None:
         self.counters.setdefault(lane, LaneCounters()).completed += 1

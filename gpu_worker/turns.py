@@ -12,10 +12,10 @@ such a turn prefills at most `BACKGROUND_CHUNK_TOKENS` (new prompts, and long on
 other turn within `FOREGROUND_RECENT_S` of the first engine's last running row at most
 `BACKGROUND_IDLE_CHUNK_TOKENS` (so a short request arriving in a lull waits out no big prefill; with
 chunked prefill off, a yielding turn starts no prefill unless its work has waited a while:
-`Scheduler._rows_while_yielding`). So short work waits at most one decode step and one small chunk of
-long work between two of its tokens, and long work never starves. While the model is saturated the
-first engine gets no new work (`gpu_worker.engines`). This plays the part CUDA stream priorities play
-on a GPU.
+`Scheduler._rows_while_yielding`; the bounds: `gpu_worker.prefill_budget`). So short work waits at
+most one decode step and one small chunk of long work between two of its tokens, and long work never
+starves. While the model is saturated the first engine gets no new work (`gpu_worker.engines`). This
+plays the part CUDA stream priorities play on a GPU.
 """
 
 from __future__ import annotations

@@ -18,15 +18,16 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("batchgate", "shared", "gateway", "gpu_worker")
 
 SCHEDULER = ("gpu_worker.scheduler", "gpu_worker.service_model", "gpu_worker.lane_queue", "gpu_worker.job",
-             "gpu_worker.dynamic_stage",
+             "gpu_worker.dynamic_stage", "gpu_worker.prefill_budget",
              "shared.deadlines")  # pure decisions: admit, expire, evict, and what they decide over
 # worker modules that must stay as pure as the scheduler (no torch, no engine); rename here when they move
 # the compute side above the engine imports no torch either: the loop, its thread and commands, the runner port
 PURE_WORKER = (*SCHEDULER, "gpu_worker.stop_strings", "gpu_worker.outcomes", "gpu_worker.runner", "gpu_worker.commands",
                "gpu_worker.compute_thread", "gpu_worker.model_loop", "gpu_worker.load_report", "gpu_worker.engines",
                "gpu_worker.turns", "gpu_worker.sequences")
+# torch: rows, KV cache, masks, forward
 ENGINE = ("gpu_worker.engine", "gpu_worker.kv_cache", "gpu_worker.sampling", "gpu_worker.attention",
-          "gpu_worker.exactness", "gpu_worker.chunked_prefill")  # torch: rows, KV cache, masks, forward
+          "gpu_worker.exactness", "gpu_worker.chunked_prefill", "gpu_worker.fused_step")
 TORCH = ("torch", "transformers")  # transformers loads torch
 MAX_WORKER_MODULE_LINES = 250  # non-blank lines; the largest worker module must stay below
 

@@ -81,6 +81,8 @@ class FakeRunner:
         return []
 
     chunking = False
+    chunk_left = 0
+    fused = False
     last_chunk = (0, 0.0)
 
     def begin_chunked(self, job: Job, now: float) -> list[Outcome]:

@@ -406,7 +406,7 @@ def test_beside_a_busy_foreground_engine_long_work_starts_at_once_in_small_chunk
     """A background engine's turn beside a busy foreground engine prefills at most BACKGROUND_CHUNK_TOKENS,
     new prompts and long ones in chunks, even with no row of its own decoding; with such a bound it does not
     hold prefills back while yielding."""
-    from gpu_worker.scheduler import BACKGROUND_CHUNK_TOKENS, BACKGROUND_IDLE_CHUNK_TOKENS
+    from gpu_worker.prefill_budget import BACKGROUND_CHUNK_TOKENS, BACKGROUND_IDLE_CHUNK_TOKENS
 
     s = chunky(budget=512)
     s.add(item(1, "long", prompt=256, arrived=1.0))

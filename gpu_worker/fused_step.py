@@ -1,0 +1,191 @@
+"""A chunk of a long prompt riding in the decode step's own forward (one pass over the weights per step).
+
+Without it a chunked prefill is a second forward beside the decode step, and on hardware where a
+forward's fixed cost (reading every weight) is about a decode step, every chunk doubles the step that
+running rows wait on. Fused, the step's input is one packed sequence: one token per running row, then
+the chunk's tokens, each with its own position. Everything but attention works token by token, so the
+model's own projections, norms and MLPs serve the packed sequence unchanged. Attention is split back
+apart: transformers' `sdpa` attention function is wrapped (`install`) so that, while a fused step runs
+on this thread, it attends the rows' queries to their own cache rows (as a decode step would) and the
+chunk's queries to the chunk's own cache row (as a chunk forward would), each with the model's own
+masks for that layer; outside a fused step it is transformers' function, untouched.
+
+Not every model can be driven this way (its own attention function, position biases, token-mixing
+layers): `gpu_worker.exactness` runs a fused step at load and compares its logits with the model's own
+forward; a model that does not match keeps its chunks as forwards of their own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+from gpu_worker.sampling import select_tokens
+from gpu_worker.sequences import GenResult
+
+_LOCAL = threading.local()  # the fused step in progress on this thread, if any
+_SDPA: Any = None  # transformers' own sdpa attention function
+
+
+def install() -> None:
+    """Wrap transformers' `sdpa` attention function (once per process; outside a fused step it only delegates)."""
+    global _SDPA
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    current = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if getattr(current, "_batchgate_fused", False):
+        return
+    _SDPA = current
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = _fused_or_sdpa
+
+
+def _fused_or_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    pack: Pack | None = getattr(_LOCAL, "pack", None)
+    if pack is None:
+        return _SDPA(module, query, key, value, attention_mask, **kwargs)
+    return pack.attend(module, query, kwargs)
+
+
+_fused_or_sdpa._batchgate_fused = True  # type: ignore[attr-defined]
+
+
+@dataclass
+class Pack:
+    """One fused step's layout: rows [0, n) decode one token each over cache columns [read_lo, end]; the
+    chunk's queries are prompt positions [lo, hi) of cache row `slot`, attending to [0, hi)."""
+
+    cache: Any  # the engine's SlotKVCache
+    n: int
+    read_lo: int
+    end: int
+    slot: int
+    lo: int
+    hi: int
+    decode_masks: Any  # a mask, or {layer type: mask}, per `AttentionLayout.attention_mask`
+    chunk_masks: Any
+    layer_types: list[str] | None
+    seen: set[int] = field(default_factory=set)
+
+    def _mask(self, masks: Any, layer: int) -> torch.Tensor:
+        if isinstance(masks, dict):
+            if self.layer_types is None:
+                raise RuntimeError("masks by layer type, but the config names no layer types")
+            return masks[self.layer_types[layer]]
+        return masks
+
+    def attend(self, module: Any, query: torch.Tensor, kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
+        layer = int(module.layer_idx)
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        n = self.n
+        if query.shape[0] != 1 or query.shape[2] != n + self.hi - self.lo:
+            raise RuntimeError(f"unexpected packed query shape {tuple(query.shape)}")
+        q_rows = query[0, :, :n].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, dim]
+        rows_out, _ = _SDPA(module, q_rows, keys[:n, :, self.read_lo:self.end + 1],
+                            values[:n, :, self.read_lo:self.end + 1], self._mask(self.decode_masks, layer), **kwargs)
+        slot = slice(self.slot, self.slot + 1)
+        chunk_out, _ = _SDPA(module, query[:, :, n:], keys[slot, :, :self.hi], values[slot, :, :self.hi],
+                             self._mask(self.chunk_masks, layer), **kwargs)
+        self.seen.add(layer)
+        # rows_out [n, 1, heads, dim] (sdpa returns [batch, q, heads, dim]); chunk_out [1, chunk, heads, dim]
+        return torch.cat([rows_out.reshape(1, n, *rows_out.shape[2:]), chunk_out], dim=1), None
+
+
+class PackedWindow(Cache):
+    """The cache as a fused step's layers see it: each row's new key/value goes to its cache row at column
+    `end`, the chunk's to its own row at [lo, hi); attention reads the cache itself (`Pack.attend`)."""
+
+    def __init__(self, pack: Pack) -> None:
+        self.layers = []
+        self._pack = pack
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self._pack
+        keys, values = p.cache.keys[layer_idx], p.cache.values[layer_idx]
+        keys[:p.n, :, p.end] = key_states[0, :, :p.n].transpose(0, 1)
+        values[:p.n, :, p.end] = value_states[0, :, :p.n].transpose(0, 1)
+        keys[p.slot, :, p.lo:p.hi] = key_states[0, :, p.n:]
+        values[p.slot, :, p.lo:p.hi] = value_states[0, :, p.n:]
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._pack.end - self._pack.read_lo
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+@torch.inference_mode()
+def fused_step(engine: Any, budget: int) -> list[GenResult]:
+    """One decode step for every running row with up to `budget` tokens of the chunked prompt in the same
+    forward; the rows that finished, and the prompt's row once its last chunk is in (if already done)."""
+    e = engine
+    chunked = e.chunked
+    cur = chunked.current
+    t0 = e._clock()
+    e._make_room_right()
+    prompt = cur.spec.prompt_ids
+    lo, hi = cur.done, min(len(prompt), cur.done + budget)
+    n = len(e.rows)
+    dev = e.device
+    read_lo = min(r.start for r in e.rows)
+    starts = torch.tensor([r.start for r in e.rows], dtype=torch.long, device=dev)
+    cols = torch.arange(read_lo, e.end + 1, device=dev)
+    row_pos = (e.end - starts)[:, None]
+    seen = (cols[None, :] >= starts[:, None])[:, None, None, :]
+    decode_masks = e._mask(seen, row_pos, cols[None, :] - starts[:, None])
+    q_pos = torch.arange(lo, hi, device=dev)[None]
+    k_pos = torch.arange(0, hi, device=dev)[None]
+    chunk_masks = e._mask(k_pos[:, None, None, :] <= q_pos[:, None, :, None], q_pos, k_pos)
+    cfg = e.model.config.get_text_config() if hasattr(e.model.config, "get_text_config") else e.model.config
+    pack = Pack(e.cache, n, read_lo, e.end, chunked.slot, lo, hi, decode_masks, chunk_masks,
+                getattr(cfg, "layer_types", None))
+    ids = torch.tensor([[r.tokens[-1] for r in e.rows] + list(prompt[lo:hi])], dtype=torch.long, device=dev)
+    positions = torch.cat([row_pos[:, 0], q_pos[0]])[None]
+    done_prompt = hi == len(prompt)
+    keep = torch.tensor(list(range(n)) + ([ids.shape[1] - 1] if done_prompt else []), device=dev)
+    dummy = e._mask(torch.ones((1, 1, 1, 1), dtype=torch.bool, device=dev), q_pos[:, :1], q_pos[:, :1])
+    f0 = time.perf_counter()
+    _LOCAL.pack = pack
+    try:
+        out = e.model(input_ids=ids, attention_mask=dummy, position_ids=positions, past_key_values=PackedWindow(pack),
+                      use_cache=True, logits_to_keep=keep)
+    finally:
+        _LOCAL.pack = None
+    if len(pack.seen) != e.cache.layers:
+        raise RuntimeError(f"a fused step reached {len(pack.seen)} of {e.cache.layers} attention layers")
+    forward_s = time.perf_counter() - f0
+    logits = out.logits[0]
+    if e.last_logits is not None:
+        e.last_logits.clear()
+    e._keep([r.spec.id for r in e.rows], logits[:n])
+    tokens = select_tokens(logits[:n], [r.spec.sampling for r in e.rows], [r.generator for r in e.rows])
+    e.stats.forward_s += forward_s
+    e.stats.kv_padded += n * (e.end + 1 - read_lo)
+    e.stats.kv_real += sum(e.end + 1 - r.start for r in e.rows)
+    e.stats.prefill_tokens += hi - lo
+    e.stats.prefill_padded_tokens += hi - lo
+    e.end += 1
+    finished = []
+    for i, (row, tok) in enumerate(zip(e.rows, tokens, strict=True)):
+        row.tokens.append(tok)
+        if e._finish_reason(row) is not None:
+            finished.append(i)
+    now = e._clock()
+    e.stats.decode_s += now - t0
+    e.stats.steps += 1
+    e.stats.decode_tokens += n
+    # the chunk's share of the forward, by tokens: what the prefill fit learns from
+    chunked.last = (hi - lo, forward_s * (hi - lo) / (n + hi - lo))
+    cur.done = hi
+    out_rows = e._retire(finished, now)
+    if done_prompt:
+        out_rows += chunked.join(logits[n:n + 1])
+    return out_rows

@@ -1,0 +1,59 @@
+"""How many prompt tokens a step may prefill while rows decode. Pure: numbers in, a token count out.
+
+A prefill beside decoding rows is time every running row waits between two of its tokens, so the
+scheduler bounds it per step:
+- a lone engine: `prefill_chunk_tokens` of the model's config while rows decode (a longer prompt is
+  prefilled in chunks), no bound with none decoding;
+- a background engine taking turns with a foreground one on one compute thread (`gpu_worker.turns`):
+  `BACKGROUND_CHUNK_TOKENS` while the foreground has rows running, `BACKGROUND_IDLE_CHUNK_TOKENS` in the
+  lulls between them;
+- a chunk fused into the decode step (`gpu_worker.fused_step`): sized per step by `fused_chunk`.
+"""
+
+from __future__ import annotations
+
+# A background engine's turn beside a busy foreground engine prefills at most this many prompt tokens (a 64-token
+# forward costs about a decode step here), new prompts and long ones in chunks alike, with or without rows of its
+# own decoding: a short row then waits at most one decode step and one such chunk of long work between two of its
+# tokens, and long work still starts at once.
+BACKGROUND_CHUNK_TOKENS = 64
+# ... and while the foreground engine is idle, at most this many: a short request arriving then waits out no
+# more than that (a batch of four 256-token prompts at once is ~350 ms here), and long work still moves fast.
+BACKGROUND_IDLE_CHUNK_TOKENS = 128
+# A chunk fused into the decode step is sized to cost about one bare decode step, so a running row's gap between
+# tokens stays near twice a step; never fewer tokens than this (a smaller chunk saves the rows little and drags
+# the prompt's prefill out), more when the prompt's deadline needs them.
+FUSED_MIN_CHUNK = 16
+FUSED_DEADLINE_MARGIN = 1.5  # the chunked prompt's remaining work, estimated, times this must fit its deadline
+
+
+def step_budget(chunk_tokens: int | None, decoding: int, *, background: bool = False,
+                yielding: bool = False) -> int | None:
+    """Prompt tokens one step may prefill while `decoding` rows decode, or at all on a `background` engine (fewer
+    while `yielding` to a busy foreground engine); None: no bound (no row waits on this engine's forwards), or
+    chunked prefill is off (`chunk_tokens` None or 0)."""
+    if not chunk_tokens:
+        return None
+    if yielding:
+        return min(chunk_tokens, BACKGROUND_CHUNK_TOKENS)
+    if background:
+        return min(chunk_tokens, BACKGROUND_IDLE_CHUNK_TOKENS)
+    return chunk_tokens if decoding > 0 else None
+
+
+def fused_chunk(chunk_tokens: int | None, *, protect: bool, per_token_s: float, bare_step_s: float,
+                interval_s: float, chunk_left: int, deadline_left_s: float | None, new_tokens: int) -> int:
+    """Prompt tokens the next fused step carries: about one bare decode step's worth (`bare_step_s`) at the
+    measured prefill cost per token, so the rows' gap between tokens stays near 2x a step; more if the chunked
+    prompt needs them to meet its deadline (`chunk_left` prompt tokens to go, then `new_tokens` at `interval_s`
+    each, all within `deadline_left_s`); the most allowed when no interactive row decodes beside it
+    (`protect` false). Between FUSED_MIN_CHUNK and `chunk_tokens`."""
+    cap = max(chunk_tokens or FUSED_MIN_CHUNK, FUSED_MIN_CHUNK)
+    if not protect:
+        return cap
+    size = int(bare_step_s / per_token_s) if per_token_s > 0 and bare_step_s > 0 else FUSED_MIN_CHUNK
+    if deadline_left_s is not None and chunk_left > 0 and bare_step_s > 0:
+        time_left = deadline_left_s - FUSED_DEADLINE_MARGIN * new_tokens * interval_s
+        steps = int(time_left / (FUSED_DEADLINE_MARGIN * 2 * bare_step_s))  # a fused step costs about two bare ones
+        size = max(size, cap if steps < 1 else -(-chunk_left // steps))
+    return max(FUSED_MIN_CHUNK, min(cap, size))

@@ -1,0 +1,75 @@
+"""The per-step prefill bounds (pure): a lone engine, a background engine, and a chunk fused into a decode step."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_worker.job import Job
+from gpu_worker.lane_queue import LanePolicy
+from gpu_worker.prefill_budget import (
+    BACKGROUND_CHUNK_TOKENS,
+    BACKGROUND_IDLE_CHUNK_TOKENS,
+    FUSED_MIN_CHUNK,
+    fused_chunk,
+    step_budget,
+)
+from gpu_worker.scheduler import BatchLimits, Scheduler
+
+
+@pytest.mark.parametrize(("chunk", "decoding", "background", "yielding", "want"), [
+    (512, 3, False, False, 512),  # rows decode: the configured chunk
+    (512, 0, False, False, None),  # nothing decodes: no bound
+    (512, 0, True, False, BACKGROUND_IDLE_CHUNK_TOKENS),  # a background engine in a lull
+    (512, 0, True, True, BACKGROUND_CHUNK_TOKENS),  # beside a busy foreground engine
+    (32, 3, True, True, 32),  # never above the configured chunk
+    (None, 3, True, True, None),  # chunked prefill off
+    (0, 3, False, False, None),
+])
+def test_step_budget(chunk, decoding, background, yielding, want):
+    assert step_budget(chunk, decoding, background=background, yielding=yielding) == want
+
+
+def fc(**kw):
+    args = dict(protect=True, per_token_s=0.001, bare_step_s=0.032, interval_s=0.05, chunk_left=2000,
+                deadline_left_s=None, new_tokens=8)
+    args.update(kw)
+    return fused_chunk(512, **args)
+
+
+def test_a_fused_chunk_costs_about_one_bare_step():
+    assert fc() == 32  # 32 ms of decode at 1 ms a prompt token
+    assert fc(bare_step_s=0.2) == 200
+    assert fc(bare_step_s=5.0) == 512  # never above the configured chunk
+    assert fc(bare_step_s=0.001) == FUSED_MIN_CHUNK  # nor below the minimum
+    assert fc(per_token_s=0.0) == FUSED_MIN_CHUNK  # nothing measured yet: the minimum
+    assert fc(bare_step_s=0.0) == FUSED_MIN_CHUNK
+
+
+def test_no_interactive_row_to_protect_means_the_largest_chunk():
+    assert fc(protect=False) == 512
+
+
+def test_a_tight_deadline_makes_the_chunks_bigger():
+    # 2,000 prompt tokens to go; each fused step ~2 bare steps (64 ms) x 1.5 margin = 96 ms
+    assert fc(deadline_left_s=3600.0) == 32  # plenty of time: the gap-bounded size
+    # 10 s left, 8 new tokens at 50 ms (x 1.5) -> 9.4 s for the prompt -> 98 steps -> 21 tokens a step: still 32
+    assert fc(deadline_left_s=10.0) == 32
+    # 3 s left -> 2.4 s -> 25 steps -> 80 tokens a step
+    assert fc(deadline_left_s=3.0) == 80
+    assert fc(deadline_left_s=0.5) == 512  # not even one step's time: as fast as allowed
+    assert fc(deadline_left_s=3.0, chunk_left=0) == 32  # nothing left to prefill
+
+
+def test_the_scheduler_sizes_a_fused_chunk_from_its_measured_costs():
+    s = Scheduler([LanePolicy("short", 0.0)], BatchLimits(8, 4096), chunk_tokens=512, fused=True)
+    for _ in range(10):
+        s.tracker.observe_prefill(100, 0.1)  # 1 ms a prompt token
+        s.tracker.observe_bare_step(2, 0.024)
+    s.started([Job(id=f"r{i}", lane="short", rank=0, deadline=1e9, arrived=0.0, tokens=10, prompt_tokens=5,
+                   new_tokens=100) for i in range(2)])
+    plan = s.plan(1.0, free_rows=4, chunking=True, chunk_left=1000)
+    assert plan.chunk_tokens == 24
+    unfused = Scheduler([LanePolicy("short", 0.0)], BatchLimits(8, 4096), chunk_tokens=512)
+    unfused.started([Job(id=f"r{i}", lane="short", rank=0, deadline=1e9, arrived=0.0, tokens=10, prompt_tokens=5)
+                     for i in range(2)])
+    assert unfused.plan(1.0, free_rows=4, chunking=True, chunk_left=1000).chunk_tokens == 512
