@@ -89,11 +89,25 @@ class Pack:
         rows_out, _ = _SDPA(module, q_rows, keys[:n, :, self.read_lo:self.end + 1],
                             values[:n, :, self.read_lo:self.end + 1], self._mask(self.decode_masks, layer), **kwargs)
         slot = slice(self.slot, self.slot + 1)
-        chunk_out, _ = _SDPA(module, query[:, :, n:], keys[slot, :, :self.hi], values[slot, :, :self.hi],
-                             self._mask(self.chunk_masks, layer), **kwargs)
+        chunk_out = _chunk_attention(module, query[:, :, n:], keys[slot, :, :self.hi], values[slot, :, :self.hi],
+                                     self._mask(self.chunk_masks, layer), kwargs)
         self.seen.add(layer)
         # rows_out [n, 1, heads, dim] (sdpa returns [batch, q, heads, dim]); chunk_out [1, chunk, heads, dim]
         return torch.cat([rows_out.reshape(1, n, *rows_out.shape[2:]), chunk_out], dim=1), None
+
+
+def _chunk_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     kwargs: dict[str, Any]) -> torch.Tensor:
+    """The chunk's queries over its own cache row, [1, chunk, heads, dim]. Plain sdpa with grouped-query attention
+    done by the kernel: transformers' function repeats the keys per query head first when a mask is given on CPU,
+    which for a chunk deep into a long prompt costs more than the attention itself. Anything beyond a plain
+    masked attention (position biases, soft-capping, dropout) goes through transformers' own function."""
+    if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None or kwargs.get("dropout"):
+        return _SDPA(module, query, key, value, mask, **kwargs)[0]
+    groups = getattr(module, "num_key_value_groups", 1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                           scale=kwargs.get("scaling"), enable_gqa=groups > 1)
+    return out.transpose(1, 2)
 
 
 class PackedWindow(Cache):

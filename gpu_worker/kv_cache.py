@@ -70,8 +70,12 @@ class SlotKVCache:
         if (src, src_lo) == (dst, dst_lo) or length <= 0:
             return
         for k, v in zip(self.keys, self.values, strict=True):
-            k[dst, :, dst_lo: dst_lo + length] = k[src, :, src_lo: src_lo + length].clone()
-            v[dst, :, dst_lo: dst_lo + length] = v[src, :, src_lo: src_lo + length].clone()
+            if src != dst:  # different rows never overlap: no copy of the copy
+                k[dst, :, dst_lo: dst_lo + length] = k[src, :, src_lo: src_lo + length]
+                v[dst, :, dst_lo: dst_lo + length] = v[src, :, src_lo: src_lo + length]
+            else:
+                k[dst, :, dst_lo: dst_lo + length] = k[src, :, src_lo: src_lo + length].clone()
+                v[dst, :, dst_lo: dst_lo + length] = v[src, :, src_lo: src_lo + length].clone()
 
     def shift_columns(self, rows: int, lo: int, hi: int, offset: int) -> None:
         """Move columns [lo, hi) of rows [0, rows) by `offset` (either direction)."""

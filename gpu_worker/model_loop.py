@@ -190,7 +190,11 @@ class ModelLoop(ThreadedLoop):
         since = self._last_step_end if self._last_step_end is not None else t0
         self.tracker.observe_step(rows, max(t1 - t0, t1 - since - self._excluded_s))
         chunk, chunk_s = self.runner.last_chunk
-        if chunk:  # a chunk of prefill teaches the prefill fit too
+        decoding = rows - int(self.runner.chunking or chunk > 0)
+        if chunk and self.runner.fused and decoding > 0:  # what the chunk added to the decode step
+            bare = self.tracker.bare
+            self.tracker.observe_fused(chunk, t1 - t0 - (bare.predict(decoding) if bare.n else 0.0))
+        elif chunk:  # a chunk of prefill teaches the prefill fit too
             self.tracker.observe_prefill(chunk, chunk_s)
         else:  # the decode step alone: what a fused chunk is sized against
             self.tracker.observe_bare_step(rows, t1 - t0)

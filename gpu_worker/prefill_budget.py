@@ -20,10 +20,12 @@ BACKGROUND_CHUNK_TOKENS = 64
 # ... and while the foreground engine is idle, at most this many: a short request arriving then waits out no
 # more than that (a batch of four 256-token prompts at once is ~350 ms here), and long work still moves fast.
 BACKGROUND_IDLE_CHUNK_TOKENS = 128
-# A chunk fused into the decode step is sized to cost about one bare decode step, so a running row's gap between
-# tokens stays near twice a step; never fewer tokens than this (a smaller chunk saves the rows little and drags
-# the prompt's prefill out), more when the prompt's deadline needs them.
-FUSED_MIN_CHUNK = 16
+# A chunk fused into the decode step is sized to add at most FUSED_STEP_SHARE of a bare decode step, so a running
+# row's gap between tokens stays under twice a step: on a GPU, where a step costs about the same for a few more
+# tokens, that is hundreds of tokens; on a small CPU, where every token costs, a handful. Never fewer than this,
+# and more when the prompt's deadline needs them.
+FUSED_MIN_CHUNK = 4
+FUSED_STEP_SHARE = 0.5  # of a bare decode step, what the chunk may add (the round's other work and noise fit the rest)
 FUSED_DEADLINE_MARGIN = 1.5  # the chunked prompt's remaining work, estimated, times this must fit its deadline
 
 
@@ -42,16 +44,20 @@ def step_budget(chunk_tokens: int | None, decoding: int, *, background: bool = F
 
 
 def fused_chunk(chunk_tokens: int | None, *, protect: bool, per_token_s: float, bare_step_s: float,
-                interval_s: float, chunk_left: int, deadline_left_s: float | None, new_tokens: int) -> int:
-    """Prompt tokens the next fused step carries: about one bare decode step's worth (`bare_step_s`) at the
-    measured prefill cost per token, so the rows' gap between tokens stays near 2x a step; more if the chunked
-    prompt needs them to meet its deadline (`chunk_left` prompt tokens to go, then `new_tokens` at `interval_s`
-    each, all within `deadline_left_s`); the most allowed when no interactive row decodes beside it
-    (`protect` false). Between FUSED_MIN_CHUNK and `chunk_tokens`."""
+                interval_s: float, chunk_left: int, deadline_left_s: float | None, new_tokens: int,
+                previous: int = 0) -> int:
+    """Prompt tokens the next fused step carries: what adds about `FUSED_STEP_SHARE` of a bare decode step
+    (`bare_step_s`) at the measured cost a fused token adds (`per_token_s`; FUSED_MIN_CHUNK until measured), so the
+    rows' gap between tokens stays under 2x a step; at most twice the `previous` fused chunk (the cost per token
+    is learned from the chunks themselves, and one cheap-looking small chunk must not make the next one huge);
+    more if the chunked prompt needs them to meet its deadline (`chunk_left` prompt tokens to go, then
+    `new_tokens` at `interval_s` each, all within `deadline_left_s`); the most allowed when no interactive row
+    decodes beside it (`protect` false). Between FUSED_MIN_CHUNK and `chunk_tokens`."""
     cap = max(chunk_tokens or FUSED_MIN_CHUNK, FUSED_MIN_CHUNK)
     if not protect:
         return cap
-    size = int(bare_step_s / per_token_s) if per_token_s > 0 and bare_step_s > 0 else FUSED_MIN_CHUNK
+    size = int(FUSED_STEP_SHARE * bare_step_s / per_token_s) if per_token_s > 0 and bare_step_s > 0 else FUSED_MIN_CHUNK
+    size = min(size, max(FUSED_MIN_CHUNK, 2 * previous))
     if deadline_left_s is not None and chunk_left > 0 and bare_step_s > 0:
         time_left = deadline_left_s - FUSED_DEADLINE_MARGIN * new_tokens * interval_s
         steps = int(time_left / (FUSED_DEADLINE_MARGIN * 2 * bare_step_s))  # a fused step costs about two bare ones

@@ -67,6 +67,7 @@ class Scheduler(DynamicStage):
         self.deadline_aware = deadline_aware
         self.fused = fused  # chunks ride in the decode steps' forwards: sized per step (`_fused_chunk`)
         self._chunk_id: str | None = None  # the job whose prompt is being chunked
+        self._fused_last = 0  # tokens of the last fused chunk planned
         self.total_rows = total_rows  # rows of the running batch (for lane shares); None: shares unused
         # a step's prefill budget while rows decode, before the costs are measured; None: no chunked prefill
         self.chunk_tokens = chunk_tokens
@@ -186,6 +187,8 @@ class Scheduler(DynamicStage):
         if budget and head is not None and head.prompt_tokens > budget:
             plan.chunked = lane.pop()  # too long for one step beside the decoding rows: in chunks
             self._chunk_id = plan.chunked.id
+            if self.fused:  # its first chunk rides in this round's decode step already
+                plan.chunk_tokens = min(budget, self._fused_chunk(now, plan.chunked.prompt_tokens, plan.chunked))
             return plan
         plan.batch = self._take(lane, rows[lane.policy.name], budget)
         if budget and chunking:  # new prompts first within the step's budget; the chunk gets the rest
@@ -213,17 +216,21 @@ class Scheduler(DynamicStage):
         decoding = len(self.running) - int(chunking)
         return prefill_budget.step_budget(self.chunk_tokens, decoding, background=background, yielding=yielding)
 
-    def _fused_chunk(self, now: float, chunk_left: int) -> int:
+    def _fused_chunk(self, now: float, chunk_left: int, starting: Job | None = None) -> int:
         """Prompt tokens the next fused step carries (see `gpu_worker.prefill_budget.fused_chunk`)."""
-        chunk_job = self.running.get(self._chunk_id) if self._chunk_id else None
+        chunk_job = starting or (self.running.get(self._chunk_id) if self._chunk_id else None)
         rows = [j for j in self.running.values() if j is not chunk_job]
-        fit = self.tracker.bare
-        return prefill_budget.fused_chunk(
-            self.chunk_tokens, protect=any(j.rank == 0 for j in rows), per_token_s=self.tracker.prefill.slope,
-            bare_step_s=fit.predict(len(rows)) if fit.n else 0.0,
-            interval_s=self.tracker.step_seconds(len(self.running)), chunk_left=chunk_left,
+        t = self.tracker
+        if starting is not None:
+            self._fused_last = 0
+        self._fused_last = prefill_budget.fused_chunk(
+            self.chunk_tokens, protect=any(j.rank == 0 for j in rows),
+            per_token_s=t.fused.ratio if t.fused.n else 0.0,  # what a fused token adds: no fixed part
+            bare_step_s=t.bare.predict(len(rows)) if t.bare.n else 0.0,
+            interval_s=t.step_seconds(len(self.running)), chunk_left=chunk_left,
             deadline_left_s=chunk_job.deadline - now if chunk_job is not None and self.deadline_aware else None,
-            new_tokens=chunk_job.new_tokens if chunk_job is not None else 0)
+            new_tokens=chunk_job.new_tokens if chunk_job is not None else 0, previous=self._fused_last)
+        return self._fused_last
 
     @staticmethod
     def _waits_for_chunk(queue: LaneQueue, budget: int | None, chunking: bool) -> bool:

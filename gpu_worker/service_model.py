@@ -71,6 +71,11 @@ class RunningFit:
         return min(max(0.0, (self._mxy - self._mx * self._my) / var), proportional)
 
     @property
+    def ratio(self) -> float:
+        """y per unit of x through the origin (mean y / mean x): a cost with no fixed part."""
+        return self._my / self._mx if self._mx > 0 else 0.0
+
+    @property
     def intercept(self) -> float:
         return max(0.0, self._my - self.slope * self._mx)
 
@@ -97,6 +102,9 @@ class ServiceTracker:
     prefill: RunningFit = field(default_factory=RunningFit)
     decode: RunningFit = field(default_factory=RunningFit)  # the token interval a running row sees, all included
     bare: RunningFit = field(default_factory=RunningFit)  # a decode step alone (no chunk, no prefill), by rows
+    # what a chunk fused into a decode step adds to it, by the chunk's tokens (its cost per token grows as the
+    # chunk moves along the prompt and attends to more of it, so recent steps count most)
+    fused: RunningFit = field(default_factory=lambda: RunningFit(alpha=0.2))
     counters: dict[str, LaneCounters] = field(default_factory=dict)
     rate_tau_s: float = RATE_TAU_S
 
@@ -111,6 +119,9 @@ class ServiceTracker:
 
     def observe_bare_step(self, rows: int, seconds: float) -> None:
         self.bare.add(rows, seconds)
+
+    def observe_fused(self, tokens: int, extra_seconds: float) -> None:
+        self.fused.add(tokens, max(0.0, extra_seconds))
 
     def observe_completion(self, lane: str) -> None:
         self.counters.setdefault(lane, LaneCounters()).completed += 1

@@ -5,9 +5,10 @@ The worker's own compute loop (scheduler, runner, engine; no Redis) serves `--ro
 with long outputs; once they have decoded a while, one 2,048-token prompt arrives. Every decode step
 advances every running row by one token, so the gaps between step ends are the rows' inter-token
 latencies: `decode_step_ms` is their median before the long prompt arrives, and
-`max_itl_ms_during_long_prefill` the longest from its arrival to its first token. Run twice, side
-by side: with chunked prefill (the default) and with it off (`prefill_chunk_tokens: 0`, the whole
-prompt in one forward), so the ratio is measured on the same machine in the same minute.
+`max_itl_ms_during_long_prefill` the longest from its arrival to its first token. Run three ways,
+side by side: chunks fused into the decode steps (the default, where the load check allows it), chunks
+as forwards of their own, and chunked prefill off (`prefill_chunk_tokens: 0`, the whole prompt in one
+forward), so the ratios are measured on the same machine in the same minute.
 """
 
 from __future__ import annotations
@@ -21,23 +22,27 @@ from typing import Any
 
 LONG_PROMPT = 2048
 WARM_STEPS = 40  # decode steps before the long prompt arrives (the fits warm up meanwhile)
+ROW_TOKENS = 2048  # what each row generates at most; the run ends at the long prompt's first token
 
 
-def run(loaded: Any, *, chunk_tokens: int, rows: int = 8, seed: int = 0) -> dict[str, float]:
+def run(loaded: Any, *, chunk_tokens: int, fused: bool, rows: int = 8, seed: int = 0) -> dict[str, float]:
     import random
 
     from gpu_worker.assembly import build_scheduler
     from gpu_worker.commands import Add, Drain
     from gpu_worker.generate_runner import GenerateRunner
     from gpu_worker.model_loop import ModelLoop
-    from gpu_worker.outcomes import Outcome
+    from shared.lanes import LaneSpec
     from shared.messages import InferenceRequest
     from shared.states import Priority
 
-    spec = dataclasses.replace(loaded.spec, max_input_tokens=LONG_PROMPT, max_new_tokens=256,
-                               max_running=rows + 2, prefill_chunk_tokens=chunk_tokens)
+    # the rows decode far longer than any variant's prefill takes, so every gap measured is one a row waited
+    # one lane with no share cap: the rows and the long prompt are all long work here
+    spec = dataclasses.replace(loaded.spec, max_input_tokens=LONG_PROMPT, max_new_tokens=ROW_TOKENS,
+                               max_running=rows + 2, prefill_chunk_tokens=chunk_tokens,
+                               lanes=(LaneSpec("all", None, window_ms=5.0),))
     runner = GenerateRunner(dataclasses.replace(loaded, spec=spec), "bench", max_rows=rows + 2,
-                            max_seq_len=spec.max_seq_len)
+                            max_seq_len=spec.max_seq_len, fused=fused)
     steps: list[tuple[float, bool]] = []  # (end of a decode step, the long prompt has joined the decoding rows)
     inner = runner.step
 
@@ -61,22 +66,24 @@ def run(loaded: Any, *, chunk_tokens: int, rows: int = 8, seed: int = 0) -> dict
                                 priority=Priority.INTERACTIVE, created_ms=now_ms, deadline_ms=now_ms + 3_600_000,
                                 est_tokens=prompt + new)
 
-    loop.start()
-    loop.submit(Add([request(f"s{i}", 16, 240) for i in range(rows)], time.time()))
+    # the loop runs on this thread, the one that loaded the model: a second thread would grow a second OpenMP
+    # pool and throttle both (see gpu_worker.cpu_threads), which the worker never does
+    loop.submit(Add([request(f"s{i}", 16, ROW_TOKENS) for i in range(rows)], time.time()))
     while len(steps) < WARM_STEPS:
-        time.sleep(0.005)
+        loop._iterate(block=False)
     arrived = time.perf_counter()
     loop.submit(Add([request("long", LONG_PROMPT, 8)], time.time()))
-    finished = 0
-    while finished < rows + 1:
-        for item in done.get(timeout=600):
-            if isinstance(item, Outcome):
-                finished += 1
-    loop.submit(Drain(time.time()))
-    loop.join(30)
+    while not (steps and steps[-1][1]):  # until the long prompt has joined the decoding rows
+        loop._iterate(block=False)
+    loop.submit(Drain(time.time()))  # the rows are handed back: the gaps that matter are behind us
+    while not loop.stopped:
+        loop._iterate(block=False)
+    while not done.empty():
+        done.get()
     before = [b - a for (a, _), (b, _) in itertools.pairwise(steps) if b < arrived]
     first_token = next(t for t, joined in steps if joined)
     during = [b - a for (a, _), (b, _) in itertools.pairwise(steps) if b > arrived and a < first_token]
     return {"decode_step_ms": statistics.median(before[5:]) * 1000,
             "max_itl_ms_during_long_prefill": max(during) * 1000 if during else float("nan"),
-            "long_ttft_ms": (first_token - arrived) * 1000, "chunk_tokens_setting": float(chunk_tokens)}
+            "long_ttft_ms": (first_token - arrived) * 1000, "chunk_tokens_setting": float(chunk_tokens),
+            "fused": float(fused)}

@@ -43,6 +43,8 @@ def test_engine_benchmark_long_prefill_mode(tmp_path, model_cache):
     report = json.loads(out.read_text())
     assert report["decode_step_ms"] > 0 and report["max_itl_ms_during_long_prefill"] > 0
     assert report["whole_prefill_max_itl_ms"] > 0 and report["median"]["chunked"]["long_ttft_ms"] > 0
+    assert report["fused_exact"] is True and report["median"]["fused"]["fused"] == 1.0  # the built-in model fuses
+    assert report["separate_chunks_max_itl_ms"] > 0
     assert "longest gap" in proc.stdout  # the human table
 
 

@@ -30,19 +30,26 @@ def test_step_budget(chunk, decoding, background, yielding, want):
 
 
 def fc(**kw):
-    args = dict(protect=True, per_token_s=0.001, bare_step_s=0.032, interval_s=0.05, chunk_left=2000,
-                deadline_left_s=None, new_tokens=8)
+    args = dict(protect=True, per_token_s=0.001, bare_step_s=0.04, interval_s=0.05, chunk_left=2000,
+                deadline_left_s=None, new_tokens=8, previous=1000)
     args.update(kw)
     return fused_chunk(512, **args)
 
 
-def test_a_fused_chunk_costs_about_one_bare_step():
-    assert fc() == 32  # 32 ms of decode at 1 ms a prompt token
-    assert fc(bare_step_s=0.2) == 200
+def test_a_fused_chunk_adds_under_one_bare_step():
+    assert fc() == 20  # half of a 40 ms step at 1 ms a fused token
+    assert fc(bare_step_s=0.2) == 100
     assert fc(bare_step_s=5.0) == 512  # never above the configured chunk
     assert fc(bare_step_s=0.001) == FUSED_MIN_CHUNK  # nor below the minimum
     assert fc(per_token_s=0.0) == FUSED_MIN_CHUNK  # nothing measured yet: the minimum
     assert fc(bare_step_s=0.0) == FUSED_MIN_CHUNK
+
+
+def test_a_fused_chunk_grows_at_most_twofold_from_the_last():
+    assert fc(previous=0) == FUSED_MIN_CHUNK  # the first: the minimum, whatever the estimate says
+    assert fc(previous=6) == 12
+    assert fc(previous=6, per_token_s=0.01) == FUSED_MIN_CHUNK  # shrinking is never held back
+    assert fc(previous=6, deadline_left_s=3.0) == 100  # a deadline that needs more gets it at once
 
 
 def test_no_interactive_row_to_protect_means_the_largest_chunk():
@@ -50,25 +57,28 @@ def test_no_interactive_row_to_protect_means_the_largest_chunk():
 
 
 def test_a_tight_deadline_makes_the_chunks_bigger():
-    # 2,000 prompt tokens to go; each fused step ~2 bare steps (64 ms) x 1.5 margin = 96 ms
-    assert fc(deadline_left_s=3600.0) == 32  # plenty of time: the gap-bounded size
-    # 10 s left, 8 new tokens at 50 ms (x 1.5) -> 9.4 s for the prompt -> 98 steps -> 21 tokens a step: still 32
-    assert fc(deadline_left_s=10.0) == 32
-    # 3 s left -> 2.4 s -> 25 steps -> 80 tokens a step
-    assert fc(deadline_left_s=3.0) == 80
+    # 2,000 prompt tokens to go; each fused step ~2 bare steps (80 ms) x 1.5 margin = 120 ms
+    assert fc(deadline_left_s=3600.0) == 20  # plenty of time: the gap-bounded size
+    # 10 s left, 8 new tokens at 50 ms (x 1.5) -> 9.4 s for the prompt -> 78 steps -> 26 tokens a step
+    assert fc(deadline_left_s=10.0) == 26
+    # 3 s left -> 2.4 s -> 20 steps -> 100 tokens a step
+    assert fc(deadline_left_s=3.0) == 100
     assert fc(deadline_left_s=0.5) == 512  # not even one step's time: as fast as allowed
-    assert fc(deadline_left_s=3.0, chunk_left=0) == 32  # nothing left to prefill
+    assert fc(deadline_left_s=3.0, chunk_left=0) == 20  # nothing left to prefill
 
 
 def test_the_scheduler_sizes_a_fused_chunk_from_its_measured_costs():
     s = Scheduler([LanePolicy("short", 0.0)], BatchLimits(8, 4096), chunk_tokens=512, fused=True)
     for _ in range(10):
-        s.tracker.observe_prefill(100, 0.1)  # 1 ms a prompt token
-        s.tracker.observe_bare_step(2, 0.024)
+        s.tracker.observe_fused(32, 0.032)  # a fused token adds 1 ms
+        s.tracker.observe_bare_step(2, 0.025)
     s.started([Job(id=f"r{i}", lane="short", rank=0, deadline=1e9, arrived=0.0, tokens=10, prompt_tokens=5,
                    new_tokens=100) for i in range(2)])
-    plan = s.plan(1.0, free_rows=4, chunking=True, chunk_left=1000)
-    assert plan.chunk_tokens == 24
+    sizes = [s.plan(1.0, free_rows=4, chunking=True, chunk_left=1000).chunk_tokens for _ in range(4)]
+    assert sizes == [FUSED_MIN_CHUNK, 8, 12, 12]  # up from the minimum to half of a 25 ms step at 1 ms a token
+    for _ in range(20):
+        s.tracker.observe_bare_step(2, 0.05)
+    assert all(s.plan(1.0, free_rows=4, chunking=True, chunk_left=1000).chunk_tokens > 12 for _ in range(2))  # slower
     unfused = Scheduler([LanePolicy("short", 0.0)], BatchLimits(8, 4096), chunk_tokens=512)
     unfused.started([Job(id=f"r{i}", lane="short", rank=0, deadline=1e9, arrived=0.0, tokens=10, prompt_tokens=5)
                      for i in range(2)])
