@@ -63,13 +63,17 @@ class LoadReport:
         work = [*scheduler.running.values(), *(p for q in scheduler.queues.values() for p in q.items())]
         mean_s = sum(scheduler.service.estimate(p) for p in work) / len(work) if work else 1.0
         lanes: dict[str, LaneLoad] = {}
-        for lane in scheduler.own_lanes:  # lanes it takes only as overflow are published by their own engine
-            q = scheduler.queues[lane]
+        # its own lanes; a lane it takes only as overflow while it has such work (then it is where that lane's
+        # requests wait and run, and admission must see it), listed first: the scheduler starts it first
+        for lane, q in scheduler.queues.items():
+            if lane not in scheduler.own_lanes and not len(q) and not running_lanes.get(lane):
+                continue
             rate = tracker.counters[lane].rate if lane in tracker.counters else 0.0
             wait_ms = lane_wait_ms(window_s=q.policy.window_s, waiting=len(q), free_rows=free_rows,
                                    drain_rps=tracker.total_rate(), max_rows=self.max_rows, mean_service_s=mean_s)
             lanes[lane] = LaneLoad(len(q), running_lanes.get(lane, 0), rate, wait_ms)
-            metrics.WORKER_BACKLOG.labels(self.model, lane).set(len(q))
+            if lane in scheduler.own_lanes:  # the lane's own engine reports its backlog gauge
+                metrics.WORKER_BACKLOG.labels(self.model, lane).set(len(q))
         self.snapshot = Snapshot(
             at=time.time(), lanes=lanes, max_rows=self.max_rows, free_rows=free_rows,
             prefill_fixed_ms=tracker.prefill.intercept * 1000, prefill_ms_per_token=tracker.prefill.slope * 1000,

@@ -5,7 +5,9 @@ a worker, each listing the lanes that engine serves, so only the engines serving
 read) and the lane's stream length. The estimate:
     start  = the lane window, plus the time for the workers to drain the requests waiting ahead of
              it at their measured completion rate (while no completion has been measured yet, only
-             the requests that do not fit the free rows count, at what the rows could do);
+             the requests that do not fit the free rows count, at what the rows could do); ahead of
+             it are its own lane's entries not yet running and the requests waiting in the shorter
+             lanes of the same engines (which the scheduler starts first);
     finish = start + its own compute (prefill of its prompt + one decode step per new token, at the
              step time measured for the current batch).
 Continuous batching always has "a free row" until memory runs out, but every row slows every step:
@@ -53,6 +55,16 @@ def serving(stats: list[LaneStats], lane: str) -> list[LaneStats]:
     return mine or stats
 
 
+def shorter_waiting(stats: list[LaneStats], lane: str) -> int:
+    """Requests waiting in the lanes an engine lists before `lane` (its shorter lanes, started first)."""
+    total = 0
+    for s in stats:
+        names = [ln.lane for ln in s.lanes]
+        if lane in names:
+            total += sum(ln.waiting for ln in s.lanes[:names.index(lane)])
+    return total
+
+
 def drain_rate(stats: list[LaneStats], service_s: float) -> float:
     """Requests per second the workers finish: measured, else what their rows could do."""
     measured = sum(lane.completed_rps for s in stats for lane in s.lanes)
@@ -74,7 +86,7 @@ def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int,
     decode = max(s.decode_ms_per_step for s in costs) / 1000 * new_tokens
     service = prefill + decode
     running = sum(ln.running for s in stats for ln in s.lanes if ln.lane == lane)
-    ahead = max(0, queued - running)
+    ahead = max(0, queued - running) + shorter_waiting(stats, lane)
     measured = sum(ln.completed_rps for s in stats for ln in s.lanes)
     start = window_s
     if measured > 0:

@@ -100,3 +100,16 @@ def test_an_engine_that_has_measured_nothing_borrows_the_others_costs():
     idle_long = stats(step=0.0, fixed=0.0, per_tok=0.0, lane="long")
     est = estimate([short, idle_long], "long", queued=0, prompt_tokens=100, new_tokens=100, window_s=0.0)
     assert est.finish_s == pytest.approx((10.0 + 0.1 * 100 + 15.0 * 100) / 1000)
+
+
+def test_requests_waiting_in_shorter_lanes_of_the_same_engine_are_ahead():
+    """The scheduler starts an engine's shorter lanes first: a medium request waits for them too (under overload a
+    queue of short work ahead of it is most of its wait)."""
+    engine = LaneStats(model="m", worker="w", at_ms=10_000, max_rows=8, free_rows=0, deadline_aware=True,
+                       prefill_fixed_ms=10.0, prefill_ms_per_token=0.1, decode_ms_per_step=20.0,
+                       lanes=(LaneStat("short", 20, 4, 6.0, 0.0), LaneStat("medium", 5, 4, 4.0, 0.0)))
+    est = estimate([engine], "medium", queued=9, prompt_tokens=10, new_tokens=10, window_s=0.0)
+    # 9 in the medium stream, 4 of them running: 5 waiting, plus the 20 short ones, at 10 completions a second
+    assert est.start_s == pytest.approx(25 / 10.0)
+    est_short = estimate([engine], "short", queued=24, prompt_tokens=10, new_tokens=10, window_s=0.0)
+    assert est_short.start_s == pytest.approx(20 / 10.0)  # nothing shorter ahead of the short lane

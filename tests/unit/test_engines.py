@@ -106,11 +106,16 @@ def test_while_the_last_engine_is_saturated_short_work_joins_its_batch():
     saturate_main(engines, runners, clock, OVERFLOW_AFTER_S + 0.1)
     assert engines.saturated and engines.route("short") is engines.for_lane("long")
     engines.submit([req(1, clock, new=5)], clock.t)
+    main = engines.for_lane("long")
+    main.report._last = -1e9
+    main._iterate()
+    # while it holds the short lane's work, the main engine publishes that lane too (first: it starts first), so
+    # admission counts its costs and its queue for short requests and the short queue ahead of longer ones
+    assert next(iter(main.snapshot.lanes)) == "short" and main.snapshot.lanes["short"].waiting == 1
     run_all_until_idle(engines)
     assert "r1" in runners["main"].started and runners["short"].started == []
     assert "r1" in succeeded(emitted)
-    # the overflow lane is not published as the main engine's: admission reads the short engine's costs for it
-    main = engines.for_lane("long")
+    # with none of the short lane's work left, the main engine no longer publishes that lane
     main.report._last = -1e9
     main._iterate()
     assert set(main.snapshot.lanes) == {"long"}
