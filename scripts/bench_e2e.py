@@ -1,8 +1,8 @@
 """End-to-end benchmark: the whole stack (gateway over HTTP, Redis, one worker with the engine
 benchmark's model) under open-loop Poisson arrivals of a mixed workload, in one run:
-- `lanes_on`: the default lanes as shipped (the short lane on an engine of its own, overflowing into
-  the main engine's batch while that is saturated);
-- `one_batch`: the same lanes as scheduling policy over one running batch;
+- `lanes_on`: the default lanes as shipped: scheduling policy over one running batch;
+- `two_engines`: the same lanes, the short one on an engine of its own (overflowing into the main
+  engine's batch while that is saturated);
 - `lanes_off`: one stream, FIFO, one running batch (the throughput baseline);
 - `short_alone`: only the short requests, at the same arrival times, on the lanes-on stack: their
   latency with nothing else to compute, the floor for what any scheduling of the mixed load gives them;
@@ -40,7 +40,7 @@ import benchlib as bl
 
 CONFIGS = {
     "lanes_on": dict(lanes=True),  # the default lanes as shipped (shared.lanes.DEFAULT_LANES)
-    "one_batch": dict(lanes=True, one_engine=True),  # the same lanes as policy over one running batch
+    "two_engines": dict(lanes=True, short_engine=True),  # the short lane on an engine of its own, overflowing
     "lanes_off": dict(lanes=False, scheduling="fifo"),
     "batch1": dict(lanes=True, max_running=1, max_batch_size=1),
     # the short requests alone, at the same arrival times, the long ones left out: the best short-lane
@@ -50,7 +50,7 @@ CONFIGS = {
 SHORT_ONLY = {"short_alone"}
 
 
-INTERLEAVED = ("lanes_on", "one_batch", "lanes_off", "short_alone")  # run side by side in rounds (see main)
+INTERLEAVED = ("lanes_on", "two_engines", "lanes_off", "short_alone")  # run side by side in rounds (see main)
 STACK_OF = {"short_alone": "lanes_on"}  # the short requests alone run on the lanes-on stack
 
 
@@ -194,8 +194,8 @@ def plot(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    styles = {"lanes_on": "-", "one_batch": "-.", "lanes_off": "--", "short_alone": ":"}
-    names = {"lanes_on": "lanes on", "one_batch": "lanes in one batch", "lanes_off": "lanes off (FIFO)",
+    styles = {"lanes_on": "-", "two_engines": "-.", "lanes_off": "--", "short_alone": ":"}
+    names = {"lanes_on": "lanes on", "two_engines": "short lane on its own engine", "lanes_off": "lanes off (FIFO)",
              "short_alone": "alone (no long requests)"}
     colors = {"short": "tab:blue", "long": "tab:orange"}
     for cfg, style in styles.items():
@@ -228,7 +228,7 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=1024)
     ap.add_argument("--max-running", type=int, default=64, help="rows of the running batch (the KV budget)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--configs", default="lanes_on,one_batch,lanes_off,short_alone,batch1")
+    ap.add_argument("--configs", default="lanes_on,two_engines,lanes_off,short_alone,batch1")
     ap.add_argument("--rounds", type=int, default=3, help="parts the side-by-side configurations take turns on")
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     ap.add_argument("--json")

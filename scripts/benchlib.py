@@ -105,10 +105,10 @@ def poisson(jobs: list[Job], rate: float, seed: int) -> None:
 
 
 def model_config(*, lanes: bool, scheduling: str = "deadline", max_running: int = 64, max_batch_size: int = 32,
-                 max_batch_tokens: int = 1024, one_engine: bool = False) -> dict[str, Any]:
-    """The benchmark model's config. `lanes`: the default lanes as shipped (`shared.lanes.DEFAULT_LANES`);
-    with `one_engine`, every lane on one engine (lanes as scheduling policy over one running batch); without
-    lanes, one lane (FIFO when `scheduling="fifo"`)."""
+                 max_batch_tokens: int = 1024, short_engine: bool = False) -> dict[str, Any]:
+    """The benchmark model's config. `lanes`: the default lanes as shipped (`shared.lanes.DEFAULT_LANES`); with
+    `short_engine`, the short lane on an engine of its own; without lanes, one lane (FIFO when
+    `scheduling="fifo"`)."""
     from shared.lanes import DEFAULT_LANES
 
     spec: dict[str, Any] = {
@@ -119,8 +119,8 @@ def model_config(*, lanes: bool, scheduling: str = "deadline", max_running: int 
     if lanes:
         spec["lanes"] = [{"name": ln.name, "max_tokens": ln.max_tokens, "window_ms": ln.window_ms,
                           "max_backlog": 100_000, "max_share": ln.max_share,
-                          "engine": "main" if one_engine else ln.engine}
-                         for ln in DEFAULT_LANES]
+                          "engine": "short" if short_engine and i == 0 else ln.engine}
+                         for i, ln in enumerate(DEFAULT_LANES)]
     else:
         spec["lanes"] = [{"name": "all", "window_ms": 10, "max_backlog": 100_000}]
     return {"models": [spec]}

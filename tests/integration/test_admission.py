@@ -147,10 +147,15 @@ async def test_a_request_misfiled_by_the_gateway_runs_on_the_engine_of_its_real_
     """The gateway's estimate (bytes / 3) files 150 '~' under the short lane; the real tokenizer counts
     150 tokens, a medium request. The short lane's engine hands it to the engine serving the medium lane,
     which computes it once; the short engine never does."""
-    settings = make_settings(redis_url, prefix, models=(LLAMA,))
+    import dataclasses
+
+    from shared.lanes import DEFAULT_LANES
+
+    two_engines = (dataclasses.replace(DEFAULT_LANES[0], engine="short"), *DEFAULT_LANES[1:])
+    settings = make_settings(redis_url, prefix, models=(dataclasses.replace(LLAMA, lanes=two_engines),))
     async with running_worker(settings, loaded_models) as w, running_gateway(settings) as gw:
         engines = w.worker.engines["tiny-llama"]
-        assert len(engines.loops) == 2  # the default lanes: short on its own engine, medium and long together
+        assert len(engines.loops) == 2  # short on its own engine, medium and long together
         r = await gw.client.post("/v1/models/tiny-llama/requests?wait=30", json={
             "input": {"prompt": "~" * 150}, "params": {"max_new_tokens": 8, "ignore_eos": True}})
         short = await gw.client.post("/v1/models/tiny-llama/requests?wait=30", json={

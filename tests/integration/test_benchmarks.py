@@ -60,7 +60,7 @@ def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    for name in ("lanes_on", "one_batch", "lanes_off", "batch1", "short_alone"):
+    for name in ("lanes_on", "two_engines", "lanes_off", "batch1", "short_alone"):
         for key in ("short_p99_ms", "goodput_rps", "throughput_rps"):
             assert report[name][key] is not None, (name, key)
     # the lane targets' two figures, side by side in the one run
@@ -75,7 +75,7 @@ def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
     assert report["short_p99_ratio_on_vs_off"] == pytest.approx(
         report["short_p99_floor_ratio"] * report["short_p99_on_vs_alone"])
     assert report["rounds"] == 2 and (tmp_path / "cdf.png").stat().st_size > 0
-    assert set(report["capacity_rps_by_stack"]) == {"lanes_on", "one_batch", "lanes_off"}  # short_alone: lanes_on's
+    assert set(report["capacity_rps_by_stack"]) == {"lanes_on", "two_engines", "lanes_off"}  # short_alone: lanes_on's
     assert report["capacity_rps"] == report["capacity_rps_by_stack"]["lanes_on"] > 0
     assert "round 2/2" in proc.stdout
 

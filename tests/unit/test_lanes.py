@@ -37,8 +37,10 @@ def test_estimates_err_long_for_multibyte_text():
 
 
 def test_engine_groups_in_lane_order():
-    groups = engine_groups(DEFAULT_LANES)
-    assert [(name, [lane.name for lane in lanes]) for name, lanes in groups] == [
+    assert [(name, [lane.name for lane in lanes]) for name, lanes in engine_groups(DEFAULT_LANES)] == [
+        ("main", ["short", "medium", "long"])]  # the default: one running batch for every lane
+    two = (LaneSpec("short", 128, engine="short"), LaneSpec("medium", 512), LaneSpec("long", None))
+    assert [(name, [lane.name for lane in lanes]) for name, lanes in engine_groups(two)] == [
         ("short", ["short"]), ("main", ["medium", "long"])]
     one = (LaneSpec("a", 10), LaneSpec("b", None))
     assert [name for name, _ in engine_groups(one)] == ["main"]
