@@ -203,13 +203,18 @@ class GenerationEngine:
         out = self.model(input_ids=ids, attention_mask=self._mask(mask, positions, cols[None, :] - starts[:, None]),
                          position_ids=positions,
                          past_key_values=window, use_cache=True)
+        return self._retire(*self._advance(out.logits[:, -1, :], lo, time.perf_counter() - f0, t0))
+
+    def _advance(self, logits: torch.Tensor, read_lo: int, forward_s: float, t0: float) -> tuple[list[int], float]:
+        """Every running row takes its next token from `logits` ([rows, vocab]: the step's forward, which read
+        columns from `read_lo`); the step's accounting. Returns the rows now finished, and the time."""
         if self.last_logits is not None:
             self.last_logits.clear()
-        self._keep([r.spec.id for r in self.rows], out.logits[:, -1, :])
-        tokens = select_tokens(out.logits[:, -1, :], [r.spec.sampling for r in self.rows],
-                               [r.generator for r in self.rows])
-        self.stats.forward_s += time.perf_counter() - f0
-        self.stats.kv_padded += n * (self.end + 1 - lo)
+        self._keep([r.spec.id for r in self.rows], logits)
+        tokens = select_tokens(logits, [r.spec.sampling for r in self.rows], [r.generator for r in self.rows])
+        n = len(self.rows)
+        self.stats.forward_s += forward_s
+        self.stats.kv_padded += n * (self.end + 1 - read_lo)
         self.stats.kv_real += sum(self.end + 1 - r.start for r in self.rows)
         self.end += 1
         finished = []
@@ -221,7 +226,7 @@ class GenerationEngine:
         self.stats.decode_s += now - t0
         self.stats.steps += 1
         self.stats.decode_tokens += n
-        return self._retire(finished, now)
+        return finished, now
 
     def _make_room_right(self) -> None:
         """Ensure column `end` exists by compacting left. A row is at most `max_seq_len` long and the

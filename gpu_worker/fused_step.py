@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from gpu_worker.sampling import select_tokens
 from gpu_worker.sequences import GenResult
 
 _LOCAL = threading.local()  # the fused step in progress on this thread, if any
@@ -177,25 +176,9 @@ def fused_step(engine: Any, budget: int) -> list[GenResult]:
         raise RuntimeError(f"a fused step reached {len(pack.seen)} of {e.cache.layers} attention layers")
     forward_s = time.perf_counter() - f0
     logits = out.logits[0]
-    if e.last_logits is not None:
-        e.last_logits.clear()
-    e._keep([r.spec.id for r in e.rows], logits[:n])
-    tokens = select_tokens(logits[:n], [r.spec.sampling for r in e.rows], [r.generator for r in e.rows])
-    e.stats.forward_s += forward_s
-    e.stats.kv_padded += n * (e.end + 1 - read_lo)
-    e.stats.kv_real += sum(e.end + 1 - r.start for r in e.rows)
+    finished, now = e._advance(logits[:n], read_lo, forward_s, t0)
     e.stats.prefill_tokens += hi - lo
     e.stats.prefill_padded_tokens += hi - lo
-    e.end += 1
-    finished = []
-    for i, (row, tok) in enumerate(zip(e.rows, tokens, strict=True)):
-        row.tokens.append(tok)
-        if e._finish_reason(row) is not None:
-            finished.append(i)
-    now = e._clock()
-    e.stats.decode_s += now - t0
-    e.stats.steps += 1
-    e.stats.decode_tokens += n
     # the chunk's share of the forward, by tokens: what the prefill fit learns from
     chunked.last = (hi - lo, forward_s * (hi - lo) / (n + hi - lo))
     cur.done = hi
