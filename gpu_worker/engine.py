@@ -1,15 +1,11 @@
 """Continuous batching for any Hugging Face causal LM (torch only; scheduling decisions live elsewhere).
 
 The engine holds the running batch. `prefill(specs)` runs new prompts, right-aligned, straight into
-free rows of the preallocated `SlotKVCache` and merges them into the batch; `step()` advances every
-running row by one token; a row leaves the moment it is done (length, EOS, stop string), or when the
-caller removes it (`remove`, with a reason: cancelled, out of time, preempted), and its outcome is
-returned at once.
-
-What the caller decides (see `gpu_worker.scheduler`): which requests to prefill and when, and which
-rows leave early. What the
-engine guarantees: it never allocates beyond `max_rows` x `max_width` cache positions, so load
-cannot make it run out of memory; a row never attends to another row's tokens or its own padding.
+free rows of the preallocated `SlotKVCache`; `step()` advances every running row by one token (and a
+chunked prompt by a chunk); a row leaves the moment it is done (length, EOS, stop string) or removed
+(`remove`, with a reason), and its outcome is returned at once. The caller (`gpu_worker.scheduler`)
+decides what to prefill, when, and which rows leave early. The engine never allocates beyond
+`max_rows` x `max_width` cache positions, and a row never attends to another row's tokens or its padding.
 """
 
 from __future__ import annotations
