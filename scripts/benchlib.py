@@ -323,7 +323,9 @@ NEIGHBOUR_S = 3.0
 def misjudged(outs: list[Outcome]) -> dict[str, Any]:
     """Admission's two mistakes, as shares of all requests: refusals (429 deadline_infeasible) of requests that
     would have finished in time, judged by their neighbours (see NEIGHBOUR_S), and requests accepted that then
-    expired. Also how the gateway's estimate compared with the measured finish (actual / eta, per class)."""
+    expired. Also how the gateway's estimate compared with the measured finish (actual / eta, per class).
+    The neighbour judge asks whether each refused request alone could have finished, not whether all could:
+    it means most where refusals should be rare (load under capacity, deadlines long against the queue)."""
     done = sorted((o for o in outs if o.status == "succeeded"), key=lambda o: o.submitted)
     refused = [o for o in outs if o.http == 429 and "deadline" in (o.status + o.error)]
 
