@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from gpu_worker.kv_cache import text_config
 from shared.errors import ConfigError
 
 FULL = "full_attention"
@@ -47,7 +48,7 @@ class AttentionLayout:
 
     @classmethod
     def of(cls, model: Any) -> AttentionLayout:
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        cfg = text_config(model)
         name = type(model).__name__
         source = _forward_source(model)
         layer_types = getattr(cfg, "layer_types", None)

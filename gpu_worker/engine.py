@@ -15,11 +15,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from gpu_worker import fused_step as fusion
 from gpu_worker.attention import AttentionLayout
 from gpu_worker.chunked_prefill import ChunkedPrefill
-from gpu_worker.fused_step import fused_step
-from gpu_worker.fused_step import install as install_fused
-from gpu_worker.kv_cache import SlotKVCache
+from gpu_worker.kv_cache import SlotKVCache, text_config
 from gpu_worker.sampling import make_generator, select_tokens
 from gpu_worker.sequences import EngineFull, EngineStats, GenResult, GenSpec, Row, finish_reason, group_by_length
 from shared.states import FinishReason
@@ -49,6 +48,7 @@ class GenerationEngine:
         self.cache.allocate()
         self._decode_tail = decode_tail
         self.layout = AttentionLayout.of(model)  # which keys each layer type may see (windows, chunks)
+        self.layer_types: list[str] | None = getattr(text_config(model), "layer_types", None)
         self._bool_mask = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
         self._clock = clock
         self.rows: list[Row] = []
@@ -58,7 +58,7 @@ class GenerationEngine:
         self.chunked = ChunkedPrefill(self)  # at most one long prompt prefilled a chunk per step
         self.fused = fused  # a chunk rides in the decode step's forward (see gpu_worker.fused_step)
         if fused:
-            install_fused()
+            fusion.install()
 
     # --- capacity ------------------------------------------------------------------------------
     @property
@@ -180,7 +180,7 @@ class GenerationEngine:
         """Prefill up to `chunk_tokens` of a chunked prompt (in the same forward when `fused`), then advance
         every running row by one token; return the rows that finished."""
         if self.fused and self.rows and self.chunked.current is not None and chunk_tokens > 0:
-            return fused_step(self, chunk_tokens)
+            return fusion.fused_step(self, chunk_tokens)
         done = self.chunked.advance(chunk_tokens)
         return done + self._decode() if self.rows else done
 

@@ -23,6 +23,7 @@ import structlog
 import torch
 
 from gpu_worker.engine import GenerationEngine
+from gpu_worker.kv_cache import text_config
 from gpu_worker.sequences import GenSpec
 from shared.errors import ConfigError
 
@@ -40,8 +41,7 @@ CHUNKED_PROMPT_LEN, CHECK_CHUNK = 20, 6  # the fused check's prompt, arriving in
 def verify_exact(model: Any, name: str) -> bool:
     """Raise `ConfigError` unless the engine reproduces the model's own logits step by step. Returns whether
     chunks of a long prompt may be fused into decode steps (`fused_exact`)."""
-    vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") \
-        else model.config.vocab_size
+    vocab = text_config(model).vocab_size
     prompts = [tuple(t % vocab for t in p) for p in PROMPTS]
     late = tuple(t % vocab for t in LATE_PROMPT)
     try:
@@ -66,8 +66,7 @@ def verify_exact(model: Any, name: str) -> bool:
 def fused_exact(model: Any, name: str) -> bool:
     """Whether fused steps (rows decoding, a prompt arriving in chunks in the same forwards) give the model's own
     logits for every row and for the prompt once it joins."""
-    vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") \
-        else model.config.vocab_size
+    vocab = text_config(model).vocab_size
     try:
         engine = GenerationEngine(model, max_rows=4, max_seq_len=64, keep_logits=True, fused=True)
         engine.prefill([GenSpec(id=f"fused-{i}", prompt_ids=tuple(t % vocab for t in p), max_new_tokens=STEPS + 8)

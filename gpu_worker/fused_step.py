@@ -157,9 +157,7 @@ def fused_step(engine: Any, budget: int) -> list[GenResult]:
     q_pos = torch.arange(lo, hi, device=dev)[None]
     k_pos = torch.arange(0, hi, device=dev)[None]
     chunk_masks = e._mask(k_pos[:, None, None, :] <= q_pos[:, None, :, None], q_pos, k_pos)
-    cfg = e.model.config.get_text_config() if hasattr(e.model.config, "get_text_config") else e.model.config
-    pack = Pack(e.cache, n, read_lo, e.end, chunked.slot, lo, hi, decode_masks, chunk_masks,
-                getattr(cfg, "layer_types", None))
+    pack = Pack(e.cache, n, read_lo, e.end, chunked.slot, lo, hi, decode_masks, chunk_masks, e.layer_types)
     ids = torch.tensor([[r.tokens[-1] for r in e.rows] + list(prompt[lo:hi])], dtype=torch.long, device=dev)
     positions = torch.cat([row_pos[:, 0], q_pos[0]])[None]
     done_prompt = hi == len(prompt)

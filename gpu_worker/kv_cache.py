@@ -12,6 +12,8 @@ row can read holds finite values.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -89,9 +91,14 @@ class SlotKVCache:
         return CacheWindow(self, rows, write_lo, write_hi, read_lo)
 
 
+def text_config(model: torch.nn.Module) -> Any:
+    """The config of a causal LM's text model (a multimodal model's text part; the config itself otherwise)."""
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
 def kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of a causal LM's cache, from its (text) config."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model)
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim

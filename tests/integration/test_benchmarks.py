@@ -80,17 +80,21 @@ def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
     assert "round 2/2" in proc.stdout
 
 
-@pytest.mark.redis
-def test_overload_benchmark_smoke(tmp_path, redis_url, model_cache):
-    out = tmp_path / "overload.json"
+def run_overload(out, redis_url, model_cache, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """The overload benchmark at smoke-test sizes (4 s of offered load, a 5 s capacity measurement)."""
     env = {**os.environ, "BATCHGATE_MODEL_CACHE": str(model_cache)}
     proc = subprocess.run(
-        [sys.executable, "scripts/bench_overload.py", "--duration", "4", "--capacity-clients", "8",
+        [sys.executable, "scripts/bench_overload.py", *extra, "--duration", "4", "--capacity-clients", "8",
          "--capacity-warm-s", "1", "--capacity-s", "4", "--redis-url", redis_url, "--json", str(out)],
         capture_output=True, text=True, timeout=900, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+@pytest.mark.redis
+def test_overload_benchmark_smoke(tmp_path, redis_url, model_cache):
+    proc, report = run_overload(tmp_path / "overload.json", redis_url, model_cache)
     assert report["capacity_rps"] > 0 and report["overload"] == 2.0
     for name in ("deadline_aware", "fifo"):
         row = report[name]
@@ -104,16 +108,7 @@ def test_overload_benchmark_smoke(tmp_path, redis_url, model_cache):
 
 @pytest.mark.redis
 def test_overload_benchmark_mixed_mode_reports_admission_mistakes(tmp_path, redis_url, model_cache):
-    out = tmp_path / "overload-mixed.json"
-    env = {**os.environ, "BATCHGATE_MODEL_CACHE": str(model_cache)}
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench_overload.py", "--workload", "mixed", "--duration", "4",
-         "--capacity-clients", "8", "--capacity-warm-s", "1", "--capacity-s", "4", "--redis-url", redis_url,
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=900, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    proc, report = run_overload(tmp_path / "overload-mixed.json", redis_url, model_cache, "--workload", "mixed")
     assert report["workload"] == "mixed" and report["timeout_s"] == 60.0 and report["capacity_rps"] > 0
     for phase in ("steady", "overload"):
         row = report[phase]
