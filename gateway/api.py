@@ -8,7 +8,7 @@ The errors are `shared.api_errors` (the SDK's direct mode raises the same ones);
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ from shared.api_errors import (
     Unprocessable,
     UnsupportedMediaType,
 )
+from shared.events import ServerEvent
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
@@ -46,18 +47,45 @@ class ApiRequest:
         return self.headers.get(name.lower(), default)
 
 
+EVENT_STREAM = "text/event-stream"
+
+
+def wants_events(accept: str | None) -> bool:
+    return bool(accept) and EVENT_STREAM in (accept or "")
+
+
+def sse_frame(event: ServerEvent) -> bytes:
+    """One Server-Sent Event, as the wire carries it."""
+    data = json.dumps(event.data, separators=(",", ":"), allow_nan=False)
+    return f"id: {event.id}\nevent: {event.event}\ndata: {data}\n\n".encode()
+
+
 @dataclass(slots=True)
 class ApiResponse:
     status: int
     body: Any = None
     headers: dict[str, str] = field(default_factory=dict)
+    # Server-Sent Events instead of a body: the app streams them; a transport that cannot stream (Lambda,
+    # Cloud Functions) sends them all at once when the last one came (`collect_events`)
+    events: AsyncIterator[ServerEvent] | None = None
+    raw: bytes | None = None  # a body already rendered (the collected events)
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
+        if self.raw is not None:
+            return self.raw, EVENT_STREAM
         if self.body is None:
             return b"", "application/json"
         if accept and any(t in accept for t in MSGPACK_TYPES):
             return msgpack.packb(self.body, use_bin_type=True), "application/msgpack"
         return json.dumps(self.body, separators=(",", ":"), allow_nan=False).encode(), "application/json"
+
+
+async def collect_events(resp: ApiResponse) -> ApiResponse:
+    """A streamed response rendered whole, for transports that answer once."""
+    if resp.events is None:
+        return resp
+    frames = [sse_frame(event) async for event in resp.events]
+    return ApiResponse(resp.status, headers=resp.headers, raw=b"".join(frames))
 
 
 def error_response(exc: ApiError) -> ApiResponse:
@@ -66,6 +94,7 @@ def error_response(exc: ApiError) -> ApiResponse:
 
 
 __all__ = [
+    "EVENT_STREAM",
     "MSGPACK_TYPES",
     "ApiError",
     "ApiRequest",
@@ -82,5 +111,8 @@ __all__ = [
     "Unauthorized",
     "Unprocessable",
     "UnsupportedMediaType",
+    "collect_events",
     "error_response",
+    "sse_frame",
+    "wants_events",
 ]

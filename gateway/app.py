@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -23,6 +25,8 @@ from shared.config import Settings
 from shared.redis_io import UNAVAILABLE
 
 log = structlog.get_logger(__name__)
+
+EVENT_PING_S = 15  # a comment line this often keeps idle event streams open through proxies
 
 
 async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
@@ -46,7 +50,24 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
     return b"".join(chunks)
 
 
+async def _frames(resp: ApiResponse) -> AsyncIterator[ServerSentEvent]:
+    """The events of a streamed response; Redis lost mid-stream ends it with an `error` event (the caller
+    reconnects with its Last-Event-ID and loses nothing)."""
+    assert resp.events is not None
+    try:
+        async for event in resp.events:
+            yield ServerSentEvent(json.dumps(event.data, separators=(",", ":"), allow_nan=False),
+                                  event=event.event, id=event.id)
+    except UNAVAILABLE as exc:
+        log.warning("event stream: redis unavailable", error=repr(exc))
+        body = {"error": {"code": "unavailable", "message": "the queue is unreachable; reconnect with Last-Event-ID"}}
+        yield ServerSentEvent(json.dumps(body), event="error")
+
+
 def _send(resp: ApiResponse, accept: str | None) -> Response:
+    if resp.events is not None:
+        return EventSourceResponse(_frames(resp), status_code=resp.status, headers=resp.headers,
+                                   ping=EVENT_PING_S)
     body, ctype = resp.render(accept)
     return Response(body, status_code=resp.status, media_type=ctype, headers=resp.headers)
 

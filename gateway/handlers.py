@@ -8,10 +8,11 @@ Redis being unreachable is a 503 with Retry-After; nothing a caller sends produc
 
 from __future__ import annotations
 
-from gateway.api import ApiRequest, ApiResponse, Conflict, NotFound, ServiceUnavailable
+from gateway.api import ApiRequest, ApiResponse, BadRequest, Conflict, NotFound, ServiceUnavailable, wants_events
 from gateway.parsing import parse_body, parse_idempotency_key, parse_wait
 from gateway.service import GatewayService
 from shared import operations as ops
+from shared.events import follow, parse_last_event_id
 from shared.redis_io import UNAVAILABLE
 from shared.views import callback_view
 
@@ -25,6 +26,11 @@ async def submit(svc: GatewayService, req: ApiRequest, model: str) -> ApiRespons
     wait = parse_wait(req, svc.settings.max_wait_s)
     body = parse_body(req, svc.settings.max_body_bytes)
     key = parse_idempotency_key(req)
+    if isinstance(body, dict) and body.get("stream") is True and wants_events(req.header("accept")):
+        # the answer is the request's event stream, from its acceptance on
+        answer = await ops.submit(svc, body, spec, req.tenant, idempotency_key=key)
+        rec = await ops.visible(svc, req.tenant, answer.body["id"])
+        return ApiResponse(200, headers={**answer.headers, "X-Request-Id": rec.id}, events=follow(svc, rec))
     return _response(await ops.submit(svc, body, spec, req.tenant, wait=wait, idempotency_key=key))
 
 
@@ -36,6 +42,16 @@ async def submit_batch(svc: GatewayService, req: ApiRequest, model: str) -> ApiR
 async def get_request(svc: GatewayService, req: ApiRequest, request_id: str) -> ApiResponse:
     wait = parse_wait(req, svc.settings.max_wait_s)
     return _response(await ops.get(svc, req.tenant, request_id, wait=wait))
+
+
+async def request_events(svc: GatewayService, req: ApiRequest, request_id: str) -> ApiResponse:
+    """Server-Sent Events of a request: status changes, token deltas, the final result (`shared.events`)."""
+    try:
+        after = parse_last_event_id(req.header("last-event-id") or req.query.get("last_event_id"))
+    except ValueError as exc:
+        raise BadRequest(str(exc), code="invalid_last_event_id") from exc
+    rec = await ops.visible(svc, req.tenant, request_id)
+    return ApiResponse(200, events=follow(svc, rec, after))
 
 
 async def cancel_request(svc: GatewayService, req: ApiRequest, request_id: str) -> ApiResponse:

@@ -19,6 +19,7 @@ from gateway.api import (
     NotFound,
     PayloadTooLarge,
     ServiceUnavailable,
+    collect_events,
     error_response,
 )
 from gateway.service import GatewayService
@@ -51,6 +52,7 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec.make("POST", "/v1/models/{model}/requests:batch", handlers.submit_batch, with_body=True),
     RouteSpec.make("GET", "/v1/requests/{request_id}", handlers.get_request),
     RouteSpec.make("DELETE", "/v1/requests/{request_id}", handlers.cancel_request),
+    RouteSpec.make("GET", "/v1/requests/{request_id}/events", handlers.request_events),
     RouteSpec.make("POST", "/v1/requests/{request_id}/callback:replay", handlers.replay_callback),
     RouteSpec.make("GET", "/v1/models", handlers.list_models),
     RouteSpec.make("GET", "/healthz", handlers.healthz, public=True),
@@ -107,4 +109,4 @@ async def handle(svc: GatewayService, req: ApiRequest, trusted_tenant: str | Non
         return error_response(exc)
     if route.with_body and len(req.body) > svc.settings.max_body_bytes:
         return error_response(PayloadTooLarge(f"body exceeds the limit of {svc.settings.max_body_bytes} bytes"))
-    return await dispatch(route, svc, req, args, trusted_tenant)
+    return await collect_events(await dispatch(route, svc, req, args, trusted_tenant))

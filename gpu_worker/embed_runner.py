@@ -16,7 +16,7 @@ import torch
 
 from gpu_worker.job import Job
 from gpu_worker.models import LoadedModel
-from gpu_worker.outcomes import Outcome, failed_outcome, result_for
+from gpu_worker.outcomes import Delta, Outcome, failed_outcome, result_for
 from gpu_worker.runner import count_calls
 from shared.faults import Faults
 from shared.lanes import assign_lane
@@ -67,6 +67,9 @@ class EmbedRunner:
         return self.start([job], now)
 
     @torch.inference_mode()
+    def take_deltas(self) -> list[Delta]:
+        return []
+
     def warm_up(self) -> None:
         """One forward before serving: first-call imports and allocations happen now, not on a request."""
         enc = self.loaded.tokenizer(["warm up"], return_tensors="pt")

@@ -17,10 +17,11 @@ import structlog
 from gpu_worker.engine import GenerationEngine
 from gpu_worker.job import Job
 from gpu_worker.models import LoadedModel
-from gpu_worker.outcomes import Outcome, failed_outcome, result_for
+from gpu_worker.outcomes import Delta, Outcome, failed_outcome, result_for
 from gpu_worker.runner import count_calls
 from gpu_worker.sequences import EngineStats, GenResult, GenSpec, SamplingParams
 from gpu_worker.stop_strings import cut_at_stop
+from gpu_worker.stream_release import Release, next_delta
 from shared.deadlines import cannot_finish
 from shared.faults import Faults
 from shared.lanes import assign_lane
@@ -80,6 +81,12 @@ class GenerateRunner:
             if any(i >= self.vocab for i in ids):
                 return failed_outcome(req, self.worker, now, "invalid_input",
                                       f"input_ids must be below the vocabulary size {self.vocab}")
+        elif "messages" in req.input:
+            if not getattr(self.tokenizer, "chat_template", None):
+                return failed_outcome(req, self.worker, now, "no_chat_template",
+                                      f"model {self.spec.name} has no chat template: send a prompt instead")
+            ids = list(self.tokenizer.apply_chat_template(req.input["messages"], add_generation_prompt=True,
+                                                          return_dict=False))
         else:
             ids = self.tokenizer(req.input["prompt"], add_special_tokens=True)["input_ids"]
         if len(ids) > self.spec.max_input_tokens:
@@ -93,19 +100,27 @@ class GenerateRunner:
         if total > self.spec.max_seq_len:
             return failed_outcome(req, self.worker, now, "input_too_long",
                                   f"prompt + max_new_tokens = {total} exceeds {self.spec.max_seq_len} tokens")
+        # a streaming request run again (a crash, a hand-back) continues after what its caller was sent
+        stream = Release(params.stop, released=list(req.streamed)) if req.stream else None
         return Job(id=req.id, lane=assign_lane(total, self.spec.lanes).name, rank=Priority(req.priority).rank,
-                   deadline=req.deadline_ms / 1000, arrived=now, tokens=total, prompt_tokens=len(ids),
-                   new_tokens=params.max_new_tokens, request=req, params=params, inputs=(tuple(ids),))
+                   deadline=req.deadline_ms / 1000, arrived=now, tokens=total,
+                   prompt_tokens=len(ids) + len(req.streamed), new_tokens=params.max_new_tokens, request=req,
+                   params=params, inputs=(tuple(ids),), stream=stream)
 
     def _spec(self, job: Job) -> GenSpec:
         params = cast(GenerateParams, job.params)  # prepare builds a generation job's params so
-        return GenSpec(id=job.id, prompt_ids=job.inputs[0], max_new_tokens=job.new_tokens,
+        prefix = job.stream.restart() if job.stream is not None else ()
+        return GenSpec(id=job.id, prompt_ids=job.inputs[0] + prefix, max_new_tokens=job.new_tokens - len(prefix),
                        sampling=SamplingParams(params.temperature, params.top_p, params.top_k, params.seed),
                        stop=tuple(params.stop), eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
                        owner=job)
 
     def start(self, batch: list[Job], now: float) -> list[Outcome]:
         count_calls(self.model_calls, batch)
+        done = [job for job in batch if job.stream is not None and job.stream.sent >= job.new_tokens]
+        if done:  # a streaming request run again after its caller was sent every token: only the result is left
+            batch = [job for job in batch if job not in done]
+            return [self._resumed_whole(job) for job in done] + (self.start(batch, now) if batch else [])
         try:
             for job in batch:
                 self.faults.check_tokens(job.inputs[0])
@@ -152,6 +167,25 @@ class GenerateRunner:
     def remove(self, ids: set[str], reason: FinishReason) -> list[Outcome]:
         return self._outcomes(self.engine.remove(ids, reason))
 
+    def take_deltas(self) -> list[Delta]:
+        """What each streaming row may send its caller since the last call (`gpu_worker.stream_release`)."""
+        out = []
+        for row in self.engine.rows:
+            job = row.spec.owner
+            if isinstance(job, Job) and job.stream is not None:
+                delta = next_delta(job.stream, job.stream.output(row.tokens), self._decode)
+                if delta is not None:
+                    out.append(Delta(job.req, delta, first=job.stream.first))
+                    job.stream.first = False
+        return out
+
+    def _resumed_whole(self, job: Job) -> Outcome:
+        assert job.stream is not None
+        r = GenResult(id=job.id, token_ids=[], finish_reason=FinishReason.LENGTH,
+                      prompt_tokens=len(job.inputs[0]) + len(job.stream.restart()), prefill_s=0.0, ttft_s=0.0,
+                      decode_s=0.0, admitted_at=self.clock(), owner=job)
+        return Outcome(job.req, self._result(job, r, self.clock()))
+
     def _outcomes(self, results: list[GenResult]) -> list[Outcome]:
         now = self.clock()
         return [Outcome(r.owner.req, self._result(r.owner, r, now)) for r in results if isinstance(r.owner, Job)]
@@ -161,13 +195,14 @@ class GenerateRunner:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _result(self, job: Job, r: GenResult, now: float) -> RequestResult:
-        token_ids = r.token_ids
+        token_ids = job.stream.output(r.token_ids) if job.stream is not None else r.token_ids
+        prompt_tokens = r.prompt_tokens - (job.stream.base if job.stream is not None else 0)
         stop = job.params.stop if isinstance(job.params, GenerateParams) else ()
         if r.finish_reason is FinishReason.STOP:  # text and tokens both end before the stop string
             text, token_ids = cut_at_stop(token_ids, stop, self._decode)
         else:
             text = self._decode(token_ids)
-        output = {"text": text, "token_ids": token_ids, "prompt_tokens": r.prompt_tokens,
+        output = {"text": text, "token_ids": token_ids, "prompt_tokens": prompt_tokens,
                   "completion_tokens": len(token_ids)}
         timings = {"ttft_ms": round(r.ttft_s * 1000, 3), "decode_ms": round(r.decode_s * 1000, 3),
                    "prefill_ms": round(r.prefill_s * 1000, 3),
@@ -177,8 +212,8 @@ class GenerateRunner:
         error = None
         if status is Status.EXPIRED:
             why = ("deadline reached" if cannot_finish(job.deadline, now)
-                   else f"cannot finish the other {job.new_tokens - len(r.token_ids)} tokens by the deadline")
-            error = ErrorInfo("deadline_exceeded", f"{why} after {len(r.token_ids)} tokens; partial output kept")
+                   else f"cannot finish the other {job.new_tokens - len(token_ids)} tokens by the deadline")
+            error = ErrorInfo("deadline_exceeded", f"{why} after {len(token_ids)} tokens; partial output kept")
         elif status is Status.CANCELLED:
             error = ErrorInfo("cancelled", "cancelled while running")
         return result_for(job.req, status, worker=self.worker, now=now, output=output, error=error,

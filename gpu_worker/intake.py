@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -113,7 +114,16 @@ class Intake:
                 fresh.append(req)
         if late:
             await self._publish(late)
-        engines.submit(fresh, now)
+        engines.submit(await self._resumed(fresh), now)
+
+    async def _resumed(self, requests: list[InferenceRequest]) -> list[InferenceRequest]:
+        """Streaming requests an earlier attempt already sent tokens of (a crash, a hand-back) continue after
+        them: their callers never see a token twice or a different one."""
+        ids = [req.id for req in requests if req.stream]
+        if not ids:
+            return requests
+        sent = await self.queue.streamed(ids)
+        return [dataclasses.replace(req, streamed=sent[req.id]) if req.id in sent else req for req in requests]
 
     async def _decode(self, model: str, entry: Entry) -> InferenceRequest | None:
         try:

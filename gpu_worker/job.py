@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from gpu_worker.stream_release import Release
     from shared.messages import InferenceRequest
     from shared.params import EmbedParams, GenerateParams
 
@@ -39,6 +40,7 @@ class Job:
     inputs: tuple[tuple[int, ...], ...] = ()  # token ids: the prompt, or one sequence per text to embed
     state: JobState = JobState.QUEUED
     attempts: int = 0  # times this worker started it on the model (a preempted row is started again)
+    stream: Release | None = None  # a streaming generation: what its caller was sent
 
     @property
     def req(self) -> InferenceRequest:

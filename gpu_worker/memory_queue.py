@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from gpu_worker.memory_streams import Group, Stream
 from gpu_worker.work_queue import DeadLetter, Entry, Finished, Held, QueueUnavailable, entry_fields
-from shared.messages import InferenceRequest, RequestResult
+from shared.messages import InferenceRequest, RequestResult, StreamDelta
 from shared.states import TERMINAL, Status
 
 
@@ -34,6 +34,7 @@ class MemoryQueue:
         self.clock = clock
         self.streams: dict[str, Stream] = {}
         self.records: dict[str, Record] = {}
+        self.deltas: dict[str, list[StreamDelta]] = {}  # per streaming request, as published
         self.available = True
         self._last_id = (0, 0)
         self._arrived = asyncio.Event()
@@ -161,6 +162,16 @@ class MemoryQueue:
         for h in held:
             self.add(h.stream, entry_fields(h.request))
             self._delete(h.stream, h.entry_id)
+
+    async def publish_deltas(self, deltas: Sequence[tuple[str, StreamDelta, bool]]) -> None:
+        self._check()
+        for request_id, delta, _ in deltas:
+            self.deltas.setdefault(request_id, []).append(delta)
+
+    async def streamed(self, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:
+        self._check()
+        return {rid: tuple(t for d in self.deltas[rid] for t in d.token_ids) for rid in request_ids
+                if self.deltas.get(rid)}
 
     async def mark_running(self, requests: Sequence[InferenceRequest], now_ms: int) -> list[bool]:
         self._check()

@@ -94,8 +94,10 @@ class ModelLoop(ThreadedLoop):
                                    chunking=self.runner.chunking, background=self.background,
                                    chunk_left=self.runner.chunk_left)
         out = self._carry_out(plan, now)
+        if plan.batch:  # a streaming newcomer's first token goes out now, not after the step
+            self._publish(list(self.runner.take_deltas()))
         out.extend(self._step(plan.chunk_tokens))
-        self._publish(out)
+        self._publish([*self.runner.take_deltas(), *out])
         self.report.refresh(self.scheduler, self.runner.free_rows, self.runner.engine_stats(), self._clock())
         if self._drain_until is not None and (not self.runner.busy or self._clock() >= self._drain_until):
             self._hand_back()

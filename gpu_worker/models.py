@@ -127,6 +127,14 @@ def llama_config(shape: LlamaShape) -> Any:
     )
 
 
+# The built-in models' chat template (set at load too, for caches built before it existed): each message on
+# its own turn, then the assistant's turn to speak.
+SIMPLE_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
 def _write_llama(shape: LlamaShape, out: Path) -> None:
     import torch
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
@@ -140,6 +148,7 @@ def _write_llama(shape: LlamaShape, out: Path) -> None:
         tokenizer_object=build_bpe_tokenizer(), pad_token="<pad>", bos_token="<s>", eos_token="</s>",
         unk_token="<unk>",
     )
+    tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
 
 
@@ -192,6 +201,8 @@ def load(spec: ModelSpec, cache_dir: str | Path) -> LoadedModel:
         model = cls.from_pretrained(path, dtype=dtype, local_files_only=True)
     model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if spec.task is Task.GENERATE and spec.source.startswith("builtin:") and not tokenizer.chat_template:
+        tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
     log.info("model loaded", model=spec.name, path=str(path), device=str(device), dtype=str(dtype),
              params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 1))
     return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer, device=device, dtype=dtype)

@@ -1,4 +1,5 @@
-"""What the compute side hands the I/O side: a request's terminal outcome, an ack, or a hand-back.
+"""What the compute side hands the I/O side: a request's terminal outcome, an ack, a hand-back, or a
+streaming request's token delta.
 
 The compute loops put lists of these on the worker's publisher queue; the publisher writes them to
 Redis (record first, then XACK). Built here, in one place, so every terminal result has one shape.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shared.messages import ErrorInfo, InferenceRequest, RequestResult
+from shared.messages import ErrorInfo, InferenceRequest, RequestResult, StreamDelta
 from shared.states import FinishReason, Status
 
 
@@ -34,7 +35,17 @@ class HandBack:
     requests: list[InferenceRequest]
 
 
-Emitted = Outcome | Ack | HandBack
+@dataclass(slots=True)
+class Delta:
+    """Tokens of a streaming request released to its caller; published before anything later of the same
+    request (the compute side emits in order, the publisher writes deltas first)."""
+
+    request: InferenceRequest
+    delta: StreamDelta
+    first: bool = False  # the first of this attempt: the publisher sets the delta stream's expiry
+
+
+Emitted = Outcome | Ack | HandBack | Delta
 
 
 def _ms(seconds: float) -> int:

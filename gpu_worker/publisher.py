@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from gpu_worker import metrics
-from gpu_worker.outcomes import Ack, Emitted, HandBack, Outcome
+from gpu_worker.outcomes import Ack, Delta, Emitted, HandBack, Outcome
 from gpu_worker.work_queue import Finished, Held, QueueUnavailable, WorkQueue
 from shared.states import Status
 
@@ -66,6 +66,8 @@ class Publisher:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
         for item in items:
+            if isinstance(item, Delta):
+                continue  # the request is still running: nothing to release
             if isinstance(item, Outcome):
                 observe(item)  # once, after the write landed (a retried write must not count twice)
             for req in (item.requests if isinstance(item, HandBack) else [item.request]):
@@ -73,12 +75,16 @@ class Publisher:
         self._released()
 
     def _steps(self, items: list[Emitted]) -> list[Callable[[], Awaitable[None]]]:
-        """The writes `items` need, in order: terminal records (then their acks), plain acks, hand-backs."""
+        """The writes `items` need, in order: streaming deltas, terminal records (then their acks), plain acks,
+        hand-backs. Deltas first: a request's deltas are in its stream before its result is."""
+        deltas = [(i.request.id, i.delta, i.first) for i in items if isinstance(i, Delta)]
         finished = [Finished(i.request, i.result, self.held.get(i.request.id)) for i in items if isinstance(i, Outcome)]
         acks = [h for i in items if isinstance(i, Ack) and (h := self.held.get(i.request.id)) is not None]
         back = [Held(h.model, h.stream, h.entry_id, req) for i in items if isinstance(i, HandBack)
                 for req in i.requests if (h := self.held.get(req.id)) is not None]
         steps: list[Callable[[], Awaitable[None]]] = []
+        if deltas:
+            steps.append(lambda: self.queue.publish_deltas(deltas))
         if finished:
             steps.append(lambda: self.queue.complete(finished))
         if acks:

@@ -27,9 +27,11 @@ from redis.exceptions import ResponseError
 
 from gpu_worker.redis_replies import as_bytes, as_str, no_group, queue_errors, stream_items
 from gpu_worker.work_queue import DeadLetter, Entry, Finished, Held, entry_fields
+from shared.codec import encode
+from shared.events import streamed_tokens
 from shared.faults import Faults
 from shared.keys import GROUP, Keys
-from shared.messages import InferenceRequest
+from shared.messages import InferenceRequest, StreamDelta
 from shared.records import RecordStore
 from shared.states import Status
 
@@ -205,6 +207,22 @@ class RedisQueue:
         if len(pipe):
             await pipe.execute()
             self.faults.point("kill_after_ack")
+
+    async def publish_deltas(self, deltas: Sequence[tuple[str, StreamDelta, bool]]) -> None:
+        if deltas:
+            async with queue_errors():
+                pipe = self.redis.pipeline(transaction=False)
+                for request_id, delta, first in deltas:
+                    key = self.keys.events(request_id)
+                    pipe.xadd(key, {"d": encode(delta)})
+                    if first:  # kept as long as the result
+                        pipe.pexpire(key, self.store.result_ttl_ms)
+                    pipe.publish(self.keys.done_channel(request_id), b"d")
+                await pipe.execute()
+
+    async def streamed(self, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:
+        async with queue_errors():
+            return await streamed_tokens(self.redis, self.keys, request_ids)
 
     async def mark_running(self, requests: Sequence[InferenceRequest], now_ms: int) -> list[bool]:
         async with queue_errors():

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from gpu_worker.job import Job
-from gpu_worker.outcomes import Outcome
+from gpu_worker.outcomes import Delta, Outcome
 from shared.messages import InferenceRequest
 from shared.states import FinishReason
 
@@ -64,6 +64,10 @@ class Runner(Protocol):
 
     def remove(self, ids: set[str], reason: FinishReason) -> list[Outcome]:
         """Running rows leave now with what they have (the one way to end a row early)."""
+        ...
+
+    def take_deltas(self) -> list[Delta]:
+        """Tokens of streaming rows their callers may have now, since the last call (an encoder has none)."""
         ...
 
     def remaining_tokens(self) -> dict[str, int]: ...

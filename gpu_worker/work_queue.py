@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from shared.codec import decode, encode
-from shared.messages import InferenceRequest, RequestResult
+from shared.messages import InferenceRequest, RequestResult, StreamDelta
 
 
 class QueueUnavailable(Exception):
@@ -111,6 +111,13 @@ class WorkQueue(Protocol):
 
     async def hand_back(self, held: Sequence[Held]) -> None:
         """Queue a fresh entry of each request on its stream for another worker, then ack and delete ours."""
+
+    async def publish_deltas(self, deltas: Sequence[tuple[str, StreamDelta, bool]]) -> None:
+        """Append each (request id, delta, first of its attempt) to the request's delta stream and wake its
+        followers: one round trip for a whole step."""
+
+    async def streamed(self, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:
+        """The output tokens an earlier attempt already sent to each request's caller (only ids with any)."""
 
     async def mark_running(self, requests: Sequence[InferenceRequest], now_ms: int) -> list[bool]:
         """Mark requests running; per request, False when it is already terminal (done or cancelled)."""

@@ -3,8 +3,8 @@
 Hash tags keep the keys that one command or script touches in one Redis Cluster slot:
 - `{m:<model>}`: a model's lane streams, dead-letter stream, stats and cancel channel. A worker
   reads all lanes of a model with one XREADGROUP, so they must share a slot.
-- `{r:<id>}`: one request's record and its "done" channel (the finish script writes and
-  publishes atomically).
+- `{r:<id>}`: one request's record, its "done" channel (the finish script writes and publishes
+  atomically) and, for a streaming request, its stream of token deltas.
 - `{i:<tenant>:<hash>}`: an idempotency key.
 - `{cb}`: the callback stream, schedule and delivery states (the dispatcher moves a delivery between
   them atomically).
@@ -46,6 +46,10 @@ class Keys:
 
     def done_channel(self, request_id: str) -> str:
         return f"{self.prefix}:{{r:{request_id}}}:done"
+
+    def events(self, request_id: str) -> str:
+        """A streaming request's token deltas (a stream), kept as long as its result."""
+        return f"{self.prefix}:{{r:{request_id}}}:ev"
 
     def idempotency(self, tenant: str, key: str) -> str:
         digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]

@@ -63,9 +63,17 @@ def estimate_text_tokens(text: str) -> int:
     return max(1, math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN_ESTIMATE))
 
 
+MESSAGE_TOKENS = 4  # what a simple chat template adds per message (role, separators)
+
+
 def estimate_generate_tokens(inp: dict[str, Any], max_new_tokens: int) -> tuple[int, int]:
     """(prompt tokens, prompt + max_new_tokens) from a validated generate input."""
-    prompt = len(inp["input_ids"]) if "input_ids" in inp else estimate_text_tokens(inp["prompt"]) + 1
+    if "input_ids" in inp:
+        prompt = len(inp["input_ids"])
+    elif "messages" in inp:  # the chat template adds a few tokens per message
+        prompt = sum(estimate_text_tokens(m["content"]) + MESSAGE_TOKENS for m in inp["messages"]) + 1
+    else:
+        prompt = estimate_text_tokens(inp["prompt"]) + 1
     return prompt, prompt + max_new_tokens
 
 

@@ -40,6 +40,10 @@ class InferenceRequest:
     est_tokens: int
     callback: Callback | None = None
     idempotency_key: str | None = None
+    stream: bool = False  # publish token deltas as they are decoded (`shared.events`)
+    # set by the worker that reads a redelivered streaming request: the tokens its caller was already sent,
+    # which the new attempt continues from instead of generating again
+    streamed: tuple[int, ...] = ()
 
     def meta(self) -> RequestMeta:
         return RequestMeta(
@@ -71,6 +75,18 @@ class RequestMeta:
     deadline_ms: int
     est_tokens: int
     callback: Callback | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamDelta:
+    """Tokens of a streaming request released to its caller: `token_ids` are its output's tokens
+    [start, start + len(token_ids)) and `text` what they add to its text. Deltas of one request are
+    contiguous; a stop string's possible beginning is never in one (held back until decided)."""
+
+    KIND: ClassVar[str] = "delta"
+    start: int
+    token_ids: tuple[int, ...]
+    text: str
 
 
 @dataclass(frozen=True, slots=True)

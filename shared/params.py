@@ -10,7 +10,7 @@ typed params once from them: `GenerateParams(**req.params)` (a list `stop` becom
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -100,23 +100,41 @@ class EmbedParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return convert({} if raw is None else raw, cls, "params")
 
 
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+MAX_MESSAGES = 256
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One message of a conversation; the worker renders the list with the model's chat template."""
+
+    role: ChatRole
+    content: str
+
+
 class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Exactly one of `prompt` (text) or `input_ids` (token ids)."""
+    """Exactly one of `prompt` (text), `input_ids` (token ids) or `messages` (a conversation, rendered with
+    the model's chat template, ending with the assistant's turn to speak)."""
 
     prompt: NonEmptyStr | UnsetType = UNSET
     input_ids: Annotated[list[TokenId], Meta(min_length=1)] | UnsetType = UNSET
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)] | UnsetType = UNSET
 
     def normalised(self, *, max_prompt_chars: int, max_input_tokens: int) -> dict[str, Any]:
-        """The wire form, {"prompt"} or {"input_ids"}, under a model's limits."""
-        if isinstance(self.prompt, str) and self.input_ids is UNSET:
+        """The wire form, {"prompt"}, {"input_ids"} or {"messages"}, under a model's limits."""
+        given = [name for name in ("prompt", "input_ids", "messages") if getattr(self, name) is not UNSET]
+        if given == ["prompt"] and isinstance(self.prompt, str):
             if len(self.prompt) > max_prompt_chars:
                 raise ValidationError("input.prompt", f"longer than {max_prompt_chars} characters")
             return {"prompt": self.prompt}
-        if isinstance(self.input_ids, list) and self.prompt is UNSET:
+        if given == ["input_ids"] and isinstance(self.input_ids, list):
             if len(self.input_ids) > max_input_tokens:
                 raise ValidationError("input.input_ids", f"more than {max_input_tokens} tokens")
             return {"input_ids": self.input_ids}
-        raise ValidationError("input", "give exactly one of `prompt` or `input_ids`")
+        if given == ["messages"] and isinstance(self.messages, list):
+            if sum(len(m.content) for m in self.messages) > max_prompt_chars:
+                raise ValidationError("input.messages", f"longer than {max_prompt_chars} characters in all")
+            return {"messages": [{"role": m.role, "content": m.content} for m in self.messages]}
+        raise ValidationError("input", "give exactly one of `prompt`, `input_ids` or `messages`")
 
 
 class EmbedInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -51,8 +51,10 @@ class _SubmitFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 class GenerateSubmit(_SubmitFields, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The submit body for a generation model. `deadline`: epoch seconds or ISO 8601 with a zone."""
 
-    input: Annotated[GenerateInput, exactly_one("prompt", "input_ids")]
+    input: Annotated[GenerateInput, exactly_one("prompt", "input_ids", "messages")]
     params: GenerateParams | None = None
+    stream: Annotated[bool, Meta(description="publish tokens as they are decoded: GET /v1/requests/{id}/events "
+                                             "(or submit with Accept: text/event-stream)")] = False
 
 
 class EmbedSubmit(_SubmitFields, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -120,11 +122,13 @@ def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, t
         if bad is not None:
             raise ValidationError("input.input_ids", f"item {bad[0]}: {bad[1]} is not a token of this model "
                                                      f"(its vocabulary has {vocab} tokens: ids 0-{vocab - 1})")
-    elif "prompt" in inp:
-        counts = limits.count(spec, [inp["prompt"]])
+    elif "prompt" in inp or "messages" in inp:
+        text = inp["prompt"] if "prompt" in inp else "\n".join(m["content"] for m in inp["messages"])
+        counts = limits.count(spec, [text])
         if counts is not None and counts[0] > spec.max_input_tokens:
-            raise ValidationError("input.prompt", f"is {counts[0]} tokens; this model takes at most "
-                                                  f"{spec.max_input_tokens}")
+            where = "input.prompt" if "prompt" in inp else "input.messages"
+            raise ValidationError(where, f"is {counts[0]} tokens; this model takes at most "
+                                         f"{spec.max_input_tokens}")
     elif "texts" in inp and not truncate:
         cap = limits.max_text_tokens(spec)
         counts = limits.count(spec, inp["texts"]) or []
@@ -154,6 +158,7 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
             check_tokens(inp, spec, limits)
         _, tokens = estimate_generate_tokens(inp, params.max_new_tokens)
         params_dict = params.to_dict()
+        stream = sub.stream
     else:
         embed_params = sub.params or EmbedParams()
         # with params.truncate, a text over the model's tokens is accepted (within the character bound) and
@@ -164,10 +169,12 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
                          field="input.text" if isinstance(sub.input.text, str) else "input.texts")
         tokens = estimate_embed_tokens(inp)
         params_dict = embed_params.to_dict()
+        stream = False
     callback = resolve_callback(sub.callback, allow or AllowList()) if sub.callback is not UNSET else None
     deadline = resolve_deadline(sub.timeout_s, sub.deadline, spec, now)
     return InferenceRequest(
         id=new_request_id(int(now * 1000)), tenant=tenant, model=spec.name, task=spec.task, input=inp,
         params=params_dict, lane=assign_lane(tokens, spec.lanes).name, priority=sub.priority,
         created_ms=int(now * 1000), deadline_ms=int(deadline * 1000), est_tokens=tokens, callback=callback,
+        stream=stream,
     )

@@ -17,6 +17,7 @@ from gpu_worker.memory_queue import MemoryQueue
 from gpu_worker.outcomes import failed_outcome, result_for
 from gpu_worker.work_queue import DeadLetter, Entry, Finished, Held, QueueUnavailable, WorkQueue, decode_request
 from shared.keys import Keys
+from shared.messages import StreamDelta
 from shared.states import FinishReason, Status
 from tests.fakes import ManualClock, make_request
 
@@ -134,7 +135,7 @@ def test_every_implementation_offers_the_ports_operations():
 
     ops = {name: inspect.signature(op) for name, op in vars(WorkQueue).items()
            if inspect.iscoroutinefunction(op) and not name.startswith("_")}
-    assert len(ops) == 14
+    assert len(ops) == 16
     for impl in (MemoryQueue, RedisQueue):
         for name, sig in ops.items():
             assert inspect.signature(getattr(impl, name)).parameters.keys() == sig.parameters.keys(), (impl, name)
@@ -292,3 +293,12 @@ async def test_an_unreachable_store_raises_queue_unavailable(backend):
         await q.read("w", [backend.stream], 1, 0)
     with pytest.raises(QueueUnavailable):
         await q.mark_running([make_request("x")], 1)
+
+
+async def test_published_deltas_are_what_a_later_attempt_continues_after(backend):
+    b = backend
+    first = StreamDelta(start=0, token_ids=(5, 6), text="ab")
+    await b.queue.publish_deltas([("r0", first, True), ("r1", StreamDelta(0, (9,), "z"), True)])
+    await b.queue.publish_deltas([("r0", StreamDelta(start=2, token_ids=(7,), text="c"), False)])
+    assert await b.queue.streamed(["r0", "r1", "r2"]) == {"r0": (5, 6, 7), "r1": (9,)}
+    assert await b.queue.streamed([]) == {}

@@ -57,6 +57,9 @@ class FakeRunner:
     def warm_up(self) -> None:
         return None
 
+    def take_deltas(self) -> list:
+        return []
+
     def remaining_tokens(self) -> dict[str, int]:
         return {rid: row.left for rid, row in self.rows.items()}
 

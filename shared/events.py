@@ -1,0 +1,169 @@
+"""A request's events, as a caller follows them: its status changes, its token deltas, its final result.
+
+The worker of a streaming request (`stream: true`) appends each step's newly released tokens to the
+request's delta stream (`Keys.events`) and wakes the request's "done" channel, one pipeline per engine
+step for all its streaming rows. `follow` turns that, and the request's record, into the events the
+gateway serves as Server-Sent Events (`GET /v1/requests/{id}/events`) and the OpenAI routes as chunks:
+
+- `status` `{id, status}`: on connecting, and whenever the status changes (queued -> running);
+- `delta` `{index, text, token_ids}`: the output's tokens from `index` on and the text they add;
+- `done`: the request's record view (as GET answers), always the last event. Cancelled, expired and
+  failed requests end with it too; a worker crash does not (the request runs again and continues).
+
+Every event's SSE id is the number of output tokens sent up to it. A caller that reconnects with that
+id (`Last-Event-ID`) gets the deltas after it, never one twice. The deltas a caller sees concatenate to
+the final `text` and `token_ids`: what was held back at the end (a stop string's cut, the last tokens)
+comes as one last delta, built from the record. A request that did not stream gets its whole output as
+that one delta. Deltas are contiguous by construction; one that overlaps what was sent (two attempts of
+a request, the first one not dead after all) is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from shared.codec import decode
+from shared.errors import CodecError
+from shared.keys import Keys
+from shared.messages import StreamDelta
+from shared.records import StoredRecord
+from shared.views import record_view
+from shared.waiters import SubscriptionUnavailable
+
+if TYPE_CHECKING:
+    from shared.queue_client import QueueClient
+
+log = structlog.get_logger(__name__)
+
+RESUBSCRIBE_S = 0.5  # the pub/sub connection could not confirm: read again after this long
+
+
+@dataclass(frozen=True, slots=True)
+class ServerEvent:
+    event: str  # "status" | "delta" | "done"
+    data: dict[str, Any]
+    id: str
+
+
+def parse_last_event_id(value: str | None) -> int | None:
+    """The output tokens a caller already has, from its `Last-Event-ID`; None when it sent none."""
+    if value is None or not value.strip():
+        return None
+    text = value.strip()
+    if not text.isdigit() or len(text) > 9:
+        raise ValueError("Last-Event-ID must be an id this API sent (a token count)")
+    return int(text)
+
+
+@dataclass(slots=True)
+class _Cursor:
+    """What of the output was sent (tokens and characters) and where in the delta stream reading goes on."""
+
+    tokens: int = 0
+    chars: int = 0
+    entry: str = "-"
+    skip_to: int = 0  # tokens the caller already had when it connected (Last-Event-ID)
+
+    def take(self, delta: StreamDelta) -> ServerEvent | None:
+        end = delta.start + len(delta.token_ids)
+        if delta.start != self.tokens:  # a repeat (or the overlap of a second attempt): never sent twice
+            return None
+        self.tokens, self.chars = end, self.chars + len(delta.text)
+        if end <= self.skip_to:
+            return None
+        return ServerEvent("delta", {"index": delta.start, "text": delta.text, "token_ids": list(delta.token_ids)},
+                           str(end))
+
+    def tail(self, output: dict[str, Any] | None) -> ServerEvent | None:
+        """What of the final output was not sent as a delta (all of it for a request that did not stream)."""
+        if not output or "token_ids" not in output or "text" not in output:
+            return None
+        text, ids = output["text"], output["token_ids"]
+        rest_text, rest_ids = text[self.chars:], ids[self.tokens:]
+        start = self.tokens
+        self.tokens, self.chars = len(ids), len(text)
+        if (not rest_text and not rest_ids) or len(ids) <= self.skip_to:
+            return None
+        return ServerEvent("delta", {"index": start, "text": rest_text, "token_ids": rest_ids}, str(len(ids)))
+
+
+async def _read_deltas(q: QueueClient, request_id: str, cursor: _Cursor) -> list[StreamDelta]:
+    start = cursor.entry if cursor.entry == "-" else "(" + cursor.entry
+    entries = await q.redis.xrange(q.keys.events(request_id), min=start, max="+")
+    out = []
+    for entry_id, fields in entries:
+        cursor.entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        try:
+            out.append(decode(fields[b"d"], StreamDelta))
+        except (CodecError, KeyError):
+            log.warning("undecodable stream delta skipped", request_id=request_id, entry=cursor.entry)
+    return out
+
+
+async def streamed_tokens(redis: Any, keys: Keys, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """The output tokens already sent to the callers of these requests (the contiguous deltas from the
+    first on), in one round trip; requests with none are left out. A worker running a streaming request
+    again continues after these."""
+    if not request_ids:
+        return {}
+    pipe = redis.pipeline(transaction=False)
+    for rid in request_ids:
+        pipe.xrange(keys.events(rid), min="-", max="+")
+    out: dict[str, tuple[int, ...]] = {}
+    for rid, entries in zip(request_ids, await pipe.execute(), strict=True):
+        tokens: list[int] = []
+        for _, fields in entries:
+            try:
+                delta = decode(fields[b"d"], StreamDelta)
+            except (CodecError, KeyError):
+                break
+            if delta.start == len(tokens):
+                tokens.extend(delta.token_ids)
+        if tokens:
+            out[rid] = tuple(tokens)
+    return out
+
+
+async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None) -> AsyncIterator[ServerEvent]:
+    """The events of request `rec` (already checked visible to the caller) until its `done` event.
+
+    `after`: output tokens the caller already has (from `Last-Event-ID`). Woken by the request's "done"
+    channel (deltas and the result both publish on it), never by polling; bounded by the request's
+    deadline (plus the expiry grace), when reading it ends it `expired`."""
+    await q.hub.ensure_started()
+    cursor = _Cursor(skip_to=after or 0)
+    request_id = rec.id
+    status = None
+    try:
+        async with q.hub.subscribe(q.keys.done_channel(request_id)) as sub:
+            while True:
+                fresh = await q.get(request_id)
+                rec = fresh or rec
+                for delta in await _read_deltas(q, request_id, cursor):  # after the record: all of a result's
+                    event = cursor.take(delta)  # deltas were written before it
+                    if event is not None:
+                        yield event
+                if rec.terminal:
+                    tail = cursor.tail(rec.result.output if rec.result else None)
+                    if tail is not None:
+                        yield tail
+                    yield ServerEvent("done", record_view(rec), str(cursor.tokens))
+                    return
+                if rec.state.value != status:
+                    status = rec.state.value
+                    yield ServerEvent("status", {"id": request_id, "status": status}, str(cursor.tokens))
+                timeout = 5.0
+                if rec.meta is not None:  # never past the point where get() expires it
+                    expiry = rec.meta.deadline_ms / 1000 + q.settings.expiry_grace_s - q.clock()
+                    timeout = max(0.0, expiry) + 0.05
+                await sub.wait(timeout)
+    except SubscriptionUnavailable:
+        # no pub/sub: read at a slow pace instead of not at all (Redis is unreachable or overloaded)
+        await asyncio.sleep(RESUBSCRIBE_S)
+        async for event in follow(q, rec, cursor.tokens if cursor.tokens > cursor.skip_to else after):
+            yield event

@@ -1,0 +1,203 @@
+"""Token streaming end to end: a real gateway and worker on real Redis, read as Server-Sent Events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from shared.codec import encode
+from shared.keys import Keys
+from shared.messages import StreamDelta
+from tests.stack import make_settings, running_gateway, running_worker
+
+pytestmark = [pytest.mark.redis]
+
+PROMPT = "the quick brown fox jumps over the lazy dog"
+
+
+async def read_events(response: httpx.Response, limit: int | None = None) -> list[dict[str, Any]]:
+    """The SSE events of a streamed response: {id, event, data}; stops after `limit` events."""
+    events: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}
+    async for line in response.aiter_lines():
+        if not line:
+            if current:
+                events.append(current)
+                current = {}
+                if (limit is not None and len(events) >= limit) or events[-1]["event"] == "done":
+                    break
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        current[name] = json.loads(value) if name == "data" else value
+    return events
+
+
+async def events_of(client: httpx.AsyncClient, request_id: str, last_id: str | None = None,
+                    limit: int | None = None) -> list[dict[str, Any]]:
+    headers = {"Last-Event-ID": last_id} if last_id is not None else {}
+    async with client.stream("GET", f"/v1/requests/{request_id}/events", headers=headers) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        return await read_events(r, limit)
+
+
+def deltas(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e["data"] for e in events if e["event"] == "delta"]
+
+
+def check_adds_up(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Deltas are contiguous, each id the token count so far, and they concatenate to the final output."""
+    done = events[-1]
+    assert done["event"] == "done", events[-3:]
+    out = done["data"]["output"]
+    ds = deltas(events)
+    assert "".join(d["text"] for d in ds) == out["text"]
+    assert [t for d in ds for t in d["token_ids"]] == out["token_ids"]
+    at = 0
+    for e in events:
+        if e["event"] == "delta":
+            assert e["data"]["index"] == at
+            at += len(e["data"]["token_ids"])
+            assert e["id"] == str(at)
+    return done["data"]
+
+
+def reference(loaded, prompt_ids: list[int], n: int) -> list[int]:
+    out = loaded.model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+async def test_a_streamed_generation_arrives_token_by_token_and_adds_up(redis_url, prefix, loaded_models):
+    settings = make_settings(redis_url, prefix)
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        body = {"input": {"prompt": PROMPT}, "params": {"max_new_tokens": 24, "ignore_eos": True}, "stream": True}
+        r = await gw.client.post("/v1/models/tiny-llama/requests", json=body)
+        assert r.status_code == 202, r.text
+        rid = r.json()["id"]
+        events = await events_of(gw.client, rid)
+        assert events[0]["event"] == "status" and events[0]["data"]["status"] in ("queued", "running")
+        final = check_adds_up(events)
+        assert final["status"] == "succeeded" and len(final["output"]["token_ids"]) == 24
+        assert len(deltas(events)) >= 8  # published as decoded, not once at the end
+        ids = loaded_models["tiny-llama"].tokenizer(PROMPT)["input_ids"]
+        assert final["output"]["token_ids"] == reference(loaded_models["tiny-llama"], ids, 24)
+        # a finished stream read again gives the same events' content
+        again = await events_of(gw.client, rid)
+        assert check_adds_up(again) == final
+
+
+async def test_submit_with_accept_event_stream_answers_with_the_stream(redis_url, prefix, loaded_models):
+    settings = make_settings(redis_url, prefix)
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        body = {"input": {"prompt": PROMPT}, "params": {"max_new_tokens": 12}, "stream": True}
+        async with gw.client.stream("POST", "/v1/models/tiny-llama/requests", json=body,
+                                    headers={"Accept": "text/event-stream"}) as r:
+            assert r.status_code == 200 and r.headers["location"].startswith("/v1/requests/req_")
+            events = await read_events(r)
+        assert check_adds_up(events)["status"] == "succeeded"
+        # an invalid streaming submit is still a plain JSON error
+        bad = await gw.client.post("/v1/models/tiny-llama/requests", json={"input": {}, "stream": True},
+                                   headers={"Accept": "text/event-stream"})
+        assert bad.status_code == 422 and bad.json()["error"]["code"]
+        # embeddings do not stream
+        emb = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"}, "stream": True})
+        assert emb.status_code == 422 and "stream" in emb.text
+
+
+async def test_reconnecting_with_last_event_id_loses_and_repeats_nothing(redis_url, prefix, loaded_models):
+    settings = make_settings(redis_url, prefix)
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        body = {"input": {"prompt": PROMPT}, "params": {"max_new_tokens": 40, "ignore_eos": True}, "stream": True}
+        rid = (await gw.client.post("/v1/models/tiny-llama/requests", json=body)).json()["id"]
+        seen: list[dict[str, Any]] = []
+        last = None
+        for _ in range(30):  # drop the connection after every third event, reconnect where it left off
+            part = await events_of(gw.client, rid, last_id=last, limit=3)
+            seen.extend(e for e in part if e["event"] != "status")
+            last = part[-1]["id"]
+            if part[-1]["event"] == "done":
+                break
+        final = check_adds_up(seen)
+        assert final["status"] == "succeeded" and len(final["output"]["token_ids"]) == 40
+        bad = await gw.client.get(f"/v1/requests/{rid}/events", headers={"Last-Event-ID": "x1"})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_last_event_id"
+
+
+async def test_a_stop_string_never_leaks_into_the_stream(redis_url, prefix, loaded_models):
+    settings = make_settings(redis_url, prefix)
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        # find a piece of text the model will produce, and make it the stop string
+        probe = {"input": {"prompt": PROMPT}, "params": {"max_new_tokens": 30, "ignore_eos": True}}
+        text = (await gw.client.post("/v1/models/tiny-llama/requests?wait=30", json=probe)).json()["output"]["text"]
+        stop = text[len(text) // 2:len(text) // 2 + 4]
+        assert len(stop) == 4
+        body = {**probe, "params": {**probe["params"], "stop": [stop]}, "stream": True}
+        rid = (await gw.client.post("/v1/models/tiny-llama/requests", json=body)).json()["id"]
+        events = await events_of(gw.client, rid)
+        final = check_adds_up(events)
+        assert final["finish_reason"] == "stop" and stop not in final["output"]["text"]
+        assert all(stop not in d["text"] for d in deltas(events))
+        assert text.startswith(final["output"]["text"])
+
+
+async def test_cancel_and_deadline_end_the_stream_with_a_terminal_event(redis_url, prefix, loaded_models):
+    settings = make_settings(redis_url, prefix)
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        body = {"input": {"prompt": PROMPT}, "params": {"max_new_tokens": 256, "ignore_eos": True}, "stream": True}
+        rid = (await gw.client.post("/v1/models/tiny-llama/requests", json=body)).json()["id"]
+
+        async def cancel_soon() -> None:
+            await asyncio.sleep(0.5)
+            await gw.client.delete(f"/v1/requests/{rid}")
+
+        task = asyncio.create_task(cancel_soon())
+        events = await events_of(gw.client, rid)
+        await task
+        assert events[-1]["event"] == "done" and events[-1]["data"]["status"] == "cancelled"
+        # a request whose deadline passes while nothing computes it: the stream still ends
+        async with running_gateway(make_settings(redis_url, prefix + "-idle")) as idle:
+            short = {"input": {"prompt": "hi"}, "stream": True, "timeout_s": 1}
+            rid2 = (await idle.client.post("/v1/models/tiny-llama/requests", json=short)).json()["id"]
+            events = await events_of(idle.client, rid2)
+            assert events[-1]["event"] == "done" and events[-1]["data"]["status"] == "expired"
+
+
+async def test_a_request_that_did_not_stream_gets_its_output_as_one_delta(redis_url, prefix, loaded_models):
+    settings = make_settings(redis_url, prefix)
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        r = await gw.client.post("/v1/models/tiny-llama/requests?wait=30",
+                                 json={"input": {"prompt": PROMPT}, "params": {"max_new_tokens": 8}})
+        events = await events_of(gw.client, r.json()["id"])
+        assert [e["event"] for e in events] == ["delta", "done"]
+        check_adds_up(events)
+        emb = await gw.client.post("/v1/models/minilm/requests?wait=30", json={"input": {"text": "x"}})
+        assert [e["event"] for e in await events_of(gw.client, emb.json()["id"])] == ["done"]
+
+
+async def test_a_request_run_again_continues_after_what_its_caller_was_sent(redis_url, prefix, loaded_models):
+    """As after a worker crash mid-stream: an earlier attempt sent some tokens; the next attempt continues
+    after them instead of generating them again, so the caller sees each token once and the output holds
+    the sent ones whatever the next attempt would have sampled."""
+    settings = make_settings(redis_url, prefix)
+    async with running_gateway(settings) as gw:
+        body = {"input": {"prompt": PROMPT}, "params": {"max_new_tokens": 16, "ignore_eos": True}, "stream": True}
+        rid = (await gw.client.post("/v1/models/tiny-llama/requests", json=body)).json()["id"]
+        sent = (11, 12, 13)  # not what the model would generate: the continuation must keep them anyway
+        tok = loaded_models["tiny-llama"].tokenizer
+        redis = gw.service.redis
+        await redis.xadd(Keys(prefix).events(rid), {"d": encode(StreamDelta(0, sent, tok.decode(list(sent))))})
+        async with running_worker(settings, loaded_models):
+            events = await events_of(gw.client, rid)
+    final = check_adds_up(events)
+    out = final["output"]["token_ids"]
+    assert tuple(out[:3]) == sent and len(out) == 16
+    ids = tok(PROMPT)["input_ids"]
+    assert out[3:] == reference(loaded_models["tiny-llama"], ids + list(sent), 13)
