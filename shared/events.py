@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from shared.codec import decode
+from shared.deadlines import cannot_finish
 from shared.errors import CodecError
 from shared.keys import Keys
 from shared.messages import StreamDelta
-from shared.records import StoredRecord
+from shared.records import StoredRecord, parse_record
 from shared.views import record_view
 from shared.waiters import SubscriptionUnavailable
 
@@ -92,9 +93,17 @@ class _Cursor:
         return ServerEvent("delta", {"index": start, "text": rest_text, "token_ids": rest_ids}, str(len(ids)))
 
 
-async def _read_deltas(q: QueueClient, request_id: str, cursor: _Cursor) -> list[StreamDelta]:
-    start = cursor.entry if cursor.entry == "-" else "(" + cursor.entry
-    entries = await q.redis.xrange(q.keys.events(request_id), min=start, max="+")
+async def _read(q: QueueClient, request_id: str, cursor: _Cursor) -> tuple[StoredRecord | None, list[StreamDelta]]:
+    """The record, then the deltas after the cursor: one round trip, in that order (a terminal record's deltas
+    were all written before it). A record past its deadline is expired as `QueueClient.get` does."""
+    pipe = q.redis.pipeline(transaction=False)
+    pipe.hgetall(q.keys.record(request_id))
+    pipe.xrange(q.keys.events(request_id), min=cursor.entry if cursor.entry == "-" else "(" + cursor.entry, max="+")
+    raw, entries = await pipe.execute()
+    rec = parse_record(request_id, raw)
+    if rec is not None and not rec.terminal and rec.meta is not None and cannot_finish(
+            rec.meta.deadline_ms / 1000 + q.settings.expiry_grace_s, q.clock()):
+        rec = await q.get(request_id)
     out = []
     for entry_id, fields in entries:
         cursor.entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
@@ -102,7 +111,7 @@ async def _read_deltas(q: QueueClient, request_id: str, cursor: _Cursor) -> list
             out.append(decode(fields[b"d"], StreamDelta))
         except (CodecError, KeyError):
             log.warning("undecodable stream delta skipped", request_id=request_id, entry=cursor.entry)
-    return out
+    return rec, out
 
 
 async def streamed_tokens(redis: Any, keys: Keys, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:
@@ -142,10 +151,10 @@ async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None) ->
     try:
         async with q.hub.subscribe(q.keys.done_channel(request_id)) as sub:
             while True:
-                fresh = await q.get(request_id)
+                fresh, new = await _read(q, request_id, cursor)
                 rec = fresh or rec
-                for delta in await _read_deltas(q, request_id, cursor):  # after the record: all of a result's
-                    event = cursor.take(delta)  # deltas were written before it
+                for delta in new:
+                    event = cursor.take(delta)
                     if event is not None:
                         yield event
                 if rec.terminal:

@@ -5,6 +5,7 @@ hop; see `shared.sdk.direct`)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -49,6 +50,35 @@ class Result:
                    finish_reason=body.get("finish_reason"), timings=body.get("timings") or {}, raw=body)
 
 
+@dataclass(frozen=True)
+class Event:
+    """One event of a request (`events()`): `status` {id, status}, `delta` {index, text, token_ids}, or the
+    final `done` (the request as `get` answers it). `id`: pass it as `last_event_id` to go on after it."""
+
+    event: str
+    data: dict[str, Any]
+    id: str | None = None
+
+    @property
+    def text(self) -> str:
+        return str(self.data.get("text", "")) if self.event == "delta" else ""
+
+
+def parse_sse(lines: Iterable[str], state: dict[str, Any]) -> Iterator[Event]:
+    """Events from Server-Sent Event lines (`state` carries a half-read event between calls)."""
+    for line in lines:
+        if not line:
+            if "data" in state:
+                yield Event(state.get("event", "message"), json.loads(state["data"]), state.get("id"))
+            state.clear()
+        elif not line.startswith(":"):
+            name, _, value = line.partition(":")
+            state[name] = value[1:] if value.startswith(" ") else value
+
+
+EVENT_RETRIES = 5  # reconnects of an event stream after a dropped connection (with Last-Event-ID)
+
+
 class _Common:
     """Request building shared by the sync and async clients (deadlines, headers, parsing)."""
 
@@ -72,9 +102,18 @@ class _Common:
         getter = getattr(self.lambda_context, "get_remaining_time_in_millis", None)
         return getter() / 1000 - self.deadline_margin_s if callable(getter) else None
 
+    def _events_headers(self, last_event_id: str | None) -> dict[str, str]:
+        h = {**self._headers(), "accept": "text/event-stream"}
+        if last_event_id is not None:
+            h["last-event-id"] = last_event_id
+        return h
+
     def _body(self, input: dict[str, Any], params: dict[str, Any] | None, timeout_s: float | None,
-              deadline: float | None, priority: str | None, callback: dict[str, Any] | None) -> dict[str, Any]:
+              deadline: float | None, priority: str | None, callback: dict[str, Any] | None,
+              stream: bool = False) -> dict[str, Any]:
         body: dict[str, Any] = {"input": input}
+        if stream:
+            body["stream"] = True
         if params:
             body["params"] = params
         if priority:
@@ -177,8 +216,9 @@ class AsyncBatchgateClient(_Common):
     async def submit(self, model: str, input: dict[str, Any], *, params: dict[str, Any] | None = None,
                      timeout_s: float | None = None, deadline: float | None = None, priority: str | None = None,
                      callback: dict[str, Any] | None = None, idempotency_key: str | None = None,
-                     wait: float | None = None) -> Submission | Result:
-        body = self._body(input, params, timeout_s, deadline, priority, callback)
+                     wait: float | None = None, stream: bool = False) -> Submission | Result:
+        """`stream`: tokens are published as they are decoded; read them with `events(id)`."""
+        body = self._body(input, params, timeout_s, deadline, priority, callback, stream)
         q = {"wait": self._wait_cap(wait)} if wait else None
         out = await self._request("POST", f"/v1/models/{model}/requests", json=body, params=q,
                                   headers=self._headers(idempotency_key))
@@ -217,6 +257,35 @@ class AsyncBatchgateClient(_Common):
 
     async def cancel(self, request_id: str) -> Result:
         return Result.of(await self._request("DELETE", f"/v1/requests/{request_id}"))
+
+    async def events(self, request_id: str, last_event_id: str | None = None) -> AsyncIterator[Event]:
+        """The request's events until its `done` event: status changes, token deltas (of a request submitted
+        with `stream=True`; else its whole output as one), the final result. A dropped connection is resumed
+        where it left off (Last-Event-ID); so is a call given the `id` of the last event a caller had."""
+        if self._direct is not None:
+            async for event in self._direct.events(request_id, last_event_id):
+                yield event
+            return
+        retries = EVENT_RETRIES
+        while True:
+            try:
+                async with self._http.stream("GET", f"/v1/requests/{request_id}/events",
+                                             headers=self._events_headers(last_event_id)) as r:
+                    if r.status_code >= 400:
+                        await r.aread()
+                        self._parse(r.status_code, r.headers, r.json() if r.content else None)
+                    state: dict[str, Any] = {}
+                    async for line in r.aiter_lines():
+                        for event in parse_sse([line], state):
+                            last_event_id = event.id or last_event_id
+                            yield event
+                            if event.event == "done":
+                                return
+            except httpx.TransportError as exc:
+                retries -= 1
+                if retries < 0:
+                    raise Unavailable(f"event stream of {request_id} lost: {exc!r}") from exc
+                await asyncio.sleep(0.2)
 
     async def stream(self, request_ids: Iterable[str], timeout: float = 300.0) -> AsyncIterator[Result]:
         """Results of many requests, in the order they finish."""
@@ -271,8 +340,8 @@ class BatchgateClient(_Common):
     def submit(self, model: str, input: dict[str, Any], *, params: dict[str, Any] | None = None,
                timeout_s: float | None = None, deadline: float | None = None, priority: str | None = None,
                callback: dict[str, Any] | None = None, idempotency_key: str | None = None,
-               wait: float | None = None) -> Submission | Result:
-        body = self._body(input, params, timeout_s, deadline, priority, callback)
+               wait: float | None = None, stream: bool = False) -> Submission | Result:
+        body = self._body(input, params, timeout_s, deadline, priority, callback, stream)
         q = {"wait": self._wait_cap(wait)} if wait else None
         return self._submission(self._request("POST", f"/v1/models/{model}/requests", json=body, params=q,
                                               headers=self._headers(idempotency_key)))
@@ -306,6 +375,29 @@ class BatchgateClient(_Common):
     def cancel(self, request_id: str) -> Result:
         return Result.of(self._request("DELETE", f"/v1/requests/{request_id}"))
 
+    def events(self, request_id: str, last_event_id: str | None = None) -> Iterator[Event]:
+        """As `AsyncBatchgateClient.events`."""
+        retries = EVENT_RETRIES
+        while True:
+            try:
+                with self._http.stream("GET", f"/v1/requests/{request_id}/events",
+                                       headers=self._events_headers(last_event_id)) as r:
+                    if r.status_code >= 400:
+                        r.read()
+                        self._parse(r.status_code, r.headers, r.json() if r.content else None)
+                    state: dict[str, Any] = {}
+                    for line in r.iter_lines():
+                        for event in parse_sse([line], state):
+                            last_event_id = event.id or last_event_id
+                            yield event
+                            if event.event == "done":
+                                return
+            except httpx.TransportError as exc:
+                retries -= 1
+                if retries < 0:
+                    raise Unavailable(f"event stream of {request_id} lost: {exc!r}") from exc
+                time.sleep(0.2)
+
     def stream(self, request_ids: Iterable[str], timeout: float = 300.0, concurrency: int = 16) -> Iterator[Result]:
         """Results of many requests, in the order they finish (long-polls on a small thread pool)."""
         ids = list(request_ids)
@@ -315,4 +407,4 @@ class BatchgateClient(_Common):
                 yield fut.result()
 
 
-__all__ = ["AsyncBatchgateClient", "BatchgateClient", "BatchgateError", "Result", "Submission"]
+__all__ = ["AsyncBatchgateClient", "BatchgateClient", "BatchgateError", "Event", "Result", "Submission"]

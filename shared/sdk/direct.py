@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 from shared import operations as ops
-from shared.api_errors import ApiError, MethodNotAllowed, NotFound, PayloadTooLarge, ServiceUnavailable
+from shared.api_errors import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge, ServiceUnavailable
 from shared.config import Settings
+from shared.events import follow, parse_last_event_id
 from shared.queue_client import QueueClient
 from shared.redis_io import UNAVAILABLE
+from shared.sdk.errors import error_for
 
 _ROUTES = (
     ("POST", re.compile(r"^/v1/models/([^/]+)/requests$"), "submit"),
@@ -37,6 +40,21 @@ class DirectTransport:
 
     async def aclose(self) -> None:
         await self._queue.close()
+
+    async def events(self, request_id: str, last_event_id: str | None) -> AsyncIterator[Any]:
+        """A request's events, read from Redis as the gateway's event stream reads them (`shared.events`)."""
+        from shared.sdk.client import Event
+
+        try:
+            after = parse_last_event_id(last_event_id)
+        except ValueError as exc:
+            raise error_for(400, BadRequest(str(exc), code="invalid_last_event_id").body(), None) from exc
+        try:
+            rec = await ops.visible(self._queue, self._tenant, request_id)
+        except ApiError as exc:
+            raise error_for(exc.status, exc.body(), None) from exc
+        async for ev in follow(self._queue, rec, after):
+            yield Event(ev.event, ev.data, ev.id)
 
     async def request(self, method: str, path: str, body: Any, params: dict[str, Any],
                       headers: dict[str, str]) -> tuple[int, dict[str, str], Any]:

@@ -240,3 +240,59 @@ async def test_backlog_past_the_stream_cap(tmp_path, model_cache, prefix):
         after = r.info("memory")["used_memory"]
         # the stream is empty again; what remains are the 20 result records (kept for their TTL)
         assert after - base < max(2 << 20, (peak - base) * 2), (base, peak, after)
+
+
+STREAMED = {"input": {"input_ids": list(range(3, 60))}, "timeout_s": 600, "stream": True,
+            "params": {"max_new_tokens": 200, "ignore_eos": True, "temperature": 1.0}}  # sampled, no seed
+
+
+async def follow_events(c, rid: str) -> list[dict]:
+    """A caller reading the request's event stream across the fault, reconnecting with Last-Event-ID."""
+    events: list[dict] = []
+    last = None
+    while not events or events[-1]["event"] != "done":
+        headers = {"Last-Event-ID": last} if last else {}
+        async with c.client.stream("GET", f"/v1/requests/{rid}/events", headers=headers) as r:
+            current: dict = {}
+            async for line in r.aiter_lines():
+                if not line and current:
+                    events.append(current)
+                    last = current.get("id", last)
+                    current = {}
+                    if events[-1]["event"] == "done":
+                        break
+                elif line and not line.startswith(":"):
+                    name, _, value = line.partition(": ")
+                    current[name] = __import__("json").loads(value) if name == "data" else value
+    return events
+
+
+def stream_is_whole(events: list[dict]) -> dict:
+    """Every token once, in order, and the deltas add up to the final output, though the request ran twice."""
+    out = events[-1]["data"]["output"]
+    deltas = [e["data"] for e in events if e["event"] == "delta"]
+    assert [d["index"] for d in deltas] == [sum(len(x["token_ids"]) for x in deltas[:i]) for i in range(len(deltas))]
+    assert [t for d in deltas for t in d["token_ids"]] == out["token_ids"]
+    assert "".join(d["text"] for d in deltas) == out["text"]
+    return events[-1]["data"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+async def test_a_stream_survives_its_worker_without_a_repeated_or_changed_token(tmp_path, model_cache, prefix, sig):
+    async with cluster(tmp_path, model_cache, prefix, BATCHGATE_DRAIN_BUDGET_S="0.2") as c:
+        a = c.worker("w-a")
+        ids = [(await c.submit(STREAMED)).json()["id"] for _ in range(3)]
+        readers = [asyncio.create_task(follow_events(c, rid)) for rid in ids]
+        r = c.redis.client()
+        await until(lambda: all(r.xlen(f"{prefix}:{{r:{rid}}}:ev") >= 5 for rid in ids))  # mid-stream
+        a.signal(sig)
+        t_fault = time.monotonic()
+        a.wait(30)
+        c.worker("w-b")
+        streams = await asyncio.wait_for(asyncio.gather(*readers), 240)
+        final = await c.ledger(f"streaming: {signal.Signals(sig).name} mid-stream", t_fault)
+        for events in streams:
+            done = stream_is_whole(events)
+            assert done["status"] == "succeeded" and len(done["output"]["token_ids"]) == 200
+        assert len(final) == 3
+        assert sum(v["attempts"] > 1 for v in final.values()) >= 1 or sig == signal.SIGTERM

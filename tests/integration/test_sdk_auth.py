@@ -169,3 +169,35 @@ async def test_openapi_document_and_docs_page(redis_url, prefix):
         assert {(r.method, r.path) for r in ROUTES} <= ops  # every route is documented
         page = await gw.client.get("/docs")
         assert page.status_code == 200 and "/v1/models/{model}/requests" in page.text
+
+
+async def test_sdk_streams_tokens_over_http_sync_async_and_direct(redis_url, prefix, loaded_models):
+    settings = make_settings(redis_url, prefix, auth="api_key")
+    params = {"max_new_tokens": 12, "ignore_eos": True}
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        key, other = await keys_for(gw, "acme", "rival")
+        async with AsyncBatchgateClient(gw.base_url, api_key=key) as c:
+            sub = await c.submit("tiny-llama", {"prompt": "stream me"}, params=params, stream=True)
+            events = [e async for e in c.events(sub.id)]
+            assert events[-1].event == "done" and events[-1].data["status"] == "succeeded"
+            text = "".join(e.text for e in events)
+            assert text == events[-1].data["output"]["text"] and sum(e.event == "delta" for e in events) >= 4
+            # resuming after the id of a delta gives exactly what came after it
+            deltas = [e for e in events if e.event == "delta"]
+            rest = [e async for e in c.events(sub.id, last_event_id=deltas[2].id)]
+            assert "".join(e.text for e in rest) == "".join(e.text for e in deltas[3:])
+        async with AsyncBatchgateClient(gw.base_url, api_key=other) as c:
+            with pytest.raises(NotFound):  # another tenant's request: its events are not there either
+                _ = [e async for e in c.events(sub.id)]
+
+        def sync_scenario() -> str:
+            with BatchgateClient(gw.base_url, api_key=key) as c:
+                s = c.submit("tiny-llama", {"prompt": "stream me"}, params=params, stream=True)
+                return "".join(e.text for e in c.events(s.id))
+
+        assert await asyncio.to_thread(sync_scenario) == text  # greedy: the same tokens
+    async with running_worker(settings, loaded_models), \
+            AsyncBatchgateClient.direct(redis_url, tenant="vpc", key_prefix=prefix) as c:
+        sub = await c.submit("tiny-llama", {"prompt": "stream me"}, params=params, stream=True)
+        events = [e async for e in c.events(sub.id)]
+        assert "".join(e.text for e in events) == text and events[-1].event == "done"
