@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 RESUBSCRIBE_S = 0.5  # the pub/sub connection could not confirm: read again after this long
+STATUS_ORDER = {"queued": 0, "running": 1}  # a status event only ever moves forward
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,14 +94,17 @@ class _Cursor:
         return ServerEvent("delta", {"index": start, "text": rest_text, "token_ids": rest_ids}, str(len(ids)))
 
 
-async def _read(q: QueueClient, request_id: str, cursor: _Cursor) -> tuple[StoredRecord | None, list[StreamDelta]]:
-    """The record, then the deltas after the cursor: one round trip, in that order (a terminal record's deltas
-    were all written before it). A record past its deadline is expired as `QueueClient.get` does."""
+async def _read(q: QueueClient, request_id: str, cursor: _Cursor,
+                *, record: bool) -> tuple[StoredRecord | None, list[StreamDelta]]:
+    """The record (if `record`), then the deltas after the cursor: one round trip, in that order (a terminal
+    record's deltas were all written before it). A record past its deadline is expired as `QueueClient.get`
+    does."""
     pipe = q.redis.pipeline(transaction=False)
-    pipe.hgetall(q.keys.record(request_id))
+    if record:
+        pipe.hgetall(q.keys.record(request_id))
     pipe.xrange(q.keys.events(request_id), min=cursor.entry if cursor.entry == "-" else "(" + cursor.entry, max="+")
-    raw, entries = await pipe.execute()
-    rec = parse_record(request_id, raw)
+    *raw, entries = await pipe.execute()
+    rec = parse_record(request_id, raw[0]) if record else None
     if rec is not None and not rec.terminal and rec.meta is not None and cannot_finish(
             rec.meta.deadline_ms / 1000 + q.settings.expiry_grace_s, q.clock()):
         rec = await q.get(request_id)
@@ -151,8 +155,13 @@ async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None) ->
     try:
         async with q.hub.subscribe(q.keys.done_channel(request_id)) as sub:
             while True:
-                fresh, new = await _read(q, request_id, cursor)
+                # woken by new deltas alone, only they are read (one command); anything else (a result, a
+                # reconnect, the deadline's timeout) reads the record too
+                fresh, new = await _read(q, request_id, cursor, record=sub.take_record_due())
                 rec = fresh or rec
+                if new and status == "queued":  # tokens come: it runs (the record says so too)
+                    status = "running"
+                    yield ServerEvent("status", {"id": request_id, "status": status}, str(cursor.tokens))
                 for delta in new:
                     event = cursor.take(delta)
                     if event is not None:
@@ -163,14 +172,15 @@ async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None) ->
                         yield tail
                     yield ServerEvent("done", record_view(rec), str(cursor.tokens))
                     return
-                if rec.state.value != status:
+                if fresh is not None and STATUS_ORDER.get(rec.state.value, 2) > STATUS_ORDER.get(status or "", -1):
                     status = rec.state.value
                     yield ServerEvent("status", {"id": request_id, "status": status}, str(cursor.tokens))
                 timeout = 5.0
                 if rec.meta is not None:  # never past the point where get() expires it
                     expiry = rec.meta.deadline_ms / 1000 + q.settings.expiry_grace_s - q.clock()
                     timeout = max(0.0, expiry) + 0.05
-                await sub.wait(timeout)
+                if not await sub.wait(timeout):
+                    sub.record_due = True
     except SubscriptionUnavailable:
         # no pub/sub: read at a slow pace instead of not at all (Redis is unreachable or overloaded)
         await asyncio.sleep(RESUBSCRIBE_S)

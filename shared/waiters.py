@@ -24,10 +24,19 @@ log = structlog.get_logger(__name__)
 SUBSCRIBE_TIMEOUT_S = 2.0
 
 
+DELTA = b"d"  # what a streaming request's worker publishes on its done channel for new token deltas
+
+
 @dataclass(eq=False)
 class Subscription:
     channel: str
     event: asyncio.Event = field(default_factory=asyncio.Event)
+    # woken by something other than new token deltas (a result, a reconnect): the record needs reading
+    record_due: bool = True
+
+    def take_record_due(self) -> bool:
+        due, self.record_due = self.record_due, False
+        return due
 
     async def wait(self, timeout: float) -> bool:
         """True if woken (event or reconnect) before `timeout`; clears the event for the next wait."""
@@ -144,18 +153,22 @@ class WaiterHub:
                 # re-subscribed after a reconnect: a result may have been published while we were not
                 # subscribed, so wake the waiters once more to re-read their records
                 for sub in self._subs[channel]:
+                    sub.record_due = True
                     sub.event.set()
             elif channel != self._heartbeat and self._pubsub is not None:
                 # nobody waits on it any more (left while we were disconnected): drop it
                 task = asyncio.ensure_future(self._pubsub.unsubscribe(channel))
                 task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
         elif kind == "message":
+            deltas_only = msg.get("data") in (DELTA, DELTA.decode())
             for sub in self._subs.get(channel, ()):
+                sub.record_due = sub.record_due or not deltas_only
                 sub.event.set()
 
     def _wake_all(self) -> None:
         for subs in self._subs.values():
             for sub in subs:
+                sub.record_due = True
                 sub.event.set()
         for fut in self._confirm.values():
             if not fut.done():

@@ -263,8 +263,8 @@ class AsyncBatchgateClient(_Common):
         with `stream=True`; else its whole output as one), the final result. A dropped connection is resumed
         where it left off (Last-Event-ID); so is a call given the `id` of the last event a caller had."""
         if self._direct is not None:
-            async for event in self._direct.events(request_id, last_event_id):
-                yield event
+            async for ev in self._direct.events(request_id, last_event_id):
+                yield Event(ev.event, ev.data, ev.id)
             return
         retries = EVENT_RETRIES
         while True:

@@ -42,9 +42,8 @@ class DirectTransport:
         await self._queue.close()
 
     async def events(self, request_id: str, last_event_id: str | None) -> AsyncIterator[Any]:
-        """A request's events, read from Redis as the gateway's event stream reads them (`shared.events`)."""
-        from shared.sdk.client import Event
-
+        """A request's events (`shared.events.ServerEvent`), read from Redis as the gateway's event stream
+        reads them."""
         try:
             after = parse_last_event_id(last_event_id)
         except ValueError as exc:
@@ -54,7 +53,7 @@ class DirectTransport:
         except ApiError as exc:
             raise error_for(exc.status, exc.body(), None) from exc
         async for ev in follow(self._queue, rec, after):
-            yield Event(ev.event, ev.data, ev.id)
+            yield ev
 
     async def request(self, method: str, path: str, body: Any, params: dict[str, Any],
                       headers: dict[str, str]) -> tuple[int, dict[str, str], Any]:
