@@ -219,3 +219,35 @@ def test_handler_modules_import_no_torch(stack_env, module):
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **stack_env}, capture_output=True,
                          text=True, timeout=60, check=True).stdout.split()
     assert out[1:] == ["False", "False"], out
+
+
+def test_lambda_serves_a_requests_events_whole(stack_env, monkeypatch):
+    """A Lambda answers once: the event stream comes whole, in the SSE format, when the request is done."""
+    key = api_key(stack_env)
+    mod = load("gateway.lambda_handler", stack_env, monkeypatch)
+    body = json.dumps({"input": {"prompt": "hi"}, "params": {"max_new_tokens": 6, "ignore_eos": True},
+                       "stream": True})
+    sub = mod.http_handler(apigw_v2(key, body=body, path="/v1/models/tiny-llama/requests"), FakeContext(30_000))
+    assert sub["statusCode"] == 200, sub  # ?wait=20: the result
+    rid = body_of(sub)["id"]
+    event = apigw_v2(key, body="", path=f"/v1/requests/{rid}/events", method="GET")
+    event["rawQueryString"], event["queryStringParameters"] = "", {}
+    resp = mod.http_handler(event, FakeContext(30_000))
+    assert resp["statusCode"] == 200 and resp["headers"]["content-type"].startswith("text/event-stream")
+    text = resp["body"]
+    datas = [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+    assert "event: done" in text and datas[-1]["status"] == "succeeded"
+    deltas = [d for d in datas[:-1] if "token_ids" in d]
+    assert "".join(d["text"] for d in deltas) == datas[-1]["output"]["text"]
+    assert [t for d in deltas for t in d["token_ids"]] == datas[-1]["output"]["token_ids"]
+    # one still running: the answer waits for its end
+    queued = apigw_v2(key, body=body.replace('"max_new_tokens": 6', '"max_new_tokens": 40'),
+                      path="/v1/models/tiny-llama/requests")
+    queued["rawQueryString"], queued["queryStringParameters"] = "", {}
+    sub = mod.http_handler(queued, FakeContext(30_000))
+    assert sub["statusCode"] == 202, sub
+    running = apigw_v2(key, body="", path=f"/v1/requests/{body_of(sub)['id']}/events", method="GET")
+    running["rawQueryString"], running["queryStringParameters"] = "", {}
+    resp = mod.http_handler(running, FakeContext(30_000))
+    datas = [json.loads(line[len("data: "):]) for line in resp["body"].splitlines() if line.startswith("data: ")]
+    assert datas[-1]["status"] == "succeeded" and len(datas[-1]["output"]["token_ids"]) == 40
