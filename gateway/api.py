@@ -54,10 +54,17 @@ def wants_events(accept: str | None) -> bool:
     return bool(accept) and EVENT_STREAM in (accept or "")
 
 
+def sse_data(event: ServerEvent) -> str:
+    """An event's data line: JSON, or a string as it is (OpenAI's `[DONE]`)."""
+    if isinstance(event.data, str):
+        return event.data
+    return json.dumps(event.data, separators=(",", ":"), allow_nan=False)
+
+
 def sse_frame(event: ServerEvent) -> bytes:
-    """One Server-Sent Event, as the wire carries it."""
-    data = json.dumps(event.data, separators=(",", ":"), allow_nan=False)
-    return f"id: {event.id}\nevent: {event.event}\ndata: {data}\n\n".encode()
+    """One Server-Sent Event, as the wire carries it (no `id:`/`event:` line where they are empty)."""
+    head = (f"id: {event.id}\n" if event.id else "") + (f"event: {event.event}\n" if event.event else "")
+    return f"{head}data: {sse_data(event)}\n\n".encode()
 
 
 @dataclass(slots=True)
@@ -113,6 +120,7 @@ __all__ = [
     "UnsupportedMediaType",
     "collect_events",
     "error_response",
+    "sse_data",
     "sse_frame",
     "wants_events",
 ]

@@ -18,7 +18,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import metrics, openapi
-from gateway.api import ApiError, ApiRequest, ApiResponse, PayloadTooLarge, RequestTimeout, error_response
+from gateway.api import ApiError, ApiRequest, ApiResponse, PayloadTooLarge, RequestTimeout, sse_data
 from gateway.routes import ROUTES, RouteSpec, dispatch
 from gateway.service import GatewayService
 from shared.config import Settings
@@ -56,8 +56,7 @@ async def _frames(resp: ApiResponse) -> AsyncIterator[ServerSentEvent]:
     assert resp.events is not None
     try:
         async for event in resp.events:
-            yield ServerSentEvent(json.dumps(event.data, separators=(",", ":"), allow_nan=False),
-                                  event=event.event, id=event.id)
+            yield ServerSentEvent(sse_data(event), event=event.event or None, id=event.id or None)
     except UNAVAILABLE as exc:
         log.warning("event stream: redis unavailable", error=repr(exc))
         body = {"error": {"code": "unavailable", "message": "the queue is unreachable; reconnect with Last-Event-ID"}}
@@ -86,7 +85,7 @@ def _endpoint(route: RouteSpec, svc: GatewayService):  # type: ignore[no-untyped
             )
             resp = await dispatch(route, svc, api_req, [request.path_params[p] for p in route.params])
         except ApiError as exc:
-            resp = error_response(exc)
+            resp = route.errors(exc)
         metrics.HTTP_LATENCY.labels(name, str(resp.status)).observe(time.perf_counter() - t0)
         return _send(resp, request.headers.get("accept"))
 

@@ -8,6 +8,7 @@ Redis being unreachable is a 503 with Retry-After; nothing a caller sends produc
 
 from __future__ import annotations
 
+from gateway import openai_api
 from gateway.api import ApiRequest, ApiResponse, BadRequest, Conflict, NotFound, ServiceUnavailable, wants_events
 from gateway.parsing import parse_body, parse_idempotency_key, parse_wait
 from gateway.service import GatewayService
@@ -88,7 +89,7 @@ async def list_models(svc: GatewayService, req: ApiRequest) -> ApiResponse:
             lane["service_rate_rps"] = round(sum(ln.completed_rps for ln in loads), 3)
             lane["est_wait_ms"] = round(min(ln.est_wait_ms for ln in loads)) if loads else None
         out.append(public)
-    return ApiResponse(200, {"models": out})
+    return ApiResponse(200, {"models": out, "object": "list", "data": openai_api.list_data(svc)})
 
 
 async def healthz(svc: GatewayService, req: ApiRequest) -> ApiResponse:

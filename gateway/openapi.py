@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from shared.config import Settings
+from shared.openai_shapes import ChatRequest, CompletionRequest, EmbeddingRequest
 from shared.submit import EmbedSubmit, GenerateSubmit
 from shared.views import Accepted, ErrorBody, RequestView
 
@@ -45,9 +46,104 @@ def _json(schema: dict[str, Any], desc: str) -> dict[str, Any]:
 
 def components() -> dict[str, Any]:
     """The schemas, generated from the types the gateway validates with and answers with."""
-    _, schemas = msgspec.json.schema_components([GenerateSubmit, EmbedSubmit, RequestView, Accepted, ErrorBody],
+    _, schemas = msgspec.json.schema_components([GenerateSubmit, EmbedSubmit, RequestView, Accepted, ErrorBody,
+                                                 CompletionRequest, ChatRequest, EmbeddingRequest],
                                                 ref_template=REF)
-    return schemas
+    return {**schemas, **OPENAI_SCHEMAS}
+
+
+# The OpenAI-compatible routes (gateway/openai_api.py, docs/openai.md): OpenAI's response shapes. Their
+# errors are OpenAI's `{"error": {"message", "type", "param", "code"}}`; one the route never reached
+# (a missing API key, a body too large or too slow) is the native `ErrorBody`, which this schema admits too.
+_NULLABLE_STR = {"type": ["string", "null"]}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "total_tokens"], "properties": {
+    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+    "total_tokens": {"type": "integer"}}}
+_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", None]}
+
+
+def _completion_schema(obj: str, chat: bool) -> dict[str, Any]:
+    answer = ({"message": {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"const": "assistant"}, "content": _NULLABLE_STR}}} if chat else {"text": {"type": "string"}})
+    choice = {"type": "object", "required": ["index", "finish_reason", *answer],
+              "properties": {"index": {"type": "integer"}, "finish_reason": _FINISH, **answer}}
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
+        "id": {"type": "string"}, "object": {"const": obj}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "choices": {"type": "array", "items": choice}, "usage": _USAGE,
+        "batchgate": {"type": "object", "description": "the native request id, status and finish_reason"}}}
+
+
+OPENAI_SCHEMAS: dict[str, Any] = {
+    "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"}, "param": _NULLABLE_STR,
+            "code": _NULLABLE_STR}}}},
+    "Completion": _completion_schema("text_completion", chat=False),
+    "ChatCompletion": _completion_schema("chat.completion", chat=True),
+    "EmbeddingList": {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
+        "object": {"const": "list"}, "model": {"type": "string"}, "usage": _USAGE,
+        "data": {"type": "array", "items": {"type": "object", "required": ["object", "index", "embedding"],
+                                            "properties": {
+            "object": {"const": "embedding"}, "index": {"type": "integer"},
+            "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}},
+                                    {"type": "string", "description": "base64 of little-endian float32"}]}}}}}},
+    "OpenAIModel": {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+        "owned_by": {"type": "string"}}},
+}
+
+
+def _oa_err(desc: str) -> dict[str, Any]:
+    return {"description": desc, "content": {"application/json": {"schema": {"$ref": REF.format(name="OpenAIError")}}}}
+
+
+OPENAI_ERRORS = {
+    "400": _oa_err("Invalid or unsupported parameter (`param` names it): native 422s are 400s here"),
+    "401": _oa_err("Missing, invalid or revoked API key"),
+    "404": _oa_err("Unknown model"),
+    "408": {**_oa_err("The body did not arrive within the server's body timeout (connection closed)"),
+            "headers": {"Connection": {"schema": {"type": "string", "enum": ["close"]}}}},
+    "409": _oa_err("Cancelled while waiting, or an Idempotency-Key in use (x-should-retry says whether to retry)"),
+    "413": _oa_err("Body too large"), "415": _oa_err("Unsupported content type"),
+    "429": _oa_err("Over capacity, rate limit, quota, or deadline infeasible; see Retry-After and retry-after-ms"),
+    "500": _oa_err("The model failed on this request (not retried: x-should-retry: false)"),
+    "503": _oa_err("Redis unreachable; retry after Retry-After"),
+    "504": _oa_err("The deadline passed before any output, or no result within the gateway's longest wait "
+                   "(the request goes on: GET /v1/requests/{id})"),
+}
+
+
+def openai_paths() -> dict[str, Any]:
+    timeout_header = {"name": "X-Batchgate-Timeout", "in": "header", "required": False,
+                      "schema": {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?$"},
+                      "description": "the request's deadline in seconds from now (the body's timeout_s wins)"}
+    idem_header = {"name": "Idempotency-Key", "in": "header", "required": False,
+                   "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[ -~]+$"}}
+    stream = {"text/event-stream": {"schema": {
+        "type": "string", "description": "with stream: true, chunks as `data: {json}` lines, then `data: [DONE]`"}}}
+
+    def post(op: str, summary: str, body: str, answer: str, streams: bool) -> dict[str, Any]:
+        content = {"application/json": {"schema": {"$ref": REF.format(name=answer)}}, **(stream if streams else {})}
+        return {"post": {
+            "operationId": op, "summary": summary, "tags": ["openai"], "parameters": [timeout_header, idem_header],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "$ref": REF.format(name=body)}}}},
+            "responses": {"200": {"description": "The result (OpenAI's shape)", "content": content},
+                          **OPENAI_ERRORS}}}
+
+    return {
+        "/v1/completions": post("openaiCompletions", "OpenAI-compatible completion", "CompletionRequest",
+                                "Completion", streams=True),
+        "/v1/chat/completions": post("openaiChatCompletions", "OpenAI-compatible chat completion", "ChatRequest",
+                                     "ChatCompletion", streams=True),
+        "/v1/embeddings": post("openaiEmbeddings", "OpenAI-compatible embeddings", "EmbeddingRequest",
+                               "EmbeddingList", streams=False),
+        "/v1/models/{model}": {"get": {
+            "operationId": "openaiRetrieveModel", "summary": "A model, in OpenAI's shape", "tags": ["openai"],
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": _json({"$ref": REF.format(name="OpenAIModel")}, "The model"),
+                          **{k: OPENAI_ERRORS[k] for k in ("401", "404", "503")}}}},
+    }
 
 
 def document(settings: Settings) -> dict[str, Any]:
@@ -80,7 +176,10 @@ def document(settings: Settings) -> dict[str, Any]:
                 "parameters": [model_param, wait_param, idem_header],
                 "requestBody": {"required": True, "content": {"application/json": {"schema": submit_body}}},
                 "responses": {
-                    "200": _json(request_view, "Finished within the wait (or an idempotent replay)"),
+                    "200": {"description": "Finished within the wait (or an idempotent replay); with `stream: "
+                                           "true` and `Accept: text/event-stream`, the request's events",
+                            "content": {"application/json": {"schema": request_view},
+                                        "text/event-stream": {"schema": {"type": "string"}}}},
                     "202": _json({"anyOf": [{"$ref": REF.format(name="Accepted")}, request_view]}, "Accepted"),
                     **COMMON_ERRORS, "408": BODY_TIMEOUT,
                     "409": _err("Idempotency-Key reused with a different body, or in progress"),
@@ -115,6 +214,18 @@ def document(settings: Settings) -> dict[str, Any]:
                                          "409": _err("Already finished (cancelled included)"),
                                          "410": _err("The result expired")}},
             },
+            "/v1/requests/{request_id}/events": {"get": {
+                "operationId": "requestEvents",
+                "summary": "Server-Sent Events: status changes, token deltas, then `done` with the result",
+                "parameters": [id_param, {"name": "Last-Event-ID", "in": "header", "required": False,
+                                          "schema": {"type": "string", "pattern": "^[0-9]{1,9}$"},
+                                          "description": "resume after this event (output tokens already had)"}],
+                "responses": {"200": {"description": "`status` {id, status}, `delta` {index, text, token_ids}, "
+                                                     "`done` (the request, as GET answers it); each event's id "
+                                                     "is the output tokens sent up to it",
+                                      "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                              **COMMON_ERRORS, "400": _err("Last-Event-ID is not one this API sent"),
+                              "410": _err("The result expired")}}},
             "/v1/requests/{request_id}/callback:replay": {"post": {
                 "operationId": "replayCallback", "summary": "Send a dead-lettered webhook again",
                 "parameters": [id_param],
@@ -122,9 +233,12 @@ def document(settings: Settings) -> dict[str, Any]:
                               "409": _err("Nothing to replay"), "410": _err("The result expired")}}},
             "/v1/models": {"get": {
                 "operationId": "listModels", "summary": "Models, lanes, backlog, service rate, estimated wait",
-                "responses": {"200": _json({"type": "object", "required": ["models"],
-                                            "properties": {"models": {"type": "array"}}}, "Models"),
+                "responses": {"200": _json({"type": "object", "required": ["models"], "properties": {
+                    "models": {"type": "array"}, "object": {"const": "list"},
+                    "data": {"type": "array", "items": {"$ref": REF.format(name="OpenAIModel")},
+                             "description": "the same models as OpenAI lists them"}}}, "Models"),
                               **COMMON_ERRORS}}},
+            **openai_paths(),
             "/healthz": {"get": {"operationId": "healthz", "security": [],
                                  "responses": {"200": _json({"type": "object"}, "Alive")}}},
             "/readyz": {"get": {"operationId": "readyz", "security": [],

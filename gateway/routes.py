@@ -7,10 +7,11 @@ import dataclasses
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
-from gateway import handlers, metrics
+from gateway import handlers, metrics, openai_api
 from gateway.api import (
     ApiError,
     ApiRequest,
@@ -37,15 +38,18 @@ class RouteSpec:
     public: bool = False  # served without an API key
     params: tuple[str, ...] = field(default=())
     pattern: re.Pattern[str] = field(default=re.compile(""), compare=False)
+    errors: Callable[[ApiError], ApiResponse] = field(default=error_response, compare=False)  # the error shape
 
     @classmethod
-    def make(cls, method: str, path: str, handler: Handler, **kw: bool) -> RouteSpec:
+    def make(cls, method: str, path: str, handler: Handler, **kw: Any) -> RouteSpec:
         params = tuple(re.findall(r"{(\w+)}", path))
         escaped = re.escape(path).replace(r"\{", "{").replace(r"\}", "}")
         escaped = re.escape(path).replace(r"\{", "{").replace(r"\}", "}")
         regex = "^" + re.sub(r"{(\w+)}", r"(?P<\1>[^/]+)", escaped) + "$"
         return cls(method, path, handler, params=params, pattern=re.compile(regex), **kw)
 
+
+OPENAI: dict[str, Any] = {"errors": openai_api.error_response}  # errors in OpenAI's shape on its routes
 
 ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec.make("POST", "/v1/models/{model}/requests", handlers.submit, with_body=True),
@@ -55,6 +59,10 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec.make("GET", "/v1/requests/{request_id}/events", handlers.request_events),
     RouteSpec.make("POST", "/v1/requests/{request_id}/callback:replay", handlers.replay_callback),
     RouteSpec.make("GET", "/v1/models", handlers.list_models),
+    RouteSpec.make("GET", "/v1/models/{model}", openai_api.retrieve_model, **OPENAI),
+    RouteSpec.make("POST", "/v1/completions", openai_api.completions, with_body=True, **OPENAI),
+    RouteSpec.make("POST", "/v1/chat/completions", openai_api.chat_completions, with_body=True, **OPENAI),
+    RouteSpec.make("POST", "/v1/embeddings", openai_api.embeddings, with_body=True, **OPENAI),
     RouteSpec.make("GET", "/healthz", handlers.healthz, public=True),
     RouteSpec.make("GET", "/readyz", handlers.readyz, public=True),
 )
@@ -92,11 +100,11 @@ async def dispatch(route: RouteSpec, svc: GatewayService, req: ApiRequest, args:
         return await route.handler(svc, req, *args)
     except ApiError as exc:
         metrics.ERRORS.labels(exc.code).inc()
-        return error_response(exc)
+        return route.errors(exc)
     except UNAVAILABLE as exc:
         metrics.ERRORS.labels("unavailable").inc()
         log.warning("redis unavailable", error=repr(exc))
-        return error_response(ServiceUnavailable("the queue is unreachable; retry shortly", retry_after=1))
+        return route.errors(ServiceUnavailable("the queue is unreachable; retry shortly", retry_after=1))
     finally:
         structlog.contextvars.clear_contextvars()
 

@@ -47,9 +47,9 @@ STATUS_ORDER = {"queued": 0, "running": 1}  # a status event only ever moves for
 
 @dataclass(frozen=True, slots=True)
 class ServerEvent:
-    event: str  # "status" | "delta" | "done"
-    data: dict[str, Any]
-    id: str
+    event: str  # "status" | "delta" | "done"; "" for none (OpenAI's chunks)
+    data: dict[str, Any] | str  # a str is sent as it is (OpenAI's "[DONE]"), anything else as JSON
+    id: str  # "" for none
 
 
 def parse_last_event_id(value: str | None) -> int | None:

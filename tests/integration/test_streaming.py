@@ -143,7 +143,7 @@ async def test_a_stop_string_never_leaks_into_the_stream(redis_url, prefix, load
         rid = (await gw.client.post("/v1/models/tiny-llama/requests", json=body)).json()["id"]
         events = await events_of(gw.client, rid)
         final = check_adds_up(events)
-        assert final["finish_reason"] == "stop" and stop not in final["output"]["text"]
+        assert final["finish_reason"] == "stop" and stop not in final["output"]["text"], (text, stop, final)
         assert all(stop not in d["text"] for d in deltas(events))
         assert text.startswith(final["output"]["text"])
 

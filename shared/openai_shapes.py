@@ -1,0 +1,522 @@
+"""OpenAI-compatible shapes: what `/v1/completions`, `/v1/chat/completions` and `/v1/embeddings` accept,
+and how it becomes the native submit body; how a native result becomes OpenAI's response, chunk or error.
+
+Pure (no I/O, no clock): the gateway's `gateway.openai_api` calls these around `shared.operations`, so
+the OpenAI routes get the native API's lanes, deadlines, admission and tenant limits unchanged.
+
+What is refused, and why, is written once here (docs/openai.md lists it): an OpenAI field we accept is
+either honoured or harmless at the value given; anything else is a 400 naming the field (`param`).
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from shared.api_errors import ApiError
+from shared.errors import ValidationError
+from shared.validation import check_text, convert
+
+OWNED_BY = "batchgate"
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when the caller sends none (the native API's is 0: greedy)
+TIMEOUT_HEADER = "x-batchgate-timeout"
+EXTENSION = "batchgate"  # the key of our own fields in a response (OpenAI clients keep unknown keys)
+TEXT_FAILURES = frozenset({"invalid_input", "input_too_long", "no_chat_template"})  # the caller's to fix
+
+Priority = Literal["interactive", "batch"]
+Kind = Literal["completion", "chat", "embedding"]
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 409: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable_error", 504: "timeout_error"}
+
+
+def error_type(status: int) -> str:
+    return _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+class OpenAIError(Exception):
+    """An error as OpenAI sends it: `{"error": {"message", "type", "param", "code"}}` with its status.
+
+    `retry`: False sends `x-should-retry: false`, so OpenAI's clients do not submit again a request that
+    cannot succeed by retrying (they retry 408, 409, 429 and 5xx by default)."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 retry: bool | None = None, retry_after: float | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.retry, self.retry_after = retry, retry_after
+        self._headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": error_type(self.status), "param": self.param,
+                          "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        out = dict(self._headers)
+        if self.retry_after is not None:  # OpenAI's clients read the milliseconds first
+            out["retry-after-ms"] = str(max(1, round(self.retry_after * 1000)))
+        if self.retry is not None:
+            out["x-should-retry"] = "true" if self.retry else "false"
+        return out
+
+
+def invalid(param: str | None, message: str, code: str = "invalid_request") -> OpenAIError:
+    """A 400 about one field of the request (its OpenAI name)."""
+    return OpenAIError(400, f"{param}: {message}" if param else message, code=code, param=param)
+
+
+def unsupported(param: str, what: str) -> OpenAIError:
+    return OpenAIError(400, f"{param}: {what}", code="unsupported_parameter", param=param)
+
+
+def openai_param(native_field: str, aliases: dict[str, str]) -> str | None:
+    """The OpenAI name of a native body field: `params.max_new_tokens` -> `max_tokens`, `input.texts[2]`
+    -> `input[2]`; the longest alias that is a prefix (at a field boundary) wins, `params.` is dropped."""
+    if not native_field:
+        return None
+    for native in sorted(aliases, key=len, reverse=True):
+        if native_field == native or native_field.startswith((native + ".", native + "[")):
+            return aliases[native] + native_field[len(native):]
+    return native_field.removeprefix("params.")
+
+
+def from_api_error(exc: ApiError, aliases: dict[str, str] | None = None) -> OpenAIError:
+    """A native error in OpenAI's shape. A 422 (a field the native checks refused) is a 400, as OpenAI
+    answers invalid parameters; its field and message name the OpenAI parameter."""
+    native = str(exc.extra.get("field") or "")
+    param = openai_param(native, aliases or {})
+    message = exc.message
+    if native and param and message.startswith(native + ":"):
+        message = param + message[len(native):]
+    status = 400 if exc.status == 422 else exc.status
+    return OpenAIError(status, message, code=exc.code, param=param, retry_after=exc.retry_after,
+                       headers=exc.headers())  # Retry-After among them
+
+
+# --------------------------------------------------------------------------------------- request types
+
+
+class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # accepted; chunks are never padded
+
+
+class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The fields completions and chat completions share (OpenAI's, then our extensions)."""
+
+    model: Annotated[str, Meta(min_length=1)]
+    max_tokens: int | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    service_tier: str | None = None
+    # extensions: the deadline and priority of the native API; vLLM's top_k and ignore_eos
+    timeout_s: float | None = None
+    priority: Priority | None = None
+    top_k: int | None = None
+    ignore_eos: bool | None = None
+
+
+class CompletionRequest(_Sampling, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    prompt: str | list[Any]
+    echo: bool | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    """One part of a message's content; only `text` parts are read (others are refused by name)."""
+
+    type: str
+    text: str | None = None
+
+
+class MessageIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None  # accepted; chat templates have no place for it
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any | None = None
+    refusal: str | None = None
+    audio: Any | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True):
+    type: str
+
+
+class ChatRequest(_Sampling, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    messages: Annotated[list[MessageIn], Meta(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prediction: Any | None = None
+    audio: Any | None = None
+    web_search_options: Any | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+
+class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    model: Annotated[str, Meta(min_length=1)]
+    input: str | list[Any]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = None
+    user: str | None = None
+    timeout_s: float | None = None
+    priority: Priority | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Translated:
+    """An OpenAI request as the native API's submit body, and what its answer needs."""
+
+    kind: Kind
+    model: str
+    body: dict[str, Any]
+    stream: bool = False
+    include_usage: bool = False
+    encoding_format: str = "float"
+    aliases: dict[str, str] = field(default_factory=dict)  # native field -> OpenAI parameter
+
+
+# ----------------------------------------------------------------------------------------- translation
+
+
+def _parse(raw: Any, typ: type[Any]) -> Any:
+    if not isinstance(raw, dict):
+        raise invalid(None, "the body must be a JSON object")
+    try:
+        check_text(raw)
+        return convert(raw, typ)
+    except ValidationError as exc:
+        raise invalid(exc.field or None, exc.message) from None
+
+
+def _refuse_non_defaults(req: Any, checks: Sequence[tuple[str, Callable[[Any], bool], str]]) -> None:
+    """Each (field, is it at a value we honour, why not): the first one that is not is a 400."""
+    for name, ok, why in checks:
+        if not ok(getattr(req, name)):
+            raise unsupported(name, why)
+
+
+def _none_or(*allowed: Any) -> Callable[[Any], bool]:
+    return lambda v: v is None or v in allowed
+
+
+def _empty(v: Any) -> bool:
+    return not v
+
+
+_COMMON_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("n", _none_or(1), "only n=1 is supported; send n separate requests"),
+    ("presence_penalty", _none_or(0), "not supported (only 0)"),
+    ("frequency_penalty", _none_or(0), "not supported (only 0)"),
+    ("logit_bias", _empty, "not supported (only empty)"),
+    ("service_tier", _none_or("auto", "default"), "only 'auto' or 'default'"),
+)
+_COMPLETION_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("echo", _none_or(False), "not supported (only false)"),
+    ("best_of", _none_or(1), "only best_of=1 is supported"),
+    ("logprobs", _none_or(), "log probabilities are not returned (only null)"),
+    ("suffix", _empty, "not supported (only empty)"),
+)
+_CHAT_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("logprobs", _none_or(False), "log probabilities are not returned (only false)"),
+    ("top_logprobs", _none_or(0), "log probabilities are not returned (only 0)"),
+    ("response_format", lambda v: v is None or v.type == "text", "only {'type': 'text'}: no JSON mode"),
+    ("tools", _empty, "tool calling is not supported"),
+    ("tool_choice", _none_or("none"), "tool calling is not supported (only 'none')"),
+    ("functions", _empty, "function calling is not supported"),
+    ("function_call", _none_or("none"), "function calling is not supported (only 'none')"),
+    ("store", _none_or(False), "completions are not stored (only false)"),
+    ("modalities", lambda v: v is None or list(v) == ["text"], "only ['text']"),
+    ("reasoning_effort", _none_or(), "not supported"),
+    ("verbosity", _none_or(), "not supported"),
+    ("prediction", _none_or(), "predicted outputs are not supported"),
+    ("audio", _none_or(), "audio output is not supported"),
+    ("web_search_options", _none_or(), "web search is not supported"),
+)
+
+
+def _deadline(req: Any, timeout_header: str | None) -> dict[str, Any]:
+    """`timeout_s` (body, wins) or the `X-Batchgate-Timeout` header; `priority`."""
+    out: dict[str, Any] = {}
+    if req.timeout_s is not None:
+        out["timeout_s"] = req.timeout_s
+    elif timeout_header is not None and timeout_header.strip():
+        try:
+            out["timeout_s"] = float(timeout_header)
+        except ValueError:
+            raise invalid("X-Batchgate-Timeout", f"must be a number of seconds, got {timeout_header[:40]!r}",
+                          code="invalid_timeout") from None
+    if req.priority is not None:
+        out["priority"] = req.priority
+    return out
+
+
+def _params(req: _Sampling, max_tokens: int | None) -> dict[str, Any]:
+    params: dict[str, Any] = {"temperature": DEFAULT_TEMPERATURE if req.temperature is None else req.temperature}
+    if max_tokens is not None:
+        params["max_new_tokens"] = max_tokens
+    for name in ("top_p", "seed", "top_k", "ignore_eos"):
+        if getattr(req, name) is not None:
+            params[name] = getattr(req, name)
+    if req.stop is not None and req.stop != []:
+        params["stop"] = req.stop
+    return params
+
+
+def _stream_flags(req: _Sampling) -> tuple[bool, bool]:
+    stream = bool(req.stream)
+    return stream, bool(stream and req.stream_options is not None and req.stream_options.include_usage)
+
+
+def _prompt_input(prompt: str | list[Any]) -> dict[str, Any]:
+    """`prompt`: a string, one string in a list, token ids, or one list of token ids."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if not prompt:
+        raise invalid("prompt", "must not be empty")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"input_ids": prompt}
+    if len(prompt) > 1:
+        raise invalid("prompt", f"one prompt per request (got a list of {len(prompt)}); send each as its own "
+                                "request (they are batched together on the server anyway)", code="multiple_prompts")
+    only = prompt[0]
+    if isinstance(only, str):
+        return {"prompt": only}
+    if isinstance(only, list) and only and all(isinstance(t, int) and not isinstance(t, bool) for t in only):
+        return {"input_ids": only}
+    raise invalid("prompt", "must be a string, a list of one string, or a list of token ids")
+
+
+def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Translated:
+    req: CompletionRequest = _parse(raw, CompletionRequest)
+    _refuse_non_defaults(req, (*_COMMON_CHECKS, *_COMPLETION_CHECKS))
+    stream, usage = _stream_flags(req)
+    body = {"input": _prompt_input(req.prompt), "params": _params(req, req.max_tokens),
+            "stream": stream, **_deadline(req, timeout_header)}
+    aliases = {"input": "prompt", "params.max_new_tokens": "max_tokens"}
+    return Translated("completion", req.model, body, stream, usage, aliases=aliases)
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _message(i: int, m: MessageIn) -> dict[str, str]:
+    at = f"messages[{i}]"
+    if m.role not in _ROLES:
+        raise invalid(f"{at}.role", f"must be one of: {', '.join(_ROLES)} (got {m.role!r})")
+    if m.tool_calls or m.function_call is not None:
+        raise unsupported(f"{at}.tool_calls", "tool calling is not supported")
+    if m.audio is not None:
+        raise unsupported(f"{at}.audio", "audio is not supported")
+    if isinstance(m.content, str):
+        return {"role": m.role, "content": m.content}
+    if m.content is None:
+        raise invalid(f"{at}.content", "required (a string or a list of text parts)")
+    texts = []
+    for j, part in enumerate(m.content):
+        if part.type != "text" or part.text is None:
+            raise unsupported(f"{at}.content[{j}]", f"only text parts are supported (got type {part.type!r})")
+        texts.append(part.text)
+    return {"role": m.role, "content": "\n".join(texts)}
+
+
+def translate_chat(raw: Any, *, timeout_header: str | None = None) -> Translated:
+    req: ChatRequest = _parse(raw, ChatRequest)
+    _refuse_non_defaults(req, (*_COMMON_CHECKS, *_CHAT_CHECKS))
+    max_param = "max_tokens"
+    limit = req.max_tokens
+    if req.max_completion_tokens is not None:
+        if req.max_tokens is not None and req.max_tokens != req.max_completion_tokens:
+            raise invalid("max_completion_tokens", "differs from max_tokens: give one of them")
+        limit, max_param = req.max_completion_tokens, "max_completion_tokens"
+    stream, usage = _stream_flags(req)
+    messages = [_message(i, m) for i, m in enumerate(req.messages)]
+    body = {"input": {"messages": messages}, "params": _params(req, limit), "stream": stream,
+            **_deadline(req, timeout_header)}
+    aliases = {"input": "messages", "input.messages": "messages", "params.max_new_tokens": max_param}
+    return Translated("chat", req.model, body, stream, usage, aliases=aliases)
+
+
+def translate_embeddings(raw: Any, *, timeout_header: str | None = None) -> Translated:
+    req: EmbeddingRequest = _parse(raw, EmbeddingRequest)
+    if req.dimensions is not None:
+        raise unsupported("dimensions", "this model's vectors have a fixed size: leave dimensions out")
+    if isinstance(req.input, str):
+        texts = [req.input]
+    elif req.input and all(isinstance(t, str) for t in req.input):
+        texts = list(req.input)
+    elif not req.input:
+        raise invalid("input", "must not be empty")
+    else:
+        raise unsupported("input", "only text input (a string or a list of strings); token ids are not accepted")
+    body = {"input": {"texts": texts}, **_deadline(req, timeout_header)}
+    aliases = {"input.texts": "input", "input.text": "input", "input": "input"}
+    return Translated("embedding", req.model, body, encoding_format=req.encoding_format or "float",
+                      aliases=aliases)
+
+
+# ------------------------------------------------------------------------------------------- responses
+
+_FINISH = {"length": "length", "eos": "stop", "stop": "stop"}
+
+
+def result_error(view: dict[str, Any]) -> OpenAIError | None:
+    """The error a terminal native result is for an OpenAI caller; None when it has an answer (a
+    success, or a generation the deadline cut short after at least one token: see `finish_reason`)."""
+    status = view.get("status")
+    err = view.get("error") or {}
+    code, message = err.get("code", status), err.get("message", f"the request {status}")
+    if status == "succeeded" or (status == "expired" and _completion_tokens(view) > 0):
+        return None
+    if status == "expired":
+        return OpenAIError(504, f"the request's deadline passed before any output: {message}", code=code, retry=False)
+    if status == "cancelled":
+        return OpenAIError(409, f"the request was cancelled: {message}", code=code, retry=False)
+    if status == "failed" and code in TEXT_FAILURES:
+        return OpenAIError(400, message, code=code, retry=False)
+    return OpenAIError(500, f"the request failed: {message}", code=code or "failed", retry=False)
+
+
+def _completion_tokens(view: dict[str, Any]) -> int:
+    output = view.get("output") or {}
+    return int(output.get("completion_tokens") or len(output.get("token_ids") or ()))
+
+
+def finish_reason(view: dict[str, Any]) -> str:
+    """OpenAI's finish_reason for a native result: `eos` and `stop` are "stop", `length` is "length", and
+    a generation the deadline cut short is "length" too (truncated; `batchgate.finish_reason` says why)."""
+    return _FINISH.get(str(view.get("finish_reason")), "length" if view.get("status") == "expired" else "stop")
+
+
+def extension(view: dict[str, Any]) -> dict[str, Any]:
+    return {"request_id": view.get("id"), "status": view.get("status"), "finish_reason": view.get("finish_reason")}
+
+
+def usage(view: dict[str, Any]) -> dict[str, int]:
+    output = view.get("output") or {}
+    prompt = int(output.get("prompt_tokens") or 0)
+    completion = _completion_tokens(view)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_id(kind: Kind, request_id: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+
+
+def completion_response(tr: Translated, view: dict[str, Any], created: int) -> dict[str, Any]:
+    """A finished generation as a `text_completion` or a `chat.completion`."""
+    text = str((view.get("output") or {}).get("text", ""))
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(view), "logprobs": None}
+    if tr.kind == "chat":
+        choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+    else:
+        choice["text"] = text
+    return {"id": completion_id(tr.kind, str(view["id"])),
+            "object": "chat.completion" if tr.kind == "chat" else "text_completion",
+            "created": created, "model": tr.model, "choices": [choice], "usage": usage(view),
+            "system_fingerprint": None, EXTENSION: extension(view)}
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMaker:
+    """The chunks of one streamed generation (all share its id, `created` and model)."""
+
+    tr: Translated
+    request_id: str
+    created: int
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        out = {"id": completion_id(self.tr.kind, self.request_id),
+               "object": "chat.completion.chunk" if self.tr.kind == "chat" else "text_completion",
+               "created": self.created, "model": self.tr.model, "choices": choices, "system_fingerprint": None}
+        if self.tr.include_usage:
+            out["usage"] = None
+        return {**out, **extra}
+
+    def _choice(self, content: str | None, role: bool = False, reason: str | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+        if self.tr.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if content is not None:
+                delta["content"] = content
+            choice["delta"] = delta
+        else:
+            choice["text"] = content or ""
+        return choice
+
+    def first(self) -> dict[str, Any] | None:
+        """Chat streams open with the assistant's role and empty content; completions have no such chunk."""
+        return self._chunk([self._choice("", role=True)]) if self.tr.kind == "chat" else None
+
+    def text(self, text: str) -> dict[str, Any]:
+        return self._chunk([self._choice(text)])
+
+    def final(self, view: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chunk with the finish_reason, then (with stream_options.include_usage) the usage chunk."""
+        last = self._chunk([self._choice(None if self.tr.kind == "chat" else "", reason=finish_reason(view))],
+                           **{EXTENSION: extension(view)})
+        if not self.tr.include_usage:
+            return [last]
+        return [last, {**self._chunk([]), "usage": usage(view)}]
+
+
+def float32_base64(vector: Sequence[float]) -> str:
+    """A vector as OpenAI's `encoding_format: "base64"`: little-endian float32, base64."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+def embedding_response(tr: Translated, view: dict[str, Any]) -> dict[str, Any]:
+    output = view.get("output") or {}
+    vectors = output.get("embeddings") or []
+    encode: Callable[[list[float]], Any] = float32_base64 if tr.encoding_format == "base64" else list
+    tokens = sum(int(n) for n in output.get("tokens") or ())
+    return {"object": "list",
+            "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
+            "model": tr.model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            EXTENSION: {"request_id": view.get("id"), "status": view.get("status"),
+                        **({"truncated": output["truncated"]} if "truncated" in output else {})}}
+
+
+def model_entry(name: str, created: int = 0) -> dict[str, Any]:
+    """A model as OpenAI lists it (`GET /v1/models` `data`, `GET /v1/models/{model}`)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": OWNED_BY}
+
+
+def model_list(names: Sequence[str]) -> list[dict[str, Any]]:
+    return [model_entry(n) for n in names]

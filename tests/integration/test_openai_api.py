@@ -1,0 +1,234 @@
+"""The OpenAI-compatible routes, driven by OpenAI's own Python client (sync and async) against a real
+gateway and worker on real Redis: models, completions and chat completions (streamed and not),
+embeddings (float and the client's default base64), a 429 the client retries, errors as typed exceptions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import openai
+import pytest
+import torch
+from openai import AsyncOpenAI, OpenAI
+
+from gateway import routes
+from gateway.api import ApiRequest
+from shared.keys import Keys
+from shared.tenants import TenantStore
+from tests.stack import RunningGateway, make_settings, running_gateway, running_worker
+
+pytestmark = [pytest.mark.redis]
+
+PROMPT_IDS = [5, 17, 300, 42, 7]
+
+
+def reference_ids(loaded: Any, prompt_ids: list[int], n: int) -> list[int]:
+    out = loaded.model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+Clients = Callable[..., tuple[OpenAI, AsyncOpenAI]]
+
+
+@pytest.fixture
+async def clients() -> AsyncIterator[Clients]:
+    """Makes OpenAI's sync and async clients for a gateway (`base_url` its /v1); closes them afterwards."""
+    made: list[tuple[OpenAI, AsyncOpenAI]] = []
+
+    def make(gw: RunningGateway, key: str = "none", **kw: Any) -> tuple[OpenAI, AsyncOpenAI]:
+        made.append((OpenAI(base_url=f"{gw.base_url}/v1", api_key=key, **kw),
+                     AsyncOpenAI(base_url=f"{gw.base_url}/v1", api_key=key, **kw)))
+        return made[-1]
+
+    yield make
+    for sync, client in made:
+        sync.close()
+        await client.close()
+
+
+@pytest.fixture
+async def stack(redis_url: str, prefix: str, loaded_models: dict[str, Any]) -> AsyncIterator[RunningGateway]:
+    settings = make_settings(redis_url, prefix)
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        yield gw
+
+
+async def test_models_list_and_retrieve(stack: RunningGateway, clients: Clients):
+    sync, client = clients(stack)
+    page = await client.models.list()
+    assert {m.id for m in page.data} == {"minilm", "tiny-llama"}
+    assert all(m.object == "model" and m.owned_by == "batchgate" for m in page.data)
+    native = (await stack.client.get("/v1/models")).json()
+    assert {m["name"] for m in native["models"]} == {"minilm", "tiny-llama"}  # the native answer is kept
+    model = await asyncio.to_thread(sync.models.retrieve, "tiny-llama")
+    assert model.id == "tiny-llama" and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.models.retrieve("nope")
+    assert info.value.code == "model_not_found"
+
+
+async def test_completion_matches_the_reference_generation(stack: RunningGateway, loaded_models, clients: Clients):
+    sync, client = clients(stack)
+    tok = loaded_models["tiny-llama"].tokenizer
+    expected = tok.decode(reference_ids(loaded_models["tiny-llama"], PROMPT_IDS, 12), skip_special_tokens=True)
+    resp = await asyncio.to_thread(sync.completions.create, model="tiny-llama", prompt=PROMPT_IDS, max_tokens=12,
+                                   temperature=0, extra_body={"ignore_eos": True})
+    assert resp.object == "text_completion" and resp.id.startswith("cmpl-req_") and resp.model == "tiny-llama"
+    (choice,) = resp.choices
+    assert choice.text == expected and choice.finish_reason == "length" and choice.index == 0
+    assert resp.usage is not None
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == (5, 12, 17)
+    # the same request as a stream: its chunks add up to the same text, then the finish_reason
+    chunks = [c async for c in await client.completions.create(
+        model="tiny-llama", prompt=PROMPT_IDS, max_tokens=12, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})]
+    assert all(c.object == "text_completion" and c.id.startswith("cmpl-req_") for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+async def test_chat_completion_streamed_and_not(stack: RunningGateway, clients: Clients):
+    sync, client = clients(stack)
+    messages: list[Any] = [{"role": "system", "content": "be brief"},
+                           {"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    resp = await client.chat.completions.create(model="tiny-llama", messages=messages, max_completion_tokens=10,
+                                                temperature=0, extra_body={"ignore_eos": True})
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-req_")
+    message = resp.choices[0].message
+    assert message.role == "assistant" and isinstance(message.content, str) and message.content
+    assert resp.choices[0].finish_reason == "length" and resp.usage and resp.usage.completion_tokens == 10
+
+    def streamed() -> list[Any]:
+        with sync.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=10, temperature=0,
+                                          stream=True, stream_options={"include_usage": True},
+                                          extra_body={"ignore_eos": True}) as stream:
+            return list(stream)
+
+    chunks = await asyncio.to_thread(streamed)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    with_choices = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == message.content
+    assert with_choices[-1].choices[0].finish_reason == "length"
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage is not None and usage.usage.completion_tokens == 10
+
+
+async def test_embeddings_float_and_base64(stack: RunningGateway, clients: Clients):
+    sync, client = clients(stack)
+    native = (await stack.client.post("/v1/models/minilm/requests?wait=20",
+                                      json={"input": {"texts": ["hello", "world"]}})).json()
+    expected = torch.tensor(native["output"]["embeddings"])
+    as_floats = await client.embeddings.create(model="minilm", input=["hello", "world"], encoding_format="float")
+    default = await asyncio.to_thread(sync.embeddings.create, model="minilm", input=["hello", "world"])  # base64
+    for resp in (as_floats, default):
+        assert resp.object == "list" and resp.model == "minilm" and [d.index for d in resp.data] == [0, 1]
+        got = torch.tensor([d.embedding for d in resp.data])
+        assert got.shape == (2, 384) and torch.allclose(got, expected, atol=1e-5)
+        assert resp.usage.prompt_tokens == resp.usage.total_tokens > 0
+    one = await client.embeddings.create(model="minilm", input="hello")
+    assert len(one.data) == 1 and len(one.data[0].embedding) == 384
+
+
+async def test_the_deadline_header_and_body_field_reach_the_native_request(stack: RunningGateway, clients: Clients):
+    _, client = clients(stack, default_headers={"X-Batchgate-Timeout": "7"})
+    resp = await client.completions.create(model="tiny-llama", prompt="hi", max_tokens=2)
+    record = (await stack.client.get(f"/v1/requests/{resp.id.removeprefix('cmpl-')}")).json()
+    assert record["deadline"] - record["created_at"] == pytest.approx(7, abs=0.01)
+    resp = await client.completions.create(model="tiny-llama", prompt="hi", max_tokens=2,
+                                           extra_body={"timeout_s": 9, "priority": "batch"})
+    record = (await stack.client.get(f"/v1/requests/{resp.id.removeprefix('cmpl-')}")).json()
+    assert record["deadline"] - record["created_at"] == pytest.approx(9, abs=0.01)
+    assert record["priority"] == "batch"
+
+
+async def test_bad_requests_are_typed_openai_errors(stack: RunningGateway, clients: Clients):
+    _, client = clients(stack, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(model="tiny-llama", prompt="hi", n=2)
+    assert info.value.status_code == 400 and info.value.param == "n" and info.value.code == "unsupported_parameter"
+    assert info.value.type == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as info:  # the native limit, named as OpenAI's parameter
+        await client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "x"}],
+                                             max_completion_tokens=100_000)
+    assert info.value.param == "max_completion_tokens" and "100000" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.embeddings.create(model="tiny-llama", input="x")
+    assert info.value.param == "model" and "/v1/completions" in info.value.message
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.completions.create(model="gpt-nope", prompt="x")
+    assert info.value.code == "model_not_found"
+
+
+async def test_a_rate_limited_call_is_retried_by_the_client(redis_url, prefix, loaded_models, clients: Clients):
+    settings = make_settings(redis_url, prefix, tenant_rate_per_s=2.0, tenant_burst=1)
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        _, client = clients(gw)
+        first = await gw.client.post("/v1/embeddings", json={"model": "minilm", "input": "x"})
+        assert first.status_code == 200, first.text
+        refused = await gw.client.post("/v1/embeddings", json={"model": "minilm", "input": "x"})
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        assert 0 < int(refused.headers["retry-after-ms"]) <= 500 and refused.headers["retry-after"] == "1"
+        raw = await client.embeddings.with_raw_response.create(model="minilm", input="hello")
+        assert raw.retries_taken == 1 and len(raw.parse().data) == 1
+        _, no_retry = clients(gw, max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            await no_retry.embeddings.create(model="minilm", input="hello")
+
+
+async def test_a_wrong_api_key_is_an_authentication_error(redis_url, prefix, loaded_models, clients: Clients):
+    settings = make_settings(redis_url, prefix, auth="api_key")
+    async with running_gateway(settings) as gw:
+        key = await TenantStore(gw.service.redis, Keys(prefix)).create_key("acme")
+        _, client = clients(gw, key="bg_wrong")
+        with pytest.raises(openai.AuthenticationError):
+            await client.models.list()
+        with pytest.raises(openai.AuthenticationError) as info:  # in OpenAI's shape on its routes
+            await client.completions.create(model="tiny-llama", prompt="x")
+        assert info.value.code == "invalid_api_key" and info.value.type == "authentication_error"
+        _, client = clients(gw, key=key)
+        with pytest.raises(openai.NotFoundError):  # authenticated: the model is unknown, not the key
+            await client.completions.create(model="gpt-nope", prompt="x")
+
+
+async def test_the_stream_on_the_wire_and_buffered_for_lambda(stack: RunningGateway):
+    """Plain `data:` lines ending with `data: [DONE]` (what curl and other SSE clients read), over HTTP and
+    through `routes.handle` (Lambda, Cloud Functions), which sends the same frames at once."""
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "stream": True, "temperature": 0}
+    async with stack.client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-request-id"].startswith("req_")
+        lines = [line async for line in r.aiter_lines() if line and not line.startswith(":")]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    resp = await routes.handle(stack.service, ApiRequest("POST", "/v1/chat/completions",
+                                                         headers={"content-type": "application/json"},
+                                                         body=json.dumps(body).encode()))
+    assert resp.status == 200 and resp.raw is not None
+    frames = resp.raw.decode().split("\n\n")
+    assert frames[-2:] == ["data: [DONE]", ""] and all(f.startswith("data: {") for f in frames[:-2])
+    assert json.loads(frames[-3][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+async def test_a_stream_the_caller_leaves_is_cancelled(stack: RunningGateway, clients: Clients):
+    _, client = clients(stack)
+    stream = await client.completions.create(model="tiny-llama", prompt="hi", max_tokens=256, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        request_id = chunk.id.removeprefix("cmpl-")
+        break
+    await stream.close()
+    for _ in range(100):
+        record = (await stack.client.get(f"/v1/requests/{request_id}")).json()
+        if record["status"] != "running":
+            break
+        await asyncio.sleep(0.05)
+    assert record["status"] == "cancelled", record
+    assert record["output"] is None or record["output"]["completion_tokens"] < 256

@@ -1,0 +1,267 @@
+"""The OpenAI-compatible shapes (`shared.openai_shapes`): request translation into the native submit body,
+what is refused and how, and the responses, chunks and errors built from native results. Pure."""
+
+from __future__ import annotations
+
+import array
+import base64
+from typing import Any
+
+import pytest
+
+from shared import openai_shapes as oa
+from shared.api_errors import NotFound, TooManyRequests, Unprocessable
+from shared.config import BUILTIN_MODELS
+from shared.submit import build_request
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def refused(fn: Any, body: dict[str, Any], **kw: Any) -> oa.OpenAIError:
+    with pytest.raises(oa.OpenAIError) as info:
+        fn(body, **kw)
+    assert info.value.status == 400
+    return info.value
+
+
+# ------------------------------------------------------------------------------------------ completions
+
+def test_a_completion_becomes_the_native_submit_body():
+    tr = oa.translate_completion({"model": "tiny-llama", "prompt": "Once", "max_tokens": 8, "temperature": 0,
+                                  "top_p": 0.9, "seed": 3, "stop": "\n", "n": 1, "user": "u1",
+                                  "presence_penalty": 0, "logit_bias": {}, "timeout_s": 5, "priority": "batch"})
+    assert tr.kind == "completion" and tr.model == "tiny-llama" and not tr.stream
+    assert tr.body == {"input": {"prompt": "Once"}, "stream": False, "timeout_s": 5, "priority": "batch",
+                       "params": {"max_new_tokens": 8, "temperature": 0, "top_p": 0.9, "seed": 3, "stop": "\n"}}
+
+
+@pytest.mark.parametrize(("prompt", "native"), [
+    ("x", {"prompt": "x"}),
+    (["x"], {"prompt": "x"}),
+    ([5, 17, 300], {"input_ids": [5, 17, 300]}),
+    ([[5, 17]], {"input_ids": [5, 17]}),
+])
+def test_prompt_forms(prompt: Any, native: dict[str, Any]):
+    assert oa.translate_completion({"model": "m", "prompt": prompt}).body["input"] == native
+
+
+@pytest.mark.parametrize("prompt", [["a", "b"], [[1], [2]], [], [{"x": 1}], [True, 1]])
+def test_several_or_malformed_prompts_are_refused_at_prompt(prompt: Any):
+    err = refused(oa.translate_completion, {"model": "m", "prompt": prompt})
+    assert err.param == "prompt"
+
+
+def test_defaults_are_openai_s_temperature_and_the_model_s_max_tokens():
+    tr = oa.translate_completion({"model": "m", "prompt": "x"})
+    assert tr.body["params"] == {"temperature": 1.0}  # max_new_tokens left to the model's default
+
+
+def test_stream_and_include_usage():
+    tr = oa.translate_completion({"model": "m", "prompt": "x", "stream": True,
+                                  "stream_options": {"include_usage": True}})
+    assert tr.stream and tr.include_usage and tr.body["stream"] is True
+    tr = oa.translate_completion({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}})
+    assert not tr.stream and not tr.include_usage
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("n", 2), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"50256": -100}),
+    ("echo", True), ("best_of", 3), ("logprobs", 2), ("suffix", "end"), ("service_tier", "flex"),
+])
+def test_completion_fields_we_cannot_honour_are_refused_by_name(field: str, value: Any):
+    err = refused(oa.translate_completion, {"model": "m", "prompt": "x", field: value})
+    assert err.param == field and err.code == "unsupported_parameter"
+    assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error", "param": field,
+                                    "code": "unsupported_parameter"}}
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("n", 1), ("presence_penalty", 0), ("frequency_penalty", 0.0), ("logit_bias", {}), ("echo", False),
+    ("best_of", 1), ("logprobs", None), ("suffix", ""), ("user", "x"), ("service_tier", "auto"),
+])
+def test_harmless_defaults_are_accepted(field: str, value: Any):
+    oa.translate_completion({"model": "m", "prompt": "x", field: value})
+
+
+def test_unknown_and_mistyped_fields_are_400s_naming_them():
+    err = refused(oa.translate_completion, {"model": "m", "prompt": "x", "bogus": 1})
+    assert err.param == "bogus" and "unknown field" in err.message
+    err = refused(oa.translate_completion, {"model": "m", "prompt": "x", "max_tokens": "8"})
+    assert err.param == "max_tokens"
+    err = refused(oa.translate_completion, {"model": "m", "prompt": "x", "temperature": 3})
+    assert err.param == "temperature"
+    err = refused(oa.translate_completion, {"model": "m"})
+    assert err.param == "prompt" and "required" in err.message
+    assert refused(oa.translate_completion, ["not", "an", "object"]).param is None  # type: ignore[arg-type]
+
+
+def test_the_deadline_comes_from_the_body_or_else_the_header():
+    assert oa.translate_completion({"model": "m", "prompt": "x"}, timeout_header="2.5").body["timeout_s"] == 2.5
+    body = oa.translate_completion({"model": "m", "prompt": "x", "timeout_s": 4}, timeout_header="2.5").body
+    assert body["timeout_s"] == 4
+    assert "timeout_s" not in oa.translate_completion({"model": "m", "prompt": "x"}).body
+    err = refused(oa.translate_completion, {"model": "m", "prompt": "x"}, timeout_header="soon")
+    assert err.param == "X-Batchgate-Timeout"
+
+
+# ----------------------------------------------------------------------------------------------- chat
+
+def test_chat_messages_become_native_messages_with_text_parts_joined():
+    tr = oa.translate_chat(chat(messages=[
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "x"},
+        {"role": "assistant", "content": "ok"}], max_completion_tokens=7))
+    assert tr.kind == "chat"
+    assert tr.body["input"] == {"messages": [{"role": "system", "content": "be brief"},
+                                             {"role": "user", "content": "a\nb"},
+                                             {"role": "assistant", "content": "ok"}]}
+    assert tr.body["params"]["max_new_tokens"] == 7 and tr.aliases["params.max_new_tokens"] == "max_completion_tokens"
+    assert oa.translate_chat(chat(max_tokens=5)).body["params"]["max_new_tokens"] == 5
+
+
+def test_chat_refusals():
+    err = refused(oa.translate_chat, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]))
+    assert err.param == "messages[0].content[0]" and "image_url" in err.message
+    assert refused(oa.translate_chat, chat(messages=[{"role": "function", "content": "x"}])).param == \
+        "messages[0].role"
+    assert refused(oa.translate_chat, chat(messages=[{"role": "assistant", "content": None}])).param == \
+        "messages[0].content"
+    assert refused(oa.translate_chat, chat(messages=[{"role": "assistant", "tool_calls": [{"id": "1"}]}])).param \
+        == "messages[0].tool_calls"
+    assert refused(oa.translate_chat, chat(messages=[])).param == "messages"
+    assert refused(oa.translate_chat, chat(max_tokens=3, max_completion_tokens=4)).param == "max_completion_tokens"
+    for field, value in [("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("logprobs", True),
+                         ("top_logprobs", 2), ("response_format", {"type": "json_object"}), ("store", True),
+                         ("reasoning_effort", "low"), ("modalities", ["text", "audio"])]:
+        assert refused(oa.translate_chat, chat(**{field: value})).param == field
+
+
+def test_chat_harmless_fields():
+    oa.translate_chat(chat(logprobs=False, tools=[], tool_choice="none", response_format={"type": "text"},
+                           store=False, metadata={"a": "b"}, parallel_tool_calls=True, modalities=["text"],
+                           stream_options={"include_usage": False, "include_obfuscation": False}))
+
+
+def test_translated_bodies_pass_the_native_checks():
+    spec = BUILTIN_MODELS["tiny-llama"]
+    for tr in (oa.translate_chat(chat(max_tokens=5, stop=["\n", "."], seed=1, top_k=4)),
+               oa.translate_completion({"model": "tiny-llama", "prompt": [1, 2, 3], "stream": True})):
+        req = build_request(tr.body, spec, "t", 1_000.0)
+        assert req.stream is tr.stream
+    embed = oa.translate_embeddings({"model": "minilm", "input": ["a", "b"]})
+    assert build_request(embed.body, BUILTIN_MODELS["minilm"], "t", 1_000.0).input == {"texts": ["a", "b"]}
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+def test_native_errors_name_the_openai_parameter():
+    tr = oa.translate_chat(chat(max_completion_tokens=9999))
+    exc = Unprocessable("params.max_new_tokens: must be between 1 and 256 for this model, got 9999",
+                        extra={"field": "params.max_new_tokens"})
+    err = oa.from_api_error(exc, tr.aliases)
+    assert err.status == 400 and err.param == "max_completion_tokens"
+    assert err.message.startswith("max_completion_tokens: must be between 1 and 256")
+    assert oa.openai_param("input.messages[1].content", tr.aliases) == "messages[1].content"
+    assert oa.openai_param("params.temperature", tr.aliases) == "temperature"
+    assert oa.openai_param("input.texts[2]", oa.translate_embeddings({"model": "m", "input": "x"}).aliases) == \
+        "input[2]"
+    assert oa.from_api_error(NotFound("nope", code="model_not_found")).body()["error"]["type"] == \
+        "invalid_request_error"
+
+
+def test_a_429_keeps_retry_after_and_adds_milliseconds():
+    err = oa.from_api_error(TooManyRequests("slow down", code="rate_limited", retry_after=0.25))
+    assert err.status == 429 and err.body()["error"]["type"] == "rate_limit_error"
+    assert err.headers() == {"Retry-After": "1", "retry-after-ms": "250"}
+
+
+def view(status: str = "succeeded", reason: str | None = "eos", text: str = "hello", tokens: int = 2,
+         error: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"id": "req_x", "status": status, "finish_reason": reason, "error": error,
+            "output": {"text": text, "token_ids": list(range(tokens)), "prompt_tokens": 3,
+                       "completion_tokens": tokens}}
+
+
+@pytest.mark.parametrize(("v", "status", "code"), [
+    (view("expired", "deadline", "", 0, {"code": "deadline_exceeded", "message": "m"}), 504, "deadline_exceeded"),
+    (view("cancelled", "cancelled", "", 0, {"code": "cancelled", "message": "m"}), 409, "cancelled"),
+    (view("failed", "error", "", 0, {"code": "no_chat_template", "message": "m"}), 400, "no_chat_template"),
+    (view("failed", "error", "", 0, {"code": "model_error", "message": "m"}), 500, "model_error"),
+])
+def test_results_without_an_answer_are_errors_that_are_not_retried(v: dict[str, Any], status: int, code: str):
+    err = oa.result_error(v)
+    assert err is not None and (err.status, err.code) == (status, code)
+    assert err.headers()["x-should-retry"] == "false"
+
+
+def test_finish_reasons():
+    assert oa.finish_reason(view(reason="eos")) == "stop"
+    assert oa.finish_reason(view(reason="stop")) == "stop"
+    assert oa.finish_reason(view(reason="length")) == "length"
+    cut = view("expired", "deadline", "hel", 1, {"code": "deadline_exceeded", "message": "m"})
+    assert oa.result_error(cut) is None and oa.finish_reason(cut) == "length"
+
+
+# ------------------------------------------------------------------------------------------- responses
+
+def test_completion_and_chat_responses():
+    tr = oa.translate_completion({"model": "tiny-llama", "prompt": "x"})
+    body = oa.completion_response(tr, view(), 123)
+    assert body["id"] == "cmpl-req_x" and body["object"] == "text_completion" and body["created"] == 123
+    assert body["choices"] == [{"index": 0, "finish_reason": "stop", "logprobs": None, "text": "hello"}]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["batchgate"] == {"request_id": "req_x", "status": "succeeded", "finish_reason": "eos"}
+    body = oa.completion_response(oa.translate_chat(chat()), view(reason="length"), 123)
+    assert body["id"] == "chatcmpl-req_x" and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "hello", "refusal": None}
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_chunks():
+    tr = oa.translate_chat(chat(stream=True, stream_options={"include_usage": True}))
+    maker = oa.ChunkMaker(tr, "req_x", 7)
+    first = maker.first()
+    assert first is not None and first["object"] == "chat.completion.chunk" and first["id"] == "chatcmpl-req_x"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""} and first["usage"] is None
+    assert maker.text("he")["choices"][0]["delta"] == {"content": "he"}
+    last, used = maker.final(view())
+    assert last["choices"][0] == {"index": 0, "finish_reason": "stop", "logprobs": None, "delta": {}}
+    assert used["choices"] == [] and used["usage"]["total_tokens"] == 5
+
+
+def test_completion_chunks():
+    tr = oa.translate_completion({"model": "m", "prompt": "x", "stream": True})
+    maker = oa.ChunkMaker(tr, "req_x", 7)
+    assert maker.first() is None
+    chunk = maker.text("he")
+    assert chunk["object"] == "text_completion" and chunk["choices"][0]["text"] == "he" and "usage" not in chunk
+    (last,) = maker.final(view(reason="length"))
+    assert last["choices"][0]["finish_reason"] == "length" and last["choices"][0]["text"] == ""
+
+
+def test_embeddings_float_and_base64():
+    v = {"id": "req_e", "status": "succeeded", "output": {"embeddings": [[0.5, -1.25], [1.0, 0.0]], "tokens": [3, 4]}}
+    tr = oa.translate_embeddings({"model": "minilm", "input": "hi"})
+    body = oa.embedding_response(tr, v)
+    assert body["object"] == "list" and body["model"] == "minilm"
+    assert body["data"][1] == {"object": "embedding", "index": 1, "embedding": [1.0, 0.0]}
+    assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
+    b64 = oa.embedding_response(oa.translate_embeddings({"model": "minilm", "input": ["a", "b"],
+                                                         "encoding_format": "base64"}), v)
+    # how OpenAI's client decodes it without numpy (array "f": float32, native order)
+    assert array.array("f", base64.b64decode(b64["data"][0]["embedding"])).tolist() == [0.5, -1.25]
+
+
+def test_embedding_refusals():
+    assert refused(oa.translate_embeddings, {"model": "m", "input": [1, 2]}).param == "input"
+    assert refused(oa.translate_embeddings, {"model": "m", "input": []}).param == "input"
+    assert refused(oa.translate_embeddings, {"model": "m", "input": "x", "dimensions": 8}).param == "dimensions"
+    assert refused(oa.translate_embeddings, {"model": "m", "input": "x", "encoding_format": "int8"}).param == \
+        "encoding_format"
+
+
+def test_model_entries():
+    assert oa.model_list(["a"]) == [{"id": "a", "object": "model", "created": 0, "owned_by": "batchgate"}]
