@@ -1,7 +1,7 @@
 """The `batchgate` command: run the stack or one of its parts; manage keys, tenants and webhooks.
 
 Parts: `up` (the whole stack locally, see batchgate/supervisor.py), `gateway`, `worker`, `callbacks`
-(the webhook dispatcher); admin: `keys`, `tenants`, `webhooks`.
+(the webhook dispatcher), `batches` (the Batch API's runner); admin: `keys`, `tenants`, `webhooks`.
 
 Heavy modules (torch, uvicorn) are imported inside the subcommand that needs them, so `batchgate
 gateway` never loads torch. The process environment is read here once, with the command line's
@@ -98,6 +98,15 @@ def cmd_callbacks(args: argparse.Namespace) -> int:
     settings = _settings(args)
     configure_logging(settings.log_level, settings.log_format)
     from gateway.dispatcher import run
+
+    run(settings)
+    return 0
+
+
+def cmd_batches(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    configure_logging(settings.log_level, settings.log_format)
+    from gateway.batch_runner import run
 
     run(settings)
     return 0
@@ -245,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     cb = sub.add_parser("callbacks", help="run a webhook dispatcher (several may run)")
     common(cb)
     cb.set_defaults(func=cmd_callbacks)
+
+    bt = sub.add_parser("batches", help="run a batch runner for the Batch API (several may run)")
+    common(bt)
+    bt.set_defaults(func=cmd_batches)
 
     wh = sub.add_parser("webhooks", help="show or rotate a tenant's webhook signing secret")
     common(wh)

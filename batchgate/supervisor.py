@@ -29,7 +29,7 @@ from shared.lifeline import die_with_parent
 
 STARTUP_TIMEOUT_S = 600.0
 UP_DRAIN_BUDGET_S = 10.0  # the worker's drain budget under `up` unless BATCHGATE_DRAIN_BUDGET_S is set
-STOP_ORDER = ("gateway", "worker", "callbacks")  # intake first, then the work, then its webhooks
+STOP_ORDER = ("gateway", "batches", "worker", "callbacks")  # intake first, then the work, then its webhooks
 
 
 def _http_ok(url: str) -> bool:
@@ -64,9 +64,10 @@ class Stack:
 
     @classmethod
     def start(cls, env: Mapping[str, str]) -> Stack:
-        """A worker, a gateway and a dispatcher, each `python -m batchgate <part>`; SIGINT/SIGTERM ask it to stop."""
+        """A worker, a gateway, a webhook dispatcher and a batch runner, each `python -m batchgate <part>`;
+        SIGINT/SIGTERM ask it to stop."""
         cli = [sys.executable, "-m", "batchgate"]
-        parts = ("worker", "gateway", "callbacks")
+        parts = ("worker", "gateway", "callbacks", "batches")
         stack = cls({part: subprocess.Popen([*cli, part], env=dict(env), start_new_session=True,
                                             preexec_fn=die_with_parent()) for part in parts})
         signal.signal(signal.SIGINT, stack._on_signal)

@@ -42,6 +42,9 @@ class ApiRequest:
     headers: Mapping[str, str] = field(default_factory=dict)  # lower-case names
     body: bytes = b""
     tenant: str = "default"
+    # the body as it arrives, for a route with `streamed_body` (an upload): `body` is then empty, and the
+    # handler reads this once; a transport that has the body whole passes it as one chunk (`one_chunk`)
+    stream: AsyncIterator[bytes] | None = None
 
     def header(self, name: str, default: str | None = None) -> str | None:
         return self.headers.get(name.lower(), default)
@@ -75,11 +78,14 @@ class ApiResponse:
     # Server-Sent Events instead of a body: the app streams them; a transport that cannot stream (Lambda,
     # Cloud Functions) sends them all at once when the last one came (`collect_events`)
     events: AsyncIterator[ServerEvent] | None = None
-    raw: bytes | None = None  # a body already rendered (the collected events)
+    raw: bytes | None = None  # a body already rendered (the collected events, or the collected `stream`)
+    # bytes instead of a body (a file's content): the app streams them; `collect_events` joins them
+    stream: AsyncIterator[bytes] | None = None
+    media_type: str | None = None  # of `stream` or `raw`; None: the events' text/event-stream
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         if self.raw is not None:
-            return self.raw, EVENT_STREAM
+            return self.raw, self.media_type or EVENT_STREAM
         if self.body is None:
             return b"", "application/json"
         if accept and any(t in accept for t in MSGPACK_TYPES):
@@ -88,11 +94,20 @@ class ApiResponse:
 
 
 async def collect_events(resp: ApiResponse) -> ApiResponse:
-    """A streamed response rendered whole, for transports that answer once."""
+    """A streamed response (events or bytes) rendered whole, for transports that answer once."""
+    if resp.stream is not None:
+        chunks = [chunk async for chunk in resp.stream]
+        return ApiResponse(resp.status, headers=resp.headers, raw=b"".join(chunks), media_type=resp.media_type)
     if resp.events is None:
         return resp
     frames = [sse_frame(event) async for event in resp.events]
     return ApiResponse(resp.status, headers=resp.headers, raw=b"".join(frames))
+
+
+async def one_chunk(body: bytes) -> AsyncIterator[bytes]:
+    """A whole body as the stream a `streamed_body` route reads."""
+    if body:
+        yield body
 
 
 def error_response(exc: ApiError) -> ApiResponse:
@@ -120,6 +135,7 @@ __all__ = [
     "UnsupportedMediaType",
     "collect_events",
     "error_response",
+    "one_chunk",
     "sse_data",
     "sse_frame",
     "wants_events",

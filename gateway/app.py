@@ -13,12 +13,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway import metrics, openapi
-from gateway.api import ApiError, ApiRequest, ApiResponse, PayloadTooLarge, RequestTimeout, sse_data
+from gateway.api import (
+    ApiError,
+    ApiRequest,
+    ApiResponse,
+    BadRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    sse_data,
+)
 from gateway.routes import ROUTES, RouteSpec, dispatch
 from gateway.service import GatewayService
 from shared.config import Settings
@@ -50,6 +58,25 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
     return b"".join(chunks)
 
 
+async def stream_body(request: Request, idle_timeout_s: float) -> AsyncIterator[bytes]:
+    """The body as it arrives, for a `streamed_body` route (an upload of any length): each chunk must come
+    within `idle_timeout_s` of the one before (else 408, the connection closed)."""
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            async with asyncio.timeout(idle_timeout_s):
+                chunk = await anext(chunks)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise RequestTimeout(f"no part of the request body arrived for {idle_timeout_s:g} s",
+                                 code="body_timeout", headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            raise BadRequest("the client went away before its body was whole", code="client_disconnected") from None
+        if chunk:
+            yield chunk
+
+
 async def _frames(resp: ApiResponse) -> AsyncIterator[ServerSentEvent]:
     """The events of a streamed response; Redis lost mid-stream ends it with an `error` event (the caller
     reconnects with its Last-Event-ID and loses nothing)."""
@@ -67,6 +94,9 @@ def _send(resp: ApiResponse, accept: str | None) -> Response:
     if resp.events is not None:
         return EventSourceResponse(_frames(resp), status_code=resp.status, headers=resp.headers,
                                    ping=EVENT_PING_S)
+    if resp.stream is not None:
+        return StreamingResponse(resp.stream, status_code=resp.status, headers=resp.headers,
+                                 media_type=resp.media_type)
     body, ctype = resp.render(accept)
     return Response(body, status_code=resp.status, media_type=ctype, headers=resp.headers)
 
@@ -82,6 +112,7 @@ def _endpoint(route: RouteSpec, svc: GatewayService):  # type: ignore[no-untyped
             api_req = ApiRequest(
                 method=request.method, path=request.url.path, query=dict(request.query_params),
                 headers={k.lower(): v for k, v in request.headers.items()}, body=body,
+                stream=stream_body(request, svc.settings.body_timeout_s) if route.streamed_body else None,
             )
             resp = await dispatch(route, svc, api_req, [request.path_params[p] for p in route.params])
         except ApiError as exc:

@@ -33,6 +33,8 @@ import structlog
 from prometheus_client import Counter, Histogram, start_http_server
 from redis.exceptions import ResponseError
 
+from shared.batch_store import BatchStore
+from shared.batches import batch_object
 from shared.callback_policy import backoff_s, classify, parse_retry_after
 from shared.callback_store import GROUP, CallbackStore
 from shared.codec import decode
@@ -327,6 +329,12 @@ class Dispatcher:
     async def _payload(self, delivery: CallbackDelivery) -> str:
         """The same JSON as GET /v1/requests/{id}, or ids only for tenants that asked for thin payloads."""
         thin = (await self.tenants.get(delivery.tenant)).thin_callbacks
+        if delivery.request_id.startswith("batch_"):  # a batch's end: the batch object, as GET answers it
+            st = None if thin else await BatchStore(self.redis, self.keys).get(delivery.request_id)
+            body = batch_object(st.meta, st.progress) if st is not None else {
+                "id": delivery.request_id, "event": delivery.event,
+                "links": {"self": f"/v1/batches/{delivery.request_id}"}}
+            return json.dumps(body, separators=(",", ":"))
         rec = None if thin else await self.records.get(delivery.request_id)
         if rec is None:
             payload: dict[str, Any] = {"id": delivery.request_id, "event": delivery.event,

@@ -62,6 +62,11 @@ async def _answer(work: Callable[[], Awaitable[ApiResponse]],
                                            retry_after=1, headers={"Retry-After": "1"}))
 
 
+async def answer_openai(work: Callable[[], Awaitable[ApiResponse]]) -> ApiResponse:
+    """A route's work with every error it raises in OpenAI's shape (for the other OpenAI-shaped routes)."""
+    return await _answer(work)
+
+
 def _translate(svc: GatewayService, req: ApiRequest,
                translate: Callable[..., oa.Translated]) -> oa.Translated:
     body = parse_body(req, svc.settings.max_body_bytes)

@@ -90,6 +90,17 @@ OPENAI_SCHEMAS: dict[str, Any] = {
     "OpenAIModel": {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
         "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
         "owned_by": {"type": "string"}}},
+    "OpenAIFile": {"type": "object", "required": ["id", "object", "bytes", "created_at", "filename", "purpose",
+                                                   "status"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "file"}, "bytes": {"type": "integer"},
+        "created_at": {"type": "integer"}, "filename": {"type": "string"},
+        "purpose": {"enum": ["batch", "batch_output"]}, "status": {"const": "processed"},
+        "expires_at": {"type": ["integer", "null"]}, "status_details": _NULLABLE_STR}},
+    "OpenAIFileList": {"type": "object", "required": ["object", "data", "has_more"], "properties": {
+        "object": {"const": "list"}, "data": {"type": "array", "items": {"$ref": "#/components/schemas/OpenAIFile"}},
+        "has_more": {"type": "boolean"}, "first_id": _NULLABLE_STR, "last_id": _NULLABLE_STR}},
+    "OpenAIFileDeleted": {"type": "object", "required": ["id", "object", "deleted"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "file"}, "deleted": {"const": True}}},
 }
 
 
@@ -143,6 +154,101 @@ def openai_paths() -> dict[str, Any]:
             "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
             "responses": {"200": _json({"$ref": REF.format(name="OpenAIModel")}, "The model"),
                           **{k: OPENAI_ERRORS[k] for k in ("401", "404", "503")}}}},
+    }
+
+
+def batches_paths() -> dict[str, Any]:
+    """The Batch API (gateway/batch_api.py, docs/batches.md): OpenAI's shapes and errors."""
+    batch_id = {"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    statuses = ["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                "cancelled"]
+    batch = {"type": "object", "description": "OpenAI's Batch object", "required": ["id", "object", "status"],
+             "properties": {"id": {"type": "string"}, "object": {"const": "batch"},
+                            "status": {"type": "string", "enum": statuses}, "request_counts": {"type": "object"}}}
+    create = {"type": "object", "required": ["input_file_id", "endpoint", "completion_window"],
+              "additionalProperties": False, "properties": {
+                  "input_file_id": {"type": "string"},
+                  "endpoint": {"type": "string", "description": "/v1/completions, /v1/chat/completions, "
+                                                                "/v1/embeddings or /v1/models/{model}/requests"},
+                  "completion_window": {"type": "string", "pattern": "^[0-9]{1,6}[smhd]$", "examples": ["24h"]},
+                  "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+                  "callback_url": {"type": "string", "format": "uri",
+                                   "description": "batchgate's own: a signed webhook with the batch when it ends"}}}
+    found = {k: OPENAI_ERRORS[k] for k in ("401", "404", "503")}
+    return {
+        "/v1/batches": {
+            "post": {"operationId": "openaiCreateBatch", "summary": "Create a batch from an uploaded file",
+                     "tags": ["openai"],
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": create}}},
+                     "responses": {"200": _json(batch, "The batch (validating)"),
+                                   "400": _oa_err("An invalid field (named in `param`)"),
+                                   **{k: OPENAI_ERRORS[k] for k in ("401", "404", "408", "413", "415", "503")}}},
+            "get": {"operationId": "openaiListBatches", "summary": "The caller's batches, newest first",
+                    "tags": ["openai"], "parameters": [
+                        {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}},
+                        {"name": "limit", "in": "query", "required": False,
+                         "schema": {"type": "integer", "minimum": 1, "maximum": 100}}],
+                    "responses": {"200": _json({"type": "object", "required": ["data"]}, "A page of batches"),
+                                  **{k: OPENAI_ERRORS[k] for k in ("400", "401", "503")}}},
+        },
+        "/v1/batches/{batch_id}": {"get": {
+            "operationId": "openaiRetrieveBatch", "summary": "A batch", "tags": ["openai"], "parameters": [batch_id],
+            "responses": {"200": _json(batch, "The batch"), **found}}},
+        "/v1/batches/{batch_id}/cancel": {"post": {
+            "operationId": "openaiCancelBatch", "summary": "Stop feeding; finalize what finished", "tags": ["openai"],
+            "parameters": [batch_id],
+            "responses": {"200": _json(batch, "The batch (cancelling)"),
+                          "409": _oa_err("The batch already ended"), **found}}},
+    }
+
+
+def files_paths() -> dict[str, Any]:
+    """The Files API (gateway/files_api.py, docs/batches.md): OpenAI's shapes and errors."""
+    file_id = {"name": "file_id", "in": "path", "required": True,
+               "schema": {"type": "string", "pattern": "^file-[a-z2-7]{26}$"}}
+    file = {"$ref": REF.format(name="OpenAIFile")}
+    found = {k: OPENAI_ERRORS[k] for k in ("401", "404", "503")}
+    upload = {"type": "object", "required": ["file", "purpose"], "properties": {
+        "file": {"type": "string", "format": "binary",
+                 "description": "JSON Lines: one JSON object per line (UTF-8), no empty line"},
+        "purpose": {"type": "string", "enum": ["batch"]}}}
+    return {
+        "/v1/files": {
+            "post": {"operationId": "openaiCreateFile", "summary": "Upload a batch input file (streamed)",
+                     "tags": ["openai"],
+                     "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": upload}}},
+                     "responses": {"200": _json(file, "The stored file"),
+                                   "400": _oa_err("Not multipart, a missing or unsupported field, or a line "
+                                                  "that is not a JSON object (the message names it)"),
+                                   **{k: OPENAI_ERRORS[k] for k in ("401", "408", "415", "503")},
+                                   "413": _oa_err("The file is larger than BATCHGATE_MAX_FILE_BYTES")}},
+            "get": {"operationId": "openaiListFiles", "summary": "The caller's files, newest first by default",
+                    "tags": ["openai"], "parameters": [
+                        {"name": "after", "in": "query", "required": False,
+                         "schema": {"type": "string", "pattern": "^file-[a-z2-7]{26}$"}},
+                        {"name": "limit", "in": "query", "required": False,
+                         "schema": {"type": "integer", "minimum": 1, "maximum": 10000}},
+                        {"name": "order", "in": "query", "required": False,
+                         "schema": {"type": "string", "enum": ["asc", "desc"]}},
+                        {"name": "purpose", "in": "query", "required": False, "schema": {"type": "string"}}],
+                    "responses": {"200": _json({"$ref": REF.format(name="OpenAIFileList")}, "A page of files"),
+                                  **{k: OPENAI_ERRORS[k] for k in ("400", "401", "503")}}},
+        },
+        "/v1/files/{file_id}": {
+            "get": {"operationId": "openaiRetrieveFile", "summary": "A file", "tags": ["openai"],
+                    "parameters": [file_id], "responses": {"200": _json(file, "The file"), **found}},
+            "delete": {"operationId": "openaiDeleteFile", "summary": "Delete a file", "tags": ["openai"],
+                       "parameters": [file_id],
+                       "responses": {"200": _json({"$ref": REF.format(name="OpenAIFileDeleted")}, "Deleted"),
+                                     **found}},
+        },
+        "/v1/files/{file_id}/content": {"get": {
+            "operationId": "openaiFileContent", "summary": "A file's bytes (streamed)", "tags": ["openai"],
+            "parameters": [file_id],
+            "responses": {"200": {"description": "The file as uploaded (or as batchgate wrote it)",
+                                  "content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                      "format": "binary"}}}},
+                          **found}}},
     }
 
 
@@ -239,6 +345,8 @@ def document(settings: Settings) -> dict[str, Any]:
                              "description": "the same models as OpenAI lists them"}}}, "Models"),
                               **COMMON_ERRORS}}},
             **openai_paths(),
+            **files_paths(),
+            **batches_paths(),
             "/healthz": {"get": {"operationId": "healthz", "security": [],
                                  "responses": {"200": _json({"type": "object"}, "Alive")}}},
             "/readyz": {"get": {"operationId": "readyz", "security": [],

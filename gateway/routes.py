@@ -11,7 +11,7 @@ from typing import Any
 
 import structlog
 
-from gateway import handlers, metrics, openai_api
+from gateway import batch_api, files_api, handlers, metrics, openai_api
 from gateway.api import (
     ApiError,
     ApiRequest,
@@ -22,6 +22,7 @@ from gateway.api import (
     ServiceUnavailable,
     collect_events,
     error_response,
+    one_chunk,
 )
 from gateway.service import GatewayService
 from shared.redis_io import UNAVAILABLE
@@ -35,6 +36,9 @@ class RouteSpec:
     path: str  # Starlette syntax: /v1/requests/{request_id}
     handler: Handler
     with_body: bool = False
+    # the handler reads the body as it arrives (`ApiRequest.stream`), under its own limits: an upload, never
+    # held whole (not read through the app's `read_body` and its `max_body_bytes`)
+    streamed_body: bool = False
     public: bool = False  # served without an API key
     params: tuple[str, ...] = field(default=())
     pattern: re.Pattern[str] = field(default=re.compile(""), compare=False)
@@ -63,6 +67,15 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec.make("POST", "/v1/completions", openai_api.completions, with_body=True, **OPENAI),
     RouteSpec.make("POST", "/v1/chat/completions", openai_api.chat_completions, with_body=True, **OPENAI),
     RouteSpec.make("POST", "/v1/embeddings", openai_api.embeddings, with_body=True, **OPENAI),
+    RouteSpec.make("POST", "/v1/files", files_api.create_file, streamed_body=True, **OPENAI),
+    RouteSpec.make("GET", "/v1/files", files_api.list_files, **OPENAI),
+    RouteSpec.make("GET", "/v1/files/{file_id}", files_api.retrieve_file, **OPENAI),
+    RouteSpec.make("DELETE", "/v1/files/{file_id}", files_api.delete_file, **OPENAI),
+    RouteSpec.make("GET", "/v1/files/{file_id}/content", files_api.file_content, **OPENAI),
+    RouteSpec.make("POST", "/v1/batches", batch_api.create_batch, with_body=True, **OPENAI),
+    RouteSpec.make("GET", "/v1/batches", batch_api.list_batches, **OPENAI),
+    RouteSpec.make("GET", "/v1/batches/{batch_id}", batch_api.get_batch, **OPENAI),
+    RouteSpec.make("POST", "/v1/batches/{batch_id}/cancel", batch_api.cancel_batch, **OPENAI),
     RouteSpec.make("GET", "/healthz", handlers.healthz, public=True),
     RouteSpec.make("GET", "/readyz", handlers.readyz, public=True),
 )
@@ -117,4 +130,6 @@ async def handle(svc: GatewayService, req: ApiRequest, trusted_tenant: str | Non
         return error_response(exc)
     if route.with_body and len(req.body) > svc.settings.max_body_bytes:
         return error_response(PayloadTooLarge(f"body exceeds the limit of {svc.settings.max_body_bytes} bytes"))
+    if route.streamed_body and req.stream is None:
+        req = dataclasses.replace(req, stream=one_chunk(req.body))
     return await collect_events(await dispatch(route, svc, req, args, trusted_tenant))

@@ -136,8 +136,10 @@ class Stack:
 
 
 @contextlib.contextmanager
-def stack(config: dict[str, Any], redis_url: str, *, log_dir: Path | None = None) -> Iterator[Stack]:
-    """A gateway and a worker as subprocesses (`batchgate gateway` / `batchgate worker`), own key prefix."""
+def stack(config: dict[str, Any], redis_url: str, *, log_dir: Path | None = None,
+          parts: tuple[str, ...] = ("worker", "gateway"), env_extra: dict[str, str] | None = None) -> Iterator[Stack]:
+    """A gateway and a worker as subprocesses (`batchgate gateway` / `batchgate worker`; `parts` may add
+    `batches`, the Batch API's runner), own key prefix."""
     prefix = f"bgbench-{secrets.token_hex(3)}"
     port, mport = free_port(), free_port()
     tmp = tempfile.TemporaryDirectory(prefix="batchgate-bench-")
@@ -146,11 +148,11 @@ def stack(config: dict[str, Any], redis_url: str, *, log_dir: Path | None = None
     env = {**os.environ, "BATCHGATE_CONFIG": str(cfg), "BATCHGATE_REDIS_URL": redis_url,
            "BATCHGATE_KEY_PREFIX": prefix, "BATCHGATE_PORT": str(port), "BATCHGATE_WORKER_METRICS_PORT": str(mport),
            "BATCHGATE_LOG_LEVEL": "warning", "BATCHGATE_LOG_FORMAT": "json", "BATCHGATE_MAX_WAIT_S": "600",
-           "BATCHGATE_AUTH": "off"}
+           "BATCHGATE_AUTH": "off", "BATCHGATE_FILES_DIR": str(Path(tmp.name) / "files"), **(env_extra or {})}
     logs = log_dir or Path(tmp.name)
     cli = [sys.executable, "-m", "batchgate"]
     procs = [subprocess.Popen([*cli, role], env=env, stdout=(logs / f"{prefix}-{role}.log").open("w"),
-                              stderr=subprocess.STDOUT) for role in ("worker", "gateway")]
+                              stderr=subprocess.STDOUT) for role in parts]
     st = Stack(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics", prefix, redis_url, procs)
     try:
         _wait_ready(st)

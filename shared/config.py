@@ -207,6 +207,13 @@ class Settings:
     metric_namespace: str = "batchgate"  # CloudWatch namespace of the backlog metric
     deployment: str = ""  # its Deployment dimension (from_environ: the key prefix unless set)
     cloudwatch_endpoint: str = ""  # empty: the AWS default
+    # the file store of the Files and Batch APIs (shared/files.py): S3 when a bucket is named, else a directory
+    files_dir: str = ""  # empty: default_files_dir() ($XDG_DATA_HOME/batchgate/files)
+    files_s3_bucket: str = ""
+    files_s3_prefix: str = ""  # prepended to every object key, e.g. "files/"
+    files_s3_endpoint: str = ""  # empty: the AWS default (tests: a moto server; or an S3-compatible store)
+    max_file_bytes: int = 200 << 20  # one uploaded file (OpenAI's batch input limit is 200 MB)
+    max_file_lines: int = 50_000  # lines of one uploaded file (OpenAI's requests per batch)
 
     def model(self, name: str) -> ModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
@@ -265,6 +272,12 @@ class Settings:
                 metric_namespace=get(ENV_PREFIX + "METRIC_NAMESPACE", d.metric_namespace),
                 deployment=get(ENV_PREFIX + "DEPLOYMENT", key_prefix),
                 cloudwatch_endpoint=get(ENV_PREFIX + "CLOUDWATCH_ENDPOINT", d.cloudwatch_endpoint),
+                files_dir=get(ENV_PREFIX + "FILES_DIR") or default_files_dir(env),
+                files_s3_bucket=get(ENV_PREFIX + "FILES_S3_BUCKET", d.files_s3_bucket),
+                files_s3_prefix=get(ENV_PREFIX + "FILES_S3_PREFIX", d.files_s3_prefix),
+                files_s3_endpoint=get(ENV_PREFIX + "FILES_S3_ENDPOINT", d.files_s3_endpoint),
+                max_file_bytes=int(get(ENV_PREFIX + "MAX_FILE_BYTES", d.max_file_bytes)),
+                max_file_lines=int(get(ENV_PREFIX + "MAX_FILE_LINES", d.max_file_lines)),
             ).validate()
         except ValueError as exc:
             raise ConfigError(f"invalid setting: {exc}") from exc
@@ -278,6 +291,8 @@ class Settings:
             raise ConfigError("BATCHGATE_BODY_TIMEOUT_S must be > 0")
         if self.result_ttl_s < 1 or self.max_body_bytes < 1024 or self.max_wait_s < 0:
             raise ConfigError("result_ttl_s >= 1, max_body_bytes >= 1024 and max_wait_s >= 0 are required")
+        if self.max_file_bytes < 1 or self.max_file_lines < 1:
+            raise ConfigError("BATCHGATE_MAX_FILE_BYTES and BATCHGATE_MAX_FILE_LINES must be >= 1")
         if self.torch_threads < 0:
             raise ConfigError("BATCHGATE_TORCH_THREADS must be >= 0 (0: automatic)")
         if self.cpu_engines not in ("shared", "parallel"):
@@ -296,6 +311,13 @@ class Settings:
         if len(names) != len(set(names)):
             raise ConfigError(f"model names must be unique, got {names}")
         return self
+
+
+def default_files_dir(env: Mapping[str, str]) -> str:
+    """Where uploaded files live without `BATCHGATE_FILES_DIR` (and without an S3 bucket):
+    `$XDG_DATA_HOME/batchgate/files`, else `~/.local/share/batchgate/files`."""
+    base = env.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return str(Path(base) / "batchgate" / "files")
 
 
 def redis_url_from(env: Mapping[str, str]) -> str | None:

@@ -71,6 +71,25 @@ class Keys:
     def callback_disabled(self, tenant: str) -> str:
         return f"{self.prefix}:{{cb}}:off:{tenant}"
 
+    # --- batches (the Batch API): one slot ({b:<id>}) per batch for its record, items, lines and lease ----
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:{{b:{batch_id}}}"
+
+    def batch_items(self, batch_id: str) -> str:
+        return f"{self.prefix}:{{b:{batch_id}}}:items"
+
+    def batch_lines(self, batch_id: str) -> str:
+        return f"{self.prefix}:{{b:{batch_id}}}:lines"
+
+    def batch_lease(self, batch_id: str) -> str:
+        return f"{self.prefix}:{{b:{batch_id}}}:lease"
+
+    def batches(self, tenant: str) -> str:
+        return f"{self.prefix}:batches:t:{tenant}"
+
+    def batches_active(self) -> str:
+        return f"{self.prefix}:batches:active"
+
     # --- tenants ---------------------------------------------------------------------------------
     def tenant(self, tenant: str) -> str:
         return f"{self.prefix}:tenant:{tenant}"
@@ -86,6 +105,16 @@ class Keys:
 
     def rate(self, tenant: str, window: int) -> str:
         return f"{self.prefix}:rate:{tenant}:{window}"
+
+    # --- files (shared/files.py): metadata per file, a per-tenant index per purpose and one of all ----
+    def file(self, file_id: str) -> str:
+        return f"{self.prefix}:file:{file_id}"
+
+    def files(self, tenant: str, purpose: str | None = None) -> str:
+        """A tenant's file ids (a sorted set read in lexical order, in which its members sort by creation:
+        shared/files.py), all of them or those of one purpose. The purpose comes first: it has no ':', so no
+        tenant name collides."""
+        return f"{self.prefix}:files:{purpose or 'all'}:{tenant}"
 
     # --- deployment-wide ---------------------------------------------------------------------
     def model_registry(self) -> str:

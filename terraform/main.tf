@@ -7,6 +7,8 @@ locals {
     BATCHGATE_KEY_PREFIX   = var.name
     BATCHGATE_RESULT_TTL_S = tostring(var.result_ttl_s)
     BATCHGATE_LOG_FORMAT   = "json"
+    # the Files and Batch APIs' store (files.tf)
+    BATCHGATE_FILES_S3_BUCKET = aws_s3_bucket.files.bucket
   }
   # Lambdas take the models file inline (no file system to ship it in); workers get it as a file
   lambda_env = merge(local.base_env, var.models_yaml == "" ? {} : { BATCHGATE_CONFIG_YAML = var.models_yaml })

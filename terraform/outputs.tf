@@ -15,3 +15,8 @@ output "worker_asg_name" {
 output "key_prefix" {
   value = var.name
 }
+
+output "files_bucket" {
+  description = "The S3 bucket of the Files and Batch APIs (BATCHGATE_FILES_S3_BUCKET)."
+  value       = aws_s3_bucket.files.bucket
+}

@@ -32,7 +32,7 @@ variable "vpc_id" {
 }
 
 variable "subnet_ids" {
-  description = "Private subnets (at least two, in different zones) for Redis, workers and the Lambdas. They need a route to the internet or VPC endpoints for pip, CloudWatch and Auto Scaling."
+  description = "Private subnets (at least two, in different zones) for Redis, workers and the Lambdas. They need a route to the internet or VPC endpoints for pip, CloudWatch, Auto Scaling and S3 (the files bucket)."
   type        = list(string)
   validation {
     condition     = length(var.subnet_ids) >= 2
@@ -101,7 +101,7 @@ variable "worker_volume_gb" {
 variable "batchgate_pip_spec" {
   description = "What the workers pip-install: a version, a wheel URL (e.g. a presigned S3 URL) or a git URL, with the worker extra."
   type        = string
-  default     = "batchgate[worker]==0.1.0"
+  default     = "batchgate[worker,aws]==0.1.0" # aws: boto3, for the files bucket
 }
 
 variable "models_yaml" {
@@ -164,4 +164,18 @@ variable "sqs_queue_arn" {
 variable "sqs_batch_size" {
   type    = number
   default = 10
+}
+
+# --- files (the Files and Batch APIs) ---------------------------------------------------------
+
+variable "files_bucket_name" {
+  description = "Name of the S3 bucket created for uploaded and batch output files; null: <name>-files-<account id>."
+  type        = string
+  default     = null
+}
+
+variable "files_force_destroy" {
+  description = "Let `terraform destroy` delete the files bucket although it holds files."
+  type        = bool
+  default     = false
 }

@@ -15,6 +15,7 @@ provider "aws" {
   skip_credentials_validation = var.aws_endpoint_url != null
   skip_requesting_account_id  = var.aws_endpoint_url != null
   skip_metadata_api_check     = var.aws_endpoint_url != null
+  s3_use_path_style           = var.aws_endpoint_url != null # moto serves buckets by path
 
   dynamic "endpoints" {
     for_each = var.aws_endpoint_url == null ? [] : [var.aws_endpoint_url]
@@ -27,6 +28,7 @@ provider "aws" {
       iam         = endpoints.value
       lambda      = endpoints.value
       logs        = endpoints.value
+      s3          = endpoints.value
       sts         = endpoints.value
     }
   }

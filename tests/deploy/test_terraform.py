@@ -184,3 +184,26 @@ def test_an_sqs_queue_feeds_the_sqs_handler_with_per_message_failures(workdir, f
     assert fn["handler"] == "gateway.lambda_handler.sqs_handler"
     assert fn["environment"][0]["variables"]["BATCHGATE_AUTH"] == "api_key"
     assert not any("sqs" in address for address in planned_values(workdir, fake_aws, "bgnosqs", redis_url=REDIS_URL))
+
+
+def test_a_private_files_bucket_named_to_the_gateway_and_the_workers(planned):
+    """The Files and Batch APIs' store (terraform/files.tf): not public, its name in both environments."""
+    bucket = planned["aws_s3_bucket.files"]["bucket"]
+    assert bucket.startswith("bgtest-files-")
+    block = planned["aws_s3_bucket_public_access_block.files"]
+    assert all(block[k] for k in ("block_public_acls", "block_public_policy", "ignore_public_acls",
+                                  "restrict_public_buckets"))
+    (rule,) = planned["aws_s3_bucket_lifecycle_configuration.files"]["rule"]
+    assert rule["abort_incomplete_multipart_upload"][0]["days_after_initiation"] == 1
+    env = planned["aws_lambda_function.gateway"]["environment"][0]["variables"]
+    assert env["BATCHGATE_FILES_S3_BUCKET"] == bucket
+    from shared.config import Settings
+
+    assert Settings.from_environ(env).files_s3_bucket == bucket
+    script = base64.b64decode(planned["aws_launch_template.worker"]["user_data"]).decode()
+    assert f"BATCHGATE_FILES_S3_BUCKET={bucket}" in script and "batchgate[worker,aws]" in script
+    for role in ("lambda_files", "worker_files"):
+        policy = json.loads(planned[f"aws_iam_role_policy.{role}"]["policy"])
+        actions = {a for s in policy["Statement"] for a in ([s["Action"]] if isinstance(s["Action"], str)
+                                                             else s["Action"])}
+        assert {"s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:ListBucket"} <= actions

@@ -45,6 +45,7 @@ def gateway(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
            "BATCHGATE_AUTH": "api_key", "BATCHGATE_MAX_WAIT_S": "0.05", "BATCHGATE_LOG_LEVEL": "warning",
            "BATCHGATE_MAX_BATCH_ITEMS": "20"}
     log = tmp_path_factory.mktemp("fuzz") / "gateway.log"
+    env["BATCHGATE_FILES_DIR"] = str(log.parent / "files")  # uploads the fuzz makes stay in its temporary folder
     proc = subprocess.Popen([sys.executable, "-m", "batchgate", "gateway"], env=env, stdout=log.open("w"),
                             stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

@@ -1,0 +1,420 @@
+"""The batch runner (`batchgate batches`, its own deployable; `batchgate up` runs one): takes each active
+batch under a lease, validates its input file, feeds its items into the lanes a bounded number at a
+time, writes one line per item as it finishes, and writes the output and error files at the end.
+
+- Validation reads the whole file first (`shared.batches.parse_line` and the submit body's own checks
+  against the model): any bad line fails the batch with the line errors, and nothing is computed.
+- Feeding: at most `in_flight` items of a batch are queued or running at once, so a 50,000-line batch never
+  floods the lanes or the admission estimate. Items go through `shared.operations.submit` like any caller's
+  requests (admission, the tenant's quota), at batch priority, with the batch's window as their deadline
+  (bounded by the model's `max_timeout_s`): a worker runs them on capacity interactive work leaves idle
+  and preempts them for it. A refusal for capacity (429) pauses feeding for its Retry-After.
+- Exactly once: each item's idempotency key is `batch:<batch id>:<line>`, so an item fed again after a
+  crash finds its request again instead of making a second; lines are written once per line number
+  (`shared.batch_store`). Another runner takes a batch over when its lease lapses and resumes from the
+  recorded feed position.
+- Cancel stops feeding, cancels the items in flight and finalizes what finished; the window's end does the
+  same (`expired`). Items that never ran get an error line (`batch_cancelled`, `batch_expired`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import structlog
+
+from shared import files
+from shared import operations as ops
+from shared.api_errors import ApiError, TooManyRequests
+from shared.batch_store import BatchState, BatchStore
+from shared.batches import BatchError, Item, ItemRef, Progress, parse_line, refused_line, result_line, submit_body
+from shared.config import ConfigError, Settings
+from shared.errors import ValidationError
+from shared.logs import configure_logging
+from shared.messages import CallbackDelivery
+from shared.queue_client import QueueClient
+from shared.records import parse_record
+from shared.states import Task
+from shared.submit import build_request
+from shared.views import record_view
+
+log = structlog.get_logger(__name__)
+
+IN_FLIGHT = 128  # items of one batch queued or running at once (2x the default engine's 64 rows)
+POLL_S = 0.25  # how often the items in flight are read
+DISCOVER_S = 1.0  # how often the runner looks for batches to take
+LEASE_S = 15.0  # a runner that stops renewing loses its batches after this long
+MAX_ERRORS = 100
+TASK_OF = {"completion": Task.GENERATE, "chat": Task.GENERATE, "native": None, "embedding": Task.EMBED}
+
+
+async def lines_from(store: files.FileStore, key: str, start: int, first: int) -> AsyncIterator[tuple[int, bytes, int]]:
+    """(line number, line, the byte offset after it) from byte offset `start` (which is line `first`);
+    blank lines are skipped but counted."""
+    buf = b""
+    offset, line = start, first
+    async for chunk in store.read(key, start):
+        buf += chunk
+        while (nl := buf.find(b"\n")) >= 0:
+            raw, buf = buf[:nl], buf[nl + 1:]
+            offset += nl + 1
+            if raw.strip():
+                yield line, raw, offset
+            line += 1
+    if buf.strip():
+        yield line, buf, offset + len(buf)
+
+
+class BatchRunner:
+    def __init__(self, settings: Settings, *, queue: QueueClient | None = None, in_flight: int = IN_FLIGHT,
+                 poll_s: float = POLL_S, name: str | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.q = queue or QueueClient(settings)
+        self._own_queue = queue is None
+        self.store = BatchStore(self.q.redis, self.q.keys)
+        self.files = files.file_store(settings)
+        self.in_flight = in_flight
+        self.poll_s = poll_s
+        self.name = name or f"batches-{os.getpid()}-{secrets.token_hex(3)}"
+        self.clock = clock
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        log.info("batch runner started", runner=self.name, in_flight=self.in_flight)
+        try:
+            while not stop.is_set():
+                await self.discover()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), DISCOVER_S)
+        finally:
+            for task in self._tasks.values():
+                task.cancel()
+            for batch_id, task in list(self._tasks.items()):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+                with contextlib.suppress(Exception):
+                    await self.store.release(batch_id, self.name)
+            if self._own_queue:
+                await self.q.close()
+
+    async def discover(self) -> None:
+        """Take each active batch no runner holds."""
+        for batch_id, task in list(self._tasks.items()):
+            if task.done():
+                del self._tasks[batch_id]
+        try:
+            active = await self.store.active()
+            for batch_id in active:
+                if batch_id not in self._tasks and await self.store.lease(batch_id, self.name, int(LEASE_S * 1000)):
+                    self._tasks[batch_id] = asyncio.create_task(self._hold(batch_id), name=f"batch-{batch_id}")
+        except Exception as exc:  # Redis away: try again at the next round
+            log.warning("batch runner: discovery failed", error=repr(exc))
+
+    async def _hold(self, batch_id: str) -> None:
+        """Run a batch while renewing its lease; stop at once if the lease is lost."""
+        work = asyncio.create_task(self.run_batch(batch_id))
+        try:
+            while not work.done():
+                done, _ = await asyncio.wait([work], timeout=LEASE_S / 3)
+                if done:
+                    break
+                try:
+                    if not await self.store.lease(batch_id, self.name, int(LEASE_S * 1000)):
+                        log.warning("batch lease lost", batch_id=batch_id, runner=self.name)
+                        work.cancel()
+                except Exception as exc:
+                    log.warning("batch lease renewal failed", batch_id=batch_id, error=repr(exc))
+            await work
+        except Exception:
+            log.exception("batch run failed; another round takes it again", batch_id=batch_id)
+        finally:
+            work.cancel()
+            with contextlib.suppress(Exception):
+                await self.store.release(batch_id, self.name)
+
+    # --- one batch -------------------------------------------------------------------------------------
+    async def run_batch(self, batch_id: str) -> None:
+        st = await self.store.get(batch_id)
+        if st is None:
+            return
+        if st.progress.status == "validating":
+            if not await self.validate(st):
+                return
+            st = await self.store.get(batch_id)
+            assert st is not None
+        if st.progress.status in ("in_progress", "cancelling"):
+            final = await self.feed(st)
+            st = await self.store.get(batch_id)
+            assert st is not None
+            await self.finalize(st, final)
+        elif st.progress.status == "finalizing":  # a runner died writing the files: write them again
+            final = await self.q.redis.hget(self.q.keys.batch(batch_id), "final")
+            await self.finalize(st, final.decode() if final else "completed")
+
+    def _check(self, item: Item, tenant: str) -> None:
+        """The item's submit body against its model, as a submit would check it (no admission)."""
+        spec = self.settings.model(item.model)
+        if spec is None:
+            raise BatchError(f"unknown model {item.model!r}", code="model_not_found", param="body.model",
+                             line=item.line)
+        want = TASK_OF[item.kind]
+        if want is not None and spec.task is not want:
+            raise BatchError(f"{item.model!r} is a {spec.task.value} model", code="wrong_model_task",
+                             param="body.model", line=item.line)
+        try:
+            build_request(submit_body(item, self.clock() + spec.max_timeout_s / 2), spec, tenant, self.clock(),
+                          self.q.callback_allow, self.q.token_limits)
+        except ValidationError as exc:
+            raise BatchError(exc.message, code="invalid_request", param=f"body.{exc.field}" if exc.field else "body",
+                             line=item.line) from None
+
+    async def validate(self, st: BatchState) -> bool:
+        """Every line checked before anything runs: `in_progress` with the total, or `failed` with the errors."""
+        meta = st.meta
+        fmeta = await files.get_meta(self.q.redis, self.q.keys, meta.input_file_id)
+        errors: list[dict[str, Any]] = []
+        seen: set[str] = set()
+        if fmeta is None:
+            errors.append(BatchError("the input file is gone", code="file_not_found", param="input_file_id").entry())
+        else:
+            async for line, raw, _ in lines_from(self.files, fmeta.key, 0, 0):
+                try:
+                    item = parse_line(raw, line, meta.endpoint)
+                    if item.custom_id in seen:
+                        raise BatchError(f"custom_id {item.custom_id!r} is used by an earlier line",
+                                         code="duplicate_custom_id", param="custom_id", line=line)
+                    seen.add(item.custom_id)
+                    self._check(item, meta.tenant)
+                except BatchError as err:
+                    if len(errors) < MAX_ERRORS:
+                        errors.append(err.entry())
+            if not seen and not errors:
+                errors.append(BatchError("the input file has no requests", code="empty_file",
+                                         param="input_file_id").entry())
+        now = int(self.clock())
+        if errors:
+            await self.store.set_fields(meta.id, errors=json.dumps(errors), total=0)
+            await self.store.move(meta.id, "failed", "failed_at", now, from_=("validating", "cancelling"))
+            await self.store.finished(meta.id)
+            log.info("batch failed validation", batch_id=meta.id, errors=len(errors))
+            return False
+        await self.store.set_fields(meta.id, total=len(seen))
+        status = await self.store.move(meta.id, "in_progress", "in_progress_at", now, from_=("validating",))
+        log.info("batch validated", batch_id=meta.id, items=len(seen), status=status)
+        return status in ("in_progress", "cancelling")  # cancelled while validating: every line gets its error
+
+    async def feed(self, st: BatchState) -> str:
+        """Feed and collect until every item has its line, or the batch is cancelled or its window ends;
+        returns the final status."""
+        meta, batch_id = st.meta, st.meta.id
+        fmeta = await files.get_meta(self.q.redis, self.q.keys, meta.input_file_id)
+        reader = lines_from(self.files, fmeta.key, st.next_offset, st.next_line) if fmeta else None
+        flight = {ref.line: ref for ref in await self.store.in_flight(batch_id)}
+        pending: tuple[int, bytes, int] | None = None
+        exhausted = reader is None
+        paused_until = 0.0
+        ending: str | None = None
+        while True:
+            cur = await self.store.get(batch_id)
+            if cur is None:
+                return "cancelled"
+            now = self.clock()
+            if ending is None and (cur.progress.status == "cancelling" or now >= meta.expires_at):
+                ending = "cancelled" if cur.progress.status == "cancelling" else "expired"
+                await self._stop_items(meta.tenant, list(flight.values()))
+            if ending is None and not exhausted and now >= paused_until:
+                while len(flight) < self.in_flight:
+                    if pending is None:
+                        assert reader is not None
+                        pending = await anext(reader, None)
+                        if pending is None:
+                            exhausted = True
+                            break
+                    fed = await self._submit(meta, pending, now)
+                    if fed is False:  # refused for capacity: try again later
+                        paused_until = now + self._retry_after
+                        break
+                    if isinstance(fed, ItemRef):
+                        flight[fed.line] = fed
+                    pending = None
+            await self._collect(batch_id, flight)
+            if ending is not None and not flight:
+                await self._close_unfed(meta, reader, pending, ending)
+                return ending
+            if exhausted and not flight:
+                return "completed"
+            await asyncio.sleep(self.poll_s)
+
+    _retry_after = 1.0
+
+    async def _submit(self, meta: Any, entry: tuple[int, bytes, int], now: float) -> ItemRef | bool | None:
+        """Submit one line: its in-flight ref, False when refused for capacity (nothing recorded), None when
+        refused for good (its error line written)."""
+        line, raw, end = entry
+        item = parse_line(raw, line, meta.endpoint)
+        spec = self.settings.model(item.model)
+        assert spec is not None  # validated
+        deadline = min(float(meta.expires_at), now + spec.max_timeout_s)
+        try:
+            answer = await ops.submit(self.q, submit_body(item, deadline), spec, meta.tenant,
+                                      idempotency_key=f"batch:{meta.id}:{line}")
+        except TooManyRequests as exc:
+            if exc.code == "deadline_infeasible" and deadline >= meta.expires_at:
+                await self.store.write_line(meta.id, line, False,
+                                            refused_line(item.custom_id, exc.code, exc.message, 429))
+                await self.store.fed(meta.id, [], line + 1, end)
+                return None
+            self._retry_after = float(exc.retry_after or 1.0)
+            return False
+        except ApiError as exc:
+            await self.store.write_line(meta.id, line, False,
+                                        refused_line(item.custom_id, exc.code, exc.message, exc.status))
+            await self.store.fed(meta.id, [], line + 1, end)
+            return None
+        ref = item.ref(str(answer.body["id"]))
+        await self.store.fed(meta.id, [ref], line + 1, end)
+        return ref
+
+    async def _collect(self, batch_id: str, flight: dict[int, ItemRef]) -> None:
+        """Write the line of every item in flight that finished (one round trip to read them all)."""
+        if not flight:
+            return
+        refs = list(flight.values())
+        pipe = self.q.redis.pipeline(transaction=False)
+        for ref in refs:
+            pipe.hgetall(self.q.keys.record(ref.request_id))
+        created = int(self.clock())
+        for ref, raw in zip(refs, await pipe.execute(), strict=True):
+            rec = parse_record(ref.request_id, raw)
+            if rec is not None and not rec.terminal:
+                rec = await self.q.get(ref.request_id)  # expires it once its deadline (and grace) passed
+            if rec is None:
+                payload = refused_line(ref.custom_id, "result_expired", "the item's result expired before it "
+                                       "was collected")
+                ok = False
+            elif not rec.terminal:
+                continue
+            else:
+                ok, payload = result_line(ref, record_view(rec), created)
+            await self.store.write_line(batch_id, ref.line, ok, payload)
+            del flight[ref.line]
+
+    async def _stop_items(self, tenant: str, refs: list[ItemRef]) -> None:
+        for ref in refs:
+            with contextlib.suppress(ApiError):
+                await ops.cancel(self.q, tenant, ref.request_id)
+
+    async def _close_unfed(self, meta: Any, reader: AsyncIterator[tuple[int, bytes, int]] | None,
+                           pending: tuple[int, bytes, int] | None, ending: str) -> None:
+        """Every line not fed gets its error line: the batch was cancelled, or its window ended."""
+        code = "batch_cancelled" if ending == "cancelled" else "batch_expired"
+        message = ("the batch was cancelled before this request ran" if ending == "cancelled"
+                   else "the batch's completion window ended before this request ran")
+        entries = [pending] if pending else []
+        last = None
+        for entry in entries:
+            last = entry
+            await self._refuse(meta, entry, code, message)
+        if reader is not None:
+            async for entry in reader:
+                last = entry
+                await self._refuse(meta, entry, code, message)
+        if last is not None:
+            await self.store.fed(meta.id, [], last[0] + 1, last[2])
+
+    async def _refuse(self, meta: Any, entry: tuple[int, bytes, int], code: str, message: str) -> None:
+        line, raw, _ = entry
+        custom_id = parse_line(raw, line, meta.endpoint).custom_id
+        await self.store.write_line(meta.id, line, False, refused_line(custom_id, code, message))
+
+    async def finalize(self, st: BatchState, final: str) -> None:
+        """Write the output and error files (idempotent: their ids come from the batch's), then the status."""
+        batch_id = st.meta.id
+        now = int(self.clock())
+        await self.store.move(batch_id, "finalizing", "finalizing_at", now,
+                              from_=("in_progress", "cancelling", "finalizing"))
+        await self.store.set_fields(batch_id, final=final)
+        st = await self.store.get(batch_id)
+        assert st is not None
+        total = max(st.progress.total, st.next_line)
+        out_id = await self._write_file(st, total, ok=True, suffix="output")
+        err_id = await self._write_file(st, total, ok=False, suffix="errors")
+        await self.store.set_fields(batch_id, out_id=out_id, err_id=err_id)
+        time_field = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[final]
+        meta = st.meta
+        webhook = None if meta.callback_url is None else CallbackDelivery(
+            delivery_id=f"msg_{batch_id}_{final}", request_id=batch_id, tenant=meta.tenant, event=f"batch.{final}",
+            url=meta.callback_url, created_ms=int(self.clock() * 1000))
+        await self.store.end(batch_id, final, time_field, int(self.clock()), webhook)
+        await self.store.finished(batch_id)
+        p: Progress = st.progress
+        log.info("batch finished", batch_id=batch_id, status=final, completed=p.completed, failed=p.failed)
+
+    async def _write_file(self, st: BatchState, total: int, *, ok: bool, suffix: str) -> str | None:
+        """The output (or error) file: its lines in input order. Its id comes from the batch's, so a runner that
+        writes it again after a crash replaces it (the store's write is atomic) instead of adding another."""
+        count = st.progress.completed if ok else st.progress.failed
+        if count == 0:
+            return None
+        file_id = output_file_id(st.meta.id, suffix)
+        counted = files.LineCount()
+
+        async def chunks() -> AsyncIterator[bytes]:
+            async for good, line in self.store.lines(st.meta.id, total):
+                if good == ok:
+                    yield line + b"\n"
+
+        size = await self.files.write(file_id, counted.count(chunks()))
+        await files.put_meta(self.q.redis, self.q.keys, files.FileMeta(
+            id=file_id, tenant=st.meta.tenant, bytes=size, lines=counted.lines, created_at=int(self.clock()),
+            filename=f"{st.meta.id}_{suffix}.jsonl", purpose="batch_output", key=file_id))
+        return file_id
+
+
+def output_file_id(batch_id: str, suffix: str) -> str:
+    """A batch's output or error file id: a valid file id (its batch's creation time, then a digest), the same
+    every time it is computed."""
+    raw = base64.b32decode(batch_id.removeprefix("batch_").upper() + "======")[:6]
+    raw += hashlib.sha256(f"{batch_id}:{suffix}".encode()).digest()[:10]
+    return "file-" + base64.b32encode(raw).decode("ascii").rstrip("=").lower()
+
+
+# --- the deployable --------------------------------------------------------------------------------
+
+async def _serve(settings: Settings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await BatchRunner(settings).run(stop)
+
+
+def run(settings: Settings) -> None:
+    """One batch runner until SIGTERM/SIGINT (several may run: each batch is held by one at a time)."""
+    asyncio.run(_serve(settings))
+
+
+def main() -> int:
+    try:
+        settings = Settings.from_environ()
+    except ConfigError as exc:
+        print(f"batchgate batches: configuration error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level, settings.log_format)
+    run(settings)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Batches in Redis: each batch's record (its `BatchMeta` and `Progress`), the items it has in flight, the
+lines it has written, and the lease its runner holds. All of one batch's keys share the slot `{b:<id>}`,
+so each step is one atomic script or transaction.
+
+Exactly once: an item is fed (its ref in `items`, the feed position moved past its line) in one
+transaction; its line is written (`lines`, HSETNX by line number, counted once, the ref removed) in one
+script. A runner that dies between the two leaves the ref, and the next runner resumes it: the native
+request is found again by its idempotency key, and a line already written is not written twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+from shared.batches import BatchMeta, ItemRef, Progress
+from shared.codec import encode
+from shared.keys import Keys
+from shared.messages import CallbackDelivery
+
+_META = msgspec.msgpack.Encoder()
+_META_DEC = msgspec.msgpack.Decoder(BatchMeta)
+_REF_DEC = msgspec.msgpack.Decoder(ItemRef)
+LINES_PER_READ = 500
+
+# KEYS: record, items, lines; ARGV: line, ok ("1"/"0"), the line's JSON
+WRITE_LINE_LUA = """
+if redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[2] .. ARGV[3]) == 1 then
+  redis.call('HINCRBY', KEYS[1], ARGV[2] == '1' and 'completed' or 'failed', 1)
+end
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+"""
+
+# KEYS: record; ARGV: the new status, the field of its time, the time, the statuses it may come from...
+MOVE_LUA = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return nil end
+for i = 4, #ARGV do
+  if status == ARGV[i] then
+    redis.call('HSET', KEYS[1], 'status', ARGV[1], 't:' .. ARGV[2], ARGV[3])
+    return ARGV[1]
+  end
+end
+return status
+"""
+
+# KEYS: lease; ARGV: owner, ttl ms. Take a free lease or renew our own.
+LEASE_LUA = """
+local holder = redis.call('GET', KEYS[1])
+if not holder or holder == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+@dataclass(slots=True)
+class BatchState:
+    meta: BatchMeta
+    progress: Progress
+    next_line: int  # the first input line not fed yet
+    next_offset: int  # its byte offset in the input file
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+class BatchStore:
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._write_line = redis.register_script(WRITE_LINE_LUA)
+        self._move = redis.register_script(MOVE_LUA)
+        self._lease = redis.register_script(LEASE_LUA)
+
+    async def create(self, meta: BatchMeta) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(self.keys.batch(meta.id), mapping={"m": _META.encode(meta), "status": "validating",
+                                                     "next": 0, "offset": 0})
+        pipe.zadd(self.keys.batches(meta.tenant), {meta.id: meta.created_at})
+        pipe.zadd(self.keys.batches_active(), {meta.id: meta.created_at})
+        await pipe.execute()
+
+    async def get(self, batch_id: str) -> BatchState | None:
+        raw = await self.redis.hgetall(self.keys.batch(batch_id))
+        if not raw or b"m" not in raw:
+            return None
+        f = {_text(k): v for k, v in raw.items()}
+        p = Progress(status=_text(f["status"]), total=int(f.get("total", 0)), completed=int(f.get("completed", 0)),
+                     failed=int(f.get("failed", 0)),
+                     output_file_id=_text(f["out_id"]) if "out_id" in f else None,
+                     error_file_id=_text(f["err_id"]) if "err_id" in f else None,
+                     errors=json.loads(f["errors"]) if "errors" in f else [],
+                     times={k[2:]: int(v) for k, v in f.items() if k.startswith("t:")})
+        return BatchState(_META_DEC.decode(f["m"]), p, int(f.get("next", 0)), int(f.get("offset", 0)))
+
+    async def ids(self, tenant: str) -> list[str]:
+        """The tenant's batches, newest first."""
+        return [_text(i) for i in await self.redis.zrevrange(self.keys.batches(tenant), 0, -1)]
+
+    async def active(self) -> list[str]:
+        return [_text(i) for i in await self.redis.zrange(self.keys.batches_active(), 0, -1)]
+
+    async def move(self, batch_id: str, status: str, time_field: str, now_s: int, *,
+                   from_: tuple[str, ...]) -> str | None:
+        """Set the status if the batch is in one of `from_`; the status it has afterwards (None: no batch)."""
+        out = await self._move(keys=[self.keys.batch(batch_id)], args=[status, time_field, now_s, *from_])
+        return None if out is None else _text(out)
+
+    async def set_fields(self, batch_id: str, **fields: Any) -> None:
+        await self.redis.hset(self.keys.batch(batch_id), mapping={k: v for k, v in fields.items() if v is not None})
+
+    async def lease(self, batch_id: str, owner: str, ttl_ms: int) -> bool:
+        return bool(await self._lease(keys=[self.keys.batch_lease(batch_id)], args=[owner, ttl_ms]))
+
+    async def release(self, batch_id: str, owner: str) -> None:
+        if _text(await self.redis.get(self.keys.batch_lease(batch_id)) or b"") == owner:
+            await self.redis.delete(self.keys.batch_lease(batch_id))
+
+    async def fed(self, batch_id: str, refs: list[ItemRef], next_line: int, next_offset: int) -> None:
+        """Items now in flight, and the feed position past them: one transaction."""
+        pipe = self.redis.pipeline(transaction=True)
+        if refs:
+            pipe.hset(self.keys.batch_items(batch_id), mapping={str(r.line): msgspec.msgpack.encode(r) for r in refs})
+        pipe.hset(self.keys.batch(batch_id), mapping={"next": next_line, "offset": next_offset})
+        await pipe.execute()
+
+    async def in_flight(self, batch_id: str) -> list[ItemRef]:
+        raw = await self.redis.hgetall(self.keys.batch_items(batch_id))
+        return sorted((_REF_DEC.decode(v) for v in raw.values()), key=lambda r: r.line)
+
+    async def write_line(self, batch_id: str, line: int, ok: bool, payload: dict[str, Any]) -> None:
+        await self._write_line(keys=[self.keys.batch(batch_id), self.keys.batch_items(batch_id),
+                                     self.keys.batch_lines(batch_id)],
+                               args=[line, "1" if ok else "0", json.dumps(payload, separators=(",", ":"))])
+
+    async def lines(self, batch_id: str, total: int) -> AsyncIterator[tuple[bool, bytes]]:
+        """The written lines in input order: (succeeded, the JSON line)."""
+        key = self.keys.batch_lines(batch_id)
+        for lo in range(0, total, LINES_PER_READ):
+            for v in await self.redis.hmget(key, [str(i) for i in range(lo, min(total, lo + LINES_PER_READ))]):
+                if v is not None:
+                    yield v[:1] == b"1", v[1:]
+
+    async def end(self, batch_id: str, status: str, time_field: str, now_s: int,
+                  webhook: CallbackDelivery | None) -> None:
+        """The final status, and the batch's webhook queued with it (one transaction: neither without the
+        other). Queued again by a runner that ends the batch again after a crash, it is the same delivery id,
+        which the dispatcher schedules once."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.keys.batch(batch_id), mapping={"status": status, f"t:{time_field}": now_s})
+        if webhook is not None:
+            pipe.xadd(self.keys.callback_stream(), {"d": encode(webhook)})
+        await pipe.execute()
+
+    async def finished(self, batch_id: str) -> None:
+        """The batch's files are written: drop its working state (the record stays, as the files' index)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(self.keys.batch_items(batch_id), self.keys.batch_lines(batch_id))
+        pipe.zrem(self.keys.batches_active(), batch_id)
+        await pipe.execute()

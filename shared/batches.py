@@ -1,0 +1,239 @@
+"""The Batch API's rules, pure: what a batch is, how an input line becomes a native request, what the
+output and error files' lines say, and the batch object OpenAI's clients read.
+
+A batch is a JSONL file of requests to one endpoint (`/v1/completions`, `/v1/chat/completions`,
+`/v1/embeddings`, or a native `/v1/models/{model}/requests`), each line
+`{"custom_id", "method": "POST", "url": <the endpoint>, "body": {...}}`. Its items run at batch priority
+with the batch's completion window as their deadline (bounded by each model's `max_timeout_s`); the
+runner (`gateway.batch_runner`) feeds them a bounded number at a time and writes one output or error line
+per `custom_id`, exactly once.
+
+Statuses as OpenAI defines them: validating -> failed | in_progress -> finalizing -> completed; expired
+when the window ends first; cancelling -> cancelled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from shared import openai_shapes as oa
+from shared.ids import new_request_id
+
+OPENAI_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+NATIVE_ENDPOINT = re.compile(r"^/v1/models/([^/]+)/requests$")
+MIN_WINDOW_S = 60.0
+MAX_WINDOW_S = 7 * 86_400.0
+MAX_CUSTOM_ID = 512
+MAX_ERRORS_LISTED = 100  # a failed validation lists this many line errors (OpenAI lists some, not all)
+MAX_METADATA = 16  # OpenAI: up to 16 key-value pairs, keys <= 64 and values <= 512 characters
+
+TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
+_WINDOW = re.compile(r"^(\d{1,6})(s|m|h|d)$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
+
+
+class BatchError(Exception):
+    """A batch request (or one of its input lines) the API refuses: `code`, `message`, the field (`param`)."""
+
+    def __init__(self, message: str, *, code: str = "invalid_request", param: str | None = None,
+                 line: int | None = None) -> None:
+        super().__init__(message)
+        self.message, self.code, self.param, self.line = message, code, param, line
+
+    def entry(self) -> dict[str, Any]:
+        """As an entry of the batch's `errors.data` (lines numbered from 1, as editors do)."""
+        return {"code": self.code, "message": self.message, "param": self.param,
+                "line": None if self.line is None else self.line + 1}
+
+
+class BatchMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a batch is for: fixed at creation."""
+
+    id: str
+    tenant: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    created_at: int  # epoch seconds, as OpenAI's batch object
+    expires_at: int
+    metadata: dict[str, str] | None = None
+    callback_url: str | None = None  # batchgate's own: a signed webhook when the batch ends
+
+
+def new_batch_id(now_ms: int) -> str:
+    return "batch_" + new_request_id(now_ms).removeprefix("req_")
+
+
+def window_seconds(window: Any) -> float:
+    """A completion window ("24h", "30m", "2d", "90s") in seconds."""
+    m = _WINDOW.match(window) if isinstance(window, str) else None
+    if m is None:
+        raise BatchError('completion_window must be a duration such as "24h" (units s, m, h, d)',
+                         param="completion_window")
+    seconds = float(int(m.group(1)) * _UNIT_S[m.group(2)])
+    if not MIN_WINDOW_S <= seconds <= MAX_WINDOW_S:
+        raise BatchError(f"completion_window must be between {MIN_WINDOW_S:g} s and {MAX_WINDOW_S / 86_400:g} days",
+                         param="completion_window")
+    return seconds
+
+
+def check_endpoint(endpoint: Any) -> str:
+    if isinstance(endpoint, str) and (endpoint in OPENAI_ENDPOINTS or NATIVE_ENDPOINT.match(endpoint)):
+        return endpoint
+    raise BatchError(f"endpoint must be one of {', '.join(OPENAI_ENDPOINTS)} or /v1/models/{{model}}/requests",
+                     param="endpoint", code="invalid_endpoint")
+
+
+def check_metadata(metadata: Any) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if (not isinstance(metadata, dict) or len(metadata) > MAX_METADATA
+            or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                       for k, v in metadata.items())):
+        raise BatchError(f"metadata: at most {MAX_METADATA} string pairs (keys <= 64, values <= 512 characters)",
+                         param="metadata")
+    return dict(metadata)
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One input line, validated as far as it can be without the model: its native submit body and what its
+    answer needs (the OpenAI shape to build it in)."""
+
+    line: int  # 0-based
+    custom_id: str
+    model: str
+    body: dict[str, Any]  # the native submit body (no deadline yet)
+    kind: str  # "completion" | "chat" | "embedding" | "native"
+    encoding_format: str = "float"
+
+    def ref(self, request_id: str) -> ItemRef:
+        return ItemRef(self.line, self.custom_id, request_id, self.kind, self.model, self.encoding_format)
+
+
+class ItemRef(msgspec.Struct, frozen=True, array_like=True):
+    """An item in flight, as the batch's record keeps it: enough to write its line once it finishes."""
+
+    line: int
+    custom_id: str
+    request_id: str
+    kind: str
+    model: str
+    encoding_format: str = "float"
+
+
+_TRANSLATE = {"/v1/completions": oa.translate_completion, "/v1/chat/completions": oa.translate_chat,
+              "/v1/embeddings": oa.translate_embeddings}
+
+
+def parse_line(raw: bytes | str, line: int, endpoint: str) -> Item:
+    """An input line as an `Item`; `BatchError` (with the line) when it is not one."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise BatchError("not a JSON object", code="invalid_json_line", line=line) from None
+    if not isinstance(obj, dict):
+        raise BatchError("not a JSON object", code="invalid_json_line", line=line)
+    unknown = sorted(set(obj) - {"custom_id", "method", "url", "body"})
+    if unknown:
+        raise BatchError(f"unknown field {unknown[0]!r} (a line has custom_id, method, url, body)",
+                         code="invalid_request", param=unknown[0], line=line)
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= MAX_CUSTOM_ID or not custom_id.isprintable():
+        raise BatchError(f"custom_id must be 1-{MAX_CUSTOM_ID} printable characters", code="invalid_custom_id",
+                         param="custom_id", line=line)
+    if obj.get("method", "POST") != "POST":
+        raise BatchError("method must be POST", code="invalid_method", param="method", line=line)
+    if obj.get("url") != endpoint:
+        raise BatchError(f"url must be the batch's endpoint {endpoint}", code="mismatched_url", param="url",
+                         line=line)
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise BatchError("body must be a JSON object", code="invalid_body", param="body", line=line)
+    if body.get("stream"):
+        raise BatchError("a batch item cannot stream", code="invalid_request", param="body.stream", line=line)
+    native = NATIVE_ENDPOINT.match(endpoint)
+    if native:
+        inner = {k: v for k, v in body.items() if k not in ("timeout_s", "deadline", "priority", "callback")}
+        return Item(line, custom_id, native.group(1), inner, "native")
+    try:
+        tr = _TRANSLATE[endpoint](body)
+    except oa.OpenAIError as err:
+        raise BatchError(err.message, code=err.code or "invalid_request",
+                         param=f"body.{err.param}" if err.param else "body", line=line) from None
+    inner = {k: v for k, v in tr.body.items() if k not in ("timeout_s", "deadline", "priority", "stream")}
+    return Item(line, custom_id, tr.model, inner, tr.kind, tr.encoding_format)
+
+
+def submit_body(item: Item, deadline_s: float) -> dict[str, Any]:
+    """The native submit body of an item: batch priority, the given deadline (epoch seconds)."""
+    return {**item.body, "priority": "batch", "deadline": deadline_s}
+
+
+def _response_body(ref: ItemRef, view: dict[str, Any], created: int) -> dict[str, Any]:
+    if ref.kind == "native":
+        return view
+    tr = oa.Translated(kind=ref.kind, model=ref.model, body={}, encoding_format=ref.encoding_format)  # type: ignore[arg-type]
+    if ref.kind == "embedding":
+        return oa.embedding_response(tr, view)
+    return oa.completion_response(tr, view, created)
+
+
+def result_line(ref: ItemRef, view: dict[str, Any], created: int) -> tuple[bool, dict[str, Any]]:
+    """(succeeded, the line) for a finished item: OpenAI's output line, or its error line."""
+    line_id = "batch_req_" + ref.request_id.removeprefix("req_")
+    if ref.kind == "native":
+        ok = view.get("status") == "succeeded"
+        err = None if ok else (view.get("error") or {"code": view.get("status"), "message": view.get("status")})
+        status = 200 if ok else 500
+    else:
+        oa_err = oa.result_error(view)
+        ok = oa_err is None
+        err = None if ok else {"code": oa_err.code, "message": oa_err.message}
+        status = 200 if ok else oa_err.status
+    body = _response_body(ref, view, created) if ok else {"error": err}
+    return ok, {"id": line_id, "custom_id": ref.custom_id,
+                "response": {"status_code": status, "request_id": ref.request_id, "body": body}, "error": err}
+
+
+def refused_line(custom_id: str, code: str, message: str, status: int | None = None) -> dict[str, Any]:
+    """The error line of an item that never ran (refused at submit, the window ended, the batch cancelled)."""
+    err = {"code": code, "message": message}
+    response = None if status is None else {"status_code": status, "request_id": None, "body": {"error": err}}
+    return {"id": None, "custom_id": custom_id, "response": response, "error": err}
+
+
+@dataclass(slots=True)
+class Progress:
+    """What changes as a batch runs (kept beside its `BatchMeta`)."""
+
+    status: str = "validating"
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    times: dict[str, int] = field(default_factory=dict)  # in_progress_at, finalizing_at, completed_at, ...
+
+
+def batch_object(meta: BatchMeta, p: Progress) -> dict[str, Any]:
+    """The batch as OpenAI's `Batch` object."""
+    t = p.times
+    return {
+        "id": meta.id, "object": "batch", "endpoint": meta.endpoint,
+        "errors": {"object": "list", "data": p.errors} if p.errors else None,
+        "input_file_id": meta.input_file_id, "completion_window": meta.completion_window, "status": p.status,
+        "output_file_id": p.output_file_id, "error_file_id": p.error_file_id, "created_at": meta.created_at,
+        "in_progress_at": t.get("in_progress_at"), "expires_at": meta.expires_at,
+        "finalizing_at": t.get("finalizing_at"), "completed_at": t.get("completed_at"),
+        "failed_at": t.get("failed_at"), "expired_at": t.get("expired_at"), "cancelling_at": t.get("cancelling_at"),
+        "cancelled_at": t.get("cancelled_at"),
+        "request_counts": {"total": p.total, "completed": p.completed, "failed": p.failed},
+        "metadata": meta.metadata,
+    }

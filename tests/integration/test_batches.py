@@ -1,0 +1,200 @@
+"""The Batch API end to end: a real gateway, worker and batch runner on real Redis, driven by the official
+`openai` client's `files` and `batches` resources."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from openai import AsyncOpenAI, BadRequestError, NotFoundError
+
+from gateway.batch_runner import BatchRunner
+from shared.keys import Keys
+from tests.stack import make_settings, running_gateway, running_worker
+
+pytestmark = [pytest.mark.redis]
+CHAT = "/v1/chat/completions"
+
+
+def jsonl(n: int, *, url: str = CHAT, start: int = 0, max_tokens: int = 4) -> bytes:
+    lines = []
+    for i in range(start, start + n):
+        body = ({"model": "tiny-llama", "messages": [{"role": "user", "content": f"item {i}"}],
+                 "max_tokens": max_tokens, "temperature": 0} if url == CHAT
+                else {"model": "minilm", "input": f"text {i}"})
+        lines.append(json.dumps({"custom_id": f"c-{i}", "method": "POST", "url": url, "body": body}))
+    return ("\n".join(lines) + "\n").encode()
+
+
+@contextlib.asynccontextmanager
+async def runner(settings, **kw) -> AsyncIterator[BatchRunner]:
+    r = BatchRunner(settings, poll_s=0.05, **kw)
+    stop = asyncio.Event()
+    task = asyncio.create_task(r.run(stop))
+    try:
+        yield r
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def until_done(client: AsyncOpenAI, batch_id: str, timeout: float = 120) -> object:
+    end = asyncio.get_running_loop().time() + timeout
+    while True:
+        b = await client.batches.retrieve(batch_id)
+        if b.status in ("completed", "failed", "expired", "cancelled"):
+            return b
+        assert asyncio.get_running_loop().time() < end, b
+        await asyncio.sleep(0.1)
+
+
+async def lines_of(client: AsyncOpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    content = await client.files.content(file_id)
+    return [json.loads(x) for x in content.text.splitlines() if x.strip()]
+
+
+def client_for(gw) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0)
+
+
+async def test_a_batch_runs_every_line_once_and_answers_in_openais_format(redis_url, prefix, loaded_models,
+                                                                        tmp_path):
+    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw, runner(settings):
+        client = client_for(gw)
+        f = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(40))), purpose="batch")
+        b = await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h",
+                                        metadata={"run": "t1"})
+        assert b.status == "validating" and b.metadata == {"run": "t1"}
+        done = await until_done(client, b.id)
+        assert done.status == "completed" and done.request_counts.total == 40
+        assert done.request_counts.completed == 40 and done.request_counts.failed == 0
+        out = await lines_of(client, done.output_file_id)
+        assert sorted(x["custom_id"] for x in out) == sorted(f"c-{i}" for i in range(40))
+        assert [x["custom_id"] for x in out] == [f"c-{i}" for i in range(40)]  # in input order
+        first = out[0]["response"]
+        assert first["status_code"] == 200 and first["body"]["object"] == "chat.completion"
+        assert first["body"]["usage"]["completion_tokens"] == 4 and done.error_file_id is None
+        # the native request behind a line ran at batch priority
+        native = (await gw.client.get(f"/v1/requests/{first['request_id']}")).json()
+        assert native["priority"] == "batch" and native["status"] == "succeeded"
+        listed = await client.batches.list(limit=10)
+        assert b.id in [x.id for x in listed.data]
+
+
+async def test_an_invalid_line_fails_the_batch_before_anything_runs(redis_url, prefix, loaded_models, tmp_path):
+    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
+    async with running_gateway(settings) as gw, runner(settings):  # no worker: nothing could run anyway
+        client = client_for(gw)
+        bad = jsonl(3) + jsonl(1, start=1) \
+            + b'{"custom_id": "c-9", "method": "POST", "url": "/v1/chat/completions", "body": ' \
+            + b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}}\n'
+        f = await client.files.create(file=("in.jsonl", io.BytesIO(bad)), purpose="batch")
+        b = await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+        done = await until_done(client, b.id, 30)
+        assert done.status == "failed" and done.output_file_id is None
+        codes = {(e.line, e.code) for e in done.errors.data}
+        assert (4, "duplicate_custom_id") in codes and (5, "invalid_request") in codes, codes
+        assert next(e for e in done.errors.data if e.line == 5).param == "body.params.max_new_tokens"
+        keys = Keys(prefix)
+        queued = sum([await gw.service.redis.xlen(s) for s in keys.lane_streams("tiny-llama",
+                                                                               ("short", "medium", "long"))])
+        assert queued == 0  # nothing was submitted
+        with pytest.raises(BadRequestError):
+            await client.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
+        with pytest.raises(NotFoundError):
+            await client.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
+        with pytest.raises(NotFoundError):
+            await client.batches.retrieve("batch_nope")
+
+
+async def test_cancel_stops_feeding_and_every_line_is_answered_once(redis_url, prefix, loaded_models, tmp_path):
+    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw, \
+            runner(settings, in_flight=4):
+        client = client_for(gw)
+        f = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(60, max_tokens=32))), purpose="batch")
+        b = await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+        while (await client.batches.retrieve(b.id)).request_counts.completed < 3:
+            await asyncio.sleep(0.05)
+        cancelling = await client.batches.cancel(b.id)
+        assert cancelling.status in ("cancelling", "cancelled")
+        done = await until_done(client, b.id)
+        assert done.status == "cancelled"
+        out, err = await lines_of(client, done.output_file_id), await lines_of(client, done.error_file_id)
+        ids = [x["custom_id"] for x in out + err]
+        assert sorted(ids) == sorted(f"c-{i}" for i in range(60)) and len(set(ids)) == 60
+        assert 3 <= len(out) < 60 and all(x["error"]["code"] in ("batch_cancelled", "cancelled") for x in err)
+        assert done.request_counts.completed == len(out) and done.request_counts.failed == len(err)
+
+
+async def test_a_runner_that_dies_mid_batch_is_taken_over_without_a_lost_or_repeated_line(
+        redis_url, prefix, loaded_models, tmp_path):
+    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        client = client_for(gw)
+        f = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(80, max_tokens=8))), purpose="batch")
+        b = await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+        first = BatchRunner(settings, poll_s=0.05, in_flight=8, name="first")
+        task = asyncio.create_task(first.run(asyncio.Event()))
+        while (await client.batches.retrieve(b.id)).request_counts.completed < 10:
+            await asyncio.sleep(0.05)
+        task.cancel()  # as if killed: its lease is not released, its state is wherever it was
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await gw.service.redis.delete(Keys(prefix).batch_lease(b.id))  # the lease lapsing, sooner
+        async with runner(settings, in_flight=8):
+            done = await until_done(client, b.id)
+        assert done.status == "completed" and done.request_counts.completed == 80
+        out = await lines_of(client, done.output_file_id)
+        assert [x["custom_id"] for x in out] == [f"c-{i}" for i in range(80)]
+        native_ids = [x["response"]["request_id"] for x in out]
+        assert len(set(native_ids)) == 80  # each line one request: none submitted twice
+
+
+async def test_a_batchs_end_is_a_signed_webhook_with_the_batch(redis_url, prefix, loaded_models, tmp_path):
+    from shared.webhooks import verify
+    from tests.integration.test_webhooks import SECRET, dispatcher, settings_for
+    from tests.receiver import receiver
+
+    settings = settings_for(redis_url, prefix, files_dir=str(tmp_path / "files"))
+    async with receiver() as rx, running_worker(settings, loaded_models), running_gateway(settings) as gw, \
+            dispatcher(settings), runner(settings):
+        client = client_for(gw)
+        f = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(5))), purpose="batch")
+        b = await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h",
+                                        extra_body={"callback_url": rx.url})
+        done = await until_done(client, b.id)
+        end = asyncio.get_running_loop().time() + 20
+        while not rx.requests:
+            assert asyncio.get_running_loop().time() < end
+            await asyncio.sleep(0.05)
+        got = rx.requests[0]
+        payload = verify(SECRET, got.body, got.headers)
+        assert payload["id"] == b.id and payload["status"] == "completed" == done.status
+        assert payload["output_file_id"] == done.output_file_id and got.headers["batchgate-event"] == "batch.completed"
+        with pytest.raises(BadRequestError):  # a webhook to where the allow-list does not reach
+            await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h",
+                                        extra_body={"callback_url": "http://169.254.169.254/x"})
+
+
+async def test_a_running_batchs_input_file_cannot_be_deleted(redis_url, prefix, loaded_models, tmp_path):
+    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
+    async with running_gateway(settings) as gw:  # no runner: the batch stays active
+        client = client_for(gw)
+        f = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(2))), purpose="batch")
+        b = await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+        from openai import ConflictError
+
+        with pytest.raises(ConflictError):
+            await client.files.delete(f.id)
+        await client.batches.cancel(b.id)
+        async with runner(settings):
+            assert (await until_done(client, b.id, 30)).status == "cancelled"
+        assert (await client.files.delete(f.id)).deleted

@@ -1,0 +1,108 @@
+"""The Batch API's rules (`shared.batches`): input lines, windows, output lines, the batch object."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared.batches import (
+    BatchError,
+    BatchMeta,
+    Progress,
+    batch_object,
+    check_endpoint,
+    check_metadata,
+    new_batch_id,
+    parse_line,
+    refused_line,
+    result_line,
+    submit_body,
+    window_seconds,
+)
+
+CHAT = "/v1/chat/completions"
+
+
+def line(custom_id="a", url=CHAT, body=None, **extra):
+    body = body if body is not None else {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
+                                          "max_tokens": 4}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body, **extra})
+
+
+def test_a_chat_line_becomes_the_native_submit_body_at_batch_priority():
+    item = parse_line(line(), 3, CHAT)
+    assert (item.line, item.custom_id, item.model, item.kind) == (3, "a", "tiny-llama", "chat")
+    assert item.body["input"] == {"messages": [{"role": "user", "content": "hi"}]}
+    assert item.body["params"]["max_new_tokens"] == 4
+    body = submit_body(item, 1234.5)
+    assert body["priority"] == "batch" and body["deadline"] == 1234.5 and "timeout_s" not in body
+
+
+def test_completion_embedding_and_native_lines():
+    comp = parse_line(line(url="/v1/completions", body={"model": "m", "prompt": "x"}), 0, "/v1/completions")
+    assert comp.kind == "completion" and comp.body["input"] == {"prompt": "x"}
+    emb = parse_line(line(url="/v1/embeddings", body={"model": "e", "input": ["a", "b"]}), 0, "/v1/embeddings")
+    assert emb.kind == "embedding" and emb.body["input"] == {"texts": ["a", "b"]}
+    native = "/v1/models/tiny-llama/requests"
+    nat = parse_line(line(url=native, body={"input": {"prompt": "x"}, "timeout_s": 5}), 0, native)
+    assert nat.kind == "native" and nat.model == "tiny-llama" and nat.body == {"input": {"prompt": "x"}}
+
+
+@pytest.mark.parametrize("raw, code", [
+    ("not json", "invalid_json_line"),
+    ("[1]", "invalid_json_line"),
+    (line(custom_id=""), "invalid_custom_id"),
+    (line(custom_id=5), "invalid_custom_id"),
+    (line(url="/v1/completions"), "mismatched_url"),
+    (line(method="GET"), "invalid_method"),
+    (line(body=[]), "invalid_body"),
+    (line(extra_field=1), "invalid_request"),
+    (line(body={"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}), "invalid_request"),
+    (line(body={"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3}), "unsupported_parameter"),
+])
+def test_bad_lines_are_refused_with_their_line(raw, code):
+    with pytest.raises(BatchError) as err:
+        parse_line(raw, 41, CHAT)
+    assert err.value.code == code and err.value.entry()["line"] == 42
+
+
+def test_windows_endpoints_metadata():
+    assert window_seconds("24h") == 86_400 and window_seconds("90m") == 5400 and window_seconds("2d") == 172_800
+    for bad in ("24", "0h", "8d", "1h30m", 24, None, "30s"):
+        with pytest.raises(BatchError):
+            window_seconds(bad)
+    assert check_endpoint("/v1/embeddings") and check_endpoint("/v1/models/m/requests")
+    with pytest.raises(BatchError):
+        check_endpoint("/v1/responses")
+    assert check_metadata({"k": "v"}) == {"k": "v"} and check_metadata(None) is None
+    with pytest.raises(BatchError):
+        check_metadata({"k": 1})
+    assert new_batch_id(1000).startswith("batch_")
+
+
+def test_output_and_error_lines_follow_openais_format():
+    ref = parse_line(line(), 0, CHAT).ref("req_abc")
+    view = {"id": "req_abc", "status": "succeeded", "finish_reason": "length",
+            "output": {"text": "yo", "token_ids": [5, 6], "prompt_tokens": 3, "completion_tokens": 2}}
+    ok, out = result_line(ref, view, 100)
+    assert ok and out["custom_id"] == "a" and out["error"] is None and out["id"] == "batch_req_abc"
+    assert out["response"]["status_code"] == 200
+    assert out["response"]["body"]["choices"][0]["message"]["content"] == "yo"
+    assert out["response"]["body"]["usage"]["total_tokens"] == 5
+    bad, err = result_line(ref, {"id": "req_abc", "status": "failed",
+                                 "error": {"code": "input_too_long", "message": "too long"}}, 100)
+    assert not bad and err["error"]["code"] == "input_too_long" and err["response"]["status_code"] == 400
+    refused = refused_line("a", "batch_expired", "window ended")
+    assert refused["response"] is None and refused["error"]["code"] == "batch_expired"
+
+
+def test_the_batch_object_has_openais_fields():
+    meta = BatchMeta(id="batch_x", tenant="t", endpoint=CHAT, input_file_id="file-1", completion_window="24h",
+                     created_at=10, expires_at=86_410, metadata={"k": "v"})
+    obj = batch_object(meta, Progress(status="in_progress", total=3, completed=1, times={"in_progress_at": 11}))
+    assert obj["object"] == "batch" and obj["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
+    assert obj["in_progress_at"] == 11 and obj["errors"] is None and obj["metadata"] == {"k": "v"}
+    from openai.types import Batch  # the official client's own type reads it
+
+    assert Batch.model_validate(obj).status == "in_progress"
