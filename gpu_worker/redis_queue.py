@@ -34,6 +34,7 @@ from shared.keys import GROUP, Keys
 from shared.messages import InferenceRequest, StreamDelta
 from shared.records import RecordStore
 from shared.states import Status
+from shared.waiters import DELTA
 
 log = structlog.get_logger(__name__)
 
@@ -214,10 +215,11 @@ class RedisQueue:
                 pipe = self.redis.pipeline(transaction=False)
                 for request_id, delta, first in deltas:
                     key = self.keys.events(request_id)
-                    pipe.xadd(key, {"d": encode(delta)})
+                    data = encode(delta)
+                    pipe.xadd(key, {"d": data})
                     if first:  # kept as long as the result
                         pipe.pexpire(key, self.store.result_ttl_ms)
-                    pipe.publish(self.keys.done_channel(request_id), b"d")
+                    pipe.publish(self.keys.done_channel(request_id), DELTA + data)  # the delta itself: no read
                 await pipe.execute()
 
     async def streamed(self, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:

@@ -95,27 +95,49 @@ class _Cursor:
 
 
 async def _read(q: QueueClient, request_id: str, cursor: _Cursor,
-                *, record: bool) -> tuple[StoredRecord | None, list[StreamDelta]]:
-    """The record (if `record`), then the deltas after the cursor: one round trip, in that order (a terminal
-    record's deltas were all written before it). A record past its deadline is expired as `QueueClient.get`
-    does."""
+                *, record: bool, stream: bool) -> tuple[StoredRecord | None, list[StreamDelta]]:
+    """The record (if `record`), then the deltas after the cursor (if `stream`): one round trip, in that
+    order (a terminal record's deltas were all written before it). A record past its deadline is expired
+    as `QueueClient.get` does."""
+    if not record and not stream:
+        return None, []
     pipe = q.redis.pipeline(transaction=False)
     if record:
         pipe.hgetall(q.keys.record(request_id))
-    pipe.xrange(q.keys.events(request_id), min=cursor.entry if cursor.entry == "-" else "(" + cursor.entry, max="+")
-    *raw, entries = await pipe.execute()
-    rec = parse_record(request_id, raw[0]) if record else None
+    if stream:
+        pipe.xrange(q.keys.events(request_id), min=cursor.entry if cursor.entry == "-" else "(" + cursor.entry,
+                    max="+")
+    replies = await pipe.execute()
+    rec = parse_record(request_id, replies[0]) if record else None
     if rec is not None and not rec.terminal and rec.meta is not None and cannot_finish(
             rec.meta.deadline_ms / 1000 + q.settings.expiry_grace_s, q.clock()):
         rec = await q.get(request_id)
     out = []
-    for entry_id, fields in entries:
+    for entry_id, fields in replies[-1] if stream else ():
         cursor.entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         try:
             out.append(decode(fields[b"d"], StreamDelta))
         except (CodecError, KeyError):
             log.warning("undecodable stream delta skipped", request_id=request_id, entry=cursor.entry)
     return rec, out
+
+
+def _received(payloads: list[bytes], cursor: _Cursor) -> list[StreamDelta] | None:
+    """The deltas that came with the wake-ups, if they go on from what was sent; None: read the stream."""
+    out = []
+    at = cursor.tokens
+    for raw in payloads:
+        try:
+            delta = decode(raw, StreamDelta)
+        except CodecError:
+            return None
+        if delta.start + len(delta.token_ids) <= at:
+            continue  # one already read
+        if delta.start != at:
+            return None  # a gap: some were missed
+        out.append(delta)
+        at = delta.start + len(delta.token_ids)
+    return out
 
 
 async def streamed_tokens(redis: Any, keys: Keys, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:
@@ -155,9 +177,13 @@ async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None) ->
     try:
         async with q.hub.subscribe(q.keys.done_channel(request_id)) as sub:
             while True:
-                # woken by new deltas alone, only they are read (one command); anything else (a result, a
-                # reconnect, the deadline's timeout) reads the record too
-                fresh, new = await _read(q, request_id, cursor, record=sub.take_record_due())
+                # the deltas come with their wake-ups: the stream is read only when some may have been missed
+                # (the first read, a reconnect, a gap); the record only when something else woke us (a
+                # result, a reconnect, the deadline's timeout)
+                payloads, missed = sub.take_deltas()
+                got = None if missed else _received(payloads, cursor)
+                fresh, new = await _read(q, request_id, cursor, record=sub.take_record_due(), stream=got is None)
+                new = got if got is not None else new
                 rec = fresh or rec
                 if new and status == "queued":  # tokens come: it runs (the record says so too)
                     status = "running"
@@ -180,7 +206,7 @@ async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None) ->
                     expiry = rec.meta.deadline_ms / 1000 + q.settings.expiry_grace_s - q.clock()
                     timeout = max(0.0, expiry) + 0.05
                 if not await sub.wait(timeout):
-                    sub.record_due = True
+                    sub.record_due = sub.missed = True
     except SubscriptionUnavailable:
         # no pub/sub: read at a slow pace instead of not at all (Redis is unreachable or overloaded)
         await asyncio.sleep(RESUBSCRIBE_S)

@@ -24,7 +24,7 @@ log = structlog.get_logger(__name__)
 SUBSCRIBE_TIMEOUT_S = 2.0
 
 
-DELTA = b"d"  # what a streaming request's worker publishes on its done channel for new token deltas
+DELTA = b"d"  # a streaming request's worker publishes b"d" + the encoded delta on its done channel
 
 
 @dataclass(eq=False)
@@ -33,10 +33,19 @@ class Subscription:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     # woken by something other than new token deltas (a result, a reconnect): the record needs reading
     record_due: bool = True
+    # messages may have been missed (a new subscription, a reconnect): the delta stream needs reading
+    missed: bool = True
+    deltas: list[bytes] = field(default_factory=list)  # deltas that came with their wake-ups, in order
 
     def take_record_due(self) -> bool:
         due, self.record_due = self.record_due, False
         return due
+
+    def take_deltas(self) -> tuple[list[bytes], bool]:
+        """The deltas received since the last call, and whether some may have been missed."""
+        out, missed = self.deltas, self.missed
+        self.deltas, self.missed = [], False
+        return out, missed
 
     async def wait(self, timeout: float) -> bool:
         """True if woken (event or reconnect) before `timeout`; clears the event for the next wait."""
@@ -153,22 +162,26 @@ class WaiterHub:
                 # re-subscribed after a reconnect: a result may have been published while we were not
                 # subscribed, so wake the waiters once more to re-read their records
                 for sub in self._subs[channel]:
-                    sub.record_due = True
+                    sub.record_due = sub.missed = True
                     sub.event.set()
             elif channel != self._heartbeat and self._pubsub is not None:
                 # nobody waits on it any more (left while we were disconnected): drop it
                 task = asyncio.ensure_future(self._pubsub.unsubscribe(channel))
                 task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
         elif kind == "message":
-            deltas_only = msg.get("data") in (DELTA, DELTA.decode())
+            data = msg.get("data")
+            delta = data[1:] if isinstance(data, bytes) and data[:1] == DELTA else None
             for sub in self._subs.get(channel, ()):
-                sub.record_due = sub.record_due or not deltas_only
+                if delta is not None:
+                    sub.deltas.append(delta)
+                else:
+                    sub.record_due = True
                 sub.event.set()
 
     def _wake_all(self) -> None:
         for subs in self._subs.values():
             for sub in subs:
-                sub.record_due = True
+                sub.record_due = sub.missed = True
                 sub.event.set()
         for fut in self._confirm.values():
             if not fut.done():
