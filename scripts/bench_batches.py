@@ -40,9 +40,14 @@ def batch_file(n: int, seed: int) -> bytes:
 
 
 def batch_jobs(n: int, seed: int) -> list[bl.Job]:
+    """The batch's kind of request, as closed-loop clients submit it (no deadline pressure, as a batch has
+    none within its window)."""
     rng = random.Random(seed)
-    return [bl.Job(i, "long", [rng.randrange(3, 8192) for _ in range(rng.randint(64, 256))], rng.randint(32, 128))
+    jobs = [bl.Job(i, "long", [rng.randrange(3, 8192) for _ in range(rng.randint(64, 256))], rng.randint(32, 128))
             for i in range(n)]
+    for j in jobs:
+        j.timeout_s = 600
+    return jobs
 
 
 def interactive(n: int, rate: float, seed: int) -> list[bl.Job]:
