@@ -337,4 +337,4 @@ async def test_a_1000_line_batch_survives_a_worker_killed_mid_way(tmp_path, mode
         from tests.faults.harness import FIGURES
         FIGURES.append({"scenario": "batch: kill -9 a worker mid-batch (1,000 lines)", "accepted": 1000,
                         "terminal": len(out), "lost": 1000 - len(out), "visible_duplicates": len(out) - 1000,
-                        "re_executed": None, "recovery_s": round(time.monotonic() - t_fault, 2)})
+                        "re_executed": "-", "recovery_s": round(time.monotonic() - t_fault, 2)})
