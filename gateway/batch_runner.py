@@ -27,7 +27,6 @@ import json
 import os
 import secrets
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -39,9 +38,8 @@ from shared import operations as ops
 from shared.api_errors import ApiError, TooManyRequests
 from shared.batch_store import BatchState, BatchStore
 from shared.batches import BatchError, Item, ItemRef, Progress, parse_line, refused_line, result_line, submit_body
-from shared.config import ConfigError, Settings
+from shared.config import Settings
 from shared.errors import ValidationError
-from shared.logs import configure_logging
 from shared.messages import CallbackDelivery
 from shared.queue_client import QueueClient
 from shared.records import parse_record
@@ -242,8 +240,8 @@ class BatchRunner:
                             exhausted = True
                             break
                     fed = await self._submit(meta, pending, now)
-                    if fed is False:  # refused for capacity: try again later
-                        paused_until = now + self._retry_after
+                    if isinstance(fed, float):  # refused for capacity: try again after its Retry-After
+                        paused_until = now + fed
                         break
                     if isinstance(fed, ItemRef):
                         flight[fed.line] = fed
@@ -256,11 +254,9 @@ class BatchRunner:
                 return "completed"
             await asyncio.sleep(self.poll_s)
 
-    _retry_after = 1.0
-
-    async def _submit(self, meta: Any, entry: tuple[int, bytes, int], now: float) -> ItemRef | bool | None:
-        """Submit one line: its in-flight ref, False when refused for capacity (nothing recorded), None when
-        refused for good (its error line written)."""
+    async def _submit(self, meta: Any, entry: tuple[int, bytes, int], now: float) -> ItemRef | float | None:
+        """Submit one line: its in-flight ref; the seconds to wait when refused for capacity (nothing
+        recorded); None when refused for good (its error line written)."""
         line, raw, end = entry
         item = parse_line(raw, line, meta.endpoint)
         spec = self.settings.model(item.model)
@@ -275,8 +271,7 @@ class BatchRunner:
                                             refused_line(item.custom_id, exc.code, exc.message, 429))
                 await self.store.fed(meta.id, [], line + 1, end)
                 return None
-            self._retry_after = float(exc.retry_after or 1.0)
-            return False
+            return float(exc.retry_after or 1.0)
         except ApiError as exc:
             await self.store.write_line(meta.id, line, False,
                                         refused_line(item.custom_id, exc.code, exc.message, exc.status))
@@ -403,18 +398,3 @@ async def _serve(settings: Settings) -> None:
 def run(settings: Settings) -> None:
     """One batch runner until SIGTERM/SIGINT (several may run: each batch is held by one at a time)."""
     asyncio.run(_serve(settings))
-
-
-def main() -> int:
-    try:
-        settings = Settings.from_environ()
-    except ConfigError as exc:
-        print(f"batchgate batches: configuration error: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_level, settings.log_format)
-    run(settings)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

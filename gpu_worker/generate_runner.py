@@ -170,15 +170,13 @@ class GenerateRunner:
     def take_deltas(self) -> list[Delta]:
         """What each streaming row may send its caller since the last call (`gpu_worker.stream_release`)."""
         out = []
-        now = self.clock()
         for row in self.engine.rows:
             job = row.spec.owner
-            if isinstance(job, Job) and job.stream is not None and job.stream.due(now):
+            if isinstance(job, Job) and job.stream is not None:
                 delta = next_delta(job.stream, job.stream.output(row.tokens), self._decode)
                 if delta is not None:
                     out.append(Delta(job.req, delta, first=job.stream.first))
                     job.stream.first = False
-                    job.stream.sent_at = now
         return out
 
     def _resumed_whole(self, job: Job) -> Outcome:

@@ -21,9 +21,6 @@ from dataclasses import dataclass, field
 
 from shared.messages import StreamDelta
 
-# A streaming row's tokens are published at most this often (0: every engine step, as decoded). Raising it
-# coalesces tokens into fewer deltas (fewer Redis commands, wake-ups and SSE events per token).
-FLUSH_S = 0.0
 CONTEXT_TOKENS = 5  # tokens decoded before the new ones so that word boundaries decode as in the whole text
 INCOMPLETE = "\ufffd"
 
@@ -37,10 +34,6 @@ class Release:
     tail: str = ""  # the last characters released, as long as the longest stop string
     first: bool = True  # no delta published by this attempt yet
     base: int = 0  # released tokens the running row was started after (they are part of its prompt)
-    sent_at: float = float("-inf")  # when its last delta was published
-
-    def due(self, now: float) -> bool:
-        return self.first or now - self.sent_at >= FLUSH_S
     keep: int = field(init=False)
 
     def __post_init__(self) -> None:
