@@ -29,6 +29,10 @@ class DynamicStage:
     service: ServiceModel
     deadline_aware: bool
     total_rows: int | None
+    # batch-priority rows that may start now, and the padded prompt tokens their prefill may take in one round
+    # (`gpu_worker.background_rows`, set each round); None: no bound of its own
+    background_rows: int | None = None
+    background_tokens: int | None = None
 
     def ready_at(self, queue: LaneQueue, now: float) -> float:
         """When this non-empty lane's dynamic window closes (<= now: ready)."""
@@ -76,12 +80,18 @@ class DynamicStage:
 
     def _take(self, queue: LaneQueue, free_rows: int, token_cap: int | None = None) -> list[Job]:
         """The lane's batch: its requests in order while the rows, the batch size and the padded prompt tokens
-        (the batch limit, or `token_cap` when a step's prefill budget is smaller) allow; the head always."""
+        (the batch limit, or `token_cap` when a step's prefill budget is smaller, or `background_tokens` for
+        batch-priority work) allow, all of one priority; the head always."""
         cap = min(self.limits.max_batch_tokens, token_cap or self.limits.max_batch_tokens)
+        first = queue.peek()
+        if first is not None and first.rank > 0 and self.background_tokens:
+            cap = min(cap, self.background_tokens)
         batch: list[Job] = []
-        rows = 0
+        rows = background = 0
         width = 0
-        while (head := queue.peek()) is not None:
+        while (head := queue.peek()) is not None and not self.background_full(head, background):
+            if batch and self.deadline_aware and head.rank != batch[0].rank:  # never prefilled with batch work
+                break
             new_rows = rows + head.size
             new_width = max(width, head.prompt_tokens)
             if batch and (new_rows > min(free_rows, self.limits.max_batch_size)
@@ -89,4 +99,10 @@ class DynamicStage:
                 break
             batch.append(queue.pop())
             rows, width = new_rows, new_width
+            background += head.size if head.rank > 0 else 0
         return batch
+
+    def background_full(self, head: Job | None, taken: int = 0) -> bool:
+        """`head` is batch-priority work and may not start now beside the `taken` rows of such work."""
+        cap = self.background_rows
+        return head is not None and head.rank > 0 and cap is not None and taken + head.size > cap

@@ -66,6 +66,9 @@ class EmbedRunner:
     def begin_chunked(self, job: Job, now: float) -> list[Outcome]:
         return self.start([job], now)
 
+    def hold_back(self, ids: frozenset[str]) -> None:
+        pass  # no rows between calls
+
     @torch.inference_mode()
     def take_deltas(self) -> list[Delta]:
         return []

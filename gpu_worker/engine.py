@@ -19,6 +19,7 @@ from gpu_worker import fused_step as fusion
 from gpu_worker.attention import AttentionLayout
 from gpu_worker.chunked_prefill import ChunkedPrefill
 from gpu_worker.kv_cache import SlotKVCache, text_config
+from gpu_worker.parked_rows import ParkedRows
 from gpu_worker.sampling import make_generator, select_tokens
 from gpu_worker.sequences import EngineFull, EngineStats, GenResult, GenSpec, Row, finish_reason, group_by_length
 from shared.states import FinishReason
@@ -28,17 +29,9 @@ PREFILL_PAD_TOLERANCE = 0.25
 
 
 class GenerationEngine:
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        max_rows: int,
-        max_seq_len: int,
-        decode_tail: Callable[[list[int]], str] | None = None,
-        clock: Callable[[], float] = time.time,
-        keep_logits: bool = False,
-        fused: bool = False,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, *, max_rows: int, max_seq_len: int,
+                 decode_tail: Callable[[list[int]], str] | None = None, clock: Callable[[], float] = time.time,
+                 keep_logits: bool = False, fused: bool = False) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.max_rows = max_rows
@@ -56,6 +49,7 @@ class GenerationEngine:
         self.stats = EngineStats()
         self.last_logits: dict[str, torch.Tensor] | None = {} if keep_logits else None  # by row, last forward
         self.chunked = ChunkedPrefill(self)  # at most one long prompt prefilled a chunk per step
+        self.parked = ParkedRows(self)  # running rows sitting out the steps (`hold_back`)
         self.fused = fused  # a chunk rides in the decode step's forward (see gpu_worker.fused_step)
         if fused:
             fusion.install()
@@ -63,7 +57,7 @@ class GenerationEngine:
     # --- capacity ------------------------------------------------------------------------------
     @property
     def running(self) -> int:
-        return len(self.rows) + self.chunked.active
+        return len(self.rows) + self.chunked.active + len(self.parked)
 
     @property
     def free_rows(self) -> int:
@@ -265,14 +259,20 @@ class GenerationEngine:
         """The one way a row leaves before it is done (cancelled, out of time, preempted, handed back):
         it leaves at once with the tokens it has, `reason` as its finish reason."""
         wanted = set(ids)
+        self.parked.release(wanted)  # a parked row leaves from the running batch like any other
         hits = [i for i, r in enumerate(self.rows) if r.spec.id in wanted]
         return self.chunked.cancel(wanted, reason) + self._retire(hits, self._clock(), reason)
 
+    def hold_back(self, ids: Iterable[str]) -> None:
+        """Exactly the running rows `ids` sit out the next steps (see `gpu_worker.parked_rows`)."""
+        self.parked.hold(ids)
+
     def running_ids(self) -> list[str]:
-        return [r.spec.id for r in self.rows] + ([self.chunked.current.spec.id] if self.chunked.current else [])
+        chunked = [self.chunked.current.spec.id] if self.chunked.current else []
+        return [r.spec.id for r in self.rows] + chunked + self.parked.ids()
 
     def remaining_tokens(self) -> dict[str, int]:
-        left = {r.spec.id: r.spec.max_new_tokens - len(r.tokens) for r in self.rows}
+        left = {r.spec.id: r.spec.max_new_tokens - len(r.tokens) for r in self.rows} | self.parked.remaining()
         if (cur := self.chunked.current) is not None:
             left[cur.spec.id] = cur.spec.max_new_tokens
         return left

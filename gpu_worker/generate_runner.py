@@ -167,6 +167,9 @@ class GenerateRunner:
     def remove(self, ids: set[str], reason: FinishReason) -> list[Outcome]:
         return self._outcomes(self.engine.remove(ids, reason))
 
+    def hold_back(self, ids: frozenset[str]) -> None:
+        self.engine.hold_back(ids)
+
     def take_deltas(self) -> list[Delta]:
         """What each streaming row may send its caller since the last call (`gpu_worker.stream_release`)."""
         out = []

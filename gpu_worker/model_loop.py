@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import structlog
 
-from gpu_worker import metrics
+from gpu_worker import background_rows, metrics
 from gpu_worker.commands import Add, Adopt, Cancel, Command
 from gpu_worker.compute_thread import ThreadedLoop
 from gpu_worker.job import Job, JobState
@@ -62,6 +62,7 @@ class ModelLoop(ThreadedLoop):
         self.tracker = scheduler.tracker
         self._last_step_end: float | None = None
         self._excluded_s = 0.0  # time spent waiting on Redis this round (not part of the token interval)
+        self._held: frozenset[str] = frozenset()  # batch-priority rows sitting out the steps
 
     @property
     def snapshot(self) -> Snapshot:
@@ -94,6 +95,7 @@ class ModelLoop(ThreadedLoop):
                                    chunking=self.runner.chunking, background=self.background,
                                    chunk_left=self.runner.chunk_left)
         out = self._carry_out(plan, now)
+        self._share_rows(now)
         if plan.batch:  # a streaming newcomer's first token goes out now, not after the step
             self._publish(list(self.runner.take_deltas()))
         out.extend(self._step(plan.chunk_tokens))
@@ -129,6 +131,20 @@ class ModelLoop(ThreadedLoop):
         if plan.chunked is not None:
             out.extend(self._start([plan.chunked], chunked=True))
         return out
+
+    def _share_rows(self, now: float) -> None:
+        """Which batch-priority rows sit out the next step beside interactive rows, and how many may start next
+        round, and with how many prompt tokens (`gpu_worker.background_rows`)."""
+        if not self.scheduler.deadline_aware:
+            return
+        running, t = self.scheduler.running, self.tracker
+        share = background_rows.share(running.values(), self.runner.remaining_tokens(), self._held, now,
+                                      total_rows=self.max_rows, interval_s=t.step_seconds(len(running)),
+                                      step_s=t.bare_step_s, prefill=(t.prefill.intercept, t.prefill.slope))
+        if share.hold or self._held:
+            self.runner.hold_back(share.hold)
+        self._held = share.hold
+        self.scheduler.background_rows, self.scheduler.background_tokens = share.start_rows, share.prefill_tokens
 
     def _start(self, batch: list[Job], *, chunked: bool = False) -> list[Emitted]:
         g0 = self._clock()
@@ -175,7 +191,7 @@ class ModelLoop(ThreadedLoop):
             self._last_step_end = None
             self._excluded_s = 0.0
             return []
-        rows = len(self.scheduler.running)
+        rows = len(self.scheduler.running) - len(self._held)  # the rows this step advances
         t0 = self._clock()
         try:
             out: list[Emitted] = list(self.runner.step(chunk_tokens))
@@ -190,16 +206,9 @@ class ModelLoop(ThreadedLoop):
         # newcomers, the mark-running round trip); that, not the bare step, is what deadlines depend on.
         # Abnormally long waits on Redis are left out.
         since = self._last_step_end if self._last_step_end is not None else t0
-        self.tracker.observe_step(rows, max(t1 - t0, t1 - since - self._excluded_s))
         chunk, chunk_s = self.runner.last_chunk
-        decoding = rows - int(self.runner.chunking or chunk > 0)
-        if chunk and self.runner.fused and decoding > 0:  # what the chunk added to the decode step
-            bare = self.tracker.bare
-            self.tracker.observe_fused(chunk, t1 - t0 - (bare.predict(decoding) if bare.n else 0.0))
-        elif chunk:  # a chunk of prefill teaches the prefill fit too
-            self.tracker.observe_prefill(chunk, chunk_s)
-        else:  # the decode step alone: what a fused chunk is sized against
-            self.tracker.observe_bare_step(rows, t1 - t0)
+        self.tracker.observe_round(rows, t1 - t0, max(t1 - t0, t1 - since - self._excluded_s), chunk, chunk_s,
+                                   fused=self.runner.fused, chunking=self.runner.chunking)
         self._last_step_end = t1
         self._excluded_s = 0.0
         return out

@@ -66,6 +66,11 @@ class Runner(Protocol):
         """Running rows leave now with what they have (the one way to end a row early)."""
         ...
 
+    def hold_back(self, ids: frozenset[str]) -> None:
+        """Exactly the running rows `ids` sit out the next steps, keeping their work (`gpu_worker.background_rows`
+        decides which; an encoder keeps no rows between calls and ignores it)."""
+        ...
+
     def take_deltas(self) -> list[Delta]:
         """Tokens of streaming rows their callers may have now, since the last call (an encoder has none)."""
         ...

@@ -232,11 +232,11 @@ class Scheduler(DynamicStage):
             new_tokens=chunk_job.new_tokens if chunk_job is not None else 0, previous=self._fused_last)
         return self._fused_last
 
-    @staticmethod
-    def _waits_for_chunk(queue: LaneQueue, budget: int | None, chunking: bool) -> bool:
-        """A lane whose head needs chunks waits while another prompt is being chunked (one at a time)."""
+    def _waits_for_chunk(self, queue: LaneQueue, budget: int | None, chunking: bool) -> bool:
+        """A lane whose head needs chunks waits while another prompt is being chunked (one at a time), or is
+        batch-priority work with no row it may start in now (`gpu_worker.background_rows`)."""
         head = queue.peek()
-        return bool(budget and chunking and head is not None and head.prompt_tokens > budget)
+        return self.background_full(head) or bool(budget and chunking and head and head.prompt_tokens > budget)
 
     def late(self, batch: list[Job], now: float) -> list[Job]:
         """Of a batch about to start, those already past their deadline (deadline-aware mode only)."""

@@ -96,6 +96,9 @@ class LaneCounters:
     measured: bool = False  # a first completion has set the rate
 
 
+MEASURED_STEPS = 8  # bare decode steps seen before `bare_step_s` answers
+
+
 @dataclass
 class ServiceTracker:
     lanes: tuple[str, ...]
@@ -122,6 +125,23 @@ class ServiceTracker:
 
     def observe_fused(self, tokens: int, extra_seconds: float) -> None:
         self.fused.add(tokens, max(0.0, extra_seconds))
+
+    def observe_round(self, rows: int, step_s: float, interval_s: float, chunk: int, chunk_s: float, *,
+                      fused: bool, chunking: bool) -> None:
+        """A round's decode step advanced `rows` rows in `step_s`, with `chunk` prompt tokens of a chunked prefill
+        (`chunk_s` of them when not `fused` into it); a running row saw `interval_s` since its previous token."""
+        self.decode.add(rows, interval_s)
+        decoding = rows - int(chunking or chunk > 0)
+        if chunk and fused and decoding > 0:  # what the chunk added to the decode step
+            self.observe_fused(chunk, step_s - (self.bare.predict(decoding) if self.bare.n else 0.0))
+        elif chunk:  # a chunk of prefill teaches the prefill fit too
+            self.prefill.add(chunk, chunk_s)
+        else:  # the decode step alone: what a fused chunk is sized against
+            self.bare.add(rows, step_s)
+
+    def bare_step_s(self, rows: int) -> float:
+        """A bare decode step of `rows` rows, as measured; 0.0 until MEASURED_STEPS were seen."""
+        return self.bare.predict(rows) if self.bare.n >= MEASURED_STEPS else 0.0
 
     def observe_completion(self, lane: str) -> None:
         self.counters.setdefault(lane, LaneCounters()).completed += 1

@@ -272,3 +272,58 @@ def test_a_chunked_prefill_can_be_cancelled_midway(model):
     (gone,) = engine.remove({"long"}, FinishReason.CANCELLED)
     assert gone.token_ids == [] and gone.finish_reason is FinishReason.CANCELLED
     assert not engine.chunked.active and engine.free_rows == 4 and engine.running == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_parked_rows_sit_out_steps_and_resume_exactly(arch):
+    """Rows held back keep their tokens and cache while others decode, join, compact and chunk a long prompt; back
+    in the batch they continue as if they had never left (greedy tokens equal `generate`, windows crossed)."""
+    from tests.integration.test_architectures import tiny as tiny_arch
+
+    model = tiny_arch(arch)  # mistral and gemma2 with a window of 8
+    rng = random.Random(11)
+    batch = [GenSpec(id=f"b{i}", prompt_ids=tuple(rng.randrange(VOCAB) for _ in range(n)), max_new_tokens=28)
+             for i, n in enumerate((5, 9, 12, 15))]
+    fg = [GenSpec(id=f"f{i}", prompt_ids=tuple(rng.randrange(VOCAB) for _ in range(n)), max_new_tokens=m)
+          for i, (n, m) in enumerate(((4, 40), (10, 34), (7, 9)))]
+    long = GenSpec(id="long", prompt_ids=tuple(rng.randrange(VOCAB) for _ in range(36)), max_new_tokens=6)
+    engine = GenerationEngine(model, max_rows=9, max_seq_len=44)  # a cache 88 wide: it compacts
+    results = {r.id: r for r in engine.prefill(batch)}
+    for _ in range(6):
+        engine.step()
+    held = {"b0", "b2", "b3"}
+    engine.hold_back(held)
+    assert sorted(engine.parked.ids()) == sorted(held) and engine.running == 4 and engine.free_rows == 5
+    assert sorted(engine.running_ids()) == sorted(s.id for s in batch)
+    results.update({r.id: r for r in engine.prefill(fg[:2])})
+    engine.prefill_in_chunks(long)
+    steps = 0
+    while any(r.spec.id.startswith("f") for r in engine.rows) or engine.chunked.active:
+        tokens = {rid: len(engine.parked.rows[rid].row.tokens) for rid in held}
+        if steps == 3:
+            results.update({r.id: r for r in engine.prefill(fg[2:])})
+        results.update({r.id: r for r in engine.step(chunk_tokens=16)})
+        assert {rid: len(engine.parked.rows[rid].row.tokens) for rid in held} == tokens  # nothing advanced
+        steps += 1
+        if steps == 25:  # two come back beside the decoding rows; one stays out a while longer
+            held = {"b3"}
+            engine.hold_back(held)
+    engine.hold_back(set())
+    results.update(run(engine, {0: []}))
+    for spec in [*batch, *fg, long]:
+        assert results[spec.id].token_ids == reference(model, spec), spec.id
+
+
+def test_a_parked_row_can_be_removed(model):
+    reqs = specs(3, seed=4, outputs=(30,))
+    engine = GenerationEngine(model, max_rows=4, max_seq_len=128)
+    engine.prefill(reqs)
+    engine.step()
+    engine.hold_back({"r1"})
+    engine.step()
+    (gone,) = engine.remove({"r1"}, FinishReason.CANCELLED)
+    assert gone.id == "r1" and len(gone.token_ids) == 2 and gone.finish_reason is FinishReason.CANCELLED
+    assert len(engine.parked) == 0 and engine.running == 2
+    rest = run(engine, {0: []})
+    for spec in (reqs[0], reqs[2]):
+        assert rest[spec.id].token_ids == reference(model, spec)

@@ -32,12 +32,16 @@ class Row:
 
 
 class FakeRunner:
-    """Generates `max_new_tokens` tokens, one per step; each step costs STEP_S of fake time."""
+    """Generates `max_new_tokens` tokens, one per step; each step costs STEP_S of fake time (plus `per_row_s` per
+    row it advances); rows held back (`hold_back`) sit the steps out."""
 
-    def __init__(self, clock: Clock, rows: int) -> None:
+    def __init__(self, clock: Clock, rows: int, per_row_s: float = 0.0) -> None:
         self.clock = clock
         self.rows: dict[str, Row] = {}
         self.max_rows = rows
+        self.per_row_s = per_row_s  # what each stepped row adds to a step (a CPU's cost)
+        self.held: set[str] = set()
+        self.stepped: list[set[str]] = []  # the rows each step advanced
         self.started: list[str] = []
 
     @property
@@ -59,6 +63,9 @@ class FakeRunner:
 
     def take_deltas(self) -> list:
         return []
+
+    def hold_back(self, ids: frozenset[str]) -> None:
+        self.held = set(ids)
 
     def remaining_tokens(self) -> dict[str, int]:
         return {rid: row.left for rid, row in self.rows.items()}
@@ -92,9 +99,12 @@ class FakeRunner:
         return self.start([job], now)
 
     def step(self, chunk_tokens: int = 0) -> list[Outcome]:
-        self.clock.t += STEP_S
+        stepping = [rid for rid in self.rows if rid not in self.held]
+        self.stepped.append(set(stepping))
+        self.clock.t += STEP_S + self.per_row_s * len(stepping)
         done = []
-        for rid, row in list(self.rows.items()):
+        for rid in stepping:
+            row = self.rows[rid]
             row.left -= 1
             if row.left <= 0:
                 del self.rows[rid]
@@ -110,9 +120,9 @@ def req(i: int, clock: Clock, *, new: int = 10, timeout: float = 60.0, priority=
                             deadline_ms=now_ms + int(timeout * 1000), est_tokens=new + 1)
 
 
-def make(rows: int = 2, mark_running=None, deadline_aware: bool = True):
+def make(rows: int = 2, mark_running=None, deadline_aware: bool = True, per_row_s: float = 0.0):
     clock = Clock()
-    runner = FakeRunner(clock, rows)
+    runner = FakeRunner(clock, rows, per_row_s)
     sched = Scheduler([LanePolicy("short", 0.0)], BatchLimits(8, 10_000), deadline_aware=deadline_aware,
                       service=ServiceModel(decode_s_per_token=STEP_S))
     emitted: list = []
@@ -181,6 +191,37 @@ def test_batch_priority_rows_are_preempted_for_interactive_work_out_of_slack():
     assert ok[0].result.finished_ms <= ok[0].request.deadline_ms
     # the preempted batch request was re-queued and still finished
     assert sorted(finished(emitted)) == ["r0", "r1", "r9"]
+
+
+def test_batch_rows_sit_out_while_an_interactive_row_decodes_and_lose_nothing():
+    loop, runner, clock, emitted = make(rows=32, per_row_s=0.002)  # every row adds to a step, as on a CPU
+    loop.submit(Add([req(i, clock, new=200, priority=Priority.BATCH) for i in range(20)], clock.t))
+    for _ in range(20):  # they join 8 a round; the steps' cost by rows gets measured
+        loop._iterate()
+    assert runner.stepped[-1] == {f"r{i}" for i in range(20)}
+    t0 = clock.t
+    loop.submit(Add([req(99, clock, new=10)], clock.t))
+    while "r99" not in finished(emitted):
+        loop._iterate()
+    beside = [s for s in runner.stepped if "r99" in s]
+    assert len(beside) == 10 and all(s == {"r99"} for s in beside)  # 12 ms a step, where 20 more rows cost 40
+    assert clock.t - t0 < 10 * 0.0125
+    loop._iterate()
+    assert runner.stepped[-1] == {f"r{i}" for i in range(20)}  # back, all of them
+    run_until_idle(loop, runner)
+    assert sorted(finished(emitted)) == sorted([f"r{i}" for i in range(20)] + ["r99"])
+    assert not loop.scheduler.running
+
+
+def test_batch_work_leaves_rows_for_interactive_work():
+    loop, runner, clock, _ = make(rows=32)
+    loop.submit(Add([req(i, clock, new=200, priority=Priority.BATCH) for i in range(40)], clock.t))
+    for _ in range(10):
+        loop._iterate()
+    assert len(runner.rows) == 30  # 2 of 32 rows stay free of batch work
+    loop.submit(Add([req(99, clock, new=10)], clock.t))
+    loop._iterate()
+    assert "r99" in runner.rows  # a row at once: no preemption, no wait
 
 
 def test_interactive_never_preempts_interactive():

@@ -426,3 +426,28 @@ def test_the_background_bound_never_exceeds_the_configured_chunk():
     assert chunky(budget=32).step_budget(False, background=True) == 32
     assert chunky(budget=32).step_budget(False, yielding=True) == 32
     assert chunky(budget=0).step_budget(False, background=True) is None  # chunked prefill off
+
+
+def test_interactive_prompts_are_never_prefilled_with_batch_work():
+    s = sched(max_batch=8)
+    s.add(item(1, rank=0))
+    for i in range(2, 6):
+        s.add(item(i, rank=1))
+    assert [p.id for p in s.plan(1.0, free_rows=8).batch] == ["r1"]
+    assert [p.id for p in s.plan(1.0, free_rows=8).batch] == ["r2", "r3", "r4", "r5"]
+
+
+def test_batch_work_starts_within_the_rows_and_prefill_tokens_it_is_given():
+    s = sched(max_batch=8)
+    for i in range(6):
+        s.add(item(i, rank=1, prompt=10))
+    s.background_rows = 0
+    plan = s.plan(1.0, free_rows=8)
+    assert plan.batch == [] and plan.lane is None  # the lane is not ready while its head may not start
+    s.background_rows, s.background_tokens = 3, None
+    assert len(s.plan(1.0, free_rows=8).batch) == 3
+    s.background_rows, s.background_tokens = None, 20
+    assert len(s.plan(1.0, free_rows=8).batch) == 2  # 2 rows x 10 tokens
+    s.add(item(9, rank=0, prompt=10))
+    s.background_rows = 0
+    assert [p.id for p in s.plan(1.0, free_rows=8).batch] == ["r9"]  # interactive work is not bound by either
