@@ -2,7 +2,8 @@
 
 What the plan is checked for is what the deployment promises: Redis that never evicts, workers that
 drain before an instance goes, scaling on backlog per worker (and from zero), the gateway Lambda with
-auth on. `terraform apply` is not run: moto does not implement ElastiCache parameter groups.
+auth on. `terraform apply` (and destroy) runs in test_terraform_apply.py, for an existing Redis only:
+moto does not implement ElastiCache parameter groups.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import json
 import os
 import shutil
 import subprocess
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +42,8 @@ def tf(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedPro
     return proc
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def init_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of terraform/, initialised (offline, from the provider mirror where there is one)."""
     if shutil.which("terraform") is None:  # a requirement of the tests, like the real Redis
         pytest.fail("the Terraform tests need `terraform` on PATH (https://developer.hashicorp.com/terraform/install)")
     work = tmp_path_factory.mktemp("tf") / "terraform"
@@ -52,29 +56,58 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fake_aws() -> Any:
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    ec2 = boto3.client("ec2", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
-                       aws_secret_access_key="testing")
-    vpc = ec2.create_vpc(CidrBlock="10.40.0.0/16")["Vpc"]["VpcId"]
-    subnets = [ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.40.{i}.0/24", AvailabilityZone=f"us-east-1{zone}")
-               ["Subnet"]["SubnetId"] for i, zone in ((1, "a"), (2, "b"))]
-    ami = ec2.describe_images()["Images"][0]["ImageId"]
-    yield {"url": url, "vpc_id": vpc, "subnet_ids": subnets, "ami": ami}
-    server.stop()
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_workdir(tmp_path_factory)
 
 
-def plan(workdir: Path, fake_aws: dict[str, Any], name: str, **overrides: Any) -> subprocess.CompletedProcess[str]:
+@contextmanager
+def moto_account() -> Iterator[dict[str, Any]]:
+    """A fresh fake AWS account: moto's server, on 127.0.0.1 only, with a VPC, two subnets and an AMI.
+
+    Like a real account it has the AWS-managed IAM policies (moto leaves them out unless told; `apply`
+    attaches AWSLambdaVPCAccessExecutionRole). The server keeps its state in this process's moto
+    backends, so it starts with a reset: nothing from another module's fake account.
+    """
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MOTO_IAM_LOAD_MANAGED_POLICIES", "true")  # read when the IAM backend is created
+        port = free_port()
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        try:
+            url = f"http://127.0.0.1:{port}"
+            urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"), timeout=30).close()
+            ec2 = boto3.client("ec2", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
+                               aws_secret_access_key="testing")
+            vpc = ec2.create_vpc(CidrBlock="10.40.0.0/16")["Vpc"]["VpcId"]
+            subnets = [ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.40.{i}.0/24",
+                                         AvailabilityZone=f"us-east-1{zone}")["Subnet"]["SubnetId"]
+                       for i, zone in ((1, "a"), (2, "b"))]
+            ami = ec2.describe_images()["Images"][0]["ImageId"]
+            yield {"url": url, "vpc_id": vpc, "subnet_ids": subnets, "ami": ami}
+        finally:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def fake_aws() -> Iterator[dict[str, Any]]:
+    with moto_account() as account:
+        yield account
+
+
+def write_tfvars(workdir: Path, fake_aws: dict[str, Any], name: str, **overrides: Any) -> str:
+    """The variables of deployment `name` in the fake account, as a file in workdir; its name."""
     zip_path = workdir / "gateway.zip"
     shutil.make_archive(str(zip_path.with_suffix("")), "zip", REPO_TF.parent, "gateway")
     tfvars = {"name": name, "aws_endpoint_url": fake_aws["url"], "vpc_id": fake_aws["vpc_id"],
               "subnet_ids": fake_aws["subnet_ids"], "worker_ami_id": fake_aws["ami"], "gateway_zip": str(zip_path),
               "models_yaml": MODELS_YAML, "drain_budget_s": 60, **overrides}
     (workdir / f"{name}.tfvars.json").write_text(json.dumps(tfvars))
-    return tf(workdir, "plan", "-input=false", "-lock=false", f"-var-file={name}.tfvars.json", f"-out={name}.plan",
+    return f"{name}.tfvars.json"
+
+
+def plan(workdir: Path, fake_aws: dict[str, Any], name: str, **overrides: Any) -> subprocess.CompletedProcess[str]:
+    var_file = write_tfvars(workdir, fake_aws, name, **overrides)
+    return tf(workdir, "plan", "-input=false", "-lock=false", f"-var-file={var_file}", f"-out={name}.plan",
               check=False)
 
 
