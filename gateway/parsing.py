@@ -80,7 +80,8 @@ def _check_shape(value: Any, depth: int = 0) -> None:
             _check_shape(v, depth + 1)
     elif isinstance(value, list):
         for v in value:
-            _check_shape(v, depth + 1)
+            if isinstance(v, dict | list):  # a scalar item has no shape to check (a token id list: no call each)
+                _check_shape(v, depth + 1)
 
 
 def parse_wait(req: ApiRequest, cap: float) -> float:

@@ -13,9 +13,8 @@ from typing import Any
 import structlog
 
 from gpu_worker.cpu_threads import CpuShare, bind_compute_thread, model_size, single_threaded
-from gpu_worker.embed_runner import EmbedRunner
+from gpu_worker.echo_runner import EchoRunner
 from gpu_worker.engines import ModelEngines
-from gpu_worker.generate_runner import GenerateRunner
 from gpu_worker.model_loop import ModelLoop
 from gpu_worker.outcomes import Emitted
 from gpu_worker.runner import Runner
@@ -33,11 +32,15 @@ log = structlog.get_logger(__name__)
 
 def build_runners(loaded: Any, worker: str, faults: Faults,
                   groups: list[tuple[str, tuple[LaneSpec, ...]]]) -> list[Runner]:
-    """One runner per engine group, all over the one loaded model."""
+    """One runner per engine group, all over the one loaded model (torch is imported here, not before: a worker
+    serving only echo models never loads it)."""
     spec: ModelSpec = loaded.spec
     if spec.task is Task.EMBED:
+        from gpu_worker.embed_runner import EmbedRunner
+
         return [EmbedRunner(loaded, worker, faults=faults) for _ in groups]
     from gpu_worker.exactness import verify_exact
+    from gpu_worker.generate_runner import GenerateRunner
 
     # served exactly or refused, before any request reaches it; and whether chunks may ride in decode steps
     fused = verify_exact(loaded.model, spec.name)
@@ -63,6 +66,22 @@ def build_scheduler(spec: ModelSpec, runner: Runner, lanes: tuple[LaneSpec, ...]
                      chunk_tokens=(spec.prefill_chunk_tokens or None) if spec.task is Task.GENERATE else None)
 
 
+def echo_engines(spec: ModelSpec, worker: str, faults: Faults, groups: list[tuple[str, tuple[LaneSpec, ...]]], *,
+                 mark_running: Callable[[list[InferenceRequest]], list[bool] | None],
+                 emit: Callable[[list[Emitted]], None], on_crash: Callable[[], None]) -> ModelEngines:
+    """An echo model's engines (`gpu_worker.echo_runner`): the same loops, lanes and scheduler as a model's, each
+    engine on a thread of its own, `max_running` rows each."""
+    engines = ModelEngines(spec)
+    for i, (engine, lanes) in enumerate(groups):
+        runner = EchoRunner(spec, worker, max_rows=spec.max_running, faults=faults)
+        overflow = tuple(ln for _, earlier in groups[:i] for ln in earlier) if i == len(groups) - 1 else ()
+        engines.add(ModelLoop(spec.name, runner, build_scheduler(spec, runner, lanes, overflow),
+                              mark_running=mark_running, emit=emit, on_crash=on_crash, worker=worker, faults=faults,
+                              engine=engine, bind_thread=lambda: "echo: no model",
+                              hand_over=engines.hand_over if len(groups) > 1 else None))
+    return engines
+
+
 async def load_engines(settings: Settings, *, worker: str, faults: Faults,
                        mark_running: Callable[[list[InferenceRequest]], list[bool] | None],
                        emit: Callable[[list[Emitted]], None], on_crash: Callable[[], None],
@@ -74,11 +93,15 @@ async def load_engines(settings: Settings, *, worker: str, faults: Faults,
     out: dict[str, ModelEngines] = {}
     cpu: list[tuple[int, str, ModelLoop | SharedComputeThread]] = []  # (model size, name, compute thread)
     for spec in settings.models:
+        groups = engine_groups(spec.lanes)
+        if spec.echo:  # no model: no loading, no warm-up, no torch, no CPU share
+            out[spec.name] = echo_engines(spec, worker, faults, groups, mark_running=mark_running, emit=emit,
+                                          on_crash=on_crash)
+            continue
         if loader is not None:
             loaded = await asyncio.to_thread(single_threaded, loader, spec)
         else:
             loaded = await asyncio.to_thread(single_threaded, models.load, spec, settings.model_cache_dir)
-        groups = engine_groups(spec.lanes)
         runners = build_runners(loaded, worker, faults, groups)
         engines = out[spec.name] = ModelEngines(spec)
         for i, ((engine, lanes), runner) in enumerate(zip(groups, runners, strict=True)):

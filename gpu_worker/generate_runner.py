@@ -15,19 +15,18 @@ from typing import cast
 import structlog
 
 from gpu_worker.engine import GenerationEngine
+from gpu_worker.generation_result import generation_result, resumed_whole
 from gpu_worker.job import Job
 from gpu_worker.models import LoadedModel
-from gpu_worker.outcomes import Delta, Outcome, failed_outcome, result_for
+from gpu_worker.outcomes import Delta, Outcome, failed_outcome
 from gpu_worker.runner import count_calls
 from gpu_worker.sequences import EngineStats, GenResult, GenSpec, SamplingParams
-from gpu_worker.stop_strings import cut_at_stop
 from gpu_worker.stream_release import Release, next_delta
-from shared.deadlines import cannot_finish
 from shared.faults import Faults
 from shared.lanes import assign_lane
-from shared.messages import ErrorInfo, InferenceRequest, RequestResult
+from shared.messages import InferenceRequest, RequestResult
 from shared.params import GenerateParams
-from shared.states import FinishReason, Priority, Status
+from shared.states import FinishReason, Priority
 
 log = structlog.get_logger(__name__)
 
@@ -183,11 +182,7 @@ class GenerateRunner:
         return out
 
     def _resumed_whole(self, job: Job) -> Outcome:
-        assert job.stream is not None
-        r = GenResult(id=job.id, token_ids=[], finish_reason=FinishReason.LENGTH,
-                      prompt_tokens=len(job.inputs[0]) + len(job.stream.restart()), prefill_s=0.0, ttft_s=0.0,
-                      decode_s=0.0, admitted_at=self.clock(), owner=job)
-        return Outcome(job.req, self._result(job, r, self.clock()))
+        return resumed_whole(job, self.clock(), worker=self.worker, decode=self._decode)
 
     def _outcomes(self, results: list[GenResult]) -> list[Outcome]:
         now = self.clock()
@@ -198,26 +193,4 @@ class GenerateRunner:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _result(self, job: Job, r: GenResult, now: float) -> RequestResult:
-        token_ids = job.stream.output(r.token_ids) if job.stream is not None else r.token_ids
-        prompt_tokens = r.prompt_tokens - (job.stream.base if job.stream is not None else 0)
-        stop = job.params.stop if isinstance(job.params, GenerateParams) else ()
-        if r.finish_reason is FinishReason.STOP:  # text and tokens both end before the stop string
-            text, token_ids = cut_at_stop(token_ids, stop, self._decode)
-        else:
-            text = self._decode(token_ids)
-        output = {"text": text, "token_ids": token_ids, "prompt_tokens": prompt_tokens,
-                  "completion_tokens": len(token_ids)}
-        timings = {"ttft_ms": round(r.ttft_s * 1000, 3), "decode_ms": round(r.decode_s * 1000, 3),
-                   "prefill_ms": round(r.prefill_s * 1000, 3),
-                   "compute_ms": round((now - r.admitted_at) * 1000, 3)}
-        status = {FinishReason.DEADLINE: Status.EXPIRED, FinishReason.CANCELLED: Status.CANCELLED}.get(
-            r.finish_reason, Status.SUCCEEDED)
-        error = None
-        if status is Status.EXPIRED:
-            why = ("deadline reached" if cannot_finish(job.deadline, now)
-                   else f"cannot finish the other {job.new_tokens - len(token_ids)} tokens by the deadline")
-            error = ErrorInfo("deadline_exceeded", f"{why} after {len(token_ids)} tokens; partial output kept")
-        elif status is Status.CANCELLED:
-            error = ErrorInfo("cancelled", "cancelled while running")
-        return result_for(job.req, status, worker=self.worker, now=now, output=output, error=error,
-                          reason=r.finish_reason, timings=timings, started=r.admitted_at)
+        return generation_result(job, r, now, worker=self.worker, decode=self._decode)

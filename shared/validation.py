@@ -47,7 +47,8 @@ def check_text(value: Any, path: str = "", *, item_lists: tuple[str, ...] = ()) 
             check_text(v, join(path, str(k)), item_lists=item_lists)
     elif isinstance(value, list | tuple):
         for i, v in enumerate(value):
-            check_text(v, f"{path}[{i}]", item_lists=item_lists)
+            if isinstance(v, str | dict | list | tuple):  # numbers and the like hold no text (a token id list)
+                check_text(v, f"{path}[{i}]", item_lists=item_lists)
 
 
 def join(path: str, field: str) -> str:

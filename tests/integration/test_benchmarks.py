@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -137,3 +138,33 @@ def test_webhook_benchmark_smoke(tmp_path, redis_url):
         assert report[name]["p99_s"] is not None
     assert report["tarpit"]["tarpit_received"] > 0 and report["p99_ratio"] is not None
     assert "tarpit / no tarpit" in proc.stdout  # the human table
+
+
+@pytest.mark.redis
+def test_gateway_benchmark_smoke(tmp_path, redis_url):
+    """The control plane's benchmark with the echo model: every configuration's figures, the census, the added
+    latency and the goals (a private redis-server where one is installed, so its counters are the run's own)."""
+    out = tmp_path / "gateway.json"
+    redis_args = [] if shutil.which("redis-server") else ["--redis-url", redis_url]
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_gateway.py", "--gateways", "1", "--workers", "1", "--clients", "4",
+         "--warm-s", "0.3", "--measure-s", "1", "--latency-s", "1", "--census", "5", *redis_args,
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (row,) = report["configs"]
+    assert (row["gateways"], row["workers"]) == (1, 1)
+    for phase in ("submit", "e2e"):
+        assert row[phase]["requests"] > 0 and row[phase]["failed"] == 0
+        assert row[phase]["rps_per_gateway"] == row[phase]["rps"] > 0
+    assert report["e2e_rps"] == row["e2e"]["rps"] and report["submit_rps"] == row["submit"]["rps"]
+    for key in ("gateway_cpu_ms_per_submit", "gateway_cpu_ms_per_request", "redis_cpu_ms_per_request",
+                "added_latency_p99_ms", "redis_ping_p99_ms"):
+        assert report[key] is not None and report[key] > 0, key
+    assert report["redis_commands_per_request"] > report["redis_client_commands_per_request"] > 0
+    submit = report["census_submit"]
+    assert submit["client"]["xadd"] == 1 and "script|exists" not in submit["client"]  # no SCRIPT EXISTS per call
+    assert report["census_lifecycle"]["client"]["xreadgroup"] > 0
+    assert set(report["goals"]) and "added latency" in proc.stdout and "one request lifecycle" in proc.stdout

@@ -24,7 +24,7 @@ SCHEDULER = ("gpu_worker.scheduler", "gpu_worker.service_model", "gpu_worker.lan
 # the compute side above the engine imports no torch either: the loop, its thread and commands, the runner port
 PURE_WORKER = (*SCHEDULER, "gpu_worker.stop_strings", "gpu_worker.outcomes", "gpu_worker.runner", "gpu_worker.commands",
                "gpu_worker.compute_thread", "gpu_worker.model_loop", "gpu_worker.load_report", "gpu_worker.engines",
-               "gpu_worker.turns", "gpu_worker.sequences")
+               "gpu_worker.turns", "gpu_worker.sequences", "gpu_worker.echo_runner", "gpu_worker.generation_result")
 # torch: rows, KV cache, masks, forward
 ENGINE = ("gpu_worker.engine", "gpu_worker.kv_cache", "gpu_worker.sampling", "gpu_worker.attention",
           "gpu_worker.exactness", "gpu_worker.chunked_prefill", "gpu_worker.fused_step")

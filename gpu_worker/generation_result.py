@@ -1,0 +1,58 @@
+"""A generation's terminal result, as callers see it, from what a runner's rows produced (`GenResult`).
+
+Shared by the model's runner (`gpu_worker.generate_runner`) and the echo runner (`gpu_worker.echo_runner`), so
+both answer in one shape: text and token ids cut at a stop string, a streaming request's output joined to
+what its earlier attempts sent, the status a finish reason means, the timings. Pure: the tokenizer comes in as
+a function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gpu_worker.job import Job
+from gpu_worker.outcomes import Outcome, result_for
+from gpu_worker.sequences import GenResult
+from gpu_worker.stop_strings import cut_at_stop
+from shared.deadlines import cannot_finish
+from shared.messages import ErrorInfo, RequestResult
+from shared.params import GenerateParams
+from shared.states import FinishReason, Status
+
+Decode = Callable[[list[int]], str]
+
+
+def generation_result(job: Job, r: GenResult, now: float, *, worker: str, decode: Decode) -> RequestResult:
+    token_ids = job.stream.output(r.token_ids) if job.stream is not None else r.token_ids
+    prompt_tokens = r.prompt_tokens - (job.stream.base if job.stream is not None else 0)
+    stop = job.params.stop if isinstance(job.params, GenerateParams) else ()
+    if r.finish_reason is FinishReason.STOP:  # text and tokens both end before the stop string
+        text, token_ids = cut_at_stop(token_ids, stop, decode)
+    else:
+        text = decode(token_ids)
+    output = {"text": text, "token_ids": token_ids, "prompt_tokens": prompt_tokens,
+              "completion_tokens": len(token_ids)}
+    timings = {"ttft_ms": round(r.ttft_s * 1000, 3), "decode_ms": round(r.decode_s * 1000, 3),
+               "prefill_ms": round(r.prefill_s * 1000, 3),
+               "compute_ms": round((now - r.admitted_at) * 1000, 3)}
+    status = {FinishReason.DEADLINE: Status.EXPIRED, FinishReason.CANCELLED: Status.CANCELLED}.get(
+        r.finish_reason, Status.SUCCEEDED)
+    error = None
+    if status is Status.EXPIRED:
+        why = ("deadline reached" if cannot_finish(job.deadline, now)
+               else f"cannot finish the other {job.new_tokens - len(token_ids)} tokens by the deadline")
+        error = ErrorInfo("deadline_exceeded", f"{why} after {len(token_ids)} tokens; partial output kept")
+    elif status is Status.CANCELLED:
+        error = ErrorInfo("cancelled", "cancelled while running")
+    return result_for(job.req, status, worker=worker, now=now, output=output, error=error,
+                      reason=r.finish_reason, timings=timings, started=r.admitted_at)
+
+
+def resumed_whole(job: Job, now: float, *, worker: str, decode: Decode) -> Outcome:
+    """A streaming request run again after its caller was sent every token: only the result is left."""
+    if job.stream is None:
+        raise ValueError(f"job {job.id} is not a streaming request")
+    r = GenResult(id=job.id, token_ids=[], finish_reason=FinishReason.LENGTH,
+                  prompt_tokens=len(job.inputs[0]) + len(job.stream.restart()), prefill_s=0.0, ttft_s=0.0,
+                  decode_s=0.0, admitted_at=now, owner=job)
+    return Outcome(job.req, generation_result(job, r, now, worker=worker, decode=decode))

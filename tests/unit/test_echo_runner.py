@@ -1,0 +1,167 @@
+"""The echo model (`kind: echo`): configured from the model file, answered by `EchoRunner` behind the runner
+port, and served by a real `Worker` (intake, scheduler, publisher) on the in-memory queue. No torch, no Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpu_worker.announce import MemoryAnnouncer
+from gpu_worker.echo_runner import EchoRunner, decode_tokens, encode_text
+from gpu_worker.job import Job
+from gpu_worker.memory_queue import MemoryQueue
+from gpu_worker.outcomes import Outcome
+from gpu_worker.worker import Worker
+from shared.config import ModelSpec, Settings
+from shared.errors import ConfigError
+from shared.keys import Keys
+from shared.messages import InferenceRequest
+from shared.states import FinishReason, Priority, Status, Task
+from shared.token_limits import TokenLimits
+
+SPEC = ModelSpec(name="echo", task=Task.GENERATE, source="", kind="echo", max_input_tokens=64,
+                 max_new_tokens=64).validate()
+
+
+def request(rid: str = "r1", *, prompt: str | None = "abc", input_ids: list[int] | None = None,
+            max_new_tokens: int = 5, stop: tuple[str, ...] = (), stream: bool = False) -> InferenceRequest:
+    now_ms = int(time.time() * 1000)
+    inp = {"input_ids": input_ids} if input_ids is not None else {"prompt": prompt}
+    params: dict[str, object] = {"max_new_tokens": max_new_tokens}
+    if stop:
+        params["stop"] = list(stop)
+    return InferenceRequest(id=rid, tenant="t", model="echo", task=Task.GENERATE, input=inp, params=params,
+                            lane="short", priority=Priority.INTERACTIVE, created_ms=now_ms,
+                            deadline_ms=now_ms + 60_000, est_tokens=8, stream=stream)
+
+
+def job(runner: EchoRunner, req: InferenceRequest) -> Job:
+    item = runner.prepare(req, time.time())
+    assert isinstance(item, Job), item
+    return item
+
+
+def run_to_end(runner: EchoRunner, jobs: list[Job]) -> dict[str, Outcome]:
+    done = {o.request.id: o for o in runner.start(jobs, time.time())}
+    while runner.busy:
+        done.update({o.request.id: o for o in runner.step()})
+    return done
+
+
+def test_the_model_file_declares_an_echo_model_without_a_source():
+    s = Settings.from_environ({"BATCHGATE_CONFIG_YAML": "models:\n  - {name: e, task: generate, kind: echo, "
+                                                        "step_ms: 2}\n"})
+    (spec,) = s.models
+    assert (spec.echo, spec.step_ms, spec.source) == (True, 2.0, "")
+    assert spec.to_public()["kind"] == "echo"
+    with pytest.raises(ConfigError):  # a model with weights still needs its source
+        Settings.from_environ({"BATCHGATE_CONFIG_YAML": "models:\n  - {name: e, task: generate}\n"})
+
+
+@pytest.mark.parametrize("fields", [{"task": Task.EMBED}, {"kind": "mirror"}, {"step_ms": -1.0}])
+def test_what_an_echo_model_cannot_be(fields):
+    with pytest.raises(ConfigError):
+        dataclasses.replace(SPEC, **fields).validate()
+
+
+def test_it_echoes_the_prompt_cycling_one_token_a_step():
+    runner = EchoRunner(SPEC, "w", max_rows=4)
+    j = job(runner, request(prompt="abc", max_new_tokens=5))
+    assert j.inputs == (tuple(b"abc"),) and j.tokens == 8
+    assert runner.start([j], time.time()) == [] and runner.remaining_tokens() == {"r1": 4}  # the first token
+    steps = 0
+    while runner.busy:
+        out = runner.step()
+        steps += 1
+    assert steps == 4 and runner.free_rows == 4
+    result = out[0].result
+    assert result.status is Status.SUCCEEDED and result.finish_reason is FinishReason.LENGTH
+    assert result.output == {"text": "abcab", "token_ids": list(b"abcab"), "prompt_tokens": 3, "completion_tokens": 5}
+    assert runner.stats.decode_tokens == 4 and runner.model_calls == {"r1": 1}
+
+
+def test_input_ids_text_stop_strings_and_multibyte_text():
+    runner = EchoRunner(dataclasses.replace(SPEC, vocab_size=300), "w", max_rows=4)
+    done = run_to_end(runner, [job(runner, request("ids", input_ids=[104, 105, 299], max_new_tokens=4)),
+                               job(runner, request("stop", prompt="one two", max_new_tokens=20, stop=("tw",))),
+                               job(runner, request("utf8", prompt="é", max_new_tokens=3))])
+    assert done["ids"].result.output["token_ids"] == [104, 105, 299, 104]
+    assert done["ids"].result.output["text"] == "hih"  # ids over 255 spell nothing
+    stop = done["stop"].result
+    assert stop.finish_reason is FinishReason.STOP and stop.output["text"] == "one "
+    assert done["utf8"].result.output["text"] == "é\ufffd"  # the third byte starts a character cut short
+    assert encode_text("é") == [195, 169] and decode_tokens([195, 169]) == "é"
+
+
+def test_refusals_cancel_hold_back_and_a_step_sleep():
+    slept: list[float] = []
+    runner = EchoRunner(dataclasses.replace(SPEC, step_ms=3.0), "w", max_rows=4, sleep=slept.append)
+    long = runner.prepare(request(prompt="x" * 65), time.time())
+    assert isinstance(long, Outcome) and long.result.error is not None
+    assert long.result.error.code == "input_too_long"
+    empty = runner.prepare(request(prompt=""), time.time())
+    assert isinstance(empty, Outcome) and empty.result.status is Status.FAILED
+    a, b = job(runner, request("a", max_new_tokens=10)), job(runner, request("b", max_new_tokens=10))
+    runner.start([a, b], time.time())
+    runner.hold_back(frozenset({"b"}))
+    runner.step()
+    assert runner.remaining_tokens() == {"a": 8, "b": 9} and slept == [0.003, 0.003]
+    (gone,) = runner.remove({"a"}, FinishReason.CANCELLED)
+    assert gone.result.status is Status.CANCELLED and gone.result.output["completion_tokens"] == 2
+    assert runner.running_ids() == ["b"]
+
+
+def test_streamed_deltas_add_up_to_the_result_and_a_rerun_continues_after_them():
+    runner = EchoRunner(SPEC, "w", max_rows=4)
+    j = job(runner, request(prompt="hello", max_new_tokens=7, stream=True))
+    runner.start([j], time.time())
+    texts = [d.delta.text for d in runner.take_deltas()]
+    runner.step()
+    runner.step()
+    texts += [d.delta.text for d in runner.take_deltas()]
+    assert "".join(texts) == "hel"
+    # the worker died; another runs it again after the three tokens its caller was sent
+    again = InferenceRequest(**{**{f.name: getattr(j.req, f.name) for f in dataclasses.fields(j.req)},
+                                "streamed": tuple(b"hel")})
+    other = EchoRunner(SPEC, "w2", max_rows=4)
+    done = run_to_end(other, [job(other, again)])
+    assert done["r1"].result.output["text"] == "hellohe"
+
+
+def test_the_echo_runner_and_its_worker_import_no_torch():
+    code = ("import sys, gpu_worker.echo_runner, gpu_worker.assembly, gpu_worker.worker; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+async def test_a_worker_serves_an_echo_model_through_its_usual_path():
+    """Intake, the scheduler's lanes, mark-running and the publisher, on the in-memory queue."""
+    keys = Keys("unit")
+    settings = Settings(key_prefix="unit", models=(SPEC,), worker_name="w1", intake_block_ms=20).validate()
+    q = MemoryQueue()
+    worker = Worker(settings, queue=q, announcer=MemoryAnnouncer())
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 10)
+        for i in range(5):
+            await q.enqueue(keys.lane_stream("echo", "short"), request(f"r{i}", prompt=f"p{i}", max_new_tokens=4))
+        end = time.monotonic() + 5
+        while not all((rec := q.records.get(f"r{i}")) and rec.state is Status.SUCCEEDED for i in range(5)):
+            assert time.monotonic() < end, "not served in time"
+            await asyncio.sleep(0.005)
+        assert q.records["r3"].result is not None and q.records["r3"].result.output["text"] == "p3p3"
+        assert worker.engines["echo"].model_calls() == {f"r{i}": 1 for i in range(5)}
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+def test_the_gateway_counts_echo_tokens_as_bytes():
+    limits = TokenLimits("")
+    assert limits.count(SPEC, ["héllo"]) == [6] and limits.vocab_size(SPEC) is None

@@ -1,0 +1,87 @@
+"""The callers' side of the queue (`shared.queue_client`, `shared.operations`) over fakeredis, in process: what
+a submit reads and writes, and a waiting submit's order (subscribe, store, wait)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import fakeredis
+import pytest
+
+from shared import operations as ops
+from shared import queue_client
+from shared.admission import Decision, Estimate
+from shared.codec import decode, encode
+from shared.config import ModelSpec, Settings
+from shared.messages import InferenceRequest, LaneStats, RequestResult
+from shared.queue_client import QueueClient
+from shared.states import FinishReason, Status, Task
+
+SPEC = ModelSpec(name="echo", task=Task.GENERATE, source="", kind="echo", max_input_tokens=64).validate()
+
+
+@pytest.fixture
+async def q():
+    client = QueueClient(Settings(key_prefix="unit", models=(SPEC,), auth="off").validate(),
+                         redis=fakeredis.FakeAsyncRedis())
+    await client.start()
+    yield client
+    await client.close()
+
+
+def stats(worker: str) -> bytes:
+    return encode(LaneStats(model="echo", worker=worker, at_ms=int(time.time() * 1000), max_rows=8, free_rows=8,
+                            deadline_aware=True, prefill_fixed_ms=1.0, prefill_ms_per_token=0.0,
+                            decode_ms_per_step=1.0))
+
+
+async def test_admission_reads_the_lane_each_time_and_the_workers_figures_at_most_every_cache_period(q, monkeypatch):
+    monkeypatch.setattr(queue_client, "STATS_CACHE_S", 0.05)
+    key = q.keys.lane_stats("echo")
+    await q.redis.hset(key, "w1", stats("w1"))
+    queued, found = await q.load("echo", "short")
+    assert queued == 0 and [s.worker for s in found] == ["w1"]
+    await q.redis.hset(key, "w2", stats("w2"))
+    await q.redis.xadd(q.keys.lane_stream("echo", "short"), {"m": b"x"})
+    queued, found = await q.load("echo", "short")
+    assert queued == 1 and [s.worker for s in found] == ["w1"]  # the length is read, the figures reused
+    await asyncio.sleep(0.06)
+    _, found = await q.load("echo", "short")
+    assert sorted(s.worker for s in found) == ["w1", "w2"]
+
+
+async def test_queue_positions_are_the_lane_admission_saw_plus_the_batch_ahead(q):
+    body = {"input": {"prompt": "hi"}}
+    first, second, other = (ops._build(q, body, SPEC, "t") for _ in range(3))
+    other = dataclasses.replace(other, lane="medium")
+    decision = Decision(True, Estimate(0.0, 0.0, "none"), queued=5)
+    out = await q.submit_many([(first, decision), (second, decision), (other, Decision(True, decision.estimate))])
+    assert [s.queue_position for s in out] == [6, 7, 1]
+    assert all(s.created for s in out)
+    assert await q.redis.xlen(q.keys.lane_stream("echo", "short")) == 2
+    again = await q.submit_many([(first, decision)])  # a retry under the same id: the record was there
+    assert not again[0].created
+
+
+async def test_a_waiting_submit_subscribes_before_it_stores_and_gets_its_result(q):
+    """A worker that finishes the request the moment it is stored: the waiter was subscribed already, so the
+    event reaches it (no read of the record before waiting is needed)."""
+    stream = q.keys.lane_stream("echo", "short")
+
+    async def worker() -> None:
+        while not await q.redis.xlen(stream):
+            await asyncio.sleep(0.001)
+        ((_, [(_, fields)]),) = await q.redis.xread({stream: "0"}, count=1)
+        req = decode(fields[b"m"], InferenceRequest)
+        assert q.hub.waiting == 1  # subscribed before the request could be read
+        await q.store.finish(RequestResult(id=req.id, status=Status.SUCCEEDED, output={"text": "hihi"},
+                                           finish_reason=FinishReason.LENGTH, finished_ms=int(time.time() * 1000),
+                                           worker="w"), req.meta())
+
+    task = asyncio.create_task(worker())
+    answer = await ops.submit(q, {"input": {"prompt": "hi"}}, SPEC, "t", wait=5.0)
+    await task
+    assert answer.status == 200 and answer.body["status"] == "succeeded" and answer.body["output"]["text"] == "hihi"
+    assert q.hub.waiting == 0
