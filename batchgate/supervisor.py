@@ -43,8 +43,10 @@ def _http_ok(url: str) -> bool:
 def _workers_up(redis_url: str, prefix: str, models: set[str]) -> bool:
     import redis
 
+    from shared.redis_io import make_sync_redis
+
     try:
-        client = redis.Redis.from_url(redis_url, socket_timeout=1.0)
+        client = make_sync_redis(redis_url, socket_timeout=1.0)
         seen: set[str] = set()
         for raw in client.hvals(f"{prefix}:workers"):
             seen.update(json.loads(raw).get("models", []))

@@ -20,13 +20,14 @@ import redis
 from shared.config import Settings
 from shared.keys import Keys
 from shared.logs import configure_logging
+from shared.redis_io import make_sync_redis
 
 SETTINGS = Settings.from_environ()
 configure_logging(SETTINGS.log_level, "json")
 NAMESPACE = SETTINGS.metric_namespace
 DEPLOYMENT = SETTINGS.deployment
-REDIS = redis.Redis.from_url(SETTINGS.redis_url, socket_timeout=5, socket_connect_timeout=5,
-                             retry_on_timeout=True, health_check_interval=30)
+REDIS = make_sync_redis(SETTINGS.redis_url, socket_timeout=5, socket_connect_timeout=5, retry_on_timeout=True,
+                        health_check_interval=30)
 CLOUDWATCH = boto3.client("cloudwatch", endpoint_url=SETTINGS.cloudwatch_endpoint or None)
 
 

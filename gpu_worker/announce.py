@@ -21,7 +21,7 @@ from redis.exceptions import ResponseError
 from shared.codec import encode
 from shared.keys import Keys
 from shared.messages import LaneStats
-from shared.redis_io import UNAVAILABLE, raise_if_cancelling, tolerate_outage
+from shared.redis_io import UNAVAILABLE, pubsub_of, raise_if_cancelling, tolerate_outage
 
 log = structlog.get_logger(__name__)
 
@@ -75,7 +75,7 @@ class RedisAnnouncer:
     async def cancels(self, models: Sequence[str]) -> AsyncIterator[str]:
         channels = [self.keys.cancel_channel(m) for m in models]
         while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = await pubsub_of(self.redis, ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(*channels)
                 while True:

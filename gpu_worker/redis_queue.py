@@ -32,9 +32,20 @@ from shared.events import streamed_tokens
 from shared.faults import Faults
 from shared.keys import GROUP, Keys
 from shared.messages import InferenceRequest, StreamDelta
-from shared.records import RecordStore
+from shared.records import RecordStore, completed_delivery
+from shared.redis_io import in_pipeline
 from shared.states import Status
 from shared.waiters import DELTA
+
+# KEYS[1] a request's delta stream; ARGV the delta, ttl ms (on its first delta: kept as long as the result) or '',
+# its "done" channel, the message (the delta itself: a follower needs no read). One command per delta, on the
+# request's own slot.
+DELTA_LUA = """
+redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
+if ARGV[2] ~= '' then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+redis.call('PUBLISH', ARGV[3], ARGV[4])
+return 1
+"""
 
 log = structlog.get_logger(__name__)
 
@@ -150,10 +161,9 @@ class RedisQueue:
         if not letters:
             return
         async with queue_errors():
+            await self._finish([letter.failed for letter in letters if letter.failed is not None])
             pipe = self.redis.pipeline(transaction=False)
             for letter in letters:
-                if letter.failed is not None:
-                    await self.store.finish_in(pipe, letter.failed.result, letter.failed.request.meta())
                 e = letter.entry
                 pipe.xadd(dead_stream, {**e.fields, b"reason": letter.reason.encode(), b"stream": e.stream.encode(),
                                         b"deliveries": str(e.deliveries).encode()},
@@ -166,20 +176,32 @@ class RedisQueue:
         if not finished:
             return
         async with queue_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            for f in finished:
-                await self.store.finish_in(pipe, f.result, f.request.meta())
-            await pipe.execute()
-            self.faults.point("kill_after_result_write")
+            await self._finish(finished)
             pipe = self.redis.pipeline(transaction=False)
             self._ack_in(pipe, [f.held for f in finished if f.held is not None])
             for f in finished:  # no longer counts against its tenant's backlog quota
                 pipe.zrem(self.keys.tenant_active(f.request.tenant), f.request.id)
             await self._execute_acks(pipe)
 
+    async def _finish(self, finished: Sequence[Finished]) -> None:
+        """Write the results (each with its "done" event and its webhook into the record's outbox), move the
+        winners' webhooks to the callback stream, and sweep the outboxes of those that lost (another writer won
+        and may have died before moving its webhook): all before any of their stream entries is acked."""
+        if not finished:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for f in finished:
+            await self.store.finish_in(pipe, f.result, f.request.meta())
+        won = await self.store.execute_durably(pipe)
+        self.faults.point("kill_after_result_write")
+        await self.store.flush([d for f, w in zip(finished, won, strict=True)
+                                if w and (d := completed_delivery(f.result, f.request.meta())) is not None])
+        await self.store.sweep([f.request.id for f, w in zip(finished, won, strict=True) if not w])
+
     async def ack(self, held: Sequence[Held]) -> None:
         if held:
             async with queue_errors():
+                await self.store.sweep([h.request.id for h in held])  # a terminal record's last entry
                 pipe = self.redis.pipeline(transaction=False)
                 self._ack_in(pipe, held)
                 await self._execute_acks(pipe)
@@ -214,12 +236,10 @@ class RedisQueue:
             async with queue_errors():
                 pipe = self.redis.pipeline(transaction=False)
                 for request_id, delta, first in deltas:
-                    key = self.keys.events(request_id)
                     data = encode(delta)
-                    pipe.xadd(key, {"d": data})
-                    if first:  # kept as long as the result
-                        pipe.pexpire(key, self.store.result_ttl_ms)
-                    pipe.publish(self.keys.done_channel(request_id), DELTA + data)  # the delta itself: no read
+                    in_pipeline(pipe, DELTA_LUA, [self.keys.events(request_id)],
+                                [data, self.store.result_ttl_ms if first else "", self.keys.done_channel(request_id),
+                                 DELTA + data])
                 await pipe.execute()
 
     async def streamed(self, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:

@@ -89,7 +89,9 @@ class Worker:
         from shared.records import RecordStore
 
         keys = Keys(self.settings.key_prefix)
-        return RedisQueue(self.redis, keys, RecordStore(self.redis, keys, self.settings.result_ttl_s), self.faults)
+        return RedisQueue(self.redis, keys, RecordStore(self.redis, keys, self.settings.result_ttl_s,
+                                                     wait_replicas=self.settings.redis_wait_replicas,
+                                                     wait_ms=self.settings.redis_wait_ms), self.faults)
 
     # --- lifecycle -----------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:

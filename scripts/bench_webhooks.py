@@ -25,8 +25,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as aioredis
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gateway.dispatcher import Dispatcher
@@ -35,6 +33,7 @@ from shared.config import Settings
 from shared.keys import Keys
 from shared.logs import configure_logging
 from shared.messages import CallbackDelivery
+from shared.redis_io import delete_prefix_sync, make_redis
 
 
 class Rx:
@@ -88,7 +87,7 @@ async def scenario(args: argparse.Namespace, tarpit: bool) -> dict[str, Any]:
                         callback_timeout_s=args.tarpit_s + 2, callback_connect_timeout_s=2.0,
                         callback_lease_s=60.0, callback_base_s=1.0, callback_cap_s=5.0,
                         worker_name=f"{prefix}-d", worker_metrics_port=0).validate()
-    redis = aioredis.Redis.from_url(args.redis_url)
+    redis = make_redis(args.redis_url)
     normal = [Rx(args.normal_ms / 1000) for _ in range(args.tenants)]
     slow = Rx(args.tarpit_s)
     for rx in [*normal, slow]:
@@ -129,10 +128,8 @@ async def scenario(args: argparse.Namespace, tarpit: bool) -> dict[str, Any]:
             await asyncio.wait_for(task, 30)
         for rx in [*normal, slow]:
             rx.close()
-        found = [k async for k in redis.scan_iter(match=f"{prefix}:*", count=1000)]
-        if found:
-            await redis.delete(*found)
         await redis.aclose()
+        delete_prefix_sync(args.redis_url, prefix)
     lat = [normal[i].arrived[did] - created for did, (i, created) in sent.items() if did in normal[i].arrived]
     return {"tarpit": tarpit, "normal_deliveries": len(sent), "normal_delivered": len(lat),
             "tarpit_deliveries": n_tarpit, "tarpit_received": len(slow.arrived),

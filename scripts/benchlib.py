@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis
 import yaml
+
+from shared.redis_io import delete_prefix_sync, make_sync_redis
 
 MODEL = "bench-llama"
 SHORT_PROMPTS = (16, 32, 64)
@@ -166,16 +167,12 @@ def stack(config: dict[str, Any], redis_url: str, *, log_dir: Path | None = None
                 p.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 p.kill()
-        client = redis.Redis.from_url(redis_url)
-        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
+        delete_prefix_sync(redis_url, prefix)
         tmp.cleanup()
 
 
 def _wait_ready(st: Stack, timeout: float = 300) -> None:
-    client = redis.Redis.from_url(st.redis_url)
+    client = make_sync_redis(st.redis_url)
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if any(p.poll() is not None for p in st.procs):

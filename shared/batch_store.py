@@ -152,14 +152,12 @@ class BatchStore:
 
     async def end(self, batch_id: str, status: str, time_field: str, now_s: int,
                   webhook: CallbackDelivery | None) -> None:
-        """The final status, and the batch's webhook queued with it (one transaction: neither without the
-        other). Queued again by a runner that ends the batch again after a crash, it is the same delivery id,
-        which the dispatcher schedules once."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(self.keys.batch(batch_id), mapping={"status": status, f"t:{time_field}": now_s})
+        """The batch's webhook queued, then its final status (the callback stream is in another Redis Cluster slot,
+        so not one transaction). A runner that dies in between leaves the batch finalizing, and the runner that
+        finalizes it again queues the same delivery id, which the dispatcher schedules once."""
         if webhook is not None:
-            pipe.xadd(self.keys.callback_stream(), {"d": encode(webhook)})
-        await pipe.execute()
+            await self.redis.xadd(self.keys.callback_stream(), {"d": encode(webhook)})
+        await self.redis.hset(self.keys.batch(batch_id), mapping={"status": status, f"t:{time_field}": now_s})
 
     async def finished(self, batch_id: str) -> None:
         """The batch's files are written: drop its working state (the record stays, as the files' index)."""

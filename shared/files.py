@@ -350,7 +350,10 @@ async def list_meta(redis: aioredis.Redis, keys: Keys, tenant: str, *, purpose: 
             ids = await redis.zrevrangebylex(index, f"({cursor}" if cursor else "+", "-", start=0, num=want)
         if not ids:
             return found, False
-        raws = await redis.mget([keys.file(_file_id(i)) for i in ids])
+        pipe = redis.pipeline(transaction=False)  # not MGET: on a Redis Cluster the files are in many slots
+        for i in ids:
+            pipe.get(keys.file(_file_id(i)))
+        raws = await pipe.execute()
         stale = [i for i, raw in zip(ids, raws, strict=True) if raw is None]
         if stale:  # a file deleted between its two writes' worth of commands: drop it from the index
             await redis.zrem(index, *stale)

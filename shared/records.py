@@ -6,15 +6,23 @@ Record = one hash at `Keys.record(id)`:
   result   msgpack RequestResult (terminal states only)
   started  ms epoch when a worker started computing it
   attempts how many times a worker started computing it (more than 1 only after a worker died)
+  ob:<event> a webhook delivery written with the state change, not yet on the callback stream (the outbox)
 Rules, enforced by the Lua scripts below (each touches one key, so they are Redis Cluster safe):
 - the first terminal write wins; later ones are no-ops and publish nothing;
 - the terminal write and the "done" event are one atomic step (no window where a waiter can read
   a non-terminal record and then miss the event);
-- the queued record never overwrites a state a worker already wrote.
+- the queued record never overwrites a state a worker already wrote;
+- a webhook is queued with the state change that causes it: into the record's own outbox, in the same
+  script. The callback stream lives in another Cluster slot (`{cb}`), so the writer moves the outbox to
+  the stream right after (`flush`): XADD, then HDEL. A writer that dies in between leaves the outbox to
+  whoever settles the request's stream entry next (`sweep`: every entry of a terminal record is
+  acked only after its outbox is flushed). A delivery moved twice is scheduled once (its id is fixed,
+  and `CallbackStore.schedule` keeps the first), so a webhook is neither lost nor sent twice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +31,10 @@ import redis.asyncio as aioredis
 from shared.codec import decode, encode
 from shared.keys import Keys
 from shared.messages import CallbackDelivery, CallbackState, InferenceRequest, RequestMeta, RequestResult
+from shared.redis_io import check_replicated, in_pipeline, wait_replicas
 from shared.states import TERMINAL, Status
 
+OUTBOX_EVENTS = ("started", "completed")  # the webhooks a record's own scripts queue
 _TERMINAL_LUA = "{" + ", ".join(f"['{s.value}']=true" for s in TERMINAL) + "}"
 
 # KEYS[1] record; ARGV meta, ttl_ms
@@ -35,13 +45,12 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
-# KEYS[1] record, KEYS[2] callback stream; ARGV started_ms, meta, ttl_ms, "started" delivery or ''.
-# Returns the state after the call.
+# KEYS[1] record; ARGV started_ms, meta, ttl_ms, "started" delivery or ''. Returns the state after the call.
 START_LUA = f"""
 local terminal = {_TERMINAL_LUA}
 local s = redis.call('HGET', KEYS[1], 'state')
 if s and terminal[s] then return s end
-if s ~= 'running' and ARGV[4] ~= '' then redis.call('XADD', KEYS[2], '*', 'd', ARGV[4]) end
+if s ~= 'running' and ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'ob:started', ARGV[4]) end
 redis.call('HSET', KEYS[1], 'state', 'running', 'started', ARGV[1])
 redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 redis.call('HSETNX', KEYS[1], 'meta', ARGV[2])
@@ -49,9 +58,9 @@ if redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[3]) 
 return 'running'
 """
 
-# KEYS[1] record, KEYS[2] callback stream; ARGV state, result, ttl_ms, channel, meta, "completed"
-# delivery or ''. Returns 1 if this write won. The result, the done event and the webhook delivery are
-# one atomic step: a request completes once, its event is published once, its callback is queued once.
+# KEYS[1] record; ARGV state, result, ttl_ms, channel, meta, "completed" delivery or ''. Returns 1 if this
+# write won. The result, the done event and the webhook delivery (into the outbox) are one atomic step: a
+# request completes once, its event is published once, its callback is queued once.
 FINISH_LUA = f"""
 local terminal = {_TERMINAL_LUA}
 local s = redis.call('HGET', KEYS[1], 'state')
@@ -60,7 +69,7 @@ redis.call('HSET', KEYS[1], 'state', ARGV[1], 'result', ARGV[2])
 if ARGV[5] ~= '' then redis.call('HSETNX', KEYS[1], 'meta', ARGV[5]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('PUBLISH', ARGV[4], ARGV[1])
-if ARGV[6] ~= '' then redis.call('XADD', KEYS[2], '*', 'd', ARGV[6]) end
+if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'ob:completed', ARGV[6]) end
 return 1
 """
 
@@ -88,13 +97,16 @@ class StoredRecord:
 
 
 class RecordStore:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, result_ttl_s: int) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, result_ttl_s: int, *, wait_replicas: int = 0,
+                 wait_ms: int = 1000) -> None:
         self.redis = redis
         self.keys = keys
         self.result_ttl_ms = result_ttl_s * 1000
+        # durable results (`Settings.redis_wait_replicas`): a result counts as written once this many replicas
+        # have it, so its request's entry is acked only then (a failover before that re-runs it, loses nothing)
+        self.wait_replicas = wait_replicas
+        self.wait_ms = wait_ms
         self._init = redis.register_script(INIT_LUA)
-        self._start = redis.register_script(START_LUA)
-        self._finish = redis.register_script(FINISH_LUA)
         self._cb_state = redis.register_script(CALLBACK_STATE_LUA)
 
     def queued_ttl_ms(self, req: InferenceRequest, now_ms: int) -> int:
@@ -103,41 +115,81 @@ class RecordStore:
 
     async def init_in(self, pipe: aioredis.client.Pipeline, req: InferenceRequest, now_ms: int) -> None:
         """Queue the queued-record write on a pipeline (after the XADD of the same request)."""
-        await self._init(keys=[self.keys.record(req.id)],
-                   args=[encode(req.meta()), self.queued_ttl_ms(req, now_ms)], client=pipe)
+        in_pipeline(pipe, INIT_LUA, [self.keys.record(req.id)], [encode(req.meta()), self.queued_ttl_ms(req, now_ms)])
 
     async def get(self, request_id: str) -> StoredRecord | None:
         raw = await self.redis.hgetall(self.keys.record(request_id))
         return parse_record(request_id, raw)
 
     async def start(self, reqs: list[InferenceRequest], started_ms: int) -> list[Status]:
-        """Mark requests running (unless already terminal); returns each one's state afterwards."""
+        """Mark requests running (unless already terminal); returns each one's state afterwards. A "started"
+        webhook is queued with the first start (and moved to the callback stream before this returns)."""
         if not reqs:
             return []
         pipe = self.redis.pipeline(transaction=False)
-        for req in reqs:
-            started = delivery_for(req.meta(), "started", started_ms)
-            await self._start(keys=[self.keys.record(req.id), self.keys.callback_stream()],
-                              args=[started_ms, encode(req.meta()), self.queued_ttl_ms(req, started_ms),
-                                    encode(started) if started else b""],
-                              client=pipe)
-        states = await pipe.execute()
-        return [Status(_text(s)) for s in states]
+        started = [delivery_for(req.meta(), "started", started_ms) for req in reqs]
+        for req, delivery in zip(reqs, started, strict=True):
+            in_pipeline(pipe, START_LUA, [self.keys.record(req.id)],
+                        [started_ms, encode(req.meta()), self.queued_ttl_ms(req, started_ms),
+                         encode(delivery) if delivery else b""])
+        states = [Status(_text(s)) for s in await pipe.execute()]
+        # a start after a crash finds its outbox flushed or not: moving the delivery again is harmless
+        await self.flush([d for d, s in zip(started, states, strict=True) if d is not None and s is Status.RUNNING])
+        return states
 
     def _finish_args(self, result: RequestResult, meta: RequestMeta | None) -> dict[str, list[Any]]:
-        done = delivery_for(meta, "completed", result.finished_ms) if meta else None
-        return {"keys": [self.keys.record(result.id), self.keys.callback_stream()],
+        done = completed_delivery(result, meta)
+        return {"keys": [self.keys.record(result.id)],
                 "args": [result.status.value, encode(result), self.result_ttl_ms, self.keys.done_channel(result.id),
                          encode(meta) if meta else b"", encode(done) if done else b""]}
 
     async def finish(self, result: RequestResult, meta: RequestMeta | None = None) -> bool:
-        """Write a terminal result, publish "done" and queue the webhook, atomically. True if this write won."""
-        return bool(await self._finish(**self._finish_args(result, meta)))
+        """Write a terminal result, publish "done" and queue the webhook, atomically; then move the webhook to the
+        callback stream. True if this write won."""
+        pipe = self.redis.pipeline(transaction=False)
+        in_pipeline(pipe, FINISH_LUA, **self._finish_args(result, meta))
+        won = bool((await self.execute_durably(pipe))[0])
+        if won and (done := completed_delivery(result, meta)) is not None:
+            await self.flush([done])
+        return won
 
     async def finish_in(self, pipe: aioredis.client.Pipeline, result: RequestResult,
                         meta: RequestMeta | None = None) -> None:
-        """Queue a finish (see `finish`) on a pipeline."""
-        await self._finish(**self._finish_args(result, meta), client=pipe)
+        """Queue a finish (see `finish`) on a pipeline; its reply is 1 if it won. The caller then passes the
+        winners' deliveries (`completed_delivery`) to `flush`, before it acks their stream entries."""
+        in_pipeline(pipe, FINISH_LUA, **self._finish_args(result, meta))
+
+    async def execute_durably(self, pipe: Any) -> list[Any]:
+        """Execute a pipeline of writes; with durable results on, only once they reached the replicas (else
+        `NotReplicated`, a connection error: the caller retries, or answers 503)."""
+        wait_replicas(pipe, self.wait_replicas, self.wait_ms)
+        return check_replicated(await pipe.execute(), pipe, self.wait_replicas)
+
+    async def flush(self, deliveries: Sequence[CallbackDelivery]) -> None:
+        """Move webhook deliveries from their records' outboxes to the callback stream: XADD, then HDEL."""
+        if not deliveries:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for d in deliveries:
+            pipe.xadd(self.keys.callback_stream(), {"d": encode(d)})
+        await pipe.execute()
+        pipe = self.redis.pipeline(transaction=False)
+        for d in deliveries:
+            pipe.hdel(self.keys.record(d.request_id), f"ob:{d.event}")
+        await pipe.execute()
+
+    async def sweep(self, request_ids: Sequence[str]) -> int:
+        """Flush what a writer that died between its state change and its `flush` left in these requests'
+        outboxes. Called before their stream entries are acked, so no outbox outlives its last entry. Returns
+        the number of deliveries moved."""
+        if not request_ids:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.hmget(self.keys.record(rid), [f"ob:{event}" for event in OUTBOX_EVENTS])
+        found = [decode(raw, CallbackDelivery) for row in await pipe.execute() for raw in row if raw]
+        await self.flush(found)
+        return len(found)
 
     async def set_callback_state(self, request_id: str, state: CallbackState) -> None:
         await self._cb_state(keys=[self.keys.record(request_id)], args=[encode(state)])
@@ -156,6 +208,11 @@ def parse_record(request_id: str, raw: dict[bytes, bytes]) -> StoredRecord | Non
     callback = decode(raw[b"cb"], CallbackState) if b"cb" in raw else None
     return StoredRecord(id=request_id, state=Status(_text(raw[b"state"])), meta=meta, result=result,
                         started_ms=started, attempts=int(raw.get(b"attempts", 0)), callback=callback)
+
+
+def completed_delivery(result: RequestResult, meta: RequestMeta | None) -> CallbackDelivery | None:
+    """The "completed" webhook a terminal result queues, if its request asked for one."""
+    return delivery_for(meta, "completed", result.finished_ms) if meta else None
 
 
 def delivery_for(meta: RequestMeta | None, event: str, now_ms: int) -> CallbackDelivery | None:

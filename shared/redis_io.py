@@ -1,19 +1,67 @@
-"""Redis client construction: one place that sets timeouts, retries and backoff."""
+"""Redis client construction: one place that sets timeouts, retries and backoff, for a single Redis
+(`redis://`, `rediss://`) or a Redis Cluster (`redis+cluster://host:port`, `rediss+cluster://`: any node; the
+client finds the others and follows slot moves and failovers)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import random
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import PipelineCommand, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.commands.core import AsyncCoreCommands
+from redis.crc import key_slot
+from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 # Errors that mean "Redis is not reachable right now" (as opposed to a bad command).
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
+
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def is_cluster(url: str) -> bool:
+    return url.split("://", 1)[0].lower() in CLUSTER_SCHEMES
+
+
+def plain_url(url: str) -> str:
+    """The URL with a cluster scheme turned into the plain one (what redis-py and redis-cli understand)."""
+    scheme, _, rest = url.partition("://")
+    return f"{CLUSTER_SCHEMES.get(scheme.lower(), scheme)}://{rest}"
+
+
+def make_sync_redis(url: str, **kwargs: Any) -> Any:
+    """A blocking client (the scaler Lambda, the supervisor's checks): `redis.Redis`, or `redis.cluster.RedisCluster`
+    for a cluster URL."""
+    import redis as sync
+
+    if is_cluster(url):
+        from redis.cluster import RedisCluster as SyncCluster
+
+        return SyncCluster.from_url(plain_url(url), **kwargs)
+    return sync.Redis.from_url(url, **kwargs)
+
+
+def delete_prefix_sync(url: str, prefix: str) -> int:
+    """Delete every key under `prefix:` (on every master of a cluster), and nothing else; returns how many (tests
+    and benchmarks clean up their own keys with it)."""
+    client = make_sync_redis(url)
+    n = 0
+    try:
+        for node in client.get_primaries() if is_cluster(url) else [None]:
+            scan = {"target_nodes": node} if node is not None else {}
+            for key in list(client.scan_iter(match=f"{prefix}:*", count=1000, **scan)):
+                n += client.delete(key)
+    finally:
+        client.close()
+    return n
 
 
 def make_redis(url: str, *, socket_timeout: float = 10.0, retries: int = 2,
@@ -24,6 +72,8 @@ def make_redis(url: str, *, socket_timeout: float = 10.0, retries: int = 2,
     A thawed serverless container or a restarted Redis leaves dead connections in the pool: the
     retry reconnects once or twice with jittered backoff before the error reaches the caller.
     """
+    if is_cluster(url):
+        return _cluster(url, socket_timeout=socket_timeout, retries=retries, max_connections=max_connections)
     # A blocking pool: under a burst of concurrent requests, callers wait (up to 5 s) for a free
     # connection instead of failing with "Too many connections".
     pool = aioredis.BlockingConnectionPool.from_url(
@@ -39,6 +89,176 @@ def make_redis(url: str, *, socket_timeout: float = 10.0, retries: int = 2,
         decode_responses=False,
     )
     return aioredis.Redis(connection_pool=pool, auto_close_connection_pool=True)
+
+
+def _cluster(url: str, *, socket_timeout: float, retries: int, max_connections: int | None) -> aioredis.Redis:
+    """A cluster client with the same timeouts. Every caller uses the commands both kinds share; each script
+    and transaction stays within one slot (see `shared.keys`)."""
+    client = _Cluster.from_url(
+        plain_url(url),
+        max_connections=max_connections or 200,
+        socket_connect_timeout=2.0,
+        socket_timeout=socket_timeout,
+        socket_keepalive=True,
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        decode_responses=False,
+    )
+    client._limit = max_connections or 200
+    return client  # type: ignore[return-value]
+
+
+class _Cluster(RedisCluster):
+    _warm: asyncio.Lock | None = None
+    _limit = 200  # commands in flight at once: beyond, callers wait (as on a single Redis' blocking pool) instead
+    _gate: asyncio.Semaphore | None = None  # of failing with MaxConnectionsError
+
+    def gate(self) -> asyncio.Semaphore:
+        self._gate = self._gate or asyncio.Semaphore(self._limit)
+        return self._gate
+
+    async def ready(self) -> None:
+        """The first commands wait for the topology, not race to it (redis-py 8.1 breaks connections then)."""
+        if self._initialize:
+            self._warm = self._warm or asyncio.Lock()
+            async with self._warm:
+                await self.initialize()
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        await self.ready()
+        async with self.gate():
+            return await super().execute_command(*args, **kwargs)
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> SlotPipeline:  # type: ignore[override]
+        return SlotPipeline(self)
+
+
+class SlotPipeline(AsyncCoreCommands):  # type: ignore[misc]
+    """What `pipeline()` gives on a cluster, instead of redis-py's ClusterPipeline (8.1), which, on a connection
+    error in one pipeline, closes the whole client under every other task using it (their commands then fail
+    with AttributeErrors), and refuses EVALSHA and PUBLISH. Commands queue as on a pipeline; `execute` sends
+    each node's commands in order over one of its connections (one round trip per node, the nodes
+    concurrently); a command that meets a moved slot or a lost connection (a failover) is sent again on its
+    own, in order, by the client, which follows the new topology. Not a transaction: on a cluster, what must
+    be atomic is one script on one slot. `wait_replicas` makes `execute` return only once each node's writes
+    reached that many replicas (WAIT on the same connection), else raise `NotReplicated`."""
+
+    def __init__(self, client: _Cluster) -> None:
+        self.client = client
+        self._queue: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        self._wait: tuple[int, int] | None = None
+
+    def execute_command(self, *args: Any, **options: Any) -> SlotPipeline:  # type: ignore[override]
+        self._queue.append((args, options))
+        return self
+
+    def wait_replicas(self, replicas: int, timeout_ms: int) -> None:
+        self._wait = (replicas, timeout_ms) if replicas > 0 else None
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        queue, self._queue = self._queue, []
+        if not queue:
+            return []
+        await self.client.ready()
+        encoder = self.client.get_encoder()
+        by_node: dict[str, tuple[Any, list[PipelineCommand]]] = {}
+        for i, (args, options) in enumerate(queue):
+            node = self.client.nodes_manager.get_node_from_slot(key_slot(encoder.encode(_key_of(args))))
+            by_node.setdefault(node.name, (node, []))[1].append(PipelineCommand(i, *args, **options))
+        results: list[Any] = [None] * len(queue)
+        await asyncio.gather(*(self._run(node, cmds, results) for node, cmds in by_node.values()))
+        if raise_on_error:
+            for r in results:
+                if isinstance(r, Exception):
+                    raise r
+        return results
+
+    async def _run(self, node: Any, cmds: list[PipelineCommand], results: list[Any]) -> None:
+        wait = [PipelineCommand(-1, "WAIT", *self._wait)] if self._wait else []
+        try:
+            async with self.client.gate():
+                await node.execute_pipeline([*cmds, *wait])
+        except Exception as exc:
+            for c in cmds:
+                c.result = exc
+        again = [c for c in cmds if isinstance(c.result, _SEND_AGAIN)]
+        for c in cmds:
+            results[c.position] = c.result
+        for c in again:  # in order: the client follows the slot to its node now
+            try:
+                results[c.position] = await self.client.execute_command(*c.args, **c.kwargs)
+            except Exception as exc:
+                results[c.position] = exc
+        if self._wait and (again or not isinstance(wait[0].result, int) or wait[0].result < self._wait[0]):
+            results[cmds[0].position] = NotReplicated(
+                f"writes to {node.name} reached {wait[0].result!r} replicas, {self._wait[0]} required")
+
+    async def __aenter__(self) -> SlotPipeline:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._queue = []
+
+
+class NotReplicated(RedisConnectionError):
+    """Writes reached fewer replicas than a durable write requires (within its timeout)."""
+
+
+_SEND_AGAIN = (MovedError, AskError, TryAgainError, ClusterDownError, RedisConnectionError, RedisTimeoutError,
+               ConnectionError, TimeoutError, OSError)
+
+
+def _key_of(args: tuple[Any, ...]) -> Any:
+    """The key a queued command routes by: EVAL/EVALSHA's first key, else its first argument."""
+    name = str(args[0]).upper()
+    if name in ("EVAL", "EVALSHA"):
+        return args[3] if len(args) > 3 and int(args[2]) > 0 else b""
+    return args[1] if len(args) > 1 else b""
+
+
+def wait_replicas(pipe: Any, replicas: int, timeout_ms: int) -> None:
+    """Make a pipeline durable: its writes reach `replicas` replicas before `execute` returns, or it raises
+    `NotReplicated` (`BATCHGATE_REDIS_WAIT_REPLICAS`). No-op for 0."""
+    if replicas <= 0:
+        return
+    if isinstance(pipe, SlotPipeline):
+        pipe.wait_replicas(replicas, timeout_ms)
+    else:  # a single Redis: WAIT on the pipeline's own connection, checked by `check_replicated`
+        pipe.execute_command("WAIT", replicas, timeout_ms)
+
+
+def check_replicated(replies: list[Any], pipe: Any, replicas: int) -> list[Any]:
+    """The replies of a pipeline `wait_replicas` made durable, without the WAIT's; raises `NotReplicated`."""
+    if replicas <= 0 or isinstance(pipe, SlotPipeline):
+        return replies
+    *rest, acked = replies
+    if not isinstance(acked, int) or acked < replicas:
+        raise NotReplicated(f"writes reached {acked!r} replicas, {replicas} required")
+    return rest
+
+
+async def pubsub_of(redis: Any, **kwargs: Any) -> aioredis.client.PubSub:
+    """A PubSub for `redis`. On a cluster, a plain connection to one of its nodes, picked at random each call: a
+    PUBLISH reaches every node of a cluster, so any node hears every channel, and the cluster client's own PubSub
+    cannot take a SUBSCRIBE while another task reads. A caller that loses the node calls again and gets another."""
+    if not isinstance(redis, RedisCluster):
+        return redis.pubsub(**kwargs)
+    await redis.initialize()  # the client learns the nodes on its first command
+    node = random.choice(redis.get_nodes())
+    pool = aioredis.ConnectionPool(host=node.host, port=node.port, socket_connect_timeout=2.0, socket_keepalive=True,
+                                   **{k: v for k, v in redis.get_connection_kwargs().items()
+                                      if k in ("username", "password", "ssl", "socket_timeout")})
+    return aioredis.client.PubSub(connection_pool=pool, **kwargs)
+
+
+def in_pipeline(pipe: Any, script: str, keys: Sequence[Any], args: Sequence[Any]) -> None:
+    """Queue a Lua script on a pipeline as EVAL of its source. Not redis-py's `Script` objects: in a pipeline
+    they cost a SCRIPT EXISTS on every execute, and a Redis Cluster pipeline refuses EVALSHA. Redis keeps the
+    compiled script, so the source is compiled once per server."""
+    pipe.eval(script, len(keys), *keys, *args)
 
 
 def raise_if_cancelling(exc: BaseException | None = None) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 import structlog
 
-from shared.redis_io import UNAVAILABLE, raise_if_cancelling
+from shared.redis_io import UNAVAILABLE, pubsub_of, raise_if_cancelling
 
 log = structlog.get_logger(__name__)
 
@@ -129,7 +129,7 @@ class WaiterHub:
     async def _listen(self) -> None:
         backoff = 0.05
         while True:
-            self._pubsub = self._redis.pubsub()
+            self._pubsub = await pubsub_of(self._redis)
             try:
                 await self._pubsub.subscribe(self._heartbeat, *self._subs)
                 self._connected.set()

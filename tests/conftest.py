@@ -10,12 +10,22 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.redis_cluster import delete_prefix, start_cluster, sync_client
+
 TEST_REDIS_URL = os.environ.get("BATCHGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+# "cluster": the suites that use `redis_url` run against a Redis Cluster of 3 masters and 3 replicas on loopback,
+# started for the session (`tests/redis_cluster.py`); CI runs the Redis tiers both ways.
+TEST_REDIS = os.environ.get("BATCHGATE_TEST_REDIS", "single")
 
 
 @pytest.fixture(scope="session")
-def redis_url() -> str:
-    """The real Redis. Not reachable is a failure, not a skip: `.ci/run` starts one."""
+def redis_url() -> Iterator[str]:
+    """The real Redis (or Redis Cluster). Not reachable is a failure, not a skip: `.ci/run` starts one."""
+    if TEST_REDIS == "cluster":
+        cluster = start_cluster()
+        yield cluster.url
+        cluster.stop()
+        return
     client = redis.Redis.from_url(TEST_REDIS_URL, socket_connect_timeout=2)
     try:
         client.ping()
@@ -23,7 +33,15 @@ def redis_url() -> str:
         pytest.fail(f"tests need a real Redis at {TEST_REDIS_URL} (start one: see README): {exc}")
     finally:
         client.close()
-    return TEST_REDIS_URL
+    yield TEST_REDIS_URL
+
+
+@pytest.fixture
+def sync_redis(redis_url: str) -> Iterator[redis.Redis]:
+    """A blocking client of the test Redis (a cluster client when the suites run on a cluster)."""
+    client = sync_client(redis_url)
+    yield client
+    client.close()
 
 
 @pytest.fixture
@@ -31,11 +49,7 @@ def prefix(redis_url: str) -> Iterator[str]:
     """A key prefix of this test's own; every key under it is deleted afterwards (and nothing else)."""
     value = f"bgtest-{secrets.token_hex(4)}"
     yield value
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"{value}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    delete_prefix(redis_url, value)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Fault-injection harness: a Redis of our own (AOF on), real worker processes, a ledger of accepted ids."""
+"""Fault-injection harness: a Redis of our own (AOF on), real worker processes, a ledger of accepted ids. With
+`BATCHGATE_TEST_REDIS=cluster`, the Redis of our own is a Redis Cluster of 3 masters and 3 replicas."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import redis
 
 from shared.config import Settings
 from shared.embedded_redis import free_port
+from shared.redis_io import make_sync_redis
+from tests.redis_cluster import LocalCluster, start_cluster
 from tests.stack import running_gateway
 
 FIGURES: list[dict[str, Any]] = []  # printed at the end of the session (see conftest.py)
@@ -98,11 +101,56 @@ class WorkerProc:
         return self.proc is not None and self.proc.poll() is None
 
 
+class OwnCluster:
+    """A Redis Cluster of our own (`tests.redis_cluster`), with the calls the scenarios make of `OwnRedis`; `kill9`
+    kills the master that serves `key` (a failover, not a restart: a replica takes over)."""
+
+    def __init__(self, *, appendonly: bool = False) -> None:
+        self.appendonly = appendonly
+        self.local: LocalCluster | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.local is not None
+        return self.local.url
+
+    def start(self) -> None:
+        self.local = start_cluster(appendonly=self.appendonly)
+
+    def client(self) -> redis.Redis:
+        return make_sync_redis(self.url, socket_timeout=5)  # type: ignore[no-any-return]
+
+    def master_of(self, key: str) -> int:
+        """The port of the master serving `key` now."""
+        node = self.client().get_node_from_key(key)
+        return int(node.port)
+
+    def kill9(self, key: str) -> int:
+        """Kill -9 the master serving `key`; returns its port."""
+        assert self.local is not None
+        port = self.master_of(key)
+        next(n for n in self.local.nodes if n.port == port).kill()
+        return port
+
+    def restart(self, port: int) -> None:
+        """Bring a killed node back: it rejoins as a replica of the node that took over."""
+        assert self.local is not None
+        next(n for n in self.local.nodes if n.port == port).restart()
+
+    def stop(self) -> None:
+        if self.local is not None:
+            self.local.stop()
+
+
+def own_redis() -> OwnRedis | OwnCluster:
+    return OwnCluster() if os.environ.get("BATCHGATE_TEST_REDIS") == "cluster" else OwnRedis()
+
+
 @dataclass
 class Cluster:
     """The system under test: our Redis, a gateway in-process, worker processes we can hurt."""
 
-    redis: OwnRedis
+    redis: Any  # OwnRedis | OwnCluster
     prefix: str
     env: dict[str, str]
     settings: Settings
@@ -182,8 +230,9 @@ class Cluster:
 
 
 @asynccontextmanager
-async def cluster(tmp_path: Path, model_cache: Path, prefix: str, **env_extra: str) -> AsyncIterator[Cluster]:
-    own = OwnRedis()
+async def cluster(tmp_path: Path, model_cache: Path, prefix: str, *, own: OwnRedis | OwnCluster | None = None,
+                  **env_extra: str) -> AsyncIterator[Cluster]:
+    own = own or own_redis()
     own.start()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("BATCHGATE_") and k != "REDIS_URL"},

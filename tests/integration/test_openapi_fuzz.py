@@ -14,7 +14,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 import schemathesis
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis.errors import Unsatisfiable
@@ -26,6 +25,7 @@ from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from shared.embedded_redis import free_port
+from shared.redis_io import delete_prefix_sync
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -65,10 +65,7 @@ def gateway(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     finally:
         proc.terminate()
         proc.wait(30)
-        r = redis.Redis.from_url(redis_url)
-        keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
-        if keys:
-            r.delete(*keys)
+        delete_prefix_sync(redis_url, prefix)
         out = Path(os.environ.get("BATCHGATE_FUZZ_REPORT", str(tmp_path_factory.getbasetemp() / "fuzz.json")))
         out.write_text(json.dumps(dict(CALLS), indent=2))
         print("\nFUZZ", json.dumps(dict(sorted(CALLS.items()))))

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from shared.keys import Keys
+from shared.redis_io import delete_prefix_sync, make_sync_redis
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -40,7 +40,7 @@ def stack_env(redis_url: str, model_cache: Path, tmp_path_factory: pytest.TempPa
     log = tmp_path_factory.mktemp("sl") / "worker.log"
     proc = subprocess.Popen([sys.executable, "-m", "batchgate", "worker"], env={**os.environ, **env},
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
-    r = redis.Redis.from_url(redis_url)
+    r = make_sync_redis(redis_url)
     end = time.monotonic() + 120
     while not r.hlen(f"{prefix}:workers"):
         assert proc.poll() is None and time.monotonic() < end, log.read_text()[-2000:]
@@ -50,9 +50,7 @@ def stack_env(redis_url: str, model_cache: Path, tmp_path_factory: pytest.TempPa
     finally:
         proc.terminate()
         proc.wait(60)
-        keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
-        if keys:
-            r.delete(*keys)
+        delete_prefix_sync(redis_url, prefix)
 
 
 def load(module: str, env: dict[str, str], monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
@@ -141,7 +139,7 @@ def test_lambda_http_events(stack_env, monkeypatch, shape):
     denied = mod.http_handler(make("bgk_wrong"), FakeContext(30_000))
     assert denied["statusCode"] == 401
     # a thawed container may hold connections the server dropped meanwhile: the next call reconnects
-    r = redis.Redis.from_url(stack_env["BATCHGATE_REDIS_URL"])
+    r = make_sync_redis(stack_env["BATCHGATE_REDIS_URL"])
     mine = [c for c in r.client_list() if c.get("lib-name") == "redis-py" and int(c.get("db", 0)) == 0]
     for c in mine:
         if c["id"] != str(r.client_id()):
@@ -156,7 +154,7 @@ def test_lambda_direct_invocation_and_deadline_from_context(stack_env, monkeypat
                              "wait": 20}, FakeContext(25_000))
     assert ok["statusCode"] == 200 and ok["status"] == "succeeded" and ok["output"]["completion_tokens"] <= 4
     assert ok["deadline"] - time.time() < 25  # the deadline came from the invocation's remaining time
-    r = redis.Redis.from_url(stack_env["BATCHGATE_REDIS_URL"])
+    r = make_sync_redis(stack_env["BATCHGATE_REDIS_URL"])
     keys = Keys(stack_env["BATCHGATE_KEY_PREFIX"])
     before = sum(r.xlen(s) for s in keys.lane_streams("tiny-llama", ("short", "medium", "long")))
     late = mod.direct_handler({"model": "tiny-llama", "input": {"prompt": "hi"}}, FakeContext(300))
@@ -186,7 +184,7 @@ def test_lambda_sqs_batch_with_partial_failures_and_redelivery(stack_env, monkey
     ]}
     out = mod.sqs_handler(event, FakeContext(30_000))
     assert sorted(f["itemIdentifier"] for f in out["batchItemFailures"]) == ["m3", "m4", "m5"]
-    r = redis.Redis.from_url(stack_env["BATCHGATE_REDIS_URL"])
+    r = make_sync_redis(stack_env["BATCHGATE_REDIS_URL"])
     p = stack_env["BATCHGATE_KEY_PREFIX"]
     idem = list(r.scan_iter(match=f"{p}:{{i:*", count=1000))
     out2 = mod.sqs_handler({"Records": event["Records"][:2]}, FakeContext(30_000))  # SQS redelivers m1, m2

@@ -1,0 +1,57 @@
+"""Durable writes (`BATCHGATE_REDIS_WAIT_REPLICAS`): a submit is answered 202, and a result counts as written,
+only once that many replicas have it. Against a Redis without replicas, nothing can be: the submit answers
+503 (retryable, with Retry-After) instead of a 202 a failover could take back, and a result write raises, so
+the worker keeps its entry unacknowledged. The failover fault scenario shows the positive side on a cluster."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gpu_worker.outcomes import result_for
+from shared.keys import Keys
+from shared.records import RecordStore
+from shared.redis_io import NotReplicated, make_redis
+from shared.states import FinishReason, Status
+from tests.fakes import make_request
+from tests.stack import make_settings, running_gateway
+
+pytestmark = pytest.mark.redis
+
+
+async def replicas(redis_url: str) -> int:
+    client = make_redis(redis_url)
+    try:
+        info = await client.info("replication")
+        if "role" in info:  # a single Redis
+            return int(info.get("connected_slaves", 0))
+        return min(int(v.get("connected_slaves", 0)) for v in info.values() if v.get("role") == "master")
+    finally:
+        await client.aclose()
+
+
+async def test_a_submit_no_replica_confirmed_is_refused_with_503(redis_url, prefix):
+    wanted = await replicas(redis_url) + 1  # more than this Redis has
+    settings = make_settings(redis_url, prefix, redis_wait_replicas=wanted, redis_wait_ms=50)
+    async with running_gateway(settings) as gw:
+        r = await gw.client.post("/v1/models/tiny-llama/requests",
+                                 json={"input": {"input_ids": [5, 6, 7]}, "params": {"max_new_tokens": 2}})
+        assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+    ok = make_settings(redis_url, prefix, redis_wait_replicas=wanted - 1, redis_wait_ms=50)
+    async with running_gateway(ok) as gw:  # as many as it has: accepted
+        r = await gw.client.post("/v1/models/tiny-llama/requests",
+                                 json={"input": {"input_ids": [5, 6, 7]}, "params": {"max_new_tokens": 2}})
+        assert r.status_code == 202, r.text
+
+
+async def test_a_result_no_replica_confirmed_is_not_counted_as_written(redis_url, prefix):
+    client = make_redis(redis_url)
+    try:
+        store = RecordStore(client, Keys(prefix), 60, wait_replicas=await replicas(redis_url) + 1, wait_ms=50)
+        req = make_request("req_durable")
+        with pytest.raises(NotReplicated):
+            await store.finish(result_for(req, Status.SUCCEEDED, worker="w", now=time.time(),
+                                          reason=FinishReason.LENGTH), req.meta())
+    finally:
+        await client.aclose()
