@@ -18,7 +18,7 @@ test test-fast lint: PIP_QUIET = -q
 # (tests/unit/conftest.py); the unreachable test Redis makes any use of the real one fail loudly.
 FAST_TIERS := tests/unit $(wildcard tests/contract)
 
-.PHONY: setup up test test-fast lint bench clean
+.PHONY: setup up test test-cluster test-fast lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,12 @@ up: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+	$(MAKE) test-cluster
+
+# the suites that cross processes again, on a Redis Cluster of 3 masters and 3 replicas started on loopback
+test-cluster: setup
+	BATCHGATE_TEST_REDIS=cluster $(BIN)/python -m pytest -q -m "(redis or faults) and not standalone" \
+		tests/integration tests/contract tests/faults
 
 test-fast: setup
 	BATCHGATE_FAST_TIER=1 BATCHGATE_TEST_REDIS_URL=redis://127.0.0.1:1/0 \
