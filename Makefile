@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 # pip shows its progress on the first `make up` (minutes, mostly torch); `make test`/`lint` keep it quiet.
 PIP_QUIET ?=
-test test-fast lint: PIP_QUIET = -q
+test test-cluster test-fast lint: PIP_QUIET = -q
 
 # The fast tier: the unit tests and the in-memory half of the contract tests (the real-Redis half is
 # marked `redis`). BATCHGATE_FAST_TIER=1 makes the session fail if anything imported torch
@@ -33,15 +33,18 @@ $(VENV)/.installed: pyproject.toml
 up: setup
 	$(BIN)/batchgate up
 
+# `make test` also runs the suites that cross processes again on a Redis Cluster of 3 masters and 3 replicas
+# started on loopback (`make test-cluster` alone)
+CLUSTER_TESTS = BATCHGATE_TEST_REDIS=cluster $(BIN)/python -m pytest -q -m "(redis or faults) and not standalone" \
+	tests/integration tests/contract tests/faults
+
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
-	$(MAKE) test-cluster
+	$(CLUSTER_TESTS)
 
-# the suites that cross processes again, on a Redis Cluster of 3 masters and 3 replicas started on loopback
 test-cluster: setup
-	BATCHGATE_TEST_REDIS=cluster $(BIN)/python -m pytest -q -m "(redis or faults) and not standalone" \
-		tests/integration tests/contract tests/faults
+	$(CLUSTER_TESTS)
 
 test-fast: setup
 	BATCHGATE_FAST_TIER=1 BATCHGATE_TEST_REDIS_URL=redis://127.0.0.1:1/0 \

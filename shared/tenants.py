@@ -102,10 +102,10 @@ class TenantStore:
     async def create_key(self, tenant: str) -> str:
         key = new_api_key()
         digest = hash_key(key)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.set(self.keys.api_key(digest), tenant)
-        pipe.sadd(self.keys.tenant_keys(tenant), digest)
-        await pipe.execute()
+        # listed first, then valid: the two keys may be on different Redis Cluster nodes, so no transaction; a
+        # create cut in between leaves a listed key that does not work, never a working key no one can see
+        await self.redis.sadd(self.keys.tenant_keys(tenant), digest)
+        await self.redis.set(self.keys.api_key(digest), tenant)
         return key
 
     async def revoke_key(self, key_or_hash: str) -> str | None:
@@ -115,10 +115,9 @@ class TenantStore:
         tenant = await self.redis.get(self.keys.api_key(digest))
         if tenant is None:
             return None
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(self.keys.api_key(digest))
-        pipe.srem(self.keys.tenant_keys(tenant.decode()), digest)
-        await pipe.execute()
+        # invalid first, then unlisted (as `create_key`, the other way round)
+        await self.redis.delete(self.keys.api_key(digest))
+        await self.redis.srem(self.keys.tenant_keys(tenant.decode()), digest)
         return tenant.decode()
 
     async def tenant_of(self, key: str) -> str | None:
