@@ -30,6 +30,10 @@ LINES_PER_READ = 500
 
 # KEYS: record, items, lines; ARGV: line, ok ("1"/"0"), the line's JSON
 WRITE_LINE_LUA = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'completed' or status == 'failed' or status == 'cancelled' or status == 'expired' then
+  return 0  -- a straggler after the batch ended (its lines hash is gone): it must not count again
+end
 if redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[2] .. ARGV[3]) == 1 then
   redis.call('HINCRBY', KEYS[1], ARGV[2] == '1' and 'completed' or 'failed', 1)
 end
