@@ -180,7 +180,8 @@ class RedisQueue:
             pipe = self.redis.pipeline(transaction=False)
             self._ack_in(pipe, [f.held for f in finished if f.held is not None])
             for f in finished:  # no longer counts against its tenant's backlog quota
-                pipe.zrem(self.keys.tenant_active(f.request.tenant), f.request.id)
+                if f.request.quota_slot:
+                    pipe.zrem(self.keys.tenant_active(f.request.tenant), f.request.id)
             await self._execute_acks(pipe)
 
     async def _finish(self, finished: Sequence[Finished]) -> None:

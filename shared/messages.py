@@ -44,6 +44,10 @@ class InferenceRequest:
     # set by the worker that reads a redelivered streaming request: the tokens its caller was already sent,
     # which the new attempt continues from instead of generating again
     streamed: tuple[int, ...] = ()
+    # it holds a slot in its tenant's backlog quota, which its end gives back (False: the tenant has no quota,
+    # and ending it costs no Redis command for one; True by default, so a request from an older gateway is
+    # always given back)
+    quota_slot: bool = True
 
     def meta(self) -> RequestMeta:
         return RequestMeta(

@@ -92,7 +92,7 @@ async def submit(q: QueueClient, body: Any, spec: ModelSpec, tenant: str, *, wai
         existing = await q.idempotency.get(tenant, idempotency_key)
         if existing is not None:
             return await _replay(q, existing, digest, inference, wait)
-    decision = await _admit(q, inference, spec)
+    decision, inference = await _admit(q, inference, spec)
     claim, existing = await _claim_key(q, inference, digest)
     if existing is not None:  # a concurrent submit with the same key won the race
         return await _replay(q, existing, digest, inference, wait)
@@ -136,10 +136,13 @@ async def _unwind(q: QueueClient, inference: InferenceRequest, claim: Idempotenc
             await q.idempotency.release(inference.tenant, inference.idempotency_key, claim)
 
 
-async def _admit(q: QueueClient, inference: InferenceRequest, spec: ModelSpec) -> Decision:
-    """Tenant limits (rate, quota slot) then the deadline/backlog estimate; a refusal frees the slot."""
+async def _admit(q: QueueClient, inference: InferenceRequest,
+                 spec: ModelSpec) -> tuple[Decision, InferenceRequest]:
+    """Tenant limits (rate, quota slot) then the deadline/backlog estimate; a refusal frees the slot. The request
+    comes back marked with whether it holds a quota slot."""
     expires = inference.deadline_ms + int(q.settings.expiry_grace_s * 1000)
-    await q.limits.admit(inference.tenant, inference.id, expires)
+    if not await q.limits.admit(inference.tenant, inference.id, expires):
+        inference = dataclasses.replace(inference, quota_slot=False)
     try:
         decision, _ = await q.admit(inference, spec)
     except BaseException as exc:
@@ -150,7 +153,7 @@ async def _admit(q: QueueClient, inference: InferenceRequest, spec: ModelSpec) -
         q.observer.rejected(inference, decision.code)
         raise TooManyRequests(decision.reason, code=decision.code, retry_after=decision.retry_after_s,
                               extra={"lane": inference.lane})
-    return decision
+    return decision, inference
 
 
 def _eta_ms(decision: Decision) -> int | None:
@@ -230,7 +233,7 @@ async def _batch_item(q: QueueClient, spec: ModelSpec, tenant: str, i: int, item
         existing = await q.idempotency.get(tenant, key)
         if existing is not None:
             return await _batch_replay(q, i, existing, digest, inference)
-    decision = await _admit(q, inference, spec)
+    decision, inference = await _admit(q, inference, spec)
     claim, existing = await _claim_key(q, inference, digest)
     if existing is not None:
         return await _batch_replay(q, i, existing, digest, inference)
@@ -313,7 +316,7 @@ async def _replay(q: QueueClient, existing: IdempotencyClaim, digest: str, infer
         if not await q.idempotency.takeover(inference.tenant, inference.idempotency_key or "", existing, fresh):
             raise Conflict("a request with this Idempotency-Key is being accepted; retry shortly",
                            code="idempotency_in_progress", retry_after=1)
-        decision = await _admit(q, takeover, model_spec(q, takeover.model))
+        decision, takeover = await _admit(q, takeover, model_spec(q, takeover.model))
         return await _store_and_answer(q, takeover, decision, wait, replayed)
     if wait > 0 and not rec.terminal:
         rec = await q.wait(rec.id, wait) or rec

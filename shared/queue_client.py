@@ -35,7 +35,7 @@ from shared.errors import CodecError
 from shared.idempotency import IdempotencyClaim, IdempotencyStore
 from shared.keys import Keys
 from shared.messages import ErrorInfo, InferenceRequest, LaneStats, RequestResult
-from shared.records import RecordStore, StoredRecord
+from shared.records import RecordStore, StoredRecord, record_from_event
 from shared.redis_io import make_redis
 from shared.ssrf import AllowList
 from shared.states import FinishReason, Status
@@ -218,8 +218,9 @@ class QueueClient:
         end = loop.time() + timeout
         deadline_ms = stored.deadline_ms if stored is not None else None
         while True:
-            if deadline_ms is None:
-                rec = await self.get(request_id)
+            if deadline_ms is None:  # the record its done event carried, else read back
+                carried = sub.take_record()
+                rec = (carried and record_from_event(request_id, carried)) or await self.get(request_id)
                 if rec is None or rec.terminal:
                     return rec
                 deadline_ms = rec.meta.deadline_ms if rec.meta is not None else None

@@ -29,11 +29,14 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from shared.codec import decode, encode
+from shared.errors import CodecError
 from shared.keys import Keys
 from shared.messages import CallbackDelivery, CallbackState, InferenceRequest, RequestMeta, RequestResult
 from shared.redis_io import check_replicated, in_pipeline, wait_replicas
 from shared.states import TERMINAL, Status
 
+RECORD_EVENT = b"r"  # a done event that carries the terminal record (see FINISH_LUA)
+RECORD_EVENT_MAX_BYTES = 65_536  # larger results are read from the record, not sent on every node of a cluster
 OUTBOX_EVENTS = ("started", "completed")  # the webhooks a record's own scripts queue
 _TERMINAL_LUA = "{" + ", ".join(f"['{s.value}']=true" for s in TERMINAL) + "}"
 
@@ -46,30 +49,46 @@ return 1
 """
 
 # KEYS[1] record; ARGV started_ms, meta, ttl_ms, "started" delivery or ''. Returns the state after the call.
+# One read and one write in the common case: a record that has a state has its meta and its TTL (every writer
+# sets them with the state), so only a record that is missing altogether (lost, or its TTL ran out) gets them.
 START_LUA = f"""
 local terminal = {_TERMINAL_LUA}
-local s = redis.call('HGET', KEYS[1], 'state')
+local cur = redis.call('HMGET', KEYS[1], 'state', 'attempts')
+local s = cur[1]
 if s and terminal[s] then return s end
-if s ~= 'running' and ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'ob:started', ARGV[4]) end
-redis.call('HSET', KEYS[1], 'state', 'running', 'started', ARGV[1])
-redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-redis.call('HSETNX', KEYS[1], 'meta', ARGV[2])
-if redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
+local f = {{'state', 'running', 'started', ARGV[1], 'attempts', (tonumber(cur[2]) or 0) + 1}}
+if s ~= 'running' and ARGV[4] ~= '' then f[#f + 1] = 'ob:started'; f[#f + 1] = ARGV[4] end
+if not s then f[#f + 1] = 'meta'; f[#f + 1] = ARGV[2] end
+redis.call('HSET', KEYS[1], unpack(f))
+if not s then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
 return 'running'
 """
 
 # KEYS[1] record; ARGV state, result, ttl_ms, channel, meta, "completed" delivery or ''. Returns 1 if this
 # write won. The result, the done event and the webhook delivery (into the outbox) are one atomic step: a
-# request completes once, its event is published once, its callback is queued once.
+# request completes once, its event is published once, its callback is queued once. The event carries the
+# terminal record when the result is small, so a waiter answers without reading the record back: `RECORD_EVENT`,
+# then state, result, meta, started, attempts, cb, each as `<length>:<bytes>`, or `-` where the record lacks it.
 FINISH_LUA = f"""
 local terminal = {_TERMINAL_LUA}
-local s = redis.call('HGET', KEYS[1], 'state')
+local cur = redis.call('HMGET', KEYS[1], 'state', 'meta', 'started', 'attempts', 'cb')
+local s = cur[1]
 if s and terminal[s] then return 0 end
-redis.call('HSET', KEYS[1], 'state', ARGV[1], 'result', ARGV[2])
-if ARGV[5] ~= '' then redis.call('HSETNX', KEYS[1], 'meta', ARGV[5]) end
+local f = {{'state', ARGV[1], 'result', ARGV[2]}}
+if ARGV[6] ~= '' then f[#f + 1] = 'ob:completed'; f[#f + 1] = ARGV[6] end
+if not s and ARGV[5] ~= '' then f[#f + 1] = 'meta'; f[#f + 1] = ARGV[5] end  -- a record with a state has its meta
+redis.call('HSET', KEYS[1], unpack(f))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-redis.call('PUBLISH', ARGV[4], ARGV[1])
-if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'ob:completed', ARGV[6]) end
+if #ARGV[2] <= {RECORD_EVENT_MAX_BYTES} then
+  local meta = cur[2] or (ARGV[5] ~= '' and ARGV[5]) or false
+  local out = {{'{RECORD_EVENT.decode()}'}}
+  for _, v in ipairs({{ARGV[1], ARGV[2], meta, cur[3] or false, cur[4] or false, cur[5] or false}}) do
+    out[#out + 1] = v and (#v .. ':' .. v) or '-'
+  end
+  redis.call('PUBLISH', ARGV[4], table.concat(out))
+else
+  redis.call('PUBLISH', ARGV[4], ARGV[1])
+end
 return 1
 """
 
@@ -208,6 +227,28 @@ def parse_record(request_id: str, raw: dict[bytes, bytes]) -> StoredRecord | Non
     callback = decode(raw[b"cb"], CallbackState) if b"cb" in raw else None
     return StoredRecord(id=request_id, state=Status(_text(raw[b"state"])), meta=meta, result=result,
                         started_ms=started, attempts=int(raw.get(b"attempts", 0)), callback=callback)
+
+
+RECORD_FIELDS = (b"state", b"result", b"meta", b"started", b"attempts", b"cb")  # in a record event, in order
+
+
+def record_from_event(request_id: str, payload: bytes) -> StoredRecord | None:
+    """The terminal record a done event carries (`RECORD_EVENT` stripped); None if it is not one."""
+    raw: dict[bytes, bytes] = {}
+    at = 0
+    try:
+        for name in RECORD_FIELDS:
+            if payload[at:at + 1] == b"-":
+                at += 1
+                continue
+            colon = payload.index(b":", at)
+            end = colon + 1 + int(payload[at:colon])
+            raw[name] = payload[colon + 1:end]
+            at = end
+        rec = parse_record(request_id, raw) if at == len(payload) else None
+    except (ValueError, CodecError):
+        return None
+    return rec if rec is not None and rec.terminal else None
 
 
 def completed_delivery(result: RequestResult, meta: RequestMeta | None) -> CallbackDelivery | None:

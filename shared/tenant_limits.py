@@ -99,9 +99,10 @@ class TenantLimits:
         cfg = await self.cache.get("cfg:" + tenant, lambda: self.tenants.get(tenant))
         return cfg if isinstance(cfg, TenantConfig) else TenantConfig(tenant)
 
-    async def admit(self, tenant: str, request_id: str = "", expires_ms: int = 0) -> None:
+    async def admit(self, tenant: str, request_id: str = "", expires_ms: int = 0) -> bool:
         """Raise 429 with Retry-After if the tenant is over its rate or its backlog quota; otherwise take a
-        rate token and (with a quota) reserve the request's slot until it finishes or `expires_ms`."""
+        rate token and (with a quota) reserve the request's slot until it finishes or `expires_ms`. True when
+        a slot was reserved (then whoever ends the request gives it back)."""
         n = 1
         cfg = await self.config(tenant)
         rate = cfg.rate_per_s if cfg.rate_per_s is not None else self.default_rate
@@ -119,6 +120,8 @@ class TenantLimits:
             if not int(fits):
                 raise TooManyRequests(f"tenant {tenant!r} has {quota} requests queued or running, its quota",
                                       code="tenant_backlog_full", retry_after=1)
+            return True
+        return False
 
     async def release(self, tenant: str, request_id: str) -> None:
         """Give back a reserved slot (the request was refused after all)."""

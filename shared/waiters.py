@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 import structlog
 
+from shared.records import RECORD_EVENT
 from shared.redis_io import UNAVAILABLE, pubsub_of, raise_if_cancelling
 
 log = structlog.get_logger(__name__)
@@ -36,6 +37,11 @@ class Subscription:
     # messages may have been missed (a new subscription, a reconnect): the delta stream needs reading
     missed: bool = True
     deltas: list[bytes] = field(default_factory=list)  # deltas that came with their wake-ups, in order
+    record: bytes | None = None  # the terminal record a done event carried (`shared.records.RECORD_EVENT`)
+
+    def take_record(self) -> bytes | None:
+        record, self.record = self.record, None
+        return record
 
     def take_record_due(self) -> bool:
         due, self.record_due = self.record_due, False
@@ -171,11 +177,13 @@ class WaiterHub:
         elif kind == "message":
             data = msg.get("data")
             delta = data[1:] if isinstance(data, bytes) and data[:1] == DELTA else None
+            record = data[1:] if isinstance(data, bytes) and data[:1] == RECORD_EVENT else None
             for sub in self._subs.get(channel, ()):
                 if delta is not None:
                     sub.deltas.append(delta)
                 else:
                     sub.record_due = True
+                    sub.record = record
                 sub.event.set()
 
     def _wake_all(self) -> None:

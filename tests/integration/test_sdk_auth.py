@@ -159,6 +159,25 @@ async def test_tenant_backlog_quota(redis_url, prefix, loaded_models):
             assert r.status_code in (200, 202)
 
 
+@pytest.mark.parametrize(("quota", "holds"), [(0, False), (5, True)])
+async def test_a_request_says_whether_it_holds_a_quota_slot(redis_url, prefix, quota, holds):
+    """Only a request that took a slot in its tenant's backlog quota makes its end give one back (a ZREM per
+    request for tenants without a quota is a Redis command of every lifecycle spent on nothing)."""
+    from shared.codec import decode
+    from shared.messages import InferenceRequest
+
+    settings = make_settings(redis_url, prefix, tenant_max_backlog=quota)
+    async with running_gateway(settings) as gw:
+        r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"}})
+        assert r.status_code == 202
+        stream = Keys(prefix).lane_stream("minilm", r.json()["lane"])
+        ((_, fields),) = await gw.service.redis.xrange(stream)
+        req = decode(fields[b"m"], InferenceRequest)
+        assert req.id == r.json()["id"] and req.quota_slot is holds
+        active = await gw.service.redis.zrange(Keys(prefix).tenant_active(req.tenant), 0, -1)
+        assert (req.id.encode() in active) is holds
+
+
 async def test_openapi_document_and_docs_page(redis_url, prefix):
     settings = make_settings(redis_url, prefix, auth="api_key")
     async with running_gateway(settings) as gw:
