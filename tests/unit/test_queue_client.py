@@ -37,8 +37,9 @@ def stats(worker: str) -> bytes:
                             decode_ms_per_step=1.0))
 
 
-async def test_admission_reads_the_lane_each_time_and_the_workers_figures_at_most_every_cache_period(q, monkeypatch):
+async def test_admission_reads_the_lane_and_reads_the_workers_figures_at_most_every_cache_period(q, monkeypatch):
     monkeypatch.setattr(queue_client, "STATS_CACHE_S", 0.05)
+    monkeypatch.setattr(queue_client, "LANE_LENGTH_CACHE_S", 0.0)  # no store of its own to count on
     key = q.keys.lane_stats("echo")
     await q.redis.hset(key, "w1", stats("w1"))
     queued, found = await q.load("echo", "short")
@@ -52,15 +53,49 @@ async def test_admission_reads_the_lane_each_time_and_the_workers_figures_at_mos
     assert sorted(s.worker for s in found) == ["w1", "w2"]
 
 
-async def test_queue_positions_are_the_lane_admission_saw_plus_the_batch_ahead(q):
+async def test_right_after_its_own_store_a_process_counts_on_the_length_it_saw_plus_what_it_admitted(q, monkeypatch):
+    """Under load a submit costs one round trip: the lane's length comes back with every store, and a submit
+    right after counts on it (plus the requests this process admitted since) instead of reading it again."""
+    monkeypatch.setattr(queue_client, "LANE_LENGTH_CACHE_S", 0.2)
+    await q.redis.hset(q.keys.lane_stats("echo"), "w1", stats("w1"))
+    stream = q.keys.lane_stream("echo", "short")
+    for _ in range(3):
+        await q.redis.xadd(stream, {"m": b"x"})
     body = {"input": {"prompt": "hi"}}
+    first = ops._build(q, body, SPEC, "t")
+    decision, _ = await q.admit(first, SPEC)
+    assert decision.accept and decision.queued == 3  # read: nothing of its own stored yet
+    (stored,) = await q.submit_many([(first, decision)])
+    assert stored.queue_position == 4
+    await q.redis.xadd(stream, {"m": b"another process"})  # not seen while the length it saw is fresh
+    reads = []
+    real_xlen = q.redis.xlen
+    monkeypatch.setattr(q.redis, "xlen", lambda name: reads.append(name) or real_xlen(name))
+    second, third = (ops._build(q, body, SPEC, "t") for _ in range(2))
+    d2, _ = await q.admit(second, SPEC)
+    d3, _ = await q.admit(third, SPEC)
+    assert (d2.queued, d3.queued) == (4, 5) and reads == []  # its store's length, plus the one admitted since
+    out = await q.submit_many([(second, d2), (third, d3)])
+    assert [s.queue_position for s in out] == [6, 7]  # exact: the other process's entry is counted now
+    await q.redis.xadd(stream, {"m": b"another process"})
+    d4, _ = await q.admit(ops._build(q, body, SPEC, "t"), SPEC)
+    assert d4.queued == 7  # fresh: not seen yet
+    await asyncio.sleep(0.25)
+    d5, _ = await q.admit(ops._build(q, body, SPEC, "t"), SPEC)
+    assert d5.queued == 8  # stale: read again
+
+
+async def test_queue_positions_are_the_lane_length_after_each_xadd(q):
+    body = {"input": {"prompt": "hi"}}
+    for _ in range(5):
+        await q.redis.xadd(q.keys.lane_stream("echo", "short"), {"m": b"x"})
     first, second, other = (ops._build(q, body, SPEC, "t") for _ in range(3))
     other = dataclasses.replace(other, lane="medium")
     decision = Decision(True, Estimate(0.0, 0.0, "none"), queued=5)
     out = await q.submit_many([(first, decision), (second, decision), (other, Decision(True, decision.estimate))])
     assert [s.queue_position for s in out] == [6, 7, 1]
     assert all(s.created for s in out)
-    assert await q.redis.xlen(q.keys.lane_stream("echo", "short")) == 2
+    assert await q.redis.xlen(q.keys.lane_stream("echo", "short")) == 7
     again = await q.submit_many([(first, decision)])  # a retry under the same id: the record was there
     assert not again[0].created
 
