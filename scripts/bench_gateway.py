@@ -323,12 +323,22 @@ class Http:
         self.writer: asyncio.StreamWriter | None = None
 
     async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+        reused = self.writer is not None
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
         assert self.reader is not None
         head = f"{method} {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
         self.writer.write(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
-        headers = await self.reader.readuntil(b"\r\n\r\n")
+        try:
+            headers = await self.reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
+            if not reused or (isinstance(exc, asyncio.IncompleteReadError) and exc.partial):
+                raise
+            # the server closed the kept-alive connection while it sat idle (uvicorn's keep-alive timeout), before
+            # this request reached it: as any HTTP client does, send it again on a new connection
+            self.close()
+            self.writer = None
+            return await self.request(method, path, body)
         status = int(headers[9:12])
         m = re.search(rb"(?i)\r\ncontent-length: *(\d+)", headers)
         data = await self.reader.readexactly(int(m.group(1))) if m else b""
