@@ -31,9 +31,14 @@ class _Prompt:
 class ChunkedPrefill:
     def __init__(self, engine: Any) -> None:  # the GenerationEngine that owns it (no import: it imports this)
         self.engine = engine
-        self.slot = engine.max_rows - 1  # the cache row it writes into, outside the running batch
         self.current: _Prompt | None = None
         self.last = (0, 0.0)  # (tokens, seconds) of the chunk the last step prefilled
+
+    @property
+    def slot(self) -> int:
+        """The cache row it writes into, outside the running batch: the last one (as the running batch's view of
+        the cache, which starts at its `base`, numbers it)."""
+        return self.engine.max_rows - 1 - self.engine.cache.base
 
     @property
     def active(self) -> bool:

@@ -8,6 +8,10 @@ row uses. New rows are prefilled straight into their own rows, right-aligned at 
 
 Invariants: rows `[0, n_rows)` are live; `start[r] <= end`; `end <= width`; every column a live
 row can read holds finite values.
+
+`keys` and `values` are views from cache row `base` on: the rows before it hold parked rows
+(`gpu_worker.parked_rows`), which sit out the steps where they are; moving `base` parks or brings
+back rows without copying their caches.
 """
 
 from __future__ import annotations
@@ -30,8 +34,11 @@ class SlotKVCache:
         self.max_width = max_width
         self.rows_cap = 0
         self.width = 0
-        self.keys: list[torch.Tensor] = []
+        self.base = 0  # the first cache row the running batch uses (the rows before it are parked)
+        self.keys: list[torch.Tensor] = []  # per layer, rows [base, max_rows)
         self.values: list[torch.Tensor] = []
+        self._all_keys: list[torch.Tensor] = []  # per layer, every row
+        self._all_values: list[torch.Tensor] = []
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, max_rows: int, max_width: int) -> SlotKVCache:
@@ -57,9 +64,26 @@ class SlotKVCache:
         never stalls on a growth copy. Zeros, never `empty`: when a longer row joins, older rows attend
         (masked) over columns they never wrote, and a masked NaN still poisons the weighted sum."""
         shape = (self.max_rows, self.kv_heads, self.max_width, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        self._all_keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        self._all_values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
         self.rows_cap, self.width = self.max_rows, self.max_width
+        self.set_base(0)
+
+    def set_base(self, base: int) -> None:
+        """The running batch's rows start at cache row `base` (views: nothing is copied)."""
+        if not 0 <= base < self.max_rows:
+            raise ValueError(f"base {base} outside [0, {self.max_rows})")
+        self.base = base
+        self.keys = [k[base:] for k in self._all_keys]
+        self.values = [v[base:] for v in self._all_values]
+
+    def swap_rows(self, a: int, b: int, lo: int, hi: int) -> None:
+        """Swap cache rows `a` and `b` (absolute rows: parked ones included) over columns [lo, hi)."""
+        if a == b or hi <= lo:
+            return
+        for k, v in zip(self._all_keys, self._all_values, strict=True):
+            k[[a, b], :, lo:hi] = k[[b, a], :, lo:hi]
+            v[[a, b], :, lo:hi] = v[[b, a], :, lo:hi]
 
     def move_row(self, src: int, dst: int, lo: int, hi: int) -> None:
         """Copy row `src` into row `dst` over columns [lo, hi) (swap-remove of a finished row)."""

@@ -314,6 +314,59 @@ def test_parked_rows_sit_out_steps_and_resume_exactly(arch):
         assert results[spec.id].token_ids == reference(model, spec), spec.id
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_rows_parked_together_come_back_by_moving_the_few_that_ran(arch):
+    """The CPU pattern: all batch rows but one sit out beside an interactive row and come back together when it
+    finishes. Parking swaps rows instead of copying caches aside; bringing them back moves the two rows that ran
+    back to where the parked ones stopped (the batch's end goes back to theirs), not every parked row forward."""
+    from tests.integration.test_architectures import tiny as tiny_arch
+
+    model = tiny_arch(arch)
+    rng = random.Random(5)
+    batch = [GenSpec(id=f"b{i}", prompt_ids=tuple(rng.randrange(VOCAB) for _ in range(n)), max_new_tokens=30)
+             for i, n in enumerate((6, 11, 3, 14, 9))]
+    fg = GenSpec(id="fg", prompt_ids=tuple(rng.randrange(VOCAB) for _ in range(5)), max_new_tokens=6)
+    engine = GenerationEngine(model, max_rows=8, max_seq_len=60)
+    results = {r.id: r for r in engine.prefill(batch)}
+    for _ in range(4):
+        engine.step()
+    held = {"b1", "b2", "b3", "b4"}  # b0, in the first row, keeps running: it swaps places with one of them
+    engine.hold_back(held)
+    assert engine.cache.base == 4 and [r.spec.id for r in engine.rows] == ["b0"]
+    parked_end = engine.end
+    results.update({r.id: r for r in engine.prefill([fg])})
+    while "fg" not in results:
+        results.update({r.id: r for r in engine.step()})
+    assert engine.end > parked_end
+    engine.hold_back(set())
+    assert engine.end == parked_end and engine.cache.base == 0  # the running row moved, the parked ones did not
+    assert sorted(r.spec.id for r in engine.rows) == sorted(s.id for s in batch)
+    results.update(run(engine, {0: []}))
+    for spec in [*batch, fg]:
+        assert results[spec.id].token_ids == reference(model, spec), spec.id
+
+
+def test_rows_parked_at_different_steps_come_back_together(model):
+    """Rows that stopped at different columns: each is moved forward in its own cache row."""
+    reqs = specs(5, seed=9, outputs=(24,))
+    engine = GenerationEngine(model, max_rows=6, max_seq_len=80)
+    results = {r.id: r for r in engine.prefill(reqs)}
+    engine.step()
+    engine.hold_back({"r1"})
+    engine.step()
+    engine.step()
+    engine.hold_back({"r1", "r3", "r4"})
+    engine.step()
+    assert engine.cache.base == 3 and sorted(engine.parked.ids()) == ["r1", "r3", "r4"]
+    engine.hold_back({"r3"})  # r1 and r4 back, from different columns; r3 stays out
+    assert engine.cache.base == 1 and engine.parked.rows["r3"].slot == 0
+    engine.step()
+    engine.hold_back(set())
+    results.update(run(engine, {0: []}))
+    for spec in reqs:
+        assert results[spec.id].token_ids == reference(model, spec), spec.id
+
+
 def test_a_parked_row_can_be_removed(model):
     reqs = specs(3, seed=4, outputs=(30,))
     engine = GenerationEngine(model, max_rows=4, max_seq_len=128)
