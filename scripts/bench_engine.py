@@ -318,6 +318,9 @@ def main() -> None:
     ap.add_argument("--prefill-chunk-tokens", type=int, help="override the model's prefill_chunk_tokens (0: off)")
     ap.add_argument("--long-prefill", action="store_true",
                     help="rows decoding while a 2,048-token prompt arrives: inter-token gaps, 3 ways")
+    ap.add_argument("--park", action="store_true",
+                    help="all rows but one held back beside an interactive row, then back: what each costs")
+    ap.add_argument("--rows", type=int, default=60, help="--park: the batch's rows")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -326,8 +329,9 @@ def main() -> None:
         import dataclasses
 
         loaded.spec = dataclasses.replace(loaded.spec, prefill_chunk_tokens=args.prefill_chunk_tokens)
-    if args.long_prefill:
-        return long_prefill_mode(loaded, args)
+    mode = long_prefill_mode if args.long_prefill else park_mode if args.park else None
+    if mode is not None:
+        return mode(loaded, args)
     reqs = workload(args.requests, args.seed, model.config.vocab_size)
     methods: dict[str, Callable[[list[Req]], RunResult]] = {
         "batch1": lambda rs: run_batch1(model, rs),
@@ -412,6 +416,29 @@ def long_prefill_mode(loaded: Any, args: argparse.Namespace) -> None:
               f"{m['max_itl_ms_during_long_prefill'] / m['decode_step_ms']:>8.2f}{m['long_ttft_ms']:>14.0f}")
     print(f"max_itl_ms_during_long_prefill / decode_step_ms ({best}): {report['itl_vs_decode_step']:.2f} "
           "(target <= 2)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+def park_mode(loaded: Any, args: argparse.Namespace) -> None:
+    """`scripts/parking.py` --reps times; medians and maxima."""
+    import parking
+
+    model = loaded.model
+    runs = []
+    for rep in range(args.reps):
+        r = parking.run(model, rows=args.rows, seed=args.seed + rep)
+        runs.append(r)
+        print(f"  rep {rep + 1}: hold {r['hold_ms']:6.1f} ms  release {r['release_ms']:6.1f} ms  step with "
+              f"{args.rows} rows {r['step_all_rows_ms']:5.1f} ms, with one {r['step_one_row_ms']:5.1f} ms", flush=True)
+    report: dict[str, Any] = {"mode": "park", "rows": args.rows, "runs": runs}
+    print(f"\n{'':<22}{'median ms':>10}{'max ms':>10}")
+    for key in runs[0]:
+        values = [r[key] for r in runs]
+        report[key] = statistics.median(values)
+        report[key + "_max"] = max(values)
+        print(f"{key:<22}{report[key]:>10.1f}{max(values):>10.1f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
