@@ -46,7 +46,7 @@ from shared.token_limits import TokenLimits
 from shared.waiters import Subscription, SubscriptionUnavailable, WaiterHub
 
 # How long a process reuses the workers' load figures it read (they publish them every 0.5 s,
-# gpu_worker.announce.STATS_INTERVAL_S): admission reads them at most this often, the lane's length every time.
+# gpu_worker.announce.STATS_INTERVAL_S): admission reads them at most this often.
 STATS_CACHE_S = 0.1
 # How long a process counts on the lane length its last store to the lane saw (plus what it admitted since) instead
 # of reading it: under load every submit would otherwise pay a round trip for it; other processes' submits in this
@@ -119,8 +119,9 @@ class QueueClient:
         return int(self.clock() * 1000)
 
     async def load(self, model: str, lane: str) -> tuple[int, list[LaneStats]]:
-        """The lane's stream length and the fresh per-worker stats of the model, in one round trip (the stats
-        as read up to `STATS_CACHE_S` ago, when this process read them that recently)."""
+        """The lane's stream length and the fresh per-worker stats of the model, in one round trip or none (the
+        stats as read up to `STATS_CACHE_S` ago, the length as this process's last store to the lane returned it up
+        to `LANE_LENGTH_CACHE_S` ago plus what it admitted since, when it has them that recent)."""
         stream = self.keys.lane_stream(model, lane)
         at = time.monotonic()
         cached = self._stats.get(model)
