@@ -171,15 +171,18 @@ class QueueClient:
         now = self.now_ms()
         at = time.monotonic()
         streams = [self.keys.lane_stream(req.model, req.lane) for req, _ in items]
+        lengths, inits = [], []
         for (req, _), stream in zip(items, streams, strict=True):
             pipe.xadd(stream, {"m": encode(req)})
+            lengths.append(len(pipe))
             pipe.xlen(stream)
+            inits.append(len(pipe))  # the reply of the record's init: 1 if this call created it
             await self.store.init_in(pipe, req, now)
         replies = await self.store.execute_durably(pipe)  # with durable writes on, once the replicas have it
-        for i, stream in enumerate(streams):
-            self._lengths[stream] = LaneLength(at, int(replies[3 * i + 1]))
-        return [Submitted(req, int(replies[3 * i + 1]), decision, replies[3 * i + 2] == 1)
-                for i, (req, decision) in enumerate(items)]
+        for stream, i in zip(streams, lengths, strict=True):
+            self._lengths[stream] = LaneLength(at, int(replies[i]))
+        return [Submitted(req, int(replies[i]), decision, replies[j] == 1)
+                for (req, decision), i, j in zip(items, lengths, inits, strict=True)]
 
     async def idempotency_get(self, tenant: str, key: str) -> IdempotencyClaim | None:
         return await self.idempotency.get(tenant, key)

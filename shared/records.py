@@ -40,25 +40,18 @@ RECORD_EVENT_MAX_BYTES = 65_536  # larger results are read from the record, not 
 OUTBOX_EVENTS = ("started", "completed")  # the webhooks a record's own scripts queue
 _TERMINAL_LUA = "{" + ", ".join(f"['{s.value}']=true" for s in TERMINAL) + "}"
 
-# KEYS[1] record; ARGV meta, ttl_ms
-INIT_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'queued', 'meta', ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
 
 # KEYS[1] record; ARGV started_ms, meta, ttl_ms, "started" delivery or ''. Returns the state after the call.
-# One read and one write in the common case: a record that has a state has its meta and its TTL (every writer
-# sets them with the state), so only a record that is missing altogether (lost, or its TTL ran out) gets them.
+# One read and one write in the common case: the meta is written where the record lacks it, the TTL only where the
+# record is missing altogether (lost, or its TTL ran out: every writer of a state sets one).
 START_LUA = f"""
 local terminal = {_TERMINAL_LUA}
-local cur = redis.call('HMGET', KEYS[1], 'state', 'attempts')
+local cur = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'meta')
 local s = cur[1]
 if s and terminal[s] then return s end
 local f = {{'state', 'running', 'started', ARGV[1], 'attempts', (tonumber(cur[2]) or 0) + 1}}
 if s ~= 'running' and ARGV[4] ~= '' then f[#f + 1] = 'ob:started'; f[#f + 1] = ARGV[4] end
-if not s then f[#f + 1] = 'meta'; f[#f + 1] = ARGV[2] end
+if not cur[3] then f[#f + 1] = 'meta'; f[#f + 1] = ARGV[2] end
 redis.call('HSET', KEYS[1], unpack(f))
 if not s then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
 return 'running'
@@ -76,7 +69,7 @@ local s = cur[1]
 if s and terminal[s] then return 0 end
 local f = {{'state', ARGV[1], 'result', ARGV[2]}}
 if ARGV[6] ~= '' then f[#f + 1] = 'ob:completed'; f[#f + 1] = ARGV[6] end
-if not s and ARGV[5] ~= '' then f[#f + 1] = 'meta'; f[#f + 1] = ARGV[5] end  -- a record with a state has its meta
+if not cur[2] and ARGV[5] ~= '' then f[#f + 1] = 'meta'; f[#f + 1] = ARGV[5] end
 redis.call('HSET', KEYS[1], unpack(f))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 if #ARGV[2] <= {RECORD_EVENT_MAX_BYTES} then
@@ -125,7 +118,6 @@ class RecordStore:
         # have it, so its request's entry is acked only then (a failover before that re-runs it, loses nothing)
         self.wait_replicas = wait_replicas
         self.wait_ms = wait_ms
-        self._init = redis.register_script(INIT_LUA)
         self._cb_state = redis.register_script(CALLBACK_STATE_LUA)
 
     def queued_ttl_ms(self, req: InferenceRequest, now_ms: int) -> int:
@@ -133,8 +125,16 @@ class RecordStore:
         return max(0, req.deadline_ms - now_ms) + self.result_ttl_ms
 
     async def init_in(self, pipe: aioredis.client.Pipeline, req: InferenceRequest, now_ms: int) -> None:
-        """Queue the queued-record write on a pipeline (after the XADD of the same request)."""
-        in_pipeline(pipe, INIT_LUA, [self.keys.record(req.id)], [encode(req.meta()), self.queued_ttl_ms(req, now_ms)])
+        """Queue the queued-record write on a pipeline (after the XADD of the same request): the state and the meta
+        each only if the record has none (a worker may have got there first, on a cluster where the stream is on
+        another node), then the TTL. Three plain commands, no script; the first one's reply is 1 if this call
+        created the record. A TTL set again over a worker's later one only keeps a result longer (until its
+        deadline, plus the result TTL); a record that lacks its meta or TTL after an interrupted pipeline gets
+        them from the worker's scripts."""
+        key = self.keys.record(req.id)
+        pipe.hsetnx(key, "state", Status.QUEUED.value)
+        pipe.hsetnx(key, "meta", encode(req.meta()))
+        pipe.pexpire(key, self.queued_ttl_ms(req, now_ms))
 
     async def get(self, request_id: str) -> StoredRecord | None:
         raw = await self.redis.hgetall(self.keys.record(request_id))

@@ -112,3 +112,32 @@ async def test_a_waiter_answers_from_the_event_without_reading_the_record(redis_
         rec = await asyncio.wait_for(waiter, 5.0)
         assert rec is not None and rec.state is Status.SUCCEEDED and rec.result == done
         assert len(reads) == before  # no read after the event
+
+
+async def test_a_record_an_interrupted_submit_left_without_meta_or_ttl_gets_them_from_the_worker(parts):
+    """The queued record is three plain commands (state and meta if absent, then the TTL); a pipeline cut after the
+    first leaves a bare state. The worker's start writes the meta where it is missing, its finish the TTL."""
+    client, keys, store = parts
+    req = make_request("req_ev5")
+    await client.hsetnx(keys.record(req.id), "state", Status.QUEUED.value)
+    assert await client.pttl(keys.record(req.id)) == -1
+    assert await store.start([req], int(NOW * 1000)) == [Status.RUNNING]
+    rec = await store.get(req.id)
+    assert rec is not None and rec.meta == req.meta() and rec.attempts == 1
+    done = result_for(req, Status.SUCCEEDED, worker="w", now=NOW, output={"text": "ok"}, reason=FinishReason.LENGTH)
+    assert await store.finish(done, req.meta())
+    assert 0 < await client.pttl(keys.record(req.id)) <= 60_000
+
+
+async def test_the_queued_record_never_overwrites_what_a_worker_wrote_first(parts):
+    """On a cluster the stream and the record are on different nodes: a worker can start or even finish a request
+    before its queued record lands. The late queued record changes neither state nor meta, and says it created
+    nothing."""
+    client, _keys, store = parts
+    req = make_request("req_ev6")
+    assert await store.start([req], int(NOW * 1000)) == [Status.RUNNING]
+    pipe = client.pipeline(transaction=False)
+    await store.init_in(pipe, req, int(NOW * 1000))
+    created, _, _ = await pipe.execute()
+    rec = await store.get(req.id)
+    assert created == 0 and rec is not None and rec.state is Status.RUNNING and rec.started_ms is not None
