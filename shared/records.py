@@ -7,7 +7,8 @@ Record = one hash at `Keys.record(id)`:
   started  ms epoch when a worker started computing it
   attempts how many times a worker started computing it (more than 1 only after a worker died)
   ob:<event> a webhook delivery written with the state change, not yet on the callback stream (the outbox)
-Rules, enforced by the Lua scripts below (each touches one key, so they are Redis Cluster safe):
+Rules, enforced by the Lua scripts below and the queued record's HSETNX (each touches one key, so they are Redis
+Cluster safe):
 - the first terminal write wins; later ones are no-ops and publish nothing;
 - the terminal write and the "done" event are one atomic step (no window where a waiter can read
   a non-terminal record and then miss the event);
