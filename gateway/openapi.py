@@ -324,7 +324,7 @@ def document(settings: Settings) -> dict[str, Any]:
                 "operationId": "requestEvents",
                 "summary": "Server-Sent Events: status changes, token deltas, then `done` with the result",
                 "parameters": [id_param, {"name": "Last-Event-ID", "in": "header", "required": False,
-                                          "schema": {"type": "string", "pattern": "^[0-9]{1,9}$"},
+                                          "schema": {"type": "string", "pattern": "^([0-9]{1,9})?$"},
                                           "description": "resume after this event (output tokens already had)"}],
                 "responses": {"200": {"description": "`status` {id, status}, `delta` {index, text, token_ids}, "
                                                      "`done` (the request, as GET answers it); each event's id "
