@@ -76,7 +76,7 @@ class ChunkedPrefill:
         allowed = k_pos[:, None, None, :] <= q_pos[:, None, :, None]
         f0 = time.perf_counter()
         out = e.model(input_ids=torch.tensor([prompt[lo:hi]], dtype=torch.long, device=e.device),
-                      attention_mask=e._mask(allowed, q_pos, k_pos), position_ids=q_pos,
+                      attention_mask=e.rings.tail(e._mask(allowed, q_pos, k_pos), lo, hi), position_ids=q_pos,
                       past_key_values=e.cache.window(slice(self.slot, self.slot + 1), lo, hi, 0),
                       use_cache=True, logits_to_keep=1)
         self.last = (hi - lo, time.perf_counter() - f0)

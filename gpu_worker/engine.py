@@ -18,10 +18,11 @@ import torch
 from gpu_worker import fused_step as fusion
 from gpu_worker.attention import AttentionLayout
 from gpu_worker.chunked_prefill import ChunkedPrefill
-from gpu_worker.kv_cache import SlotKVCache, text_config
+from gpu_worker.kv_cache import SlotKVCache, kv_shape, text_config
 from gpu_worker.parked_rows import ParkedRows
 from gpu_worker.sampling import make_generator, select_tokens
 from gpu_worker.sequences import EngineFull, EngineStats, GenResult, GenSpec, Row, finish_reason, group_by_length
+from gpu_worker.window_kv import Rings
 from shared.states import FinishReason
 
 # Prefill sub-batches: rows are grouped by prompt length so that padding stays under this fraction.
@@ -36,12 +37,14 @@ class GenerationEngine:
         self.device = next(model.parameters()).device
         self.max_rows = max_rows
         self.max_seq_len = max_seq_len
-        # twice as wide as a sequence can be: room to run max_seq_len steps between compactions
-        self.cache = SlotKVCache.for_model(model, max_rows=max_rows, max_width=2 * max_seq_len)
-        self.cache.allocate()
-        self._decode_tail = decode_tail
         self.layout = AttentionLayout.of(model)  # which keys each layer type may see (windows, chunks)
         self.layer_types: list[str] | None = getattr(text_config(model), "layer_types", None)
+        self.rings = Rings.of(self.layout, self.layer_types, kv_shape(model)[0], max_seq_len)  # windowed layers' KV
+        # twice as wide as a sequence can be: room to run max_seq_len steps between compactions
+        self.cache = SlotKVCache.for_model(model, max_rows=max_rows, max_width=2 * max_seq_len,
+                                           rings=self.rings.per_layer)
+        self.cache.allocate()
+        self._decode_tail = decode_tail
         self._bool_mask = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
         self._clock = clock
         self.rows: list[Row] = []
@@ -86,12 +89,10 @@ class GenerationEngine:
         """Prefill new sequences and merge them into the running batch. Returns the ones already done."""
         specs = list(specs)
         self._check(specs)
-        done: list[GenResult] = []
         if self.last_logits is not None:
             self.last_logits.clear()
-        for group in group_by_length([len(s.prompt_ids) for s in specs], PREFILL_PAD_TOLERANCE):
-            done.extend(self._prefill_group([specs[i] for i in group]))
-        return done
+        groups = group_by_length([len(s.prompt_ids) for s in specs], PREFILL_PAD_TOLERANCE)
+        return [r for group in groups for r in self._prefill_group([specs[i] for i in group])]
 
     def _prefill_group(self, specs: list[GenSpec]) -> list[GenResult]:
         t0 = self._clock()
@@ -114,14 +115,8 @@ class GenerationEngine:
         mask |= torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padded queries see themselves
         window = self.cache.window(slice(first, first + n), self.end - width, self.end, self.end - width)
         f0 = time.perf_counter()
-        out = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=self._mask(mask[:, None], seq_pos, seq_pos),
-            position_ids=positions,
-            past_key_values=window,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        out = self.model(input_ids=ids.to(self.device), attention_mask=self._mask(mask[:, None], seq_pos, seq_pos),
+                         position_ids=positions, past_key_values=window, use_cache=True, logits_to_keep=1)
         self.stats.forward_s += time.perf_counter() - f0
         self.stats.prefill_tokens += sum(lens)
         self.stats.prefill_padded_tokens += n * width
@@ -181,19 +176,24 @@ class GenerationEngine:
     def _decode(self) -> list[GenResult]:
         t0 = self._clock()
         self._make_room_right()
-        n = len(self.rows)
         lo = min(r.start for r in self.rows)
-        starts = torch.tensor([r.start for r in self.rows], dtype=torch.long, device=self.device)
-        cols = torch.arange(lo, self.end + 1, device=self.device)
-        mask = (cols[None, :] >= starts[:, None])[:, None, None, :]
-        positions = (self.end - starts)[:, None]
+        masks, positions = self._decode_masks(lo)
         ids = torch.tensor([[r.tokens[-1]] for r in self.rows], dtype=torch.long, device=self.device)
-        window = self.cache.window(slice(0, n), self.end, self.end + 1, lo)
+        window = self.cache.window(slice(0, len(self.rows)), self.end, self.end + 1, lo, ring_order=True)
         f0 = time.perf_counter()
-        out = self.model(input_ids=ids, attention_mask=self._mask(mask, positions, cols[None, :] - starts[:, None]),
-                         position_ids=positions,
-                         past_key_values=window, use_cache=True)
+        out = self.model(input_ids=ids, attention_mask=masks, position_ids=positions, past_key_values=window,
+                         use_cache=True)
         return self._retire(*self._advance(out.logits[:, -1, :], lo, time.perf_counter() - f0, t0))
+
+    def _decode_masks(self, read_lo: int) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
+        """Every running row's masks for its query at column `end` over columns [read_lo, end] (over the ring, for
+        ring layers: `gpu_worker.window_kv`), and the rows' positions ([rows, 1])."""
+        starts = torch.tensor([r.start for r in self.rows], dtype=torch.long, device=self.device)
+        cols = torch.arange(read_lo, self.end + 1, device=self.device)
+        positions = (self.end - starts)[:, None]
+        seen = (cols[None, :] >= starts[:, None])[:, None, None, :]
+        masks = self._mask(seen, positions, cols[None, :] - starts[:, None])
+        return self.rings.decode_masks(masks, self._mask, self.end, read_lo, starts, positions), positions
 
     def _advance(self, logits: torch.Tensor, read_lo: int, forward_s: float, t0: float) -> tuple[list[int], float]:
         """Every running row takes its next token from `logits` ([rows, vocab]: the step's forward, which read

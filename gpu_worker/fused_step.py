@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from gpu_worker.kv_cache import ring_read, ring_update
 from gpu_worker.sequences import GenResult
 
 _LOCAL = threading.local()  # the fused step in progress on this thread, if any
@@ -70,6 +71,8 @@ class Pack:
     chunk_masks: Any
     layer_types: list[str] | None
     seen: set[int] = field(default_factory=set)
+    # a ring layer's chunk keys and values (those still held before `lo`, then the chunk's), by layer
+    chunk_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def _mask(self, masks: Any, layer: int) -> torch.Tensor:
         if isinstance(masks, dict):
@@ -85,11 +88,15 @@ class Pack:
         if query.shape[0] != 1 or query.shape[2] != n + self.hi - self.lo:
             raise RuntimeError(f"unexpected packed query shape {tuple(query.shape)}")
         q_rows = query[0, :, :n].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, dim]
-        rows_out, _ = _SDPA(module, q_rows, keys[:n, :, self.read_lo:self.end + 1],
-                            values[:n, :, self.read_lo:self.end + 1], self._mask(self.decode_masks, layer), **kwargs)
+        if ring := self.cache.rings[layer]:
+            row_k, row_v = (ring_read(t, slice(0, n), self.read_lo, self.end + 1, ring) for t in (keys, values))
+        else:
+            row_k, row_v = keys[:n, :, self.read_lo:self.end + 1], values[:n, :, self.read_lo:self.end + 1]
+        rows_out, _ = _SDPA(module, q_rows, row_k, row_v, self._mask(self.decode_masks, layer), **kwargs)
         slot = slice(self.slot, self.slot + 1)
-        chunk_out = _chunk_attention(module, query[:, :, n:], keys[slot, :, :self.hi], values[slot, :, :self.hi],
-                                     self._mask(self.chunk_masks, layer), kwargs)
+        chunk_k, chunk_v = self.chunk_kv.get(layer) or (keys[slot, :, :self.hi], values[slot, :, :self.hi])
+        chunk_out = _chunk_attention(module, query[:, :, n:], chunk_k, chunk_v, self._mask(self.chunk_masks, layer),
+                                     kwargs)
         self.seen.add(layer)
         # rows_out [n, 1, heads, dim] (sdpa returns [batch, q, heads, dim]); chunk_out [1, chunk, heads, dim]
         return torch.cat([rows_out.reshape(1, n, *rows_out.shape[2:]), chunk_out], dim=1), None
@@ -121,6 +128,12 @@ class PackedWindow(Cache):
                *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         p = self._pack
         keys, values = p.cache.keys[layer_idx], p.cache.values[layer_idx]
+        if ring := p.cache.rings[layer_idx]:
+            keys[:p.n, :, p.end % ring] = key_states[0, :, :p.n].transpose(0, 1)
+            values[:p.n, :, p.end % ring] = value_states[0, :, :p.n].transpose(0, 1)
+            p.chunk_kv[layer_idx] = ring_update(p.cache, keys, values, p.slot, key_states[:, :, p.n:],
+                                                value_states[:, :, p.n:], p.lo, p.hi, 0, ring, ring_order=False)
+            return key_states, value_states
         keys[:p.n, :, p.end] = key_states[0, :, :p.n].transpose(0, 1)
         values[:p.n, :, p.end] = value_states[0, :, :p.n].transpose(0, 1)
         keys[p.slot, :, p.lo:p.hi] = key_states[0, :, p.n:]
@@ -149,14 +162,10 @@ def fused_step(engine: Any, budget: int) -> list[GenResult]:
     n = len(e.rows)
     dev = e.device
     read_lo = min(r.start for r in e.rows)
-    starts = torch.tensor([r.start for r in e.rows], dtype=torch.long, device=dev)
-    cols = torch.arange(read_lo, e.end + 1, device=dev)
-    row_pos = (e.end - starts)[:, None]
-    seen = (cols[None, :] >= starts[:, None])[:, None, None, :]
-    decode_masks = e._mask(seen, row_pos, cols[None, :] - starts[:, None])
+    decode_masks, row_pos = e._decode_masks(read_lo)
     q_pos = torch.arange(lo, hi, device=dev)[None]
     k_pos = torch.arange(0, hi, device=dev)[None]
-    chunk_masks = e._mask(k_pos[:, None, None, :] <= q_pos[:, None, :, None], q_pos, k_pos)
+    chunk_masks = e.rings.tail(e._mask(k_pos[:, None, None, :] <= q_pos[:, None, :, None], q_pos, k_pos), lo, hi)
     pack = Pack(e.cache, n, read_lo, e.end, chunked.slot, lo, hi, decode_masks, chunk_masks, e.layer_types)
     ids = torch.tensor([[r.tokens[-1] for r in e.rows] + list(prompt[lo:hi])], dtype=torch.long, device=dev)
     positions = torch.cat([row_pos[:, 0], q_pos[0]])[None]

@@ -52,13 +52,14 @@ def size_engines(loaded: Any, seq_lens: Sequence[int]) -> list[int]:
     """Rows for each of a model's engines (one per engine group), so load can never exhaust memory: the
     model's KV budget is split evenly between its engines, each row sized for its engine's longest sequence."""
     from gpu_worker.kv_cache import SlotKVCache
+    from gpu_worker.window_kv import Rings
 
     spec = loaded.spec
     per_token = SlotKVCache.bytes_per_row(loaded.model, spec.max_seq_len) // (2 * spec.max_seq_len)
     budget = kv_budget_bytes(spec.kv_budget_tokens, per_token, loaded.device) // max(1, len(seq_lens))
     sizes = []
-    for seq_len in seq_lens:
-        per_row = SlotKVCache.bytes_per_row(loaded.model, seq_len)
+    for seq_len in seq_lens:  # a sliding-window layer keeps its window's columns only (`gpu_worker.window_kv`)
+        per_row = SlotKVCache.bytes_per_row(loaded.model, seq_len, Rings.for_model(loaded.model, seq_len).per_layer)
         rows = engine_rows(spec.max_running, budget, per_row)
         if rows < 1:
             raise ConfigError(f"model {spec.name}: a KV budget of {budget} bytes per engine holds no sequence of "

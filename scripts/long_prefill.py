@@ -5,7 +5,9 @@ The worker's own compute loop (scheduler, runner, engine; no Redis) serves `--ro
 with long outputs; once they have decoded a while, one 2,048-token prompt arrives. Every decode step
 advances every running row by one token, so the gaps between step ends are the rows' inter-token
 latencies: `decode_step_ms` is their median before the long prompt arrives, and
-`max_itl_ms_during_long_prefill` the longest from its arrival to its first token. Run three ways,
+`max_itl_ms_during_long_prefill` the longest from its arrival to its first token. As a control for the
+machine's own hiccups, `max_itl_ms_without_prefill` is the longest of CONTROL_STEPS bare decode steps
+just before the arrival (about as many steps as a fused prefill spans). Run three ways,
 side by side: chunks fused into the decode steps (the default, where the load check allows it), chunks
 as forwards of their own, and chunked prefill off (`prefill_chunk_tokens: 0`, the whole prompt in one
 forward), so the ratios are measured on the same machine in the same minute.
@@ -22,6 +24,7 @@ from typing import Any
 
 LONG_PROMPT = 2048
 WARM_STEPS = 40  # decode steps before the long prompt arrives (the fits warm up meanwhile)
+CONTROL_STEPS = 300  # ... then these, whose longest gap is the control
 ROW_TOKENS = 2048  # what each row generates at most; the run ends at the long prompt's first token
 
 
@@ -69,7 +72,7 @@ def run(loaded: Any, *, chunk_tokens: int, fused: bool, rows: int = 8, seed: int
     # the loop runs on this thread, the one that loaded the model: a second thread would grow a second OpenMP
     # pool and throttle both (see gpu_worker.cpu_threads), which the worker never does
     loop.submit(Add([request(f"s{i}", 16, ROW_TOKENS) for i in range(rows)], time.time()))
-    while len(steps) < WARM_STEPS:
+    while len(steps) < WARM_STEPS + CONTROL_STEPS:
         loop._iterate(block=False)
     arrived = time.perf_counter()
     loop.submit(Add([request("long", LONG_PROMPT, 8)], time.time()))
@@ -85,5 +88,6 @@ def run(loaded: Any, *, chunk_tokens: int, fused: bool, rows: int = 8, seed: int
     during = [b - a for (a, _), (b, _) in itertools.pairwise(steps) if b > arrived and a < first_token]
     return {"decode_step_ms": statistics.median(before[5:]) * 1000,
             "max_itl_ms_during_long_prefill": max(during) * 1000 if during else float("nan"),
+            "max_itl_ms_without_prefill": max(before[-CONTROL_STEPS:]) * 1000,
             "long_ttft_ms": (first_token - arrived) * 1000, "chunk_tokens_setting": float(chunk_tokens),
             "fused": float(fused)}

@@ -107,16 +107,50 @@ def test_served_exactly(arch: str) -> None:
         assert got[spec.id] == reference(model, spec), f"{arch} {spec.id}: {len(spec.prompt_ids)}-token prompt"
 
 
-def test_windowed_layers_really_are_windowed() -> None:
-    """The window matters on these sequences: served with full attention on every layer, Mistral's tokens differ
-    (so the equality above is not trivially true), and the load check refuses such an engine."""
+def test_windowed_layers_really_are_windowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window matters on these sequences: served with full attention on every layer (every key kept),
+    Mistral's tokens differ (so the equality above is not trivially true)."""
     from gpu_worker import attention
 
     model = tiny("mistral")
+    full = attention.AttentionLayout({attention.FULL: attention.Pattern()}, by_type=False)
+    monkeypatch.setattr(attention.AttentionLayout, "of", classmethod(lambda cls, m: full))
     reqs, arrivals = mixed()
     engine = GenerationEngine(model, max_rows=8, max_seq_len=64)
-    engine.layout = attention.AttentionLayout({attention.FULL: attention.Pattern()}, by_type=False)
+    assert engine.rings.per_layer == [0] * 4
     got = serve(engine, arrivals)
+    assert any(got[s.id] != reference(model, s) for s in reqs)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "qwen2", "cohere2"])
+def test_windowed_layers_keep_only_their_window(arch: str) -> None:
+    """A sliding-window layer's cache holds its window's columns per row, not the sequence's; full layers keep
+    every column; the engine's memory is sized by that. One column fewer than the window gives wrong tokens
+    (so the equality of `test_served_exactly` depends on every column the ring keeps)."""
+    from gpu_worker import window_kv
+    from gpu_worker.kv_cache import SlotKVCache
+
+    model = tiny(arch)
+    engine = GenerationEngine(model, max_rows=8, max_seq_len=64)
+    types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * 4
+    want = [WINDOW if t == "sliding_attention" else 0 for t in types]
+    assert engine.rings.per_layer == want and any(want)
+    assert [k.shape[2] for k in engine.cache.keys] == [w or 128 for w in want]
+    full = SlotKVCache.bytes_per_row(model, 64)
+    assert SlotKVCache.bytes_per_row(model, 64, want) == full * sum(w or 128 for w in want) // (128 * len(want))
+
+    real = window_kv.Rings.of.__func__
+
+    def one_short(cls: type, *args: object) -> window_kv.Rings:
+        rings = real(cls, *args)
+        return window_kv.Rings({t: w - 1 for t, w in rings.by_type.items()}, [max(0, w - 1) for w in rings.per_layer],
+                               rings.single)
+
+    reqs, arrivals = mixed()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(window_kv.Rings, "of", classmethod(one_short))
+        short = GenerationEngine(model, max_rows=8, max_seq_len=64)
+        got = serve(short, arrivals)
     assert any(got[s.id] != reference(model, s) for s in reqs)
 
 

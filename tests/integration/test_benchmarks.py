@@ -46,7 +46,29 @@ def test_engine_benchmark_long_prefill_mode(tmp_path, model_cache):
     assert report["whole_prefill_max_itl_ms"] > 0 and report["median"]["chunked"]["long_ttft_ms"] > 0
     assert report["fused_exact"] is True and report["median"]["fused"]["fused"] == 1.0  # the built-in model fuses
     assert report["separate_chunks_max_itl_ms"] > 0
+    assert report["max_itl_ms_without_prefill"] > 0 and report["bare_max_vs_decode_step"] >= 1
     assert "longest gap" in proc.stdout  # the human table
+
+
+def test_engine_benchmark_window_mode(tmp_path, model_cache):
+    """Sliding-window layers keeping their window against every column: the keys the checks read, and the same
+    greedy tokens both ways."""
+    out = tmp_path / "window.json"
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_engine.py", "--window", "--window-size", "32", "--window-rows", "2",
+         "--window-prompt", "96", "--window-steps", "6", "--reps", "1", "--model-cache", str(model_cache),
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["archs"]) == {"mistral", "hybrid"}
+    for r in report["archs"].values():
+        assert r["tokens_equal"] is True
+        assert 0 < r["kv_bytes_per_row_ring"] < r["kv_bytes_per_row_full"]
+        assert r["rows_in_budget_ring"] > r["rows_in_budget_full"] and r["decode_step_ms_ring"] > 0
+    assert report["archs"]["mistral"]["ring_layers"] == 8 and report["archs"]["hybrid"]["ring_layers"] == 6
+    assert "tokens equal" in proc.stdout  # the human table
 
 
 @pytest.mark.redis
