@@ -11,7 +11,10 @@ stretches every interactive token several-fold. So, each round:
   others sit out (`gpu_worker.parked_rows`): they keep their work and step again when the interactive
   rows are gone. A batch row whose deadline needs it steps anyway. Rows already stepping keep stepping
   before others, so rows do not churn in and out;
-- batch work prefills at most what costs about one decode step of the running batch per round (an
+- for `LINGER_S` after interactive rows ran, batch rows alone step only as many as keep a step within
+  `LINGER_STEP_FACTOR` of a one-row step: interactive requests come in runs, and the next one then waits for a
+  short step instead of a step of every batch row (on a GPU, again, that is all of them);
+- batch work prefills at most what costs about one decode step of the rows stepping per round (an
   interactive request arriving meanwhile waits no longer than for a step), never in the same forward as
   interactive prompts (`DynamicStage._take`);
 - batch work starts no row while interactive rows run unless it may step, and never takes the last
@@ -23,12 +26,16 @@ Parking applies in deadline-aware mode only; the FIFO baseline ignores prioritie
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpu_worker.job import Job
 from shared.deadlines import cannot_finish
 
-STEP_ALLOWANCE = 0.10  # what stepping batch rows may add to a step interactive rows decode in
+# what stepping batch rows may add to a step interactive rows decode in: about nothing (on a CPU, where a row costs
+# ~4% of a one-row step, none step; on a GPU, where a step is flat in rows, all do)
+STEP_ALLOWANCE = 0.03
+LINGER_S = 2.0  # after interactive rows ran, batch rows alone keep steps short this long (see the module notes)
+LINGER_STEP_FACTOR = 2.0  # ... within this many one-row steps
 RESERVED_SHARE = 1 / 16  # of the running batch's rows, kept free of batch-priority work (none below 16 rows)
 MIN_PREFILL_TOKENS = 32  # a round's batch-priority prefill may always take this many padded prompt tokens
 DEADLINE_MARGIN = 2.0  # a batch row steps anyway once its tokens left, at this many intervals each, near its deadline
@@ -41,15 +48,20 @@ class Share:
     prefill_tokens: int | None = None  # padded prompt tokens their prefill may take this round (None: no bound)
 
 
-def stepping_background(foreground: int, limit: int, step_s: Callable[[int], float]) -> int:
-    """Batch rows (up to `limit`) that may step beside `foreground` interactive rows: `limit` with none, or while
-    the step cost is not measured yet (`step_s` <= 0); otherwise as many as keep `step_s(rows)` within the
-    allowance."""
-    base = step_s(foreground) if foreground else 0.0
+def stepping_background(foreground: int, limit: int, step_s: Callable[[int], float], *,
+                        lingering: bool = False) -> int:
+    """Batch rows (up to `limit`) that may step beside `foreground` interactive rows: `limit` with none (unless
+    `lingering`: interactive rows ran moments ago), or while the step cost is not measured yet (`step_s` <= 0);
+    otherwise as many as keep `step_s(rows)` within the allowance (`LINGER_STEP_FACTOR` one-row steps when
+    lingering)."""
+    if not foreground and not lingering:
+        return limit
+    base = step_s(max(1, foreground))
     if base <= 0:
         return limit
+    bound = (1 + STEP_ALLOWANCE) * base if foreground else LINGER_STEP_FACTOR * base
     k = 0
-    while k < limit and step_s(foreground + k + 1) <= (1 + STEP_ALLOWANCE) * base:
+    while k < limit and step_s(foreground + k + 1) <= bound:
         k += 1
     return k
 
@@ -70,19 +82,21 @@ def reserved_rows(total_rows: int) -> int:
 
 
 def share(running: Iterable[Job], left: Mapping[str, int], held: Collection[str], now: float, *, total_rows: int,
-          step_s: Callable[[int], float], interval_s: float, prefill: tuple[float, float] = (0.0, 0.0)) -> Share:
+          step_s: Callable[[int], float], interval_s: float, prefill: tuple[float, float] = (0.0, 0.0),
+          foreground_at: float | None = None) -> Share:
     """Which batch rows sit out the next step, how many batch rows may start and how much of their prompts a
     round may prefill (`left`: tokens each running row still has to generate; `held`: rows sitting out now;
     `step_s(rows)`: a bare decode step's measured cost; `interval_s`: the measured token interval; `prefill`:
-    the measured prefill cost, fixed seconds and seconds per padded token)."""
+    the measured prefill cost, fixed seconds and seconds per padded token; `foreground_at`: when interactive rows
+    last ran)."""
     rows = list(running)
     background = [j for j in rows if j.rank > 0]
     foreground = len(rows) - len(background)
     room = max(0, total_rows - reserved_rows(total_rows) - len(background))
-    tokens = prefill_tokens(step_s(max(1, len(rows))), prefill)
-    if not foreground:
-        return Share(frozenset(), room, tokens)
-    allowed = stepping_background(foreground, total_rows - foreground, step_s)
+    lingering = not foreground and foreground_at is not None and now - foreground_at < LINGER_S
+    if not foreground and not lingering:
+        return Share(frozenset(), room, prefill_tokens(step_s(max(1, len(rows))), prefill))
+    allowed = stepping_background(foreground, total_rows - foreground, step_s, lingering=lingering)
     urgent = [j for j in background
               if cannot_finish(j.deadline, now, DEADLINE_MARGIN * left.get(j.id, 0) * max(0.0, interval_s))]
     urgent_ids = {j.id for j in urgent}
@@ -90,4 +104,22 @@ def share(running: Iterable[Job], left: Mapping[str, int], held: Collection[str]
                     key=lambda j: (j.id in held, j.deadline, left.get(j.id, 0)))
     stepping = urgent + others[:max(0, allowed - len(urgent))]
     hold = frozenset(j.id for j in background) - {j.id for j in stepping}
+    tokens = prefill_tokens(step_s(max(1, foreground + len(stepping))), prefill)
     return Share(hold, min(room, max(0, allowed - len(stepping))), tokens)
+
+
+@dataclass
+class Sharing:
+    """What `share` remembers from round to round: the batch rows sitting out, and when interactive rows last ran."""
+
+    held: frozenset[str] = field(default_factory=frozenset)
+    foreground_at: float | None = None
+
+    def next(self, running: Iterable[Job], left: Mapping[str, int], now: float, **kwargs: object) -> Share:
+        """`share` for this round (`kwargs`: its keyword arguments but `foreground_at`); remembers its rows held."""
+        rows = list(running)
+        if any(j.rank == 0 for j in rows):
+            self.foreground_at = now
+        out = share(rows, left, self.held, now, foreground_at=self.foreground_at, **kwargs)  # type: ignore[arg-type]
+        self.held = out.hold
+        return out

@@ -139,7 +139,7 @@ class SlotKVCache:
     def window(self, rows: slice, write_lo: int, write_hi: int, read_lo: int, *,
                ring_order: bool = False) -> CacheWindow:
         """A forward's view: see `CacheWindow`. `ring_order`: a decode step (one new column), whose ring layers
-        attend to their whole ring as stored (its masks say which columns are which, `window_kv`)."""
+        read what `ring_read` gives (the whole ring as stored, once the span covers it: `window_kv`)."""
         return CacheWindow(self, rows, write_lo, write_hi, read_lo, ring_order)
 
 

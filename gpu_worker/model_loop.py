@@ -62,7 +62,7 @@ class ModelLoop(ThreadedLoop):
         self.tracker = scheduler.tracker
         self._last_step_end: float | None = None
         self._excluded_s = 0.0  # time spent waiting on Redis this round (not part of the token interval)
-        self._held: frozenset[str] = frozenset()  # batch-priority rows sitting out the steps
+        self._sharing = background_rows.Sharing()  # batch-priority rows sitting out the steps, and why
 
     @property
     def snapshot(self) -> Snapshot:
@@ -137,13 +137,12 @@ class ModelLoop(ThreadedLoop):
         round, and with how many prompt tokens (`gpu_worker.background_rows`)."""
         if not self.scheduler.deadline_aware:
             return
-        running, t = self.scheduler.running, self.tracker
-        share = background_rows.share(running.values(), self.runner.remaining_tokens(), self._held, now,
-                                      total_rows=self.max_rows, interval_s=t.step_seconds(len(running)),
-                                      step_s=t.bare_step_s, prefill=(t.prefill.intercept, t.prefill.slope))
-        if share.hold or self._held:
+        running, t, held = self.scheduler.running, self.tracker, self._sharing.held
+        share = self._sharing.next(running.values(), self.runner.remaining_tokens(), now, total_rows=self.max_rows,
+                                   interval_s=t.step_seconds(len(running)), step_s=t.bare_step_s,
+                                   prefill=(t.prefill.intercept, t.prefill.slope))
+        if share.hold or held:
             self.runner.hold_back(share.hold)
-        self._held = share.hold
         self.scheduler.background_rows, self.scheduler.background_tokens = share.start_rows, share.prefill_tokens
 
     def _start(self, batch: list[Job], *, chunked: bool = False) -> list[Emitted]:
@@ -191,7 +190,7 @@ class ModelLoop(ThreadedLoop):
             self._last_step_end = None
             self._excluded_s = 0.0
             return []
-        rows = len(self.scheduler.running) - len(self._held)  # the rows this step advances
+        rows = len(self.scheduler.running) - len(self._sharing.held)  # the rows this step advances
         t0 = self._clock()
         try:
             out: list[Emitted] = list(self.runner.step(chunk_tokens))

@@ -72,6 +72,24 @@ def test_engine_benchmark_window_mode(tmp_path, model_cache):
 
 
 @pytest.mark.redis
+def test_batches_benchmark_smoke(tmp_path, redis_url, model_cache):
+    """The Batch API benchmark on the whole stack, tiny: the keys its goals are read from."""
+    out = tmp_path / "batches.json"
+    env = {**os.environ, "BATCHGATE_MODEL_CACHE": str(model_cache)}
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_batches.py", "--items", "6", "--interactive-rps", "2", "--interactive-s", "3",
+         "--capacity-clients", "4", "--capacity-warm-s", "1", "--capacity-s", "4", "--redis-url", redis_url,
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["idle_capacity_rps"] > 0 and report["batch_share_of_idle_capacity"] > 0
+    assert report["interactive_p99_ratio"] > 0 and report["interactive_with_batch_n"] == 6
+    assert "goal <= 1.2" in proc.stdout  # the human summary
+
+
+@pytest.mark.redis
 def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
     out = tmp_path / "e2e.json"
     env = {**os.environ, "BATCHGATE_MODEL_CACHE": str(model_cache)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpu_worker import background_rows
 from gpu_worker.commands import Add, Cancel, Drain
 from gpu_worker.job import Job
 from gpu_worker.lane_queue import LanePolicy
@@ -206,6 +207,12 @@ def test_batch_rows_sit_out_while_an_interactive_row_decodes_and_lose_nothing():
     beside = [s for s in runner.stepped if "r99" in s]
     assert len(beside) == 10 and all(s == {"r99"} for s in beside)  # 12 ms a step, where 20 more rows cost 40
     assert clock.t - t0 < 10 * 0.0125
+    done_at = clock.t
+    loop._iterate()
+    # right after it, batch rows alone keep steps within two one-row steps (the next interactive request may come)
+    assert runner.stepped[-1] < {f"r{i}" for i in range(20)} and len(runner.stepped[-1]) >= 1
+    while clock.t - done_at < background_rows.LINGER_S:
+        loop._iterate()
     loop._iterate()
     assert runner.stepped[-1] == {f"r{i}" for i in range(20)}  # back, all of them
     run_until_idle(loop, runner)
