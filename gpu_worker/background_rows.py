@@ -115,11 +115,13 @@ class Sharing:
     held: frozenset[str] = field(default_factory=frozenset)
     foreground_at: float | None = None
 
-    def next(self, running: Iterable[Job], left: Mapping[str, int], now: float, **kwargs: object) -> Share:
-        """`share` for this round (`kwargs`: its keyword arguments but `foreground_at`); remembers its rows held."""
+    def next(self, running: Iterable[Job], left: Mapping[str, int], now: float, *, total_rows: int,
+             step_s: Callable[[int], float], interval_s: float, prefill: tuple[float, float] = (0.0, 0.0)) -> Share:
+        """`share` for this round, with the rows held and the time interactive rows last ran remembered."""
         rows = list(running)
         if any(j.rank == 0 for j in rows):
             self.foreground_at = now
-        out = share(rows, left, self.held, now, foreground_at=self.foreground_at, **kwargs)  # type: ignore[arg-type]
+        out = share(rows, left, self.held, now, total_rows=total_rows, step_s=step_s, interval_s=interval_s,
+                    prefill=prefill, foreground_at=self.foreground_at)
         self.held = out.hold
         return out
