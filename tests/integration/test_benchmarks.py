@@ -13,15 +13,20 @@ import pytest
 pytestmark = [pytest.mark.slow]
 
 
-def test_engine_benchmark_smoke(tmp_path, model_cache):
-    out = tmp_path / "engine.json"
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench_engine.py", "--requests", "4", "--reps", "1", "--model-cache",
-         str(model_cache), "--json", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )
+def run_bench(script: str, out, *args: str, model_cache=None,
+              timeout: int = 600) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """Run `scripts/<script>` with `args` and `--json out` (the built-in models from `model_cache`, when given);
+    it must succeed. Returns the process and its JSON report."""
+    env = {**os.environ, "BATCHGATE_MODEL_CACHE": str(model_cache)} if model_cache is not None else None
+    proc = subprocess.run([sys.executable, f"scripts/{script}", *args, "--json", str(out)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+def test_engine_benchmark_smoke(tmp_path, model_cache):
+    proc, report = run_bench("bench_engine.py", tmp_path / "engine.json", "--requests", "4", "--reps", "1",
+                             "--model-cache", str(model_cache))
     assert set(report["methods"]) == {"batch1", "static", "hf_continuous", "batchgate"}
     for row in report["methods"].values():
         assert row["tokens_per_s"] > 0 and row["wall_s"] > 0
@@ -34,14 +39,8 @@ def test_engine_benchmark_smoke(tmp_path, model_cache):
 def test_engine_benchmark_long_prefill_mode(tmp_path, model_cache):
     """Rows decoding while a 2,048-token prompt arrives: the keys the checks read (the figures themselves are
     the benchmark's to report, not a test's to time)."""
-    out = tmp_path / "long.json"
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench_engine.py", "--long-prefill", "--reps", "1", "--model-cache",
-         str(model_cache), "--json", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    proc, report = run_bench("bench_engine.py", tmp_path / "long.json", "--long-prefill", "--reps", "1",
+                             "--model-cache", str(model_cache))
     assert report["decode_step_ms"] > 0 and report["max_itl_ms_during_long_prefill"] > 0
     assert report["whole_prefill_max_itl_ms"] > 0 and report["median"]["chunked"]["long_ttft_ms"] > 0
     assert report["fused_exact"] is True and report["median"]["fused"]["fused"] == 1.0  # the built-in model fuses
@@ -53,15 +52,9 @@ def test_engine_benchmark_long_prefill_mode(tmp_path, model_cache):
 def test_engine_benchmark_window_mode(tmp_path, model_cache):
     """Sliding-window layers keeping their window against every column: the keys the checks read, and the same
     greedy tokens both ways."""
-    out = tmp_path / "window.json"
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench_engine.py", "--window", "--window-size", "32", "--window-rows", "2",
-         "--window-prompt", "96", "--window-steps", "6", "--reps", "1", "--model-cache", str(model_cache),
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    proc, report = run_bench("bench_engine.py", tmp_path / "window.json", "--window", "--window-size", "32",
+                             "--window-rows", "2", "--window-prompt", "96", "--window-steps", "6", "--reps", "1",
+                             "--model-cache", str(model_cache))
     assert set(report["archs"]) == {"mistral", "hybrid"}
     for r in report["archs"].values():
         assert r["tokens_equal"] is True
@@ -74,16 +67,9 @@ def test_engine_benchmark_window_mode(tmp_path, model_cache):
 @pytest.mark.redis
 def test_batches_benchmark_smoke(tmp_path, redis_url, model_cache):
     """The Batch API benchmark on the whole stack, tiny: the keys its goals are read from."""
-    out = tmp_path / "batches.json"
-    env = {**os.environ, "BATCHGATE_MODEL_CACHE": str(model_cache)}
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench_batches.py", "--items", "6", "--interactive-rps", "2", "--interactive-s", "3",
-         "--capacity-clients", "4", "--capacity-warm-s", "1", "--capacity-s", "4", "--redis-url", redis_url,
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=900, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    proc, report = run_bench("bench_batches.py", tmp_path / "batches.json", "--items", "6", "--interactive-rps", "2",
+                             "--interactive-s", "3", "--capacity-clients", "4", "--capacity-warm-s", "1",
+                             "--capacity-s", "4", "--redis-url", redis_url, model_cache=model_cache, timeout=900)
     assert report["idle_capacity_rps"] > 0 and report["batch_share_of_idle_capacity"] > 0
     assert report["interactive_p99_ratio"] > 0 and report["interactive_with_batch_n"] == 6
     assert "goal <= 1.2" in proc.stdout  # the human summary
@@ -91,16 +77,10 @@ def test_batches_benchmark_smoke(tmp_path, redis_url, model_cache):
 
 @pytest.mark.redis
 def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
-    out = tmp_path / "e2e.json"
-    env = {**os.environ, "BATCHGATE_MODEL_CACHE": str(model_cache)}
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench_e2e.py", "--requests", "12", "--rounds", "2", "--capacity-clients", "4",
-         "--capacity-warm-s", "1", "--capacity-s", "6", "--capacity-reps", "1",
-         "--redis-url", redis_url, "--json", str(out), "--plot", str(tmp_path / "cdf.png")],
-        capture_output=True, text=True, timeout=900, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    proc, report = run_bench("bench_e2e.py", tmp_path / "e2e.json", "--requests", "12", "--rounds", "2",
+                             "--capacity-clients", "4", "--capacity-warm-s", "1", "--capacity-s", "6",
+                             "--capacity-reps", "1", "--redis-url", redis_url, "--plot", str(tmp_path / "cdf.png"),
+                             model_cache=model_cache, timeout=900)
     for name in ("lanes_on", "two_engines", "lanes_off", "batch1", "short_alone"):
         for key in ("short_p99_ms", "goodput_rps", "throughput_rps"):
             assert report[name][key] is not None, (name, key)
@@ -123,14 +103,9 @@ def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
 
 def run_overload(out, redis_url, model_cache, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict]:
     """The overload benchmark at smoke-test sizes (4 s of offered load, a 5 s capacity measurement)."""
-    env = {**os.environ, "BATCHGATE_MODEL_CACHE": str(model_cache)}
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench_overload.py", *extra, "--duration", "4", "--capacity-clients", "8",
-         "--capacity-warm-s", "1", "--capacity-s", "4", "--redis-url", redis_url, "--json", str(out)],
-        capture_output=True, text=True, timeout=900, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc, json.loads(out.read_text())
+    return run_bench("bench_overload.py", out, *extra, "--duration", "4", "--capacity-clients", "8",
+                     "--capacity-warm-s", "1", "--capacity-s", "4", "--redis-url", redis_url, model_cache=model_cache,
+                     timeout=900)
 
 
 @pytest.mark.redis
@@ -165,14 +140,8 @@ def test_overload_benchmark_mixed_mode_reports_admission_mistakes(tmp_path, redi
 
 @pytest.mark.redis
 def test_webhook_benchmark_smoke(tmp_path, redis_url):
-    out = tmp_path / "webhooks.json"
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench_webhooks.py", "--duration", "2", "--rate", "20", "--tarpit-s", "2",
-         "--grace-s", "10", "--redis-url", redis_url, "--json", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    proc, report = run_bench("bench_webhooks.py", tmp_path / "webhooks.json", "--duration", "2", "--rate", "20",
+                             "--tarpit-s", "2", "--grace-s", "10", "--redis-url", redis_url, timeout=120)
     for name in ("no_tarpit", "tarpit"):
         assert report[name]["normal_delivered"] == report[name]["normal_deliveries"] == 40
         assert report[name]["p99_s"] is not None
@@ -184,16 +153,10 @@ def test_webhook_benchmark_smoke(tmp_path, redis_url):
 def test_gateway_benchmark_smoke(tmp_path, redis_url):
     """The control plane's benchmark with the echo model: every configuration's figures, the census, the added
     latency and the goals (a private redis-server where one is installed, so its counters are the run's own)."""
-    out = tmp_path / "gateway.json"
     redis_args = [] if shutil.which("redis-server") else ["--redis-url", redis_url]
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench_gateway.py", "--gateways", "1", "--workers", "1", "--clients", "4",
-         "--warm-s", "0.3", "--measure-s", "1", "--latency-s", "1", "--census", "5", *redis_args,
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    proc, report = run_bench("bench_gateway.py", tmp_path / "gateway.json", "--gateways", "1", "--workers", "1",
+                             "--clients", "4", "--warm-s", "0.3", "--measure-s", "1", "--latency-s", "1",
+                             "--census", "5", *redis_args, timeout=300)
     (row,) = report["configs"]
     assert (row["gateways"], row["workers"]) == (1, 1)
     for phase in ("submit", "e2e"):
