@@ -190,10 +190,7 @@ class RedisQueue:
         and may have died before moving its webhook): all before any of their stream entries is acked."""
         if not finished:
             return
-        pipe = self.redis.pipeline(transaction=False)
-        for f in finished:
-            await self.store.finish_in(pipe, f.result, f.request.meta())
-        won = await self.store.execute_durably(pipe)
+        won = await self.store.finish_all([(f.result, f.request.meta()) for f in finished])
         self.faults.point("kill_after_result_write")
         await self.store.flush([d for f, w in zip(finished, won, strict=True)
                                 if w and (d := completed_delivery(f.result, f.request.meta())) is not None])

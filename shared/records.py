@@ -33,57 +33,77 @@ from shared.codec import decode, encode
 from shared.errors import CodecError
 from shared.keys import Keys
 from shared.messages import CallbackDelivery, CallbackState, InferenceRequest, RequestMeta, RequestResult
-from shared.redis_io import check_replicated, in_pipeline, wait_replicas
+from shared.redis_io import check_replicated, in_pipeline, script_groups, wait_replicas
 from shared.states import TERMINAL, Status
 
 RECORD_EVENT = b"r"  # a done event that carries the terminal record (see FINISH_LUA)
+KEEP_TTL_SHARE = 0.1  # a finish near its deadline keeps the record's TTL: results kept at most 10% longer
 RECORD_EVENT_MAX_BYTES = 65_536  # larger results are read from the record, not sent on every node of a cluster
 OUTBOX_EVENTS = ("started", "completed")  # the webhooks a record's own scripts queue
 _TERMINAL_LUA = "{" + ", ".join(f"['{s.value}']=true" for s in TERMINAL) + "}"
 
 
-# KEYS[1] record; ARGV started_ms, meta, ttl_ms, "started" delivery or ''. Returns the state after the call.
-# One read and one write in the common case: the meta is written where the record lacks it, the TTL only where the
-# record is missing altogether (lost, or its TTL ran out: every writer of a state sets one).
+# KEYS records; ARGV started_ms, then for each record: meta, ttl_ms, "started" delivery or ''. Returns each record's
+# state after the call. One read and one write a record in the common case: the meta is written where the record
+# lacks it, the TTL only where the record is missing or lacks its meta (a submit's pipeline writes the state, the
+# TTL, then the meta: a record with its meta has its TTL).
 START_LUA = f"""
 local terminal = {_TERMINAL_LUA}
-local cur = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'meta')
-local s = cur[1]
-if s and terminal[s] then return s end
-local f = {{'state', 'running', 'started', ARGV[1], 'attempts', (tonumber(cur[2]) or 0) + 1}}
-if s ~= 'running' and ARGV[4] ~= '' then f[#f + 1] = 'ob:started'; f[#f + 1] = ARGV[4] end
-if not cur[3] then f[#f + 1] = 'meta'; f[#f + 1] = ARGV[2] end
-redis.call('HSET', KEYS[1], unpack(f))
-if not s then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
-return 'running'
+local out = {{}}
+for i, key in ipairs(KEYS) do
+  local at = 3 * i - 1
+  local cur = redis.call('HMGET', key, 'state', 'attempts', 'meta')
+  local s = cur[1]
+  if s and terminal[s] then
+    out[i] = s
+  else
+    local f = {{'state', 'running', 'started', ARGV[1], 'attempts', (tonumber(cur[2]) or 0) + 1}}
+    if s ~= 'running' and ARGV[at + 2] ~= '' then f[#f + 1] = 'ob:started'; f[#f + 1] = ARGV[at + 2] end
+    if not cur[3] then f[#f + 1] = 'meta'; f[#f + 1] = ARGV[at] end
+    redis.call('HSET', key, unpack(f))
+    if not (s and cur[3]) then redis.call('PEXPIRE', key, ARGV[at + 1]) end
+    out[i] = 'running'
+  end
+end
+return out
 """
 
-# KEYS[1] record; ARGV state, result, ttl_ms, channel, meta, "completed" delivery or ''. Returns 1 if this
-# write won. The result, the done event and the webhook delivery (into the outbox) are one atomic step: a
-# request completes once, its event is published once, its callback is queued once. The event carries the
-# terminal record when the result is small, so a waiter answers without reading the record back: `RECORD_EVENT`,
-# then state, result, meta, started, attempts, cb, each as `<length>:<bytes>`, or `-` where the record lacks it.
+# KEYS records; for each record 7 ARGV: state, result, ttl_ms, keep ('1': a record with its state and meta keeps
+# the TTL it has), channel, meta, "completed" delivery or ''. Returns 1 for each write that won, else 0. A
+# record's result, its done event and its webhook delivery (into the outbox) are one atomic step: a request
+# completes once, its event is published once, its callback is queued once. The event carries the terminal record
+# when the result is small, so a waiter answers without reading the record back: `RECORD_EVENT`, then state,
+# result, meta, started, attempts, cb, each as `<length>:<bytes>`, or `-` where the record lacks it.
 FINISH_LUA = f"""
 local terminal = {_TERMINAL_LUA}
-local cur = redis.call('HMGET', KEYS[1], 'state', 'meta', 'started', 'attempts', 'cb')
-local s = cur[1]
-if s and terminal[s] then return 0 end
-local f = {{'state', ARGV[1], 'result', ARGV[2]}}
-if ARGV[6] ~= '' then f[#f + 1] = 'ob:completed'; f[#f + 1] = ARGV[6] end
-if not cur[2] and ARGV[5] ~= '' then f[#f + 1] = 'meta'; f[#f + 1] = ARGV[5] end
-redis.call('HSET', KEYS[1], unpack(f))
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-if #ARGV[2] <= {RECORD_EVENT_MAX_BYTES} then
-  local meta = cur[2] or (ARGV[5] ~= '' and ARGV[5]) or false
-  local out = {{'{RECORD_EVENT.decode()}'}}
-  for _, v in ipairs({{ARGV[1], ARGV[2], meta, cur[3] or false, cur[4] or false, cur[5] or false}}) do
-    out[#out + 1] = v and (#v .. ':' .. v) or '-'
+local out = {{}}
+for i, key in ipairs(KEYS) do
+  local a = 7 * i - 6
+  local state, result, channel, meta_arg, done = ARGV[a], ARGV[a + 1], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
+  local cur = redis.call('HMGET', key, 'state', 'meta', 'started', 'attempts', 'cb')
+  local s = cur[1]
+  if s and terminal[s] then
+    out[i] = 0
+  else
+    local f = {{'state', state, 'result', result}}
+    if done ~= '' then f[#f + 1] = 'ob:completed'; f[#f + 1] = done end
+    if not cur[2] and meta_arg ~= '' then f[#f + 1] = 'meta'; f[#f + 1] = meta_arg end
+    redis.call('HSET', key, unpack(f))
+    if not (ARGV[a + 3] == '1' and s and cur[2]) then redis.call('PEXPIRE', key, ARGV[a + 2]) end
+    if #result <= {RECORD_EVENT_MAX_BYTES} then
+      local meta = cur[2] or (meta_arg ~= '' and meta_arg) or false
+      local ev = {{'{RECORD_EVENT.decode()}'}}
+      for _, v in ipairs({{state, result, meta, cur[3] or false, cur[4] or false, cur[5] or false}}) do
+        ev[#ev + 1] = v and (#v .. ':' .. v) or '-'
+      end
+      redis.call('PUBLISH', channel, table.concat(ev))
+    else
+      redis.call('PUBLISH', channel, state)
+    end
+    out[i] = 1
   end
-  redis.call('PUBLISH', ARGV[4], table.concat(out))
-else
-  redis.call('PUBLISH', ARGV[4], ARGV[1])
 end
-return 1
+return out
 """
 
 # KEYS[1] record; ARGV callback state. Keeps the record's view of its webhook current (if it still exists).
@@ -126,16 +146,16 @@ class RecordStore:
         return max(0, req.deadline_ms - now_ms) + self.result_ttl_ms
 
     async def init_in(self, pipe: aioredis.client.Pipeline, req: InferenceRequest, now_ms: int) -> None:
-        """Queue the queued-record write on a pipeline (after the XADD of the same request): the state and the meta
-        each only if the record has none (a worker may have got there first, on a cluster where the stream is on
-        another node), then the TTL. Three plain commands, no script; the first one's reply is 1 if this call
-        created the record. A TTL set again over a worker's later one only keeps a result longer (until its
+        """Queue the queued-record write on a pipeline (after the XADD of the same request): the state if the record
+        has none (a worker may have got there first, on a cluster where the stream is on another node), the TTL,
+        then the meta if the record has none. Three plain commands, no script; the first one's reply is 1 if this
+        call created the record. A TTL set again over a worker's later one only keeps a result longer (until its
         deadline, plus the result TTL); a record that lacks its meta or TTL after an interrupted pipeline gets
         them from the worker's scripts."""
         key = self.keys.record(req.id)
         pipe.hsetnx(key, "state", Status.QUEUED.value)
-        pipe.hsetnx(key, "meta", encode(req.meta()))
         pipe.pexpire(key, self.queued_ttl_ms(req, now_ms))
+        pipe.hsetnx(key, "meta", encode(req.meta()))  # last: a record with its meta has its TTL (see START_LUA)
 
     async def get(self, request_id: str) -> StoredRecord | None:
         raw = await self.redis.hgetall(self.keys.record(request_id))
@@ -143,41 +163,55 @@ class RecordStore:
 
     async def start(self, reqs: list[InferenceRequest], started_ms: int) -> list[Status]:
         """Mark requests running (unless already terminal); returns each one's state afterwards. A "started"
-        webhook is queued with the first start (and moved to the callback stream before this returns)."""
+        webhook is queued with the first start (and moved to the callback stream before this returns). One script
+        call for all the records (for each hash slot's, on a cluster)."""
         if not reqs:
             return []
-        pipe = self.redis.pipeline(transaction=False)
         started = [delivery_for(req.meta(), "started", started_ms) for req in reqs]
-        for req, delivery in zip(reqs, started, strict=True):
-            in_pipeline(pipe, START_LUA, [self.keys.record(req.id)],
-                        [started_ms, encode(req.meta()), self.queued_ttl_ms(req, started_ms),
-                         encode(delivery) if delivery else b""])
-        states = [Status(_text(s)) for s in await pipe.execute()]
+        groups = script_groups(self.redis, [self.keys.record(req.id) for req in reqs])
+        pipe = self.redis.pipeline(transaction=False)
+        for group in groups:
+            args: list[Any] = [started_ms]
+            for i in group:
+                d = started[i]
+                args += [encode(reqs[i].meta()), self.queued_ttl_ms(reqs[i], started_ms), encode(d) if d else b""]
+            in_pipeline(pipe, START_LUA, [self.keys.record(reqs[i].id) for i in group], args)
+        states = ungroup(groups, await pipe.execute(), len(reqs))
+        states = [Status(_text(s)) for s in states]
         # a start after a crash finds its outbox flushed or not: moving the delivery again is harmless
         await self.flush([d for d, s in zip(started, states, strict=True) if d is not None and s is Status.RUNNING])
         return states
 
-    def _finish_args(self, result: RequestResult, meta: RequestMeta | None) -> dict[str, list[Any]]:
+    def _finish_args(self, result: RequestResult, meta: RequestMeta | None) -> list[Any]:
         done = completed_delivery(result, meta)
-        return {"keys": [self.keys.record(result.id)],
-                "args": [result.status.value, encode(result), self.result_ttl_ms, self.keys.done_channel(result.id),
-                         encode(meta) if meta else b"", encode(done) if done else b""]}
+        # The record lives until its deadline plus the result TTL (`queued_ttl_ms`); where that deadline is near,
+        # the record keeps it (the result is kept at most `KEEP_TTL_SHARE` longer than the result TTL) and the
+        # finish saves a PEXPIRE. A deadline already past would keep it shorter: the TTL is set.
+        keep = meta is not None and 0 <= meta.deadline_ms - result.finished_ms <= self.result_ttl_ms * KEEP_TTL_SHARE
+        return [result.status.value, encode(result), self.result_ttl_ms, "1" if keep else "",
+                self.keys.done_channel(result.id), encode(meta) if meta else b"", encode(done) if done else b""]
 
     async def finish(self, result: RequestResult, meta: RequestMeta | None = None) -> bool:
         """Write a terminal result, publish "done" and queue the webhook, atomically; then move the webhook to the
         callback stream. True if this write won."""
-        pipe = self.redis.pipeline(transaction=False)
-        in_pipeline(pipe, FINISH_LUA, **self._finish_args(result, meta))
-        won = bool((await self.execute_durably(pipe))[0])
+        won = (await self.finish_all([(result, meta)]))[0]
         if won and (done := completed_delivery(result, meta)) is not None:
             await self.flush([done])
         return won
 
-    async def finish_in(self, pipe: aioredis.client.Pipeline, result: RequestResult,
-                        meta: RequestMeta | None = None) -> None:
-        """Queue a finish (see `finish`) on a pipeline; its reply is 1 if it won. The caller then passes the
-        winners' deliveries (`completed_delivery`) to `flush`, before it acks their stream entries."""
-        in_pipeline(pipe, FINISH_LUA, **self._finish_args(result, meta))
+    async def finish_all(self, finished: Sequence[tuple[RequestResult, RequestMeta | None]]) -> list[bool]:
+        """Write terminal results (see `finish`), one script call for all (for each hash slot's, on a cluster);
+        True for each write that won. The caller then passes the winners' deliveries (`completed_delivery`) to
+        `flush`, before it acks their stream entries."""
+        if not finished:
+            return []
+        groups = script_groups(self.redis, [self.keys.record(result.id) for result, _ in finished])
+        pipe = self.redis.pipeline(transaction=False)
+        for group in groups:
+            in_pipeline(pipe, FINISH_LUA, [self.keys.record(finished[i][0].id) for i in group],
+                        [arg for i in group for arg in self._finish_args(*finished[i])])
+        won = ungroup(groups, await self.execute_durably(pipe), len(finished))
+        return [bool(w) for w in won]
 
     async def execute_durably(self, pipe: Any) -> list[Any]:
         """Execute a pipeline of writes; with durable results on, only once they reached the replicas (else
@@ -213,6 +247,15 @@ class RecordStore:
 
     async def set_callback_state(self, request_id: str, state: CallbackState) -> None:
         await self._cb_state(keys=[self.keys.record(request_id)], args=[encode(state)])
+
+
+def ungroup(groups: list[list[int]], replies: Sequence[Any], n: int) -> list[Any]:
+    """Each item's reply, from one reply (a list) per group of `script_groups`."""
+    out: list[Any] = [None] * n
+    for group, reply in zip(groups, replies, strict=True):
+        for i, value in zip(group, reply, strict=True):
+            out[i] = value
+    return out
 
 
 def _text(value: bytes | str) -> str:

@@ -257,6 +257,23 @@ async def pubsub_of(redis: Any, **kwargs: Any) -> aioredis.client.PubSub:
     return aioredis.client.PubSub(connection_pool=pool, **kwargs)
 
 
+MAX_KEYS_PER_SCRIPT = 64  # a script blocks the server while it runs: many records a call, not unboundedly many
+
+
+def script_groups(client: Any, keys: Sequence[str]) -> list[list[int]]:
+    """The indexes of `keys`, grouped for one script call each: on one Redis any keys go together, on a Cluster
+    only keys of one hash slot; at most `MAX_KEYS_PER_SCRIPT` a group. A script that writes many records in one
+    call costs one EVAL, not one each."""
+    if isinstance(client, RedisCluster):
+        by_slot: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_slot.setdefault(key_slot(key.encode()), []).append(i)
+        groups = list(by_slot.values())
+    else:
+        groups = [list(range(len(keys)))] if keys else []
+    return [g[at:at + MAX_KEYS_PER_SCRIPT] for g in groups for at in range(0, len(g), MAX_KEYS_PER_SCRIPT)]
+
+
 def in_pipeline(pipe: Any, script: str, keys: Sequence[Any], args: Sequence[Any]) -> None:
     """Queue a Lua script on a pipeline as EVAL of its source. Not redis-py's `Script` objects: in a pipeline
     they cost a SCRIPT EXISTS on every execute, and a Redis Cluster pipeline refuses EVALSHA. Redis keeps the

@@ -41,8 +41,8 @@ def with_callback(rid: str, events=("started", "completed")):
 
 async def script_only(client, store, result, meta) -> int:
     """The finish script alone: a writer that dies right after it, before its flush."""
-    a = store._finish_args(result, meta)
-    return await client.eval(FINISH_LUA, len(a["keys"]), *a["keys"], *a["args"])
+    (won,) = await client.eval(FINISH_LUA, 1, store.keys.record(result.id), *store._finish_args(result, meta))
+    return won
 
 
 async def stream(client, keys) -> list[CallbackDelivery]:
