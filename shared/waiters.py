@@ -23,6 +23,12 @@ from shared.redis_io import UNAVAILABLE, pubsub_of, raise_if_cancelling
 log = structlog.get_logger(__name__)
 
 SUBSCRIBE_TIMEOUT_S = 2.0
+# A channel nobody waits on any more stays subscribed this long, then leaves with the others of its time in one
+# UNSUBSCRIBE (at most UNSUBSCRIBE_BATCH channels a command; more leave at once). A waiter for it meanwhile (a
+# long-poll right after its submit) finds it subscribed already. Channels to subscribe are sent together too: all
+# those asked for in one turn of the event loop, in one SUBSCRIBE.
+UNSUBSCRIBE_AFTER_S = 0.25
+UNSUBSCRIBE_BATCH = 512
 
 
 DELTA = b"d"  # a streaming request's worker publishes b"d" + the encoded delta on its done channel
@@ -76,6 +82,9 @@ class WaiterHub:
         self._confirm: dict[str, asyncio.Future[None]] = {}
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
+        self._idle: dict[str, None] = {}  # subscribed at Redis, nobody waiting: left by the next UNSUBSCRIBE
+        self._unsubscribing: asyncio.TimerHandle | None = None
+        self._to_send: dict[str, None] = {}  # asked for in this turn of the loop: one SUBSCRIBE for all
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._listen(), name="waiter-hub")
@@ -87,6 +96,9 @@ class WaiterHub:
             await self.start()
 
     async def close(self) -> None:
+        if self._unsubscribing is not None:
+            self._unsubscribing.cancel()
+            self._unsubscribing = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -102,7 +114,10 @@ class WaiterHub:
     @contextlib.asynccontextmanager
     async def subscribe(self, channel: str):  # type: ignore[no-untyped-def]
         sub = Subscription(channel)
-        first = channel not in self._subs
+        # subscribed already: by another waiter, or left idle by one that finished (still confirmed, still live)
+        idle = channel in self._idle
+        self._idle.pop(channel, None)
+        first = channel not in self._subs and not idle
         self._subs.setdefault(channel, set()).add(sub)
         try:
             if first or channel in self._confirm:
@@ -114,10 +129,8 @@ class WaiterHub:
                 subs.discard(sub)
                 if not subs:
                     del self._subs[channel]
-                    self._confirm.pop(channel, None)
-                    if self._pubsub is not None and self._connected.is_set():
-                        with contextlib.suppress(*UNAVAILABLE):
-                            await self._pubsub.unsubscribe(channel)
+                    if self._confirm.pop(channel, None) is None and self._connected.is_set():
+                        self._leave_later(channel)
 
     async def _confirmed(self, channel: str, *, send: bool) -> None:
         fut = self._confirm.get(channel)
@@ -125,12 +138,48 @@ class WaiterHub:
             fut = asyncio.get_running_loop().create_future()
             self._confirm[channel] = fut
         try:
-            await asyncio.wait_for(self._connected.wait(), SUBSCRIBE_TIMEOUT_S)
-            if send and self._pubsub is not None:
-                await self._pubsub.subscribe(channel)
+            if not self._connected.is_set():
+                await asyncio.wait_for(self._connected.wait(), SUBSCRIBE_TIMEOUT_S)
+            if send:
+                if not self._to_send:
+                    asyncio.get_running_loop().call_soon(self._send_subscribes)
+                self._to_send[channel] = None
             await asyncio.wait_for(asyncio.shield(fut), SUBSCRIBE_TIMEOUT_S)
         except (TimeoutError, *UNAVAILABLE) as exc:
             raise SubscriptionUnavailable(str(exc) or type(exc).__name__) from exc
+
+    def _send_subscribes(self) -> None:
+        channels = [c for c in self._to_send if c in self._confirm]
+        self._to_send.clear()
+        if channels:
+            asyncio.ensure_future(self._send(channels)).add_done_callback(_retrieve)
+
+    async def _send(self, channels: list[str]) -> None:
+        try:
+            if self._pubsub is None:
+                raise ConnectionError("pub/sub connection not open")
+            await self._pubsub.subscribe(*channels)
+        except UNAVAILABLE as exc:
+            for channel in channels:
+                fut = self._confirm.get(channel)
+                if fut is not None and not fut.done():
+                    fut.set_exception(ConnectionError(str(exc) or type(exc).__name__))
+
+    def _leave_later(self, channel: str) -> None:
+        """Unsubscribe from `channel` with the others left idle around the same time (see `UNSUBSCRIBE_AFTER_S`)."""
+        self._idle[channel] = None
+        if len(self._idle) >= UNSUBSCRIBE_BATCH:
+            self._unsubscribe_idle()
+        elif self._unsubscribing is None:
+            self._unsubscribing = asyncio.get_running_loop().call_later(UNSUBSCRIBE_AFTER_S, self._unsubscribe_idle)
+
+    def _unsubscribe_idle(self) -> None:
+        if self._unsubscribing is not None:
+            self._unsubscribing.cancel()
+            self._unsubscribing = None
+        channels, self._idle = list(self._idle), {}
+        if channels and self._pubsub is not None and self._connected.is_set():
+            asyncio.ensure_future(self._pubsub.unsubscribe(*channels)).add_done_callback(_retrieve)
 
     async def _listen(self) -> None:
         backoff = 0.05
@@ -149,6 +198,7 @@ class WaiterHub:
                 log.warning("waiter hub: redis unavailable", error=repr(exc), retry_in_s=backoff)
             finally:
                 self._connected.clear()
+                self._idle.clear()  # a new connection subscribes only to the channels waited on
                 with contextlib.suppress(Exception):
                     await self._pubsub.aclose()
                 self._wake_all()
@@ -170,10 +220,9 @@ class WaiterHub:
                 for sub in self._subs[channel]:
                     sub.record_due = sub.missed = True
                     sub.event.set()
-            elif channel != self._heartbeat and self._pubsub is not None:
+            elif channel != self._heartbeat and channel not in self._idle and self._pubsub is not None:
                 # nobody waits on it any more (left while we were disconnected): drop it
-                task = asyncio.ensure_future(self._pubsub.unsubscribe(channel))
-                task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+                asyncio.ensure_future(self._pubsub.unsubscribe(channel)).add_done_callback(_retrieve)
         elif kind == "message":
             data = msg.get("data")
             delta = data[1:] if isinstance(data, bytes) and data[:1] == DELTA else None
@@ -195,3 +244,9 @@ class WaiterHub:
             if not fut.done():
                 fut.set_exception(ConnectionError("pub/sub connection lost"))
         self._confirm.clear()
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """A background send's outcome, consumed: a failed one is logged, not left to the loop's "never retrieved"."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.debug("waiter hub: background command failed", error=repr(exc))
