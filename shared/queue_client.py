@@ -30,6 +30,7 @@ import structlog
 from shared import admission
 from shared.admission import Decision
 from shared.callback_store import CallbackStore
+from shared.coalesce import Coalescer
 from shared.codec import decode, encode
 from shared.config import ModelSpec, Settings
 from shared.deadlines import cannot_finish
@@ -105,6 +106,7 @@ class QueueClient:
         self.clock = clock
         self._stats: dict[str, tuple[float, list[LaneStats]]] = {}  # model -> (read at, monotonic; the figures)
         self._lengths: dict[str, LaneLength] = {}  # lane stream -> its length as last seen
+        self._submits: Coalescer[tuple[InferenceRequest, Decision], Submitted] = Coalescer(self.submit_many)
 
     async def start(self) -> None:
         self.callback_allow.log_effective(structlog.get_logger(__name__), "gateway")
@@ -161,8 +163,8 @@ class QueueClient:
         return decision, queued
 
     async def submit(self, req: InferenceRequest, decision: Decision) -> Submitted:
-        (out,) = await self.submit_many([(req, decision)])
-        return out
+        """Store one request; the submits of one turn of the event loop share one pipeline (`Coalescer`)."""
+        return await self._submits((req, decision))
 
     async def submit_many(self, items: list[tuple[InferenceRequest, Decision]]) -> list[Submitted]:
         """Store requests: per request, XADD to its lane stream, XLEN of the stream (its queue position: the
