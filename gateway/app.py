@@ -30,6 +30,7 @@ from gateway.api import (
 from gateway.routes import ROUTES, RouteSpec, dispatch
 from gateway.service import GatewayService
 from shared.config import Settings
+from shared.heap import freeze_startup_heap
 from shared.redis_io import UNAVAILABLE
 
 log = structlog.get_logger(__name__)
@@ -179,6 +180,7 @@ def create_app(settings: Settings | None = None, *, service: GatewayService | No
         if not svc.auth.enabled:
             log.warning("AUTH IS OFF (BATCHGATE_AUTH=off): every caller is tenant 'default'; for local use only")
         await svc.start()
+        log.info("start-up heap frozen", objects=freeze_startup_heap())
         try:
             yield
         finally:

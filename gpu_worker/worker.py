@@ -28,6 +28,7 @@ from gpu_worker.upkeep import Upkeep
 from gpu_worker.work_queue import Held, QueueUnavailable, WorkQueue
 from shared.config import ModelSpec, Settings
 from shared.faults import Faults
+from shared.heap import freeze_startup_heap
 from shared.keys import Keys
 from shared.messages import InferenceRequest
 
@@ -100,6 +101,7 @@ class Worker:
         if self.faults.active:
             log.warning("fault injection is armed (BATCHGATE_FAULTS): a test run, not production")
         await self._load_models()
+        log.info("start-up heap frozen", objects=freeze_startup_heap())  # the models' objects: out of collections
         await self.queue.create_groups(self._all_streams())
         for engines in self.engines.values():
             engines.start()

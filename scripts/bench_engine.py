@@ -331,6 +331,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     loaded, model, hf_model = load_models(Path(args.model_cache))
+    from shared.heap import freeze_startup_heap
+
+    freeze_startup_heap()  # as the worker does once its models are loaded: no full collection scans them mid-step
     if args.prefill_chunk_tokens is not None:
         import dataclasses
 
