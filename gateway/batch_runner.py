@@ -137,7 +137,7 @@ class BatchRunner:
         except Exception:
             log.exception("batch run failed; another round takes it again", batch_id=batch_id)
         finally:
-            work.cancel()
+            await cancel_until_done(work)  # before the lease goes: no second runner while this one still writes
             with contextlib.suppress(Exception):
                 await self.store.release(batch_id, self.name)
 
@@ -375,6 +375,17 @@ class BatchRunner:
             id=file_id, tenant=st.meta.tenant, bytes=size, lines=counted.lines, created_at=int(self.clock()),
             filename=f"{st.meta.id}_{suffix}.jsonl", purpose="batch_output", key=file_id))
         return file_id
+
+
+async def cancel_until_done(task: asyncio.Task[None], *, every_s: float = 0.05, tries: int = 100) -> None:
+    """Cancel `task` until it ends (at most `tries` times). One cancel() can be lost: Python 3.11's `wait_for`,
+    which redis-py wraps around every command it sends with a socket timeout, returns the command's result and
+    drops a cancellation that arrives as the command completes; the task then runs on."""
+    for _ in range(tries):
+        if task.done():
+            return
+        task.cancel()
+        await asyncio.wait([task], timeout=every_s)
 
 
 def output_file_id(batch_id: str, suffix: str) -> str:

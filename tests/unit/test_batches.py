@@ -106,3 +106,28 @@ def test_the_batch_object_has_openais_fields():
     from openai.types import Batch  # the official client's own type reads it
 
     assert Batch.model_validate(obj).status == "in_progress"
+
+
+async def test_a_batch_task_that_loses_a_cancellation_is_cancelled_again_until_it_ends():
+    """`cancel_until_done`: the runner's work on a batch must end before its lease is given back. A task that
+    swallows its first cancellation (as Python 3.11's `wait_for` inside redis-py can) runs on; it is cancelled
+    again."""
+    import asyncio
+
+    from gateway.batch_runner import cancel_until_done
+
+    rounds: list[str] = []
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            rounds.append("swallowed")  # lost, as in the bug
+        while True:
+            rounds.append("still running")
+            await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    await cancel_until_done(task, every_s=0.02)
+    assert task.cancelled() and rounds[0] == "swallowed" and "still running" in rounds
