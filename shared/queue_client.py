@@ -106,7 +106,8 @@ class QueueClient:
         self.clock = clock
         self._stats: dict[str, tuple[float, list[LaneStats]]] = {}  # model -> (read at, monotonic; the figures)
         self._lengths: dict[str, LaneLength] = {}  # lane stream -> its length as last seen
-        self._submits: Coalescer[tuple[InferenceRequest, Decision], Submitted] = Coalescer(self.submit_many)
+        self._submits: Coalescer[tuple[InferenceRequest, Decision], Submitted] = Coalescer(
+            lambda items: self.submit_many(items))  # late-bound: the submits go wherever submit_many does
 
     async def start(self) -> None:
         self.callback_allow.log_effective(structlog.get_logger(__name__), "gateway")

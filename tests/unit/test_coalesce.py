@@ -78,3 +78,20 @@ async def test_a_caller_that_leaves_after_its_batch_started_leaves_the_batch_run
     rec.gate.set()
     assert await staying == 20
     assert rec.batches == [[1, 2]]
+
+
+async def test_calls_made_while_max_in_flight_batches_run_wait_and_go_together():
+    rec = Recorder()
+    rec.gate.clear()
+    c = Coalescer(rec.run, max_in_flight=2)
+    calls = [asyncio.ensure_future(c(i)) for i in (1, 2)]
+    await asyncio.sleep(0.01)
+    calls += [asyncio.ensure_future(c(i)) for i in (3,)]
+    await asyncio.sleep(0.01)
+    for wave in ((4, 5), (6,)):  # two batches run: these wait, in separate turns
+        calls += [asyncio.ensure_future(c(i)) for i in wave]
+        await asyncio.sleep(0.01)
+    assert rec.batches == [[1, 2], [3]]
+    rec.gate.set()
+    assert await asyncio.gather(*calls) == [10, 20, 30, 40, 50, 60]
+    assert rec.batches == [[1, 2], [3], [4, 5, 6]]  # what came meanwhile went as one batch
