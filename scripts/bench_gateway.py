@@ -236,7 +236,8 @@ def stack(args: argparse.Namespace) -> Iterator[Stack]:
     cfg.write_text(yaml.safe_dump(model_file(args)))
     env = {**os.environ, "BATCHGATE_CONFIG": str(cfg), "BATCHGATE_REDIS_URL": url, "BATCHGATE_KEY_PREFIX": prefix,
            "BATCHGATE_AUTH": "off", "BATCHGATE_LOG_LEVEL": args.log_level, "BATCHGATE_LOG_FORMAT": "json",
-           "BATCHGATE_MAX_WAIT_S": "600", "BATCHGATE_FILES_DIR": str(tmp / "files"), "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+           "BATCHGATE_MAX_WAIT_S": "600", "BATCHGATE_FILES_DIR": str(tmp / "files"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     st = Stack(url, prefix, tmp, env, redis_proc=redis_proc)
     with st.client() as c:
         st.redis_pid = int(c.info("server")["process_id"])
