@@ -106,6 +106,7 @@ class QueueClient:
         self.clock = clock
         self._stats: dict[str, tuple[float, list[LaneStats]]] = {}  # model -> (read at, monotonic; the figures)
         self._lengths: dict[str, LaneLength] = {}  # lane stream -> its length as last seen
+        self._admitted: dict[tuple[str, str], admission.RecentAdmits] = {}  # (model, lane) -> admitted lately
         self._submits: Coalescer[tuple[InferenceRequest, Decision], Submitted] = Coalescer(
             lambda items: self.submit_many(items))  # late-bound: the submits go wherever submit_many does
 
@@ -156,9 +157,14 @@ class QueueClient:
         new_tokens = int(req.params.get("max_new_tokens", 0))
         est = admission.estimate(stats, req.lane, queued, max(1, req.est_tokens - new_tokens), new_tokens,
                                  (lane.window_ms if lane else 10.0) / 1000)
-        decision = admission.decide(now_s=self.clock(), deadline_s=req.deadline_ms / 1000, est=est, queued=queued,
+        now, prompt_tokens = self.clock(), max(1, req.est_tokens - new_tokens)
+        recent = self._admitted.setdefault((req.model, req.lane), admission.RecentAdmits())
+        decision = admission.decide(now_s=now, deadline_s=req.deadline_ms / 1000, est=est, queued=queued,
                                     max_backlog=lane.max_backlog if lane else 10_000,
-                                    deadline_aware=spec.deadline_aware)
+                                    deadline_aware=spec.deadline_aware,
+                                    larger_admitted=recent.covers(now, prompt_tokens, new_tokens))
+        if decision.accept and est.basis == "stats" and not decision.within_margin:
+            recent.note(now, prompt_tokens, new_tokens)
         if decision.accept and (seen := self._lengths.get(self.keys.lane_stream(req.model, req.lane))) is not None:
             seen.admitted += 1
         return decision, queued

@@ -2,7 +2,7 @@
 
 import pytest
 
-from shared.admission import Estimate, decide, estimate, fresh
+from shared.admission import Estimate, RecentAdmits, decide, estimate, fresh
 from shared.messages import LaneStat, LaneStats
 
 
@@ -114,3 +114,36 @@ def test_requests_waiting_in_shorter_lanes_of_the_same_engine_are_ahead():
     assert est.start_s == pytest.approx(25 / 10.0)
     est_short = estimate([engine], "short", queued=24, prompt_tokens=10, new_tokens=10, window_s=0.0)
     assert est_short.start_s == pytest.approx(20 / 10.0)  # nothing shorter ahead of the short lane
+
+
+# --- consistency: no refusal for the margin alone right after a larger admission ----------------------------------
+# deadline 10 s away; estimated finish 8.9 s: within the deadline, not within the 15% margin (8.9 x 1.15 = 10.2)
+NEAR = Estimate(start_s=6.9, finish_s=8.9, basis="stats")  # 2 s of compute
+
+
+@pytest.mark.parametrize("larger_admitted", [False, True])
+def test_a_request_no_larger_than_one_admitted_lately_is_not_refused_for_the_margin_alone(larger_admitted):
+    d = decide(now_s=0.0, deadline_s=10.0, est=NEAR, queued=3, max_backlog=100, larger_admitted=larger_admitted)
+    assert d.accept is larger_admitted and d.within_margin is larger_admitted
+    if not larger_admitted:
+        assert d.code == "deadline_infeasible"
+
+
+def test_the_consistency_rule_never_admits_past_the_deadline_itself():
+    late = Estimate(start_s=8.5, finish_s=10.5, basis="stats")
+    d = decide(now_s=0.0, deadline_s=10.0, est=late, queued=3, max_backlog=100, larger_admitted=True)
+    assert not d.accept and d.code == "deadline_infeasible"
+    within = decide(now_s=0.0, deadline_s=10.0, est=Estimate(1.0, 3.0, "stats"), queued=3, max_backlog=100,
+                    larger_admitted=True)
+    assert within.accept and not within.within_margin  # inside the margin anyway: an ordinary admission
+
+
+def test_recent_admits_cover_what_is_no_larger_within_the_window_only():
+    recent = RecentAdmits(window_s=3.0)
+    assert not recent.covers(0.0, 1, 1)
+    recent.note(0.0, 200, 100)
+    recent.note(1.0, 50, 120)
+    assert recent.covers(2.9, 200, 100) and recent.covers(2.9, 150, 90) and recent.covers(2.9, 40, 110)
+    assert not recent.covers(2.9, 201, 100) and not recent.covers(2.9, 60, 110)  # larger in one of the two
+    assert not recent.covers(3.5, 150, 90) and recent.covers(3.5, 50, 120)  # the first left the window
+    assert not recent.covers(4.1, 1, 1)

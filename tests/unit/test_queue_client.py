@@ -120,3 +120,34 @@ async def test_a_waiting_submit_subscribes_before_it_stores_and_gets_its_result(
     await task
     assert answer.status == 200 and answer.body["status"] == "succeeded" and answer.body["output"]["text"] == "hihi"
     assert q.hub.waiting == 0
+
+
+async def test_a_request_admitted_inside_the_margin_does_not_open_the_margin_for_others(monkeypatch):
+    """`admission.CONSISTENT_S`: right after a larger request was admitted, a smaller one that meets its deadline
+    only without the margin is admitted too; one admitted that way does not count as a larger admission, so no
+    chain of them keeps the margin off."""
+    from shared import admission
+    from tests.fakes import ManualClock
+
+    clock = ManualClock(1_000.0)
+    q = QueueClient(Settings(key_prefix="unit", models=(SPEC,), auth="off").validate(),
+                    redis=fakeredis.FakeAsyncRedis(), clock=clock)
+    estimates: list[Estimate] = []
+    monkeypatch.setattr(admission, "estimate", lambda *a, **k: estimates.pop(0))
+
+    async def admit(est: Estimate) -> Decision:
+        estimates.append(est)
+        req = ops._build(q, {"input": {"prompt": "hi"}, "timeout_s": 10}, SPEC, "t")  # deadline 10 s away
+        decision, _ = await q.admit(req, SPEC)
+        return decision
+
+    try:
+        assert (await admit(Estimate(1.0, 6.0, "stats"))).accept  # 5 s of compute, well inside the margin
+        clock.advance(1.0)
+        tight = await admit(Estimate(6.0, 8.8, "stats"))  # 2.8 s: meets the deadline, not the 15% margin
+        assert tight.accept and tight.within_margin
+        clock.advance(admission.CONSISTENT_S)  # the larger admission has left the window; the tight one has not
+        again = await admit(Estimate(6.0, 8.8, "stats"))
+        assert not again.accept and again.code == "deadline_infeasible"
+    finally:
+        await q.close()
