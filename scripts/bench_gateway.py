@@ -609,13 +609,28 @@ async def latency_phase(st: Stack, gateways: list[Proc], rate: float, args: argp
     }
 
 
-def handler_seconds(gw: Proc) -> tuple[float, int]:
-    """(seconds, count) the gateway's submit handler spent on its 202s so far (`batchgate_http_seconds`): the
-    time inside the gateway, from the request read to the response built, without the event loop's queue."""
+def handler_seconds(gw: Proc) -> tuple[float, int, dict[str, float]]:
+    """(seconds, count, count at or below each bucket) of the gateway's submit handler on its 202s so far
+    (`batchgate_http_seconds`): the time inside the gateway, from the request read to the response built,
+    without the event loop's queue."""
     text = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=5).text
     got = {m.group(1): float(m.group(2)) for m in re.finditer(
         r'^batchgate_http_seconds_(sum|count)\{route="submit",status="202"\} (\S+)$', text, re.M)}
-    return got.get("sum", 0.0), int(got.get("count", 0))
+    buckets = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^batchgate_http_seconds_bucket\{le="([^"]+)",route="submit",status="202"\} (\S+)$', text, re.M)}
+    return got.get("sum", 0.0), int(got.get("count", 0)), buckets
+
+
+def handler_tail(before: list[tuple[float, int, dict[str, float]]],
+                 after: list[tuple[float, int, dict[str, float]]]) -> dict[str, float | None]:
+    """The share of the phase's 202s whose time inside the handler passed 5 and 10 ms: how much of the way-in
+    tail the gateway's own code makes, against the queue before it (event loop, scheduler, the generator)."""
+    n = sum(b[1] - a[1] for a, b in zip(before, after, strict=True))
+    out: dict[str, float | None] = {}
+    for le in ("0.005", "0.01"):
+        within = sum(b[2].get(le, 0.0) - a[2].get(le, 0.0) for a, b in zip(before, after, strict=True))
+        out[f"over_{float(le) * 1000:g}_ms"] = (n - within) / n if n else None
+    return out
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -667,7 +682,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         n = sum(b[1] - a[1] for a, b in zip(handler0, handler1, strict=True))
         spent = sum(b[0] - a[0] for a, b in zip(handler0, handler1, strict=True))
         report["latency"] = {"gateways": best["gateways"], "workers": best["workers"], "ceiling_rps": ceiling, **lat,
-                             "handler_202_mean_ms": spent * 1000 / n if n else None}
+                             "handler_202_mean_ms": spent * 1000 / n if n else None,
+                             "handler_202_share": handler_tail(handler0, handler1)}
     summarise(report)
     return report
 
@@ -736,7 +752,11 @@ def print_table(report: dict[str, Any]) -> None:
                       ("added (in + out)", "added_ms"), ("redis PING, same window", "redis_ping_ms"),
                       ("redis PING, idle", "redis_ping_idle_ms")):
         print(f"{name:26}{fmt(lat[key]['p50']):>9}{fmt(lat[key]['p99']):>9}")
-    print(f"(inside the gateway's submit handler, a 202 took {fmt(lat['handler_202_mean_ms'])} ms on average)")
+    tail = lat.get("handler_202_share") or {}
+    shares = ", ".join(f"{v:.2%} over {k.removeprefix('over_').replace('_', ' ')}" for k, v in tail.items()
+                       if v is not None)
+    print(f"(inside the gateway's submit handler, a 202 took {fmt(lat['handler_202_mean_ms'])} ms on average"
+          f"{'; ' + shares if shares else ''})")
     for name, key in (("one submit", "census_submit"), ("one request lifecycle", "census_lifecycle")):
         c = report[key]
         print(f"\nredis commands, {name} (MONITOR, {c['requests']} one at a time): {c['client_commands']:.1f} sent by "
