@@ -170,4 +170,6 @@ def test_gateway_benchmark_smoke(tmp_path, redis_url):
     submit = report["census_submit"]
     assert submit["client"]["xadd"] == 1 and "script|exists" not in submit["client"]  # no SCRIPT EXISTS per call
     assert report["census_lifecycle"]["client"]["xreadgroup"] > 0
+    tail = report["latency"]["handler_202_share"]  # read from the gateway's histogram over the latency phase
+    assert set(tail) == {"over_5_ms", "over_10_ms"} and 0 <= tail["over_10_ms"] <= tail["over_5_ms"] <= 1
     assert set(report["goals"]) and "added latency" in proc.stdout and "one request lifecycle" in proc.stdout
