@@ -155,9 +155,10 @@ class QueueClient:
         queued, stats = await self.load(req.model, req.lane)
         lane = spec.lane(req.lane)
         new_tokens = int(req.params.get("max_new_tokens", 0))
-        est = admission.estimate(stats, req.lane, queued, max(1, req.est_tokens - new_tokens), new_tokens,
+        prompt_tokens = max(1, req.est_tokens - new_tokens)
+        est = admission.estimate(stats, req.lane, queued, prompt_tokens, new_tokens,
                                  (lane.window_ms if lane else 10.0) / 1000)
-        now, prompt_tokens = self.clock(), max(1, req.est_tokens - new_tokens)
+        now = self.clock()
         recent = self._admitted.setdefault((req.model, req.lane), admission.RecentAdmits())
         decision = admission.decide(now_s=now, deadline_s=req.deadline_ms / 1000, est=est, queued=queued,
                                     max_backlog=lane.max_backlog if lane else 10_000,

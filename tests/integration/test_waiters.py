@@ -27,16 +27,30 @@ async def hub(redis_url, prefix):
     await client.aclose()
 
 
-async def spy(hub: WaiterHub) -> dict[str, list[list[str]]]:
-    """The channels of each SUBSCRIBE and UNSUBSCRIBE the hub sends from now on."""
+class Sent(dict):
+    """The channels of each SUBSCRIBE and UNSUBSCRIBE the hub sends; `unsubscribed` is set at each UNSUBSCRIBE."""
+
+    def __init__(self) -> None:
+        super().__init__(subscribe=[], unsubscribe=[])
+        self.unsubscribed = asyncio.Event()
+
+    async def next_unsubscribe(self, timeout: float) -> None:
+        await asyncio.wait_for(self.unsubscribed.wait(), timeout)
+        self.unsubscribed.clear()
+
+
+async def spy(hub: WaiterHub) -> Sent:
+    """What the hub sends from now on."""
     await asyncio.wait_for(hub._connected.wait(), 5)
-    sent: dict[str, list[list[str]]] = {"subscribe": [], "unsubscribe": []}
+    sent = Sent()
     pubsub = hub._pubsub
-    for name in sent:
+    for name in ("subscribe", "unsubscribe"):
         real = getattr(pubsub, name)
 
         async def recording(*channels, _real=real, _name=name):
             sent[_name].append(list(channels))
+            if _name == "unsubscribe":
+                sent.unsubscribed.set()
             return await _real(*channels)
 
         setattr(pubsub, name, recording)
@@ -78,11 +92,11 @@ async def test_a_channel_left_idle_stays_live_for_the_next_waiter_then_leaves_wi
     for channel in (a, b, c):
         async with hub.subscribe(channel):
             pass
-    assert sent == {"subscribe": [[a], [b], [c]], "unsubscribe": []}
+    assert dict(sent) == {"subscribe": [[a], [b], [c]], "unsubscribe": []}
     async with hub.subscribe(b) as sub:  # still subscribed at Redis: no command, and it hears its events
         assert await hears(sub, client, b)
     assert sent["subscribe"] == [[a], [b], [c]]
-    await asyncio.sleep(UNSUBSCRIBE_AFTER_S * 2)
+    await sent.next_unsubscribe(UNSUBSCRIBE_AFTER_S * 4)
     assert [sorted(u) for u in sent["unsubscribe"]] == [sorted([a, b, c])]
     async with hub.subscribe(a) as sub:  # gone from Redis: subscribed again, and it hears its events
         assert sent["subscribe"][-1] == [a]
@@ -97,7 +111,7 @@ async def test_many_idle_channels_leave_at_once(hub, prefix, monkeypatch):
     for channel in channels:
         async with hub.subscribe(channel):
             pass
-    await asyncio.sleep(0.05)  # well before UNSUBSCRIBE_AFTER_S
+    await sent.next_unsubscribe(UNSUBSCRIBE_AFTER_S / 5)  # well before the timer would send it
     assert sent["unsubscribe"] == [channels]
 
 
@@ -115,6 +129,9 @@ async def test_a_waiter_that_leaves_before_its_confirmation_leaves_nothing_subsc
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    await asyncio.sleep(UNSUBSCRIBE_AFTER_S + 0.2)  # a confirmed channel left idle leaves after UNSUBSCRIBE_AFTER_S
+    for _ in range(2):  # a channel asked for goes with the next turn of the loop, or never
+        await asyncio.sleep(0)
+    if sent["subscribe"]:  # then dropped: on its confirmation, or with the idle channels after UNSUBSCRIBE_AFTER_S
+        await sent.next_unsubscribe(UNSUBSCRIBE_AFTER_S * 4)
     assert hub.waiting == 0
     assert sent["subscribe"] == [] or sent["unsubscribe"] == [[channel]]

@@ -10,6 +10,12 @@ import pytest
 from shared.coalesce import Coalescer
 
 
+async def turns(n: int = 3) -> None:
+    """Let the loop run `n` turns: a call's batch is flushed on the next turn and starts on the one after."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
 class Recorder:
     def __init__(self, fail_on: int | None = None) -> None:
         self.batches: list[list[int]] = []
@@ -38,9 +44,9 @@ async def test_calls_of_later_turns_go_in_the_next_batch_while_one_runs():
     rec.gate.clear()
     c = Coalescer(rec.run)
     first = [asyncio.ensure_future(c(i)) for i in (1, 2)]
-    await asyncio.sleep(0.01)
+    await turns()
     later = [asyncio.ensure_future(c(i)) for i in (3, 4)]
-    await asyncio.sleep(0.01)
+    await turns()
     assert rec.batches == [[1, 2], [3, 4]]  # the second did not wait for the first to finish
     rec.gate.set()
     assert await asyncio.gather(*first, *later) == [10, 20, 30, 40]
@@ -73,7 +79,7 @@ async def test_a_caller_that_leaves_after_its_batch_started_leaves_the_batch_run
     c = Coalescer(rec.run)
     leaving = asyncio.ensure_future(c(1))
     staying = asyncio.ensure_future(c(2))
-    await asyncio.sleep(0.01)
+    await turns()
     leaving.cancel()
     rec.gate.set()
     assert await staying == 20
@@ -85,12 +91,12 @@ async def test_calls_made_while_max_in_flight_batches_run_wait_and_go_together()
     rec.gate.clear()
     c = Coalescer(rec.run, max_in_flight=2)
     calls = [asyncio.ensure_future(c(i)) for i in (1, 2)]
-    await asyncio.sleep(0.01)
+    await turns()
     calls += [asyncio.ensure_future(c(i)) for i in (3,)]
-    await asyncio.sleep(0.01)
+    await turns()
     for wave in ((4, 5), (6,)):  # two batches run: these wait, in separate turns
         calls += [asyncio.ensure_future(c(i)) for i in wave]
-        await asyncio.sleep(0.01)
+        await turns()
     assert rec.batches == [[1, 2], [3]]
     rec.gate.set()
     assert await asyncio.gather(*calls) == [10, 20, 30, 40, 50, 60]
