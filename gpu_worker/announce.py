@@ -79,6 +79,7 @@ class RedisAnnouncer:
             try:
                 await pubsub.subscribe(*channels)
                 while True:
+                    raise_if_cancelling()  # one lost in the SUBSCRIBE's send still ends the listener
                     msg = await pubsub.get_message(timeout=5.0)
                     if msg and msg.get("type") == "message":
                         yield msg["data"].decode()
@@ -131,6 +132,7 @@ class MemoryAnnouncer:
 async def heartbeat_loop(announcer: Announcer, worker: str, info: Callable[[], dict[str, Any]]) -> None:
     while True:
         await announcer.heartbeat(worker, {**info(), "at": time.time()})
+        raise_if_cancelling()  # a cancellation swallowed inside the Redis call still stops the loop
         await asyncio.sleep(HEARTBEAT_S)
 
 
@@ -138,6 +140,7 @@ async def stats_loop(announcer: Announcer, stats: Callable[[], Stats]) -> None:
     """Per-lane load and service figures, at a steady interval."""
     while True:
         await announcer.publish_stats(stats())
+        raise_if_cancelling()
         await asyncio.sleep(STATS_INTERVAL_S)
 
 

@@ -77,7 +77,7 @@ class ChunkedPrefill:
         f0 = time.perf_counter()
         out = e.model(input_ids=torch.tensor([prompt[lo:hi]], dtype=torch.long, device=e.device),
                       attention_mask=e.rings.tail(e._mask(allowed, q_pos, k_pos), lo, hi), position_ids=q_pos,
-                      past_key_values=e.cache.window(slice(self.slot, self.slot + 1), lo, hi, 0),
+                      **{e.cache_arg: e.cache.window(slice(self.slot, self.slot + 1), lo, hi, 0)},
                       use_cache=True, logits_to_keep=1)
         self.last = (hi - lo, time.perf_counter() - f0)
         e.stats.forward_s += self.last[1]

@@ -18,7 +18,7 @@ import torch
 from gpu_worker import fused_step as fusion
 from gpu_worker.attention import AttentionLayout
 from gpu_worker.chunked_prefill import ChunkedPrefill
-from gpu_worker.kv_cache import SlotKVCache, kv_shape, text_config
+from gpu_worker.kv_cache import SlotKVCache, cache_kwarg, kv_shape, text_config
 from gpu_worker.parked_rows import ParkedRows
 from gpu_worker.sampling import make_generator, select_tokens
 from gpu_worker.sequences import EngineFull, EngineStats, GenResult, GenSpec, Row, finish_reason, group_by_length
@@ -46,6 +46,7 @@ class GenerationEngine:
         self.cache.allocate()
         self._decode_tail = decode_tail
         self._bool_mask = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
+        self.cache_arg = cache_kwarg(model)
         self._clock = clock
         self.rows: list[Row] = []
         self.end = 0  # the column after every row's last cached token
@@ -116,7 +117,7 @@ class GenerationEngine:
         window = self.cache.window(slice(first, first + n), self.end - width, self.end, self.end - width)
         f0 = time.perf_counter()
         out = self.model(input_ids=ids.to(self.device), attention_mask=self._mask(mask[:, None], seq_pos, seq_pos),
-                         position_ids=positions, past_key_values=window, use_cache=True, logits_to_keep=1)
+                         position_ids=positions, **{self.cache_arg: window}, use_cache=True, logits_to_keep=1)
         self.stats.forward_s += time.perf_counter() - f0
         self.stats.prefill_tokens += sum(lens)
         self.stats.prefill_padded_tokens += n * width
@@ -181,7 +182,7 @@ class GenerationEngine:
         ids = torch.tensor([[r.tokens[-1]] for r in self.rows], dtype=torch.long, device=self.device)
         window = self.cache.window(slice(0, len(self.rows)), self.end, self.end + 1, lo, ring_order=True)
         f0 = time.perf_counter()
-        out = self.model(input_ids=ids, attention_mask=masks, position_ids=positions, past_key_values=window,
+        out = self.model(input_ids=ids, attention_mask=masks, position_ids=positions, **{self.cache_arg: window},
                          use_cache=True)
         return self._retire(*self._advance(out.logits[:, -1, :], lo, time.perf_counter() - f0, t0))
 

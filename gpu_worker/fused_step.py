@@ -175,7 +175,7 @@ def fused_step(engine: Any, budget: int) -> list[GenResult]:
     f0 = time.perf_counter()
     _LOCAL.pack = pack
     try:
-        out = e.model(input_ids=ids, attention_mask=dummy, position_ids=positions, past_key_values=PackedWindow(pack),
+        out = e.model(input_ids=ids, attention_mask=dummy, position_ids=positions, **{e.cache_arg: PackedWindow(pack)},
                       use_cache=True, logits_to_keep=keep)
     finally:
         _LOCAL.pack = None

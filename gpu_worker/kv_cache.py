@@ -19,6 +19,7 @@ back rows without copying their caches.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -146,6 +147,12 @@ class SlotKVCache:
 def text_config(model: torch.nn.Module) -> Any:
     """The config of a causal LM's text model (a multimodal model's text part; the config itself otherwise)."""
     return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name a model's forward takes its cache by: `cache` (transformers >= 5.2x; `past_key_values` is
+    deprecated there, removed in 5.40), else `past_key_values` (older releases, models not renamed yet)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:

@@ -27,11 +27,23 @@ def kv_budget_bytes(spec_budget_tokens: int | None, bytes_per_token: int, device
 
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.7)  # the rest: activations, logits, allocator slack
+    return min(int(available_memory() * 0.25), 8 << 30)
+
+
+def available_memory() -> int:
+    """Bytes the system can give without swapping: MemAvailable (free memory plus the page cache it can drop);
+    MemFree alone, which a full page cache keeps small, would size the cache to a few rows."""
     try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
-        available = 8 << 30
-    return min(int(available * 0.25), 8 << 30)
+        return 8 << 30
 
 
 def engine_rows(max_running: int, budget_bytes: int, bytes_per_row: int) -> int:

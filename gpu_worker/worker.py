@@ -28,7 +28,7 @@ from gpu_worker.upkeep import Upkeep
 from gpu_worker.work_queue import Held, QueueUnavailable, WorkQueue
 from shared.config import ModelSpec, Settings
 from shared.faults import Faults
-from shared.heap import freeze_startup_heap
+from shared.heap import freeze_startup_heap, thaw_heap
 from shared.keys import Keys
 from shared.messages import InferenceRequest
 
@@ -97,6 +97,12 @@ class Worker:
     # --- lifecycle -----------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
         """Start, serve until `stop` (or a crash), drain, leave."""
+        try:
+            await self._run(stop)
+        finally:
+            thaw_heap()  # stopped: what start-up froze can be freed (a test process runs many workers)
+
+    async def _run(self, stop: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
         if self.faults.active:
             log.warning("fault injection is armed (BATCHGATE_FAULTS): a test run, not production")

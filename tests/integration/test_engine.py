@@ -91,7 +91,7 @@ def test_logits_match_batch_size_one_closely(model):
     window = engine.cache.window(slice(0, len(engine.rows)), engine.end, engine.end + 1, lo)
     with torch.inference_mode():
         got = model(input_ids=ids, attention_mask=(cols[None] >= starts[:, None])[:, None, None],
-                    position_ids=(engine.end - starts)[:, None], past_key_values=window).logits[:, -1]
+                    position_ids=(engine.end - starts)[:, None], **{engine.cache_arg: window}).logits[:, -1]
         for i, row in enumerate(engine.rows):
             full = torch.tensor([[*row.spec.prompt_ids, row.tokens[-1]]])
             want = model(input_ids=full).logits[0, -1]

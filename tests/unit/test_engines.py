@@ -163,11 +163,11 @@ def test_cancel_and_drain_reach_every_engine():
 
 
 def test_engine_sequence_length_follows_its_lanes():
-    spec = BUILTIN_MODELS["tiny-llama"]  # 384 + 256 tokens at most
+    spec = BUILTIN_MODELS["tiny-llama"]  # 2,048 + 256 tokens at most
     short, main = engine_groups((LaneSpec("short", 128, engine="short"), *DEFAULT_LANES[1:]))
     assert engine_seq_len(spec, short[1]) == 128
-    assert engine_seq_len(spec, main[1]) == 640  # the long lane is unbounded
-    assert engine_seq_len(spec, (LaneSpec("a", 4096),)) == 640
+    assert engine_seq_len(spec, main[1]) == 2304  # the long lane is unbounded
+    assert engine_seq_len(spec, (LaneSpec("a", 4096),)) == 2304
 
 
 def test_cpu_threads_are_shared_between_engines():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from shared.heap import freeze_startup_heap
+from shared.heap import freeze_startup_heap, thaw_heap
 
 
 class Node:
@@ -34,3 +34,20 @@ def test_startup_objects_are_frozen_and_later_garbage_is_still_collected():
         assert later() is None  # allocated after the freeze: collected as before
     finally:
         gc.unfreeze()
+
+
+def test_a_stopped_component_thaws_what_it_froze():
+    """A process that runs components in turn (the test suite) must get a stopped one's cyclic objects back."""
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    kept = weakref.ref(a)
+    try:
+        freeze_startup_heap()  # alive now: frozen
+        del a, b  # a stopped component's objects, held only by their own cycle
+        gc.collect()
+        assert kept() is not None  # frozen: never collected while frozen
+    finally:
+        thaw_heap()
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert kept() is None

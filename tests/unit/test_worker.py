@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
+
 from gpu_worker.announce import MemoryAnnouncer
 from gpu_worker.memory_queue import MemoryQueue
 from gpu_worker.outcomes import HandBack, result_for
@@ -225,3 +227,38 @@ async def test_the_worker_rides_out_an_unavailable_queue():
         q.available = True
         await until(lambda: state(q, "r0") is Status.SUCCEEDED)
         assert r.worker.redis is None
+
+
+class _SwallowingAnnouncer(MemoryAnnouncer):
+    """Each announcement swallows a cancellation that arrives while it is in flight and returns normally, as
+    Python 3.11's `wait_for` inside redis-py does when the cancellation comes as the command completes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_call = asyncio.Event()
+
+    async def _call(self) -> None:
+        self.in_call.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(10)
+
+    async def heartbeat(self, worker: str, info: dict[str, Any]) -> None:
+        await self._call()
+
+    async def publish_stats(self, stats: Any) -> None:
+        await self._call()
+
+
+@pytest.mark.parametrize("loop", ["heartbeat", "stats"])
+async def test_an_announcement_loop_ends_even_when_its_redis_call_swallows_the_cancellation(loop: str) -> None:
+    """The worker cancels these loops once at shutdown and waits for them: one that ran on would hold the
+    shutdown for ever."""
+    from gpu_worker.announce import heartbeat_loop, stats_loop
+
+    announcer = _SwallowingAnnouncer()
+    task = asyncio.create_task(heartbeat_loop(announcer, "w1", dict) if loop == "heartbeat"
+                               else stats_loop(announcer, dict))
+    await announcer.in_call.wait()
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=1.0)
+    assert done and task.cancelled()
