@@ -53,8 +53,53 @@ class ApiRequest:
 EVENT_STREAM = "text/event-stream"
 
 
-def wants_events(accept: str | None) -> bool:
-    return bool(accept) and EVENT_STREAM in (accept or "")
+def negotiate(accept: str | None, offers: tuple[str, ...]) -> str:
+    """The offer the `Accept` header prefers: by its q-value (the most specific range that matches it), then
+    an offer named outright over one matched by a wildcard, then the order of `offers` (the server's
+    preference). No header, or nothing acceptable: the first offer not refused outright (leniency over a
+    406)."""
+    if not accept:
+        return offers[0]
+    ranges: list[tuple[str, float]] = []
+    for part in accept.split(","):
+        kind, *params = (p.strip() for p in part.split(";"))
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = min(max(float(value), 0.0), 1.0)
+                except ValueError:
+                    q = 0.0
+        if kind:
+            ranges.append((kind.lower(), q))
+
+    def rank(offer: str) -> tuple[float, int]:
+        major = offer.split("/")[0]
+        best = (-1, 0.0)  # (specificity, q)
+        for kind, q in ranges:
+            spec = 2 if kind == offer else 1 if kind == f"{major}/*" else 0 if kind == "*/*" else -1
+            if spec > best[0]:
+                best = (spec, q)
+        return (best[1], best[0]) if best[0] >= 0 else (0.0, -1)
+
+    scored = [(rank(o), -i, o) for i, o in enumerate(offers)]
+    (q, _), _, chosen = max(scored)
+    if q > 0:
+        return chosen
+    # nothing acceptable: the first offer the caller did not refuse outright (q=0), else the first
+    return next((o for (oq, spec), _, o in scored if spec < 0), offers[0])
+
+
+def wants_events(accept: str | None, stream: bool) -> bool:
+    """Whether a submit is answered with its event stream: asked for with `stream: true` wherever the caller
+    accepts events; without it only where the caller prefers events to JSON."""
+    # named outright only: no header, or a wildcard (`*/*`, what most HTTP clients send), is JSON, the events
+    # then read from GET /v1/requests/{id}/events
+    if not accept or EVENT_STREAM not in accept.lower():
+        return False
+    offers = (EVENT_STREAM, "application/json") if stream else ("application/json", EVENT_STREAM)
+    return negotiate(accept, (*offers, *MSGPACK_TYPES)) == EVENT_STREAM
 
 
 def sse_data(event: ServerEvent) -> str:
@@ -88,7 +133,9 @@ class ApiResponse:
             return self.raw, self.media_type or EVENT_STREAM
         if self.body is None:
             return b"", "application/json"
-        if accept and any(t in accept for t in MSGPACK_TYPES):
+        # most callers send `*/*` or JSON: parse the header only where it names msgpack (per response)
+        if accept and "msgpack" in accept.lower() \
+                and negotiate(accept, ("application/json", *MSGPACK_TYPES)) != "application/json":
             return msgpack.packb(self.body, use_bin_type=True), "application/msgpack"
         return json.dumps(self.body, separators=(",", ":"), allow_nan=False).encode(), "application/json"
 
@@ -135,6 +182,7 @@ __all__ = [
     "UnsupportedMediaType",
     "collect_events",
     "error_response",
+    "negotiate",
     "one_chunk",
     "sse_data",
     "sse_frame",

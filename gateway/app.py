@@ -30,8 +30,9 @@ from gateway.api import (
 from gateway.routes import ROUTES, RouteSpec, dispatch
 from gateway.service import GatewayService
 from shared.config import Settings
-from shared.heap import freeze_startup_heap
+from shared.heap import freeze_startup_heap, thaw_heap
 from shared.redis_io import UNAVAILABLE
+from shared.waiters import Released
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +57,8 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s", code="body_timeout",
                              headers={"Connection": "close"}) from None
+    except ClientDisconnect:  # nobody to answer: nothing was read, nothing done
+        raise BadRequest("the client went away before its body was whole", code="client_disconnected") from None
     return b"".join(chunks)
 
 
@@ -88,6 +91,10 @@ async def _frames(resp: ApiResponse) -> AsyncIterator[ServerSentEvent]:
     except UNAVAILABLE as exc:
         log.warning("event stream: redis unavailable", error=repr(exc))
         body = {"error": {"code": "unavailable", "message": "the queue is unreachable; reconnect with Last-Event-ID"}}
+        yield ServerSentEvent(json.dumps(body), event="error")
+    except Released:
+        body = {"error": {"code": "unavailable", "message": "this gateway is shutting down; reconnect with "
+                                                            "Last-Event-ID"}}
         yield ServerSentEvent(json.dumps(body), event="error")
 
 
@@ -185,6 +192,7 @@ def create_app(settings: Settings | None = None, *, service: GatewayService | No
             yield
         finally:
             await svc.close()
+            thaw_heap()
 
     async def openapi_endpoint(request: Request) -> Response:
         return JSONResponse(spec)

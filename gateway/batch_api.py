@@ -122,7 +122,7 @@ async def cancel_batch(svc: GatewayService, req: ApiRequest, batch_id: str) -> A
         await _visible(svc, req.tenant, batch_id)
         status = await _store(svc).move(batch_id, "cancelling", "cancelling_at", int(svc.clock()),
                                         from_=("validating", "in_progress"))
-        if status not in ("cancelling", "cancelled"):
+        if status != "cancelling":  # a second cancel while cancelling is the same cancel; once ended, 409
             raise oa.OpenAIError(409, f"the batch is {status}: nothing to cancel", code="batch_not_cancellable",
                                  retry=False)
         st = await _visible(svc, req.tenant, batch_id)

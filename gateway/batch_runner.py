@@ -43,6 +43,7 @@ from shared.errors import ValidationError
 from shared.messages import CallbackDelivery
 from shared.queue_client import QueueClient
 from shared.records import parse_record
+from shared.redis_io import raise_if_cancelling
 from shared.states import Task
 from shared.submit import build_request
 from shared.views import record_view
@@ -124,6 +125,7 @@ class BatchRunner:
         work = asyncio.create_task(self.run_batch(batch_id))
         try:
             while not work.done():
+                raise_if_cancelling()  # one lost in the lease's Redis call still ends the hold
                 done, _ = await asyncio.wait([work], timeout=LEASE_S / 3)
                 if done:
                     break
@@ -168,7 +170,7 @@ class BatchRunner:
                              line=item.line)
         want = TASK_OF[item.kind]
         if want is not None and spec.task is not want:
-            raise BatchError(f"{item.model!r} is a {spec.task.value} model", code="wrong_model_task",
+            raise BatchError(f"{item.model!r} is {spec.task.model_kind}", code="wrong_model_task",
                              param="body.model", line=item.line)
         try:
             build_request(submit_body(item, self.clock() + spec.max_timeout_s / 2), spec, tenant, self.clock(),

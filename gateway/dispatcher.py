@@ -22,7 +22,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -119,6 +119,7 @@ class Dispatcher:
 
     async def run(self, stop: asyncio.Event) -> None:
         await self._ensure_group()
+        await self.tenants.announce_default_secret()  # so operations tools never sign past it (shared.tenants)
         tasks = [asyncio.create_task(self._intake(), name="cb-intake"),
                  asyncio.create_task(self._deliver_due(), name="cb-due")]
         self.allow.log_effective(log, "dispatcher")
@@ -377,8 +378,16 @@ def run(settings: Settings, *, metrics_host: str = "127.0.0.1") -> None:
     asyncio.run(_serve(settings))
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """`python -m gateway.dispatcher`: the same as `batchgate callbacks`, configured by the environment alone."""
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="python -m gateway.dispatcher",
+        description="Run a webhook dispatcher (the same as `batchgate callbacks`; several may run). It takes no "
+                    "arguments: it is configured by the environment (BATCHGATE_REDIS_URL, BATCHGATE_KEY_PREFIX, "
+                    "BATCHGATE_WEBHOOK_SECRET, BATCHGATE_CALLBACK_*, ...; see the README).",
+    ).parse_args(argv)  # --help, or an unknown argument (exit 2), before anything starts
     try:
         settings = Settings.from_environ()
     except ConfigError as exc:

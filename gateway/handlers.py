@@ -27,7 +27,7 @@ async def submit(svc: GatewayService, req: ApiRequest, model: str) -> ApiRespons
     wait = parse_wait(req, svc.settings.max_wait_s)
     body = parse_body(req, svc.settings.max_body_bytes)
     key = parse_idempotency_key(req)
-    if isinstance(body, dict) and body.get("stream") is True and wants_events(req.header("accept")):
+    if isinstance(body, dict) and wants_events(req.header("accept"), body.get("stream") is True):
         # the answer is the request's event stream, from its acceptance on
         answer = await ops.submit(svc, body, spec, req.tenant, idempotency_key=key)
         rec = await ops.visible(svc, req.tenant, answer.body["id"])

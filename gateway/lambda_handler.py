@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections import defaultdict
 from typing import Any
@@ -73,8 +74,11 @@ def _direct(event: dict[str, Any], context: Any) -> dict[str, Any]:
     body = {k: event[k] for k in SUBMIT_KEYS if k in event}
     try:
         wanted_wait = float(event["wait"]) if "wait" in event else None
+        if wanted_wait is not None and not (math.isfinite(wanted_wait) and wanted_wait >= 0):
+            raise ValueError(wanted_wait)
     except (TypeError, ValueError, OverflowError):
-        return {"statusCode": 400, "error": {"code": "invalid_wait", "message": "wait must be a number of seconds"}}
+        return {"statusCode": 400, "error": {"code": "invalid_wait",
+                                             "message": "wait must be a number of seconds, 0 or more"}}
     remaining = _remaining_s(context)
     query: dict[str, str] = {}
     if remaining is not None:
@@ -94,6 +98,9 @@ def _direct(event: dict[str, Any], context: Any) -> dict[str, Any]:
 
 
 def sqs_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    if not isinstance(event, dict):  # not an SQS event: no message to report, nothing to retry
+        log.warning("sqs handler called without an SQS event", got=type(event).__name__)
+        return {"batchItemFailures": []}
     records = event.get("Records") or []
     failures: list[dict[str, str]] = []
     by_model: dict[str, list[tuple[str, dict[str, Any]]]] = defaultdict(list)

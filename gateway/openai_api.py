@@ -80,7 +80,7 @@ def _spec_for(svc: GatewayService, tr: oa.Translated, task: Task) -> Any:
         raise oa.OpenAIError(404, exc.message, code="model_not_found", param="model") from None
     if spec.task is not task:
         route = "/v1/embeddings" if spec.task is Task.EMBED else "/v1/completions or /v1/chat/completions"
-        raise oa.invalid("model", f"{tr.model!r} is a {spec.task.value} model: use {route}", code="wrong_model_task")
+        raise oa.invalid("model", f"{tr.model!r} is {spec.task.model_kind}: use {route}", code="wrong_model_task")
     return spec
 
 
@@ -103,7 +103,8 @@ async def _result(svc: GatewayService, answer: ops.Answer) -> dict[str, Any]:
     if rec is None or not rec.terminal:
         raise oa.OpenAIError(
             504, f"no result within {wait:.3g} s (the gateway's longest wait); request {request_id} goes on: "
-                 f"GET /v1/requests/{request_id} for its result", code="wait_exceeded", retry=False)
+                 f"GET /v1/requests/{request_id} for its result", code="wait_exceeded", retry=False,
+            headers={"X-Request-Id": request_id})
     return record_view(rec)
 
 

@@ -305,7 +305,8 @@ def document(settings: Settings) -> dict[str, Any]:
                 "responses": {
                     "200": _json({"type": "object", "required": ["results"], "properties": {
                         "results": {"type": "array", "items": {"type": "object", "required": ["index", "status"]}},
-                        "accepted": {"type": "integer"}, "refused": {"type": "integer"}}}, "Per-item outcomes"),
+                        "accepted": {"type": "integer"}, "replayed": {"type": "integer"},
+                        "refused": {"type": "integer"}}}, "Per-item outcomes"),
                     **COMMON_ERRORS, "408": BODY_TIMEOUT, "413": _err("Body too large"),
                     "415": _err("Unsupported content type"), "422": _err("Not a list of submit bodies"),
                 }}},

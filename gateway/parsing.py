@@ -29,7 +29,11 @@ def parse_body(req: ApiRequest, max_bytes: int) -> Any:
         raise PayloadTooLarge(f"body is {len(req.body)} bytes; the limit is {max_bytes}")
     if not req.body:
         raise BadRequest("empty body: send a JSON object", code="invalid_body")
-    ctype = (req.header("content-type") or "application/json").split(";")[0].strip().lower()
+    declared = req.header("content-type")
+    if not declared:  # a browser sends an untyped body (a Blob, an ArrayBuffer) cross-site without a preflight
+        raise UnsupportedMediaType("the body has no content type; send it as application/json or "
+                                   "application/msgpack (a Content-Type header)")
+    ctype = declared.split(";")[0].strip().lower()
     if ctype in MSGPACK_TYPES:
         return _msgpack_body(req.body)
     # only JSON's own type: text/plain and form bodies are what a browser may send cross-site without a

@@ -33,6 +33,7 @@ from shared.errors import CodecError
 from shared.keys import Keys
 from shared.messages import StreamDelta
 from shared.records import StoredRecord, parse_record
+from shared.redis_io import raise_if_cancelling
 from shared.views import record_view
 from shared.waiters import SubscriptionUnavailable
 
@@ -164,19 +165,36 @@ async def streamed_tokens(redis: Any, keys: Keys, request_ids: Sequence[str]) ->
     return out
 
 
-async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None) -> AsyncIterator[ServerEvent]:
+def _status_now(sent: str | None, tokens_came: bool, fresh: StoredRecord | None) -> str | None:
+    """The status to announce now, if it moves past the one `sent`: running once tokens come (the record may
+    lag), else what a fresh non-terminal record says (a terminal one is announced by `done`)."""
+    now = "running" if tokens_came else None
+    if now is None and fresh is not None and not fresh.terminal:
+        now = fresh.state.value
+    if now is None or STATUS_ORDER.get(now, 2) <= STATUS_ORDER.get(sent or "", -1):
+        return None
+    return now
+
+
+async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None,
+                 sent: str | None = None) -> AsyncIterator[ServerEvent]:
     """The events of request `rec` (already checked visible to the caller) until its `done` event.
 
-    `after`: output tokens the caller already has (from `Last-Event-ID`). Woken by the request's "done"
+    `after`: output tokens the caller already has (from `Last-Event-ID`); `sent`: the status already announced
+    (else the stream opens with `rec`'s, then moves forward, never between deltas). Woken by the request's "done"
     channel (deltas and the result both publish on it), never by polling; bounded by the request's
     deadline (plus the expiry grace), when reading it ends it `expired`."""
     await q.hub.ensure_started()
     cursor = _Cursor(skip_to=after or 0)
     request_id = rec.id
-    status = None
+    status = sent
     try:
         async with q.hub.subscribe(q.keys.done_channel(request_id)) as sub:
+            if status is None and not rec.terminal:  # opens with what the caller saw (queued, from a submit)
+                status = rec.state.value
+                yield ServerEvent("status", {"id": request_id, "status": status}, str(cursor.tokens))
             while True:
+                raise_if_cancelling()  # a caller gone while a read completed: stop here, not at the deadline
                 # the deltas come with their wake-ups: the stream is read only when some may have been missed
                 # (the first read, a reconnect, a gap); the record only when something else woke us (a
                 # result, a reconnect, the deadline's timeout)
@@ -185,8 +203,9 @@ async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None) ->
                 fresh, new = await _read(q, request_id, cursor, record=sub.take_record_due(), stream=got is None)
                 new = got if got is not None else new
                 rec = fresh or rec
-                if new and status == "queued":  # tokens come: it runs (the record says so too)
-                    status = "running"
+                now = _status_now(status, bool(new), fresh)
+                if now is not None:  # before the deltas it explains
+                    status = now
                     yield ServerEvent("status", {"id": request_id, "status": status}, str(cursor.tokens))
                 for delta in new:
                     event = cursor.take(delta)
@@ -198,9 +217,7 @@ async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None) ->
                         yield tail
                     yield ServerEvent("done", record_view(rec), str(cursor.tokens))
                     return
-                if fresh is not None and STATUS_ORDER.get(rec.state.value, 2) > STATUS_ORDER.get(status or "", -1):
-                    status = rec.state.value
-                    yield ServerEvent("status", {"id": request_id, "status": status}, str(cursor.tokens))
+                sub.raise_if_released()  # the gateway is shutting down: what there was went out
                 timeout = 5.0
                 if rec.meta is not None:  # never past the point where get() expires it
                     expiry = rec.meta.deadline_ms / 1000 + q.settings.expiry_grace_s - q.clock()
@@ -210,5 +227,5 @@ async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None) ->
     except SubscriptionUnavailable:
         # no pub/sub: read at a slow pace instead of not at all (Redis is unreachable or overloaded)
         await asyncio.sleep(RESUBSCRIBE_S)
-        async for event in follow(q, rec, cursor.tokens if cursor.tokens > cursor.skip_to else after):
+        async for event in follow(q, rec, cursor.tokens if cursor.tokens > cursor.skip_to else after, status):
             yield event

@@ -11,6 +11,7 @@ either honoured or harmless at the value given; anything else is a 400 naming th
 from __future__ import annotations
 
 import base64
+import re
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -91,6 +92,9 @@ def openai_param(native_field: str, aliases: dict[str, str]) -> str | None:
     return native_field.removeprefix("params.")
 
 
+_NATIVE_HINT = re.compile(r" \(or set (params\.[a-z_]+)[^)]*\)")
+
+
 def from_api_error(exc: ApiError, aliases: dict[str, str] | None = None) -> OpenAIError:
     """A native error in OpenAI's shape. A 422 (a field the native checks refused) is a 400, as OpenAI
     answers invalid parameters; its field and message name the OpenAI parameter."""
@@ -99,6 +103,8 @@ def from_api_error(exc: ApiError, aliases: dict[str, str] | None = None) -> Open
     message = exc.message
     if native and param and message.startswith(native + ":"):
         message = param + message[len(native):]
+    # a hint to set a native parameter this route has no counterpart of (`params.truncate`) would mislead
+    message = _NATIVE_HINT.sub(lambda m: m.group(0) if m.group(1) in (aliases or {}) else "", message)
     status = 400 if exc.status == 422 else exc.status
     return OpenAIError(status, message, code=exc.code, param=param, retry_after=exc.retry_after,
                        headers=exc.headers())  # Retry-After among them
@@ -329,7 +335,8 @@ def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Tran
     stream, usage = _stream_flags(req)
     body = {"input": _prompt_input(req.prompt), "params": _params(req, req.max_tokens),
             "stream": stream, **_deadline(req, timeout_header)}
-    aliases = {"input": "prompt", "params.max_new_tokens": "max_tokens"}
+    aliases = {"input.prompt": "prompt", "input.input_ids": "prompt", "input": "prompt",
+               "params.max_new_tokens": "max_tokens"}
     return Translated("completion", req.model, body, stream, usage, aliases=aliases)
 
 

@@ -198,7 +198,9 @@ async def submit_batch(q: QueueClient, body: Any, spec: ModelSpec, tenant: str) 
                             "queue_position": sub.queue_position, "eta_ms": _eta_ms(sub.decision),
                             "links": links(p.inference.id)}
     accepted = sum(1 for r in results if r["status"] in (200, 202))
-    return Answer(200, {"results": results, "accepted": accepted, "refused": len(results) - accepted})
+    replayed = sum(1 for r in results if r.get("replayed"))  # of the accepted: an existing request's id, none new
+    return Answer(200, {"results": results, "accepted": accepted, "replayed": replayed,
+                        "refused": len(results) - accepted})
 
 
 @dataclass(slots=True)
@@ -219,7 +221,10 @@ async def _batch_item(q: QueueClient, spec: ModelSpec, tenant: str, i: int, item
     if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 255 or not key.isprintable()):
         raise Unprocessable("idempotency_key must be a string of 1-255 printable characters",
                             extra={"field": f"requests[{i}].idempotency_key"})
-    inference = _build(q, body, spec, tenant, at=f"requests[{i}]")
+    try:
+        inference = _build(q, body, spec, tenant, at=f"requests[{i}]")
+    except Unprocessable as exc:
+        raise _with_item_fields(exc, f"requests[{i}].") from exc
     digest = body_hash(spec.name, body)
     if key is not None:
         inference = dataclasses.replace(inference, idempotency_key=key)
@@ -239,6 +244,17 @@ async def _batch_item(q: QueueClient, spec: ModelSpec, tenant: str, i: int, item
         return await _batch_replay(q, i, existing, digest, inference)
     to_store.append(_Pending(i, inference, decision, digest, claim))
     return {"index": i, "status": 0}  # filled in once stored
+
+
+def _with_item_fields(exc: Unprocessable, at: str) -> Unprocessable:
+    """An unknown top-level field of a batch item: its allowed fields include the item's own
+    `idempotency_key`, which is read before the body is."""
+    field = str(exc.extra.get("field", "")).removeprefix(at)
+    head, sep, names = exc.message.partition("unknown field (allowed: ")
+    if not sep or not field or any(c in field for c in ".["):
+        return exc
+    allowed = sorted({*names.rstrip(")").split(", "), "idempotency_key"})
+    return Unprocessable(f"{head}unknown field (allowed: {', '.join(allowed)})", extra=exc.extra)
 
 
 async def _batch_replay(q: QueueClient, i: int, existing: IdempotencyClaim, digest: str,

@@ -263,7 +263,7 @@ class QueueClient:
             if deadline_ms is not None:  # never wait past the point where get() would expire it
                 expiry = (deadline_ms / 1000 + self.settings.expiry_grace_s) - self.clock()
                 remaining = min(remaining, max(expiry, 0.0) + 0.05)
-            if remaining <= 0 or (not await sub.wait(remaining) and loop.time() >= end):
+            if remaining <= 0 or (not await sub.wait(remaining) and loop.time() >= end) or sub.released:
                 return await self.get(request_id)
             deadline_ms = None  # woken: read the record
 

@@ -25,6 +25,11 @@ class Task(StrEnum):
     GENERATE = "generate"
     EMBED = "embed"
 
+    @property
+    def model_kind(self) -> str:
+        """As a sentence names such a model: "a generation model", "an embedding model"."""
+        return "a generation model" if self is Task.GENERATE else "an embedding model"
+
 
 class Priority(StrEnum):
     """Interactive work is scheduled before batch work; batch work never pushes interactive past its deadline."""

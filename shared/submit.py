@@ -123,12 +123,13 @@ def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, t
             raise ValidationError("input.input_ids", f"item {bad[0]}: {bad[1]} is not a token of this model "
                                                      f"(its vocabulary has {vocab} tokens: ids 0-{vocab - 1})")
     elif "prompt" in inp or "messages" in inp:
-        text = inp["prompt"] if "prompt" in inp else "\n".join(m["content"] for m in inp["messages"])
-        counts = limits.count(spec, [text])
-        if counts is not None and counts[0] > spec.max_input_tokens:
-            where = "input.prompt" if "prompt" in inp else "input.messages"
-            raise ValidationError(where, f"is {counts[0]} tokens; this model takes at most "
-                                         f"{spec.max_input_tokens}")
+        if "prompt" in inp:
+            counts = limits.count(spec, [inp["prompt"]])
+            n, where = (counts[0] if counts is not None else None), "input.prompt"
+        else:
+            n, where = limits.count_chat(spec, inp["messages"]), "input.messages"
+        if n is not None and n > spec.max_input_tokens:
+            raise ValidationError(where, f"is {n} tokens; this model takes at most {spec.max_input_tokens}")
     elif "texts" in inp and not truncate:
         cap = limits.max_text_tokens(spec)
         counts = limits.count(spec, inp["texts"]) or []
@@ -146,6 +147,9 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
     if not isinstance(body, dict):
         raise ValidationError("", "the body must be a JSON object")
     check_text(body, item_lists=ITEM_LISTS)  # before anything encodes or measures its text
+    if spec.task is Task.EMBED and "stream" in body:
+        raise ValidationError("stream", f"{spec.name} is an embedding model: only generation models stream "
+                                        "(its vectors come whole, in the result)")
     sub = convert(body, SUBMIT_TYPES[spec.task], item_lists=ITEM_LISTS)
     if isinstance(sub, GenerateSubmit):
         raw_params = body.get("params")

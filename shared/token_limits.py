@@ -5,6 +5,10 @@
   worker's tokenizer does (same file, special tokens added, no truncation). Where that file or the
   package is not there (a Lambda package without either), `count` answers None and the gateway keeps
   its cheap character bound; the worker's own check (failed, `input_too_long`) stays the backstop.
+- Chat messages: rendered with the model's chat template (`chat_template.jinja` or `tokenizer_config.json`
+  beside the tokenizer, by jinja2 in a sandbox, as transformers renders it) and counted without adding special
+  tokens again, as the worker's `apply_chat_template` does. Where the template or jinja2 is not there, or
+  the template does not render here, the contents joined are counted: a lower bound, the worker the backstop.
 - Vocabulary size and positions: `ModelSpec.vocab_size`, else the model directory's `config.json`.
 - An echo model (`kind: echo`) has neither: its tokens are a text's UTF-8 bytes, counted here exactly.
 
@@ -51,6 +55,46 @@ def model_dir(spec: ModelSpec, cache_dir: str | Path) -> Path | None:
     return Path(cache_dir).expanduser() / BUILTIN_DIR.format(name=name) if cache_dir else None
 
 
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(message)
+
+
+def load_chat_template(directory: Path) -> tuple[Any, dict[str, str]] | None:
+    """The compiled chat template in `directory` and the special tokens it is rendered with; None where there
+    is none, or jinja2 is not installed."""
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    config = config if isinstance(config, dict) else {}
+    try:
+        source: Any = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    except OSError:
+        source = config.get("chat_template")
+    if isinstance(source, list):  # named templates: the default one
+        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(source, str) or not source:
+        return None
+    try:
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        return None
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.globals["raise_exception"] = _raise_exception
+    template = env.from_string(source)
+    special = {}
+    for name in SPECIAL_TOKENS:
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            special[name] = value
+    return template, special
+
+
 def tokenizer_path(spec: ModelSpec, cache_dir: str | Path) -> Path | None:
     if spec.tokenizer:
         path = Path(spec.tokenizer).expanduser()
@@ -66,6 +110,7 @@ class TokenLimits:
         self.cache_dir = cache_dir
         self._tokenizers: dict[str, Any] = {}
         self._configs: dict[str, dict[str, Any]] = {}
+        self._templates: dict[str, tuple[Any, dict[str, str]] | None] = {}
         self._lock = threading.Lock()
 
     def tokenizer(self, spec: ModelSpec) -> Any:
@@ -105,6 +150,31 @@ class TokenLimits:
         if tok is None:
             return None
         return [len(enc.ids) for enc in tok.encode_batch(texts, add_special_tokens=True)]
+
+    def count_chat(self, spec: ModelSpec, messages: list[dict[str, Any]]) -> int | None:
+        """Tokens of a conversation as the worker will count them: the chat template rendered with the
+        generation prompt, then tokenized without special tokens added again (the contents joined where the
+        template cannot be rendered here); None if unknown."""
+        joined = "\n".join(m["content"] for m in messages)
+        tok = None if spec.echo else self.tokenizer(spec)
+        if spec.name not in self._templates:
+            path = None if tok is None else tokenizer_path(spec, self.cache_dir)
+            try:
+                self._templates[spec.name] = None if path is None else load_chat_template(path.parent)
+            except Exception as exc:  # a template jinja2 cannot compile here: the worker's check stays
+                log.info("chat template not usable by the gateway", model=spec.name, error=repr(exc))
+                self._templates[spec.name] = None
+        found = self._templates[spec.name]
+        if tok is not None and found is not None:
+            template, special = found
+            try:
+                text = template.render(messages=messages, add_generation_prompt=True, **special)
+            except Exception:  # e.g. a template that refuses this conversation: the worker answers it
+                text = None
+            if text is not None:
+                return len(tok.encode(text, add_special_tokens=False).ids)
+        counts = self.count(spec, [joined])
+        return counts[0] if counts is not None else None
 
     def config(self, spec: ModelSpec) -> dict[str, Any]:
         if spec.name not in self._configs:

@@ -44,6 +44,7 @@ class Subscription:
     missed: bool = True
     deltas: list[bytes] = field(default_factory=list)  # deltas that came with their wake-ups, in order
     record: bytes | None = None  # the terminal record a done event carried (`shared.records.RECORD_EVENT`)
+    released: bool = False  # the gateway is shutting down: answer with what there is, wait no more
 
     def take_record(self) -> bytes | None:
         record, self.record = self.record, None
@@ -59,8 +60,15 @@ class Subscription:
         self.deltas, self.missed = [], False
         return out, missed
 
+    def raise_if_released(self) -> None:
+        if self.released:
+            raise Released
+
     async def wait(self, timeout: float) -> bool:
-        """True if woken (event or reconnect) before `timeout`; clears the event for the next wait."""
+        """True if woken (event or reconnect) before `timeout`; clears the event for the next wait. Returns at
+        once once released."""
+        if self.released:
+            return True
         try:
             await asyncio.wait_for(self.event.wait(), timeout)
         except TimeoutError:
@@ -71,6 +79,10 @@ class Subscription:
 
 class SubscriptionUnavailable(Exception):
     """The hub could not confirm a subscription (Redis down or slow)."""
+
+
+class Released(Exception):
+    """The gateway is shutting down: a stream ends here, its caller reconnects (to another gateway)."""
 
 
 class WaiterHub:
@@ -85,6 +97,7 @@ class WaiterHub:
         self._idle: dict[str, None] = {}  # subscribed at Redis, nobody waiting: left by the next UNSUBSCRIBE
         self._unsubscribing: asyncio.TimerHandle | None = None
         self._to_send: dict[str, None] = {}  # asked for in this turn of the loop: one SUBSCRIBE for all
+        self.released = False
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._listen(), name="waiter-hub")
@@ -107,13 +120,22 @@ class WaiterHub:
             with contextlib.suppress(Exception):
                 await self._pubsub.aclose()
 
+    def release_all(self) -> None:
+        """Shutting down: wake every waiter, now and from now on; each answers with what it has (a long-poll
+        the record as it stands, an event stream an `error` event to reconnect with its Last-Event-ID)."""
+        self.released = True
+        for subs in self._subs.values():
+            for sub in subs:
+                sub.released = True
+                sub.event.set()
+
     @property
     def waiting(self) -> int:
         return sum(len(s) for s in self._subs.values())
 
     @contextlib.asynccontextmanager
     async def subscribe(self, channel: str):  # type: ignore[no-untyped-def]
-        sub = Subscription(channel)
+        sub = Subscription(channel, released=self.released)
         # subscribed already: by another waiter, or left idle by one that finished (still confirmed, still live)
         idle = channel in self._idle
         self._idle.pop(channel, None)
@@ -190,6 +212,7 @@ class WaiterHub:
                 self._connected.set()
                 backoff = 0.05
                 while True:
+                    raise_if_cancelling()  # one lost in the SUBSCRIBE's send still ends the hub
                     msg = await self._pubsub.get_message(timeout=5.0)
                     if msg is not None:
                         self._dispatch(msg)

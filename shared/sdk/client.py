@@ -14,7 +14,14 @@ from typing import Any
 
 import httpx
 
-from shared.sdk.errors import BatchgateError, DeadlineInfeasible, RequestFailed, Unavailable, error_for
+from shared.sdk.errors import (
+    BatchgateError,
+    DeadlineInfeasible,
+    InvalidRequest,
+    RequestFailed,
+    Unavailable,
+    error_for,
+)
 
 TERMINAL = frozenset({"succeeded", "failed", "expired", "cancelled"})
 MAX_BATCH = 100
@@ -154,7 +161,11 @@ class _Common:
 
     def _batch_bodies(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out = []
-        for it in items:
+        for i, it in enumerate(items):
+            if not isinstance(it, dict) or "input" not in it:
+                raise InvalidRequest(f"items[{i}]: each item is a submit body with an 'input' ({{'input': ..., "
+                                     "'params': ...}}), got " + (f"keys {sorted(it)}" if isinstance(it, dict)
+                                                                  else type(it).__name__), code="invalid_request")
             body = self._body(it["input"], it.get("params"), it.get("timeout_s"), it.get("deadline"),
                               it.get("priority"), it.get("callback"))
             if it.get("idempotency_key"):

@@ -10,7 +10,7 @@ import json
 from collections.abc import AsyncIterator
 
 import pytest
-from openai import AsyncOpenAI, BadRequestError, NotFoundError
+from openai import AsyncOpenAI, BadRequestError, ConflictError, NotFoundError
 
 from gateway.batch_runner import BatchRunner
 from shared.keys import Keys
@@ -127,6 +127,8 @@ async def test_cancel_stops_feeding_and_every_line_is_answered_once(redis_url, p
         assert cancelling.status in ("cancelling", "cancelled")
         done = await until_done(client, b.id)
         assert done.status == "cancelled"
+        with pytest.raises(ConflictError):  # ended: nothing to cancel, as docs/batches.md says
+            await client.batches.cancel(b.id)
         out, err = await lines_of(client, done.output_file_id), await lines_of(client, done.error_file_id)
         ids = [x["custom_id"] for x in out + err]
         assert sorted(ids) == sorted(f"c-{i}" for i in range(60)) and len(set(ids)) == 60

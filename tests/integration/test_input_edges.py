@@ -129,8 +129,28 @@ async def test_the_same_key_twice_in_one_batch_is_a_replay(redis_url, prefix):
         assert res[0]["status"] == 202 and res[1]["status"] == 202, res
         assert res[1]["id"] == res[0]["id"] and res[1]["replayed"] is True
         assert res[2]["status"] == 409 and res[2]["error"]["code"] == "idempotency_conflict"
-        assert r.json()["accepted"] == 2
+        assert r.json()["accepted"] == 2 and r.json()["replayed"] == 1 and r.json()["refused"] == 1
         assert sum((await gw.service.backlog("minilm", ("short", "long"))).values()) == 1
+
+
+async def test_field_errors_say_what_is_allowed_where(redis_url, prefix):
+    """`stream` on an embedding model says only generation models stream; an unknown field of a `:batch` item
+    lists the item's own `idempotency_key` among the allowed ones."""
+    settings = make_settings(redis_url, prefix)
+    async with running_gateway(settings) as gw:
+        for stream in (True, False):
+            r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"}, "stream": stream})
+            assert r.status_code == 422 and r.json()["error"]["field"] == "stream"
+            assert "only generation models stream" in r.json()["error"]["message"], r.text
+        r = await gw.client.post("/v1/models/minilm/requests:batch", json={"requests": [
+            {"input": {"text": "a"}, "idempotency_key": "k", "colour": "red"}]})
+        err = r.json()["results"][0]["error"]
+        assert err["field"] == "requests[0].colour" and "idempotency_key" in err["message"], err
+        assert "input" in err["message"] and "timeout_s" in err["message"]
+        r = await gw.client.post("/v1/models/minilm/requests:batch", json={"requests": [
+            {"input": {"text": "a", "colour": "red"}}]})
+        err = r.json()["results"][0]["error"]
+        assert err["field"] == "requests[0].input.colour" and "idempotency_key" not in err["message"], err
 
 
 async def test_cancel_of_a_cancelled_request_is_a_conflict(redis_url, prefix):
@@ -167,8 +187,9 @@ def lambda_mod(redis_url, prefix, monkeypatch):
 def test_lambda_direct_invocation_answers_a_surrogate_with_422(lambda_mod, monkeypatch):
     bad = lambda_mod.direct_handler({"model": "tiny-llama", "input": {"prompt": LONE}}, Context())
     assert bad["statusCode"] == 422 and bad["error"]["field"] == "input.prompt"
-    assert lambda_mod.direct_handler({"model": "tiny-llama", "input": {"prompt": "x"}, "wait": 10**400},
-                                     Context())["statusCode"] == 400
+    for wait in (10**400, float("nan"), float("inf"), -1, "abc"):
+        out = lambda_mod.direct_handler({"model": "tiny-llama", "input": {"prompt": "x"}, "wait": wait}, Context())
+        assert out["statusCode"] == 400 and out["error"]["code"] == "invalid_wait", (wait, out)
 
     def boom(*a, **k):
         raise RuntimeError("a bug")
@@ -190,6 +211,8 @@ def test_lambda_sqs_reports_only_the_failing_messages(lambda_mod, monkeypatch):
     ]}
     out = lambda_mod.sqs_handler(event, Context())
     assert sorted(f["itemIdentifier"] for f in out["batchItemFailures"]) == ["m2", "m3"]
+    for not_sqs in (None, [], "x"):  # not an SQS event: nothing to report, and no exception for Lambda to retry
+        assert lambda_mod.sqs_handler(not_sqs, Context()) == {"batchItemFailures": []}
 
     real = lambda_mod._dispatch
 
@@ -227,9 +250,47 @@ async def test_a_body_that_never_arrives_is_cut_off(redis_url, prefix):
         assert took < 5 and b"body_timeout" in data
 
 
+@pytest.mark.parametrize("path", ["/v1/models/minilm/requests", "/v1/chat/completions"])
+async def test_a_client_gone_mid_body_is_no_internal_error(redis_url, prefix, monkeypatch, path):
+    """A client that closes its connection with its body half sent: nothing queued, nothing logged as an
+    unhandled error (before: a ClientDisconnect traceback for every such client)."""
+    from gateway import app as app_module
+
+    unhandled: list[str] = []
+    real, real_read = app_module._internal_error, app_module.read_body
+    body_ended = asyncio.Event()
+
+    async def spy(request, exc):
+        unhandled.append(repr(exc))
+        return await real(request, exc)
+
+    async def reading(*args, **kwargs):
+        try:
+            return await real_read(*args, **kwargs)
+        finally:
+            body_ended.set()
+
+    monkeypatch.setattr(app_module, "_internal_error", spy)
+    monkeypatch.setattr(app_module, "read_body", reading)
+    settings = make_settings(redis_url, prefix)
+    async with running_gateway(settings) as gw:
+        host, port = gw.base_url.removeprefix("http://").split(":")
+
+        def hang_up() -> None:
+            with socket.create_connection((host, int(port)), timeout=10) as s:
+                s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          "Content-Length: 100\r\n\r\n{\"input\"".encode())
+
+        await asyncio.to_thread(hang_up)
+        await asyncio.wait_for(body_ended.wait(), 10)
+        await gw.client.get("/healthz")  # a round trip later, its answer to what the read raised has run
+        assert unhandled == []
+        assert sum((await gw.service.backlog("minilm", ("short", "long"))).values()) == 0
+
+
 # --- token limits at submit (the model's own tokenizer, where the gateway can load it) ----------------
 
-LONG_PROMPT = " ".join(str(n) for n in range(700))  # ~2,700 characters (under the character bound), >384 tokens
+LONG_PROMPT = " ".join(str(n) for n in range(1500))  # ~6,400 characters (under the character bound), >2,048 tokens
 
 
 async def test_too_long_prompts_and_out_of_vocabulary_ids_are_422_at_submit(redis_url, prefix, loaded_models,
@@ -241,7 +302,7 @@ async def test_too_long_prompts_and_out_of_vocabulary_ids_are_422_at_submit(redi
         assert r.status_code == 422, r.text
         err = r.json()["error"]
         n = len(loaded_models["tiny-llama"].tokenizer(LONG_PROMPT)["input_ids"])  # the worker's own count
-        assert err["field"] == "input.prompt" and f"is {n} tokens" in err["message"] and "384" in err["message"]
+        assert err["field"] == "input.prompt" and f"is {n} tokens" in err["message"] and "2048" in err["message"]
         r = await gw.client.post("/v1/models/tiny-llama/requests", json={"input": {"input_ids": [5, 8191, 8192]}})
         assert r.status_code == 422 and r.json()["error"]["field"] == "input.input_ids"
         assert "item 2" in r.json()["error"]["message"] and "8192" in r.json()["error"]["message"]
@@ -255,6 +316,44 @@ async def test_too_long_prompts_and_out_of_vocabulary_ids_are_422_at_submit(redi
         ok = await gw.client.post("/v1/models/tiny-llama/requests", json={"input": {"prompt": "hello " * 150}})
         assert ok.status_code == 202, ok.text
         assert sum((await gw.service.backlog("minilm", ("short", "long"))).values()) == 0
+
+
+CONVERSATIONS = (
+    [{"role": "user", "content": "hello there"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "2 + 2?"}],
+    [{"role": "user", "content": "<s> looks special </s> but is text"}],
+)
+
+
+async def test_a_conversation_is_counted_with_its_chat_template_at_submit(redis_url, prefix, loaded_models,
+                                                                          model_cache):
+    """The gateway counts `messages` as the worker does (the chat template rendered, then tokenized), so a
+    conversation whose contents fit but whose rendering does not is refused at submit, not failed later."""
+    from shared.token_limits import TokenLimits
+
+    tok = loaded_models["tiny-llama"].tokenizer
+    limits = TokenLimits(model_cache)
+    for convo in CONVERSATIONS:
+        worker = len(tok.apply_chat_template(convo, add_generation_prompt=True, return_dict=False))
+        assert limits.count_chat(LLAMA, convo) == worker, convo
+    many = [{"role": "user", "content": "hello there"}] * 230  # contents ~2,000 tokens; rendered ~2,500
+    contents = len(tok("\n".join(m["content"] for m in many))["input_ids"])
+    rendered = len(tok.apply_chat_template(many, add_generation_prompt=True, return_dict=False))
+    assert contents <= LLAMA.max_input_tokens < rendered
+    settings = make_settings(redis_url, prefix, model_cache_dir=str(model_cache))
+    async with running_gateway(settings) as gw:
+        r = await gw.client.post("/v1/models/tiny-llama/requests", json={"input": {"messages": many}})
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["field"] == "input.messages" and f"is {rendered} tokens" in err["message"]
+        r = await gw.client.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": many})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        fits = many[:150]
+        assert len(tok.apply_chat_template(fits, add_generation_prompt=True, return_dict=False)) \
+            <= LLAMA.max_input_tokens
+        ok = await gw.client.post("/v1/models/tiny-llama/requests", json={"input": {"messages": fits}})
+        assert ok.status_code == 202, ok.text
 
 
 async def test_embedding_truncation_is_asked_for_and_reported(redis_url, prefix, loaded_models, model_cache):

@@ -232,3 +232,28 @@ async def test_a_stream_the_caller_leaves_is_cancelled(stack: RunningGateway, cl
         await asyncio.sleep(0.05)
     assert record["status"] == "cancelled", record
     assert record["output"] is None or record["output"]["completion_tokens"] < 256
+
+
+async def test_a_wait_past_the_gateways_limit_is_504_naming_the_request(redis_url, prefix):
+    """No worker, and the gateway's longest wait 0.2 s: 504 `wait_exceeded`, with the request's id in the body
+    and in `X-Request-Id` (as every OpenAI-route answer carries it), so the caller can fetch the result later."""
+    settings = make_settings(redis_url, prefix, max_wait_s=0.2)
+    async with running_gateway(settings) as gw:
+        r = await gw.client.post("/v1/chat/completions", json={
+            "model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 504 and r.json()["error"]["code"] == "wait_exceeded", r.text
+        rid = r.headers["x-request-id"]
+        assert rid.startswith("req_") and rid in r.json()["error"]["message"]
+        assert (await gw.client.get(f"/v1/requests/{rid}")).json()["status"] == "queued"
+
+
+async def test_a_model_on_the_wrong_route_is_named_in_plain_words(redis_url, prefix):
+    settings = make_settings(redis_url, prefix)
+    async with running_gateway(settings) as gw:
+        r = await gw.client.post("/v1/chat/completions", json={
+            "model": "minilm", "messages": [{"role": "user", "content": "hi"}]})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "wrong_model_task" and err["param"] == "model"
+        assert err["message"] == "model: 'minilm' is an embedding model: use /v1/embeddings", err
+        r = await gw.client.post("/v1/embeddings", json={"model": "tiny-llama", "input": "hi"})
+        assert r.json()["error"]["message"].startswith("model: 'tiny-llama' is a generation model: use /v1/completions")

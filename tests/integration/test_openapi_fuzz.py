@@ -7,12 +7,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, assume, given, settings
@@ -26,6 +24,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from shared.embedded_redis import free_port
 from shared.redis_io import delete_prefix_sync
+from tests.stack import gateway_process
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -46,18 +45,7 @@ def gateway(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
            "BATCHGATE_MAX_BATCH_ITEMS": "20"}
     log = tmp_path_factory.mktemp("fuzz") / "gateway.log"
     env["BATCHGATE_FILES_DIR"] = str(log.parent / "files")  # uploads the fuzz makes stay in its temporary folder
-    proc = subprocess.Popen([sys.executable, "-m", "batchgate", "gateway"], env=env, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(base + "/readyz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.monotonic() < end, log.read_text()[-2000:]
-        time.sleep(0.1)
+    proc, base = gateway_process(env, log)
     key = subprocess.run([sys.executable, "-m", "batchgate", "keys", "create", "--tenant", "fuzz"], env=env,
                          capture_output=True, text=True, check=True).stdout.strip()
     try:

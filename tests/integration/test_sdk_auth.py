@@ -62,6 +62,9 @@ async def test_async_sdk_submit_wait_result_cancel_batch_stream(redis_url, prefi
             many = await c.submit_many("minilm", [{"input": {"text": f"t{i}"}} for i in range(5)]
                                        + [{"input": {"texts": []}}])
             assert [type(m).__name__ for m in many] == ["Submission"] * 5 + ["InvalidRequest"]
+            for bad in ([{"text": "a"}], ["a"]):  # not a submit body: a typed error naming the item, nothing sent
+                with pytest.raises(InvalidRequest, match=r"items\[0\]: .*'input'"):
+                    await c.submit_many("minilm", bad)
             got = [r async for r in c.stream([m.id for m in many[:5]], timeout=30)]
             assert sorted(r.id for r in got) == sorted(m.id for m in many[:5])
             assert all(r.status == "succeeded" for r in got)

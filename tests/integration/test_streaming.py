@@ -201,3 +201,58 @@ async def test_a_request_run_again_continues_after_what_its_caller_was_sent(redi
     assert tuple(out[:3]) == sent and len(out) == 16
     ids = tok(PROMPT)["input_ids"]
     assert out[3:] == reference(loaded_models["tiny-llama"], ids + list(sent), 13)
+
+
+async def test_a_status_event_comes_first_and_never_between_deltas(redis_url, prefix):
+    """Every stream opens with the request's status and announces `running` before the first delta: read from
+    the submit, and joined while the request is already running (before: deltas first, `running` between them,
+    `queued` missing). The echo model's steps take a known time."""
+    from shared.config import ModelSpec
+    from shared.states import Task
+
+    echo = ModelSpec(name="echo", task=Task.GENERATE, source="", kind="echo", max_input_tokens=64,
+                     max_new_tokens=200, step_ms=10).validate()
+    settings = make_settings(redis_url, prefix, models=(echo,))
+    body = {"input": {"prompt": "ab"}, "params": {"max_new_tokens": 120}, "stream": True}
+
+    def check(events: list[dict[str, Any]], first: str) -> None:
+        names = [e["event"] for e in events]
+        assert names[0] == "status" and events[0]["data"]["status"] == first, names[:4]
+        first_delta = names.index("delta")
+        statuses = [e["data"]["status"] for e in events if e["event"] == "status"]
+        assert statuses[-1] == "running" and "status" not in names[first_delta:], names
+        assert check_adds_up(events)["status"] == "succeeded"
+
+    async with running_worker(settings, {}), running_gateway(settings) as gw:
+        for _ in range(3):
+            async with gw.client.stream("POST", "/v1/models/echo/requests", json=body,
+                                        headers={"Accept": "text/event-stream"}) as r:
+                check(await read_events(r), "queued")
+            rid = (await gw.client.post("/v1/models/echo/requests", json=body)).json()["id"]
+            async with gw.client.stream("GET", f"/v1/requests/{rid}/events") as first:
+                async for line in first.aiter_lines():  # until its first tokens are out
+                    if line == "event: delta":
+                        break
+            check(await events_of(gw.client, rid), "running")  # joined mid-run
+
+
+async def test_an_event_source_client_gets_events_without_asking_for_stream(redis_url, prefix):
+    """`Accept: text/event-stream` alone (an EventSource client) answers the submit with its events, the
+    output as one delta before `done`; a client that prefers JSON, or refuses events, gets the 202."""
+    from shared.config import ModelSpec
+    from shared.states import Task
+
+    echo = ModelSpec(name="echo", task=Task.GENERATE, source="", kind="echo", max_input_tokens=64,
+                     max_new_tokens=64).validate()
+    settings = make_settings(redis_url, prefix, models=(echo,))
+    body = {"input": {"prompt": "abc"}, "params": {"max_new_tokens": 5}}
+    async with running_worker(settings, {}), running_gateway(settings) as gw:
+        async with gw.client.stream("POST", "/v1/models/echo/requests", json=body,
+                                    headers={"Accept": "text/event-stream"}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = await read_events(r)
+        assert check_adds_up(events)["output"]["text"] == "abcab" and len(deltas(events)) == 1
+        for accept in ("application/json, text/event-stream", "text/event-stream;q=0, application/json"):
+            r = await gw.client.post("/v1/models/echo/requests", json={**body, "stream": True},
+                                     headers={"Accept": accept})
+            assert (r.status_code == 202) == (accept.startswith("text/event-stream;q=0")), (accept, r.status_code)

@@ -131,3 +131,44 @@ async def test_a_batch_task_that_loses_a_cancellation_is_cancelled_again_until_i
     await asyncio.sleep(0)
     await cancel_until_done(task, every_s=0.02)
     assert task.cancelled() and rounds[0] == "swallowed" and "still running" in rounds
+
+
+async def test_a_hold_whose_lease_renewal_swallows_the_cancellation_still_ends_and_stops_its_batch(monkeypatch):
+    """At shutdown the runner cancels each batch's hold once and waits for it before giving the lease back. A
+    renewal that swallows the cancellation (Python 3.11's `wait_for` inside redis-py) must not leave the hold
+    renewing the lease and waiting for the whole batch: it ends, and its batch's work ends before it."""
+    import asyncio
+    import contextlib
+    from types import SimpleNamespace
+
+    from fakeredis import aioredis as fake
+
+    from gateway import batch_runner
+    from shared.config import Settings
+    from shared.keys import Keys
+
+    monkeypatch.setattr(batch_runner, "LEASE_S", 0.06)
+    renewing = asyncio.Event()
+
+    class Store:
+        async def lease(self, batch_id, name, ms):
+            renewing.set()
+            with contextlib.suppress(asyncio.CancelledError):  # lost, as in the bug
+                await asyncio.sleep(10)
+            return True
+
+    work_ended = asyncio.Event()
+
+    async def run_batch(batch_id):
+        try:
+            await asyncio.sleep(60)
+        finally:
+            work_ended.set()
+
+    runner = batch_runner.BatchRunner(Settings(), queue=SimpleNamespace(redis=fake.FakeRedis(), keys=Keys("unit")))
+    runner.store, runner.run_batch = Store(), run_batch
+    hold = asyncio.create_task(runner._hold("batch_x"))
+    await renewing.wait()
+    hold.cancel()
+    done, _ = await asyncio.wait([hold], timeout=2.0)
+    assert done and work_ended.is_set()

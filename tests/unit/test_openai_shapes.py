@@ -172,6 +172,19 @@ def test_native_errors_name_the_openai_parameter():
         "invalid_request_error"
 
 
+def test_a_refused_prompt_or_text_names_the_openai_parameter_and_no_native_hint():
+    comp = oa.translate_completion({"model": "m", "prompt": "x"})
+    for native in ("input.prompt", "input.input_ids"):
+        err = oa.from_api_error(Unprocessable(f"{native}: is 3000 tokens; this model takes at most 2048",
+                                              extra={"field": native}), comp.aliases)
+        assert err.param == "prompt" and err.message.startswith("prompt: is 3000 tokens"), err.message
+    emb = oa.translate_embeddings({"model": "m", "input": ["a", "b"]})
+    err = oa.from_api_error(Unprocessable(
+        "input.texts[1]: is 602 tokens; this model takes at most 512 per text (or set params.truncate to cut it, "
+        "reported in the result)", extra={"field": "input.texts[1]"}), emb.aliases)
+    assert err.param == "input[1]" and err.message == "input[1]: is 602 tokens; this model takes at most 512 per text"
+
+
 def test_a_429_keeps_retry_after_and_adds_milliseconds():
     err = oa.from_api_error(TooManyRequests("slow down", code="rate_limited", retry_after=0.25))
     assert err.status == 429 and err.body()["error"]["type"] == "rate_limit_error"
