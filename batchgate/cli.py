@@ -24,7 +24,12 @@ from shared.logs import configure_logging
 
 def _environ(args: argparse.Namespace) -> dict[str, str]:
     """The process environment with the command line's options laid over it."""
+    from shared.config import redis_url_problem
+
     env = dict(os.environ)
+    problem = redis_url_problem(args.redis_url) if getattr(args, "redis_url", None) else None
+    if problem:
+        raise ConfigError(f"--redis-url {args.redis_url!r} is not a Redis URL: {problem}")
     if getattr(args, "config", None):
         env["BATCHGATE_CONFIG"] = args.config
     if getattr(args, "models", None):
@@ -45,17 +50,25 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _admin_settings(args: argparse.Namespace) -> Settings:
     """Settings for `keys`, `tenants`, `webhooks`: with no Redis named (`--redis-url`, BATCHGATE_REDIS_URL,
     REDIS_URL), the Redis and key prefix of the running `batchgate up` (batchgate/state.py)."""
-    from batchgate.state import read_state
+    from batchgate.state import is_running, recorded_state, state_path
     from shared.config import redis_url_from
 
     env = _environ(args)
+    stale = None
     if not redis_url_from(env):
-        state = read_state(env)
-        if state is not None:
+        state = recorded_state(env)
+        if state is not None and is_running(state):
             env["BATCHGATE_REDIS_URL"] = str(state["redis_url"])
             if "BATCHGATE_KEY_PREFIX" not in env and state.get("key_prefix"):
                 env["BATCHGATE_KEY_PREFIX"] = str(state["key_prefix"])
-    return Settings.from_environ(env)
+        else:
+            stale = state
+    settings = Settings.from_environ(env)
+    if stale is not None:  # an `up` killed outright leaves its file behind: say so rather than guess silently
+        print(f"batchgate: the `batchgate up` recorded in {state_path(env)} (pid {stale.get('pid')}) is not "
+              f"running; using Redis at {settings.redis_url} (key prefix {settings.key_prefix}) instead",
+              file=sys.stderr)
+    return settings
 
 
 class RedisUnreachable(Exception):
@@ -63,7 +76,8 @@ class RedisUnreachable(Exception):
 
 
 def _run_admin(settings: Settings, coro_fn: Callable[[], Coroutine[Any, Any, int | None]]) -> int:
-    """Run an admin command; an unreachable Redis is one clear line and exit status 1, not a traceback."""
+    """Run an admin command; an unreachable Redis, or a server that is not Redis, is one clear line and exit
+    status 1, not a traceback."""
     import asyncio
 
     import redis.exceptions
@@ -74,6 +88,16 @@ def _run_admin(settings: Settings, coro_fn: Callable[[], Coroutine[Any, Any, int
         raise RedisUnreachable(
             f"batchgate: cannot reach Redis at {settings.redis_url} ({type(exc).__name__}); is `batchgate up` "
             "running? Otherwise name the Redis with --redis-url or BATCHGATE_REDIS_URL") from None
+    except redis.exceptions.InvalidResponse as exc:
+        raise RedisUnreachable(f"batchgate: the server at {settings.redis_url} does not answer as Redis does "
+                               f"({_one_line(exc)}); is that the Redis URL?") from None
+    except redis.exceptions.RedisError as exc:
+        raise RedisUnreachable(f"batchgate: Redis at {settings.redis_url} refused: "
+                               f"{type(exc).__name__}: {_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -116,49 +140,94 @@ def cmd_webhooks(args: argparse.Namespace) -> int:
     """Show, rotate or retire a tenant's webhook signing secret; `thin on|off` prints no secret."""
     from shared.keys import Keys
     from shared.redis_io import make_redis
-    from shared.tenants import TenantStore
+    from shared.tenants import DefaultSecretUnknown, TenantStore
 
-    settings = _admin_settings(args)
-    if args.action == "thin" and args.value is None:
+    if args.action == "thin" and args.value not in ("on", "off"):
         print("batchgate: webhooks thin needs on or off", file=sys.stderr)
         return 2
+    if (args.action == "enable") != (args.value is not None and args.action != "thin"):
+        print("batchgate: " + ("webhooks enable needs the URL to allow again (as `webhooks disabled` lists it)"
+                               if args.action == "enable" else f"webhooks {args.action} takes no value"),
+              file=sys.stderr)
+        return 2
+    settings = _admin_settings(args)
+    if args.action in ("disabled", "enable"):
+        return _run_admin(settings, lambda: _disabled_urls(settings, args))
 
-    async def main() -> None:
+    async def main() -> int:
         redis = make_redis(settings.redis_url)
         # the default secret matters here: a tenant without its own signs with it, so rotate must keep it
-        store = TenantStore(redis, Keys(settings.key_prefix), settings.webhook_secret)
+        store = TenantStore(redis, Keys(settings.key_prefix), settings.webhook_secret, check_default=True)
         try:
             if args.action == "thin":
                 await store.set(args.tenant, thin_callbacks=args.value == "on")
                 print(f"tenant {args.tenant}: thin webhook payloads {args.value}")
-                return
+                return 0
             if args.action == "rotate":
                 print(await store.rotate_webhook_secret(args.tenant))
             elif args.action == "drop-old":
                 await store.drop_old_webhook_secrets(args.tenant)
             secrets = await store.webhook_secrets(args.tenant)
             print("\n".join(f"{'signing' if i == 0 else 'also accepted'}: {s}" for i, s in enumerate(secrets)))
+        except DefaultSecretUnknown as exc:
+            print(f"batchgate: {exc}", file=sys.stderr)
+            return 1
         finally:
             await redis.aclose()
+        return 0
 
     return _run_admin(settings, main)
+
+
+async def _disabled_urls(settings: Settings, args: argparse.Namespace) -> int:
+    """`webhooks disabled` lists the URLs a tenant's receivers disabled with 410; `webhooks enable URL` allows
+    one again (a 410 is final for the dispatcher; only the operator undoes it)."""
+    from shared.callback_store import CallbackStore
+    from shared.keys import Keys
+    from shared.redis_io import make_redis
+
+    redis = make_redis(settings.redis_url)
+    try:
+        store = CallbackStore(redis, Keys(settings.key_prefix))
+        if args.action == "disabled":
+            for url in await store.disabled(args.tenant):
+                print(url)
+            return 0
+        if not await store.enable(args.tenant, args.value):
+            print(f"batchgate: {args.value} is not disabled for tenant {args.tenant}", file=sys.stderr)
+            return 1
+        print(f"tenant {args.tenant}: {args.value} allowed again")
+        return 0
+    finally:
+        await redis.aclose()
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
     """Create, revoke or list API keys (stored hashed: a new key is printed once, never again)."""
     from shared.keys import Keys
     from shared.redis_io import make_redis
-    from shared.tenants import TenantStore
+    from shared.tenants import TenantStore, key_digest
 
+    if (args.action == "revoke") != (args.key is not None):
+        print(f"batchgate: keys {args.action} " + ("needs the key, or its hash as `keys list` shows it"
+                                                  if args.action == "revoke" else "takes no key"), file=sys.stderr)
+        return 2
     settings = _admin_settings(args)
 
     async def main() -> int:
         redis = make_redis(settings.redis_url)
-        store = TenantStore(redis, Keys(settings.key_prefix))
+        keys = Keys(settings.key_prefix)
+        store = TenantStore(redis, keys)
         try:
             if args.action == "create":
                 print(await store.create_key(args.tenant or "default"))
             elif args.action == "revoke":
+                if args.tenant is not None:  # only that tenant's key: look it up before revoking anything
+                    owner = await redis.get(keys.api_key(key_digest(args.key)))
+                    if owner is not None and owner.decode() != args.tenant:
+                        print(f"batchgate: that key belongs to tenant {owner.decode()}, not {args.tenant}; "
+                              "nothing revoked", file=sys.stderr)
+                        return 1
                 tenant = await store.revoke_key(args.key)
                 if tenant is None:
                     print("no such key", file=sys.stderr)
@@ -168,7 +237,6 @@ def cmd_keys(args: argparse.Namespace) -> int:
                 for digest in await store.list_keys(args.tenant):
                     print(digest)
             else:  # every tenant's keys: `TENANT HASH` lines (hashes only; keys are never stored)
-                keys = Keys(settings.key_prefix)
                 head, tail = keys.tenant_keys("\0").split("\0")
                 tenants = sorted({raw.decode()[len(head):-len(tail)] async for raw in
                                   redis.scan_iter(match=keys.tenant_keys("*"))})
@@ -222,9 +290,26 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run_stack(settings, environ)
 
 
+class _AnyOrder(argparse.ArgumentParser):
+    """A subcommand's parser that takes options and positionals in any order: `keys revoke --tenant T KEY` as
+    well as `keys revoke KEY --tenant T` (plain argparse gives an optional positional up before an option)."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        if self._intermixing:  # parse_known_intermixed_args calls back here, twice
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchgate", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_AnyOrder)
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--config", help="YAML or TOML model config (else BATCHGATE_CONFIG, else built-ins)")
@@ -259,12 +344,13 @@ def build_parser() -> argparse.ArgumentParser:
     common(bt)
     bt.set_defaults(func=cmd_batches)
 
-    wh = sub.add_parser("webhooks", help="show or rotate a tenant's webhook signing secret")
+    wh = sub.add_parser("webhooks", help="a tenant's webhook signing secrets, payload form and disabled URLs")
     common(wh)
-    wh.add_argument("action", choices=["show", "rotate", "drop-old", "thin"],
+    wh.add_argument("action", choices=["show", "rotate", "drop-old", "thin", "disabled", "enable"],
                     help="show the secrets; rotate (sign with a new one, keep accepting the old); drop-old "
-                         "(end the overlap); thin on|off (payloads with ids only)")
-    wh.add_argument("value", nargs="?", choices=["on", "off"], help="for `thin`")
+                         "(end the overlap); thin on|off (payloads with ids only); disabled (the URLs its "
+                         "receivers disabled with 410); enable URL (allow one again)")
+    wh.add_argument("value", nargs="?", help="on|off for `thin`; the URL for `enable`")
     wh.add_argument("--tenant", default="default")
     wh.set_defaults(func=cmd_webhooks)
 

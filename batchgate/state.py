@@ -1,6 +1,7 @@
 """Where `batchgate up` leaves word of the running local stack (its Redis URL, key prefix and ports), so
 that the operations commands (`keys`, `tenants`, `webhooks`) find it without being told. The file is
-written once the stack is ready and removed when `up` stops; one whose process is gone is ignored."""
+written once the stack is ready and removed when `up` stops; one whose process is gone (an `up` killed
+outright) is ignored, and the operations commands say so."""
 
 from __future__ import annotations
 
@@ -40,11 +41,30 @@ def remove_state(environ: Mapping[str, str]) -> None:
         pass
 
 
-def read_state(environ: Mapping[str, str]) -> dict[str, Any] | None:
-    """The running stack's state, or None when there is none (no file, or its `up` is gone)."""
+def recorded_state(environ: Mapping[str, str]) -> dict[str, Any] | None:
+    """What the state file says, whether or not its `up` still runs; None when there is no readable file."""
     try:
         state = json.loads(state_path(environ).read_text())
-        os.kill(int(state["pid"]), 0)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return None
     return state if isinstance(state, dict) else None
+
+
+def is_running(state: Mapping[str, Any]) -> bool:
+    """Whether the `up` that wrote `state` is still alive."""
+    try:
+        pid = int(state["pid"])
+        if pid <= 0:  # 0 or -1 would signal a whole group
+            return False
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # alive, another user's
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):
+        return False
+    return True
+
+
+def read_state(environ: Mapping[str, str]) -> dict[str, Any] | None:
+    """The running stack's state, or None when there is none (no file, or its `up` is gone)."""
+    state = recorded_state(environ)
+    return state if state is not None and is_running(state) else None

@@ -26,6 +26,7 @@ from batchgate.state import remove_state, write_state
 from shared.config import Settings, redis_url_from
 from shared.embedded_redis import free_port, start_embedded_redis
 from shared.lifeline import die_with_parent
+from shared.states import Task
 
 STARTUP_TIMEOUT_S = 600.0
 UP_DRAIN_BUDGET_S = 10.0  # the worker's drain budget under `up` unless BATCHGATE_DRAIN_BUDGET_S is set
@@ -54,6 +55,26 @@ def _workers_up(redis_url: str, prefix: str, models: set[str]) -> bool:
         return models <= seen
     except (redis.RedisError, OSError, ValueError):
         return False
+
+
+def redis_problem(redis_url: str, timeout_s: float = 3.0) -> str | None:
+    """Why the Redis at `redis_url` cannot serve the stack (unreachable, or not a Redis), or None when it answers."""
+    import redis
+
+    from shared.redis_io import make_sync_redis
+
+    client = None
+    try:
+        client = make_sync_redis(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        client.ping()
+    except redis.exceptions.InvalidResponse as exc:
+        return f"it does not answer as Redis does: {' '.join(str(exc).split())}"
+    except (redis.RedisError, OSError) as exc:
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())}".rstrip(": ")
+    finally:
+        if client is not None:
+            client.close()
+    return None
 
 
 class Stack:
@@ -146,6 +167,11 @@ def run_stack(settings: Settings, environ: Mapping[str, str]) -> int:
     if not redis_url:
         embedded = start_embedded_redis()
         redis_url = embedded.url
+    else:  # a Redis named: find out now, not from the parts' tracebacks and a stack that never gets ready
+        problem = redis_problem(redis_url)
+        if problem:
+            print(f"batchgate up: cannot reach Redis at {redis_url} ({problem})", file=sys.stderr)
+            return 1
     port = settings.port or free_port()
     env = {**environ, "BATCHGATE_REDIS_URL": redis_url, "BATCHGATE_HOST": settings.host,
            "BATCHGATE_PORT": str(port), "BATCHGATE_MODELS": ",".join(m.name for m in settings.models)}
@@ -162,26 +188,42 @@ def run_stack(settings: Settings, environ: Mapping[str, str]) -> int:
         if not stack.wait_ready(base, redis_url, settings):
             if stack.stop_requested:
                 code = 0
-                return code
-            print("batchgate up: the stack did not become ready", file=sys.stderr)
-            return code
-        write_state(environ, {"redis_url": redis_url, "key_prefix": settings.key_prefix, "gateway": base,
-                              "worker_metrics_port": int(env["BATCHGATE_WORKER_METRICS_PORT"]),
-                              "dispatcher_metrics_port": int(env["BATCHGATE_DISPATCHER_METRICS_PORT"])})
-        _banner(base, redis_url, embedded.kind if embedded else "external", env, settings)
-        code = stack.supervise()
-        return code
+            else:
+                print("batchgate up: the stack did not become ready", file=sys.stderr)
+        else:
+            write_state(environ, {"redis_url": redis_url, "key_prefix": settings.key_prefix, "gateway": base,
+                                  "worker_metrics_port": int(env["BATCHGATE_WORKER_METRICS_PORT"]),
+                                  "dispatcher_metrics_port": int(env["BATCHGATE_DISPATCHER_METRICS_PORT"])})
+            _banner(base, redis_url, embedded.kind if embedded else "external", env, settings)
+            code = stack.supervise()
     finally:
         remove_state(environ)
         if not stack.stop(drain_budget_s):
-            code = 1
+            code = 1  # a part that failed or had to be killed (the return comes after this block)
         if embedded is not None:
             embedded.stop()  # last: everything that used it has stopped
         print("batchgate up: stopped", file=sys.stderr, flush=True)
+    return code
 
 
 def _metrics_url(port: str) -> str:
     return f"http://127.0.0.1:{port}/metrics" if port != "0" else "off"
+
+
+def _examples(base: str, settings: Settings) -> list[str]:
+    """`try:` lines for the models served: the first embedding model's and the first generation model's."""
+    embed = next((m.name for m in settings.models if m.task is Task.EMBED), None)
+    generate = next((m for m in settings.models if m.task is Task.GENERATE), None)
+    lines = []
+    if embed is not None:
+        lines.append(f"    curl -s -X POST '{base}/v1/models/{embed}/requests?wait=5' "
+                     "-H 'content-type: application/json' -d '{\"input\": {\"texts\": [\"hello\"]}}'")
+    if generate is not None:
+        params = json.dumps({"max_new_tokens": min(32, generate.max_new_tokens)})
+        lines.append(f"    curl -s -X POST '{base}/v1/models/{generate.name}/requests?wait=10' "
+                     "-H 'content-type: application/json' "
+                     f"-d '{{\"input\": {{\"prompt\": \"Once upon a time\"}}, \"params\": {params}}}'")
+    return ["  try:", *lines] if lines else []
 
 
 def _banner(base: str, redis_url: str, redis_kind: str, env: Mapping[str, str], settings: Settings) -> None:
@@ -192,11 +234,7 @@ def _banner(base: str, redis_url: str, redis_kind: str, env: Mapping[str, str], 
         f"  models:  {', '.join(m.name + ' (' + m.task.value + ')' for m in settings.models)}",
         f"  metrics: {base}/metrics (gateway), {_metrics_url(env['BATCHGATE_WORKER_METRICS_PORT'])} (worker), "
         f"{_metrics_url(env['BATCHGATE_DISPATCHER_METRICS_PORT'])} (webhook dispatcher)",
-        "  try:",
-        f"    curl -s -X POST '{base}/v1/models/minilm/requests?wait=5' -H 'content-type: application/json' "
-        "-d '{\"input\": {\"texts\": [\"hello\"]}}'",
-        f"    curl -s -X POST '{base}/v1/models/tiny-llama/requests?wait=10' -H 'content-type: application/json' "
-        "-d '{\"input\": {\"prompt\": \"Once upon a time\"}, \"params\": {\"max_new_tokens\": 32}}'",
+        *_examples(base, settings),
         "  auth:    " + ("OFF (local use: every caller is tenant default)" if env.get("BATCHGATE_AUTH") == "off"
                          else "API keys (batchgate keys create --tenant NAME)"),
         "  webhooks: " + (f"may also target {allow} (BATCHGATE_CALLBACK_ALLOW)" if allow else

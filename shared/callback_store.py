@@ -101,6 +101,13 @@ class CallbackStore:
     async def disable(self, tenant: str, url: str) -> None:
         await self.redis.sadd(self.keys.callback_disabled(tenant), url)
 
+    async def enable(self, tenant: str, url: str) -> bool:
+        """Allow a URL its receiver disabled with 410 again (the operator's call); False if it was not disabled."""
+        return bool(await self.redis.srem(self.keys.callback_disabled(tenant), url))
+
+    async def disabled(self, tenant: str) -> list[str]:
+        return sorted(u.decode() for u in await self.redis.smembers(self.keys.callback_disabled(tenant)))
+
     async def replay(self, delivery_id: str, now_ms: int) -> CallbackState | None:
         """Schedule a dead or failed delivery again, from attempt zero. None if there is nothing to replay."""
         loaded = await self.load(delivery_id)

@@ -11,13 +11,16 @@ environment variables:
 Nothing here is read at import time.
 
 This module is the one reader of the environment: every `BATCHGATE_*` variable (and `REDIS_URL`)
-goes through `Settings.from_environ`, and the rest of the code takes a `Settings`. The one exception
-is `BATCHGATE_FAULTS`, the test-only fault injection that shared/faults.py parses.
+goes through `Settings.from_environ`, and the rest of the code takes a `Settings`. The exceptions
+(`BATCHGATE_FAULTS`, the test-only fault injection that shared/faults.py parses, `BATCHGATE_STATE_DIR`,
+the tests' own) are listed in `OTHER_ENV`; `from_environ` warns of a `BATCHGATE_*` variable it does not know.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import os
 import re
 import secrets
@@ -166,14 +169,75 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
     ),
     "tiny-llama": ModelSpec(
         name="tiny-llama", task=Task.GENERATE, source="builtin:tiny-llama",
-        max_input_tokens=384, max_new_tokens=256, max_batch_tokens=4096, vocab_size=8192,
+        max_input_tokens=2048, max_new_tokens=256, max_batch_tokens=4096, vocab_size=8192,
     ),
     "bench-llama": ModelSpec(
         name="bench-llama", task=Task.GENERATE, source="builtin:bench-llama",
-        max_input_tokens=384, max_new_tokens=256, max_batch_tokens=4096, vocab_size=8192,
+        max_input_tokens=2048, max_new_tokens=256, max_batch_tokens=4096, vocab_size=8192,
     ),
 }
 DEFAULT_MODELS = ("minilm", "tiny-llama")
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+# Every BATCHGATE_* variable batchgate reads; `from_environ` warns of any other (a typo, MAXWAIT_S for
+# MAX_WAIT_S say, would otherwise be ignored without a word). Add a setting here when you add it below
+# (tests/unit/test_config.py checks every name the repository writes is here).
+SETTINGS_ENV = frozenset(ENV_PREFIX + name for name in (
+    "REDIS_URL", "KEY_PREFIX", "REDIS_WAIT_REPLICAS", "REDIS_WAIT_MS", "HOST", "PORT", "RESULT_TTL_S",
+    "MAX_BODY_BYTES", "BODY_TIMEOUT_S", "SHUTDOWN_GRACE_S", "MAX_WAIT_S", "EXPIRY_GRACE_S", "LOG_LEVEL",
+    "LOG_FORMAT", "WORKER_NAME", "WORKER_METRICS_PORT", "INTAKE_BLOCK_MS", "RECLAIM_IDLE_S", "MAX_DELIVERIES",
+    "DRAIN_BUDGET_S", "TORCH_THREADS", "CPU_ENGINES", "AUTH", "TENANT_RATE_PER_S", "TENANT_BURST",
+    "TENANT_MAX_BACKLOG", "MAX_BATCH_ITEMS", "CALLBACK_ALLOW", "CALLBACK_MAX_ATTEMPTS", "CALLBACK_BASE_S",
+    "CALLBACK_CAP_S", "CALLBACK_CONNECT_TIMEOUT_S", "CALLBACK_TIMEOUT_S", "CALLBACK_LEASE_S", "MODEL_CACHE",
+    "WEBHOOK_SECRET", "DISPATCHER_METRICS_PORT", "LAMBDA_TENANT", "LAMBDA_MARGIN_S", "METRIC_NAMESPACE",
+    "DEPLOYMENT", "CLOUDWATCH_ENDPOINT", "FILES_DIR", "FILES_S3_BUCKET", "FILES_S3_PREFIX", "FILES_S3_ENDPOINT",
+    "MAX_FILE_BYTES", "MAX_FILE_LINES",
+    "CONFIG", "CONFIG_YAML", "MODELS",  # load_models; BATCHGATE_MODEL__<NAME>__<FIELD> too (env_model_overrides)
+))
+# ... and the ones read elsewhere, which `from_environ` leaves alone
+OTHER_ENV = frozenset(ENV_PREFIX + name for name in (
+    "FAULTS",  # shared/faults.py: test-only fault injection
+    "STATE_DIR",  # batchgate/state.py: where `batchgate up` leaves word of itself
+    "API_KEY",  # scripts/chaos.py
+    # the tests' own
+    "TEST_REDIS", "TEST_REDIS_URL", "FAST_TIER", "FUZZ_EXAMPLES", "FUZZ_REPORT", "FAULTS_REPORT", "TF_PLUGIN_DIR",
+))
+KNOWN_ENV = SETTINGS_ENV | OTHER_ENV
+_warned_env: set[str] = set()
+
+
+def unknown_env(env: Mapping[str, str]) -> list[str]:
+    """The BATCHGATE_* variables in `env` that nothing reads (sorted)."""
+    return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in KNOWN_ENV
+                  and not k.startswith(ENV_PREFIX + "MODEL__"))
+
+
+def warn_unknown_env(env: Mapping[str, str]) -> None:
+    """A warning (once per process and name) for each BATCHGATE_* variable that nothing reads."""
+    for name in unknown_env(env):
+        if name not in _warned_env:
+            _warned_env.add(name)
+            close = difflib.get_close_matches(name, sorted(KNOWN_ENV), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            logging.getLogger("batchgate.config").warning(
+                "batchgate: warning: unknown setting %s is ignored%s", name, hint)
+
+
+def redis_url_problem(url: str) -> str | None:
+    """What is wrong with `url` as a Redis URL, or None when redis-py can use it (a cluster URL included)."""
+    from redis.connection import parse_url
+
+    scheme, sep, rest = url.partition("://")
+    plain = scheme.lower().removesuffix("+cluster")
+    if not sep or plain not in ("redis", "rediss", "unix"):
+        return "it must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://"
+    try:
+        parse_url(f"{plain}://{rest}")
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +254,9 @@ class Settings:
     result_ttl_s: int = 3600
     max_body_bytes: int = 1 << 20
     body_timeout_s: float = 30.0  # a request body must arrive whole within this (else 408, connection closed)
+    # gateway SIGTERM: waits and event streams in flight go on (their results may still come) for this long
+    # less 2 s, then answer what they have (a stream: an `error` event to reconnect), and the gateway exits
+    shutdown_grace_s: float = 10.0
     max_wait_s: float = 60.0
     expiry_grace_s: float = 2.0
     log_level: str = "info"
@@ -242,56 +309,78 @@ class Settings:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = dict(os.environ if environ is None else environ)
+        warn_unknown_env(env)
         get = env.get
         d = cls(models=())
+
+        def parsed(name: str, default: Any, kind: type) -> Any:
+            raw = get(ENV_PREFIX + name)
+            try:
+                return default if raw is None else kind(raw)
+            except ValueError:
+                what = "an integer" if kind is int else "a number"
+                raise ConfigError(f"{ENV_PREFIX}{name}={raw!r} is not {what}") from None
+
+        def integer(name: str, default: int) -> int:
+            return int(parsed(name, default, int))
+
+        def number(name: str, default: float) -> float:
+            return float(parsed(name, default, float))
+
+        redis_url = redis_url_from(env)
+        if redis_url is not None:
+            problem = redis_url_problem(redis_url)
+            if problem:
+                source = ENV_PREFIX + "REDIS_URL" if get(ENV_PREFIX + "REDIS_URL") else "REDIS_URL"
+                raise ConfigError(f"{source}={redis_url!r} is not a Redis URL: {problem}")
         models = load_models(env)
         cache_dir = get(ENV_PREFIX + "MODEL_CACHE") or str(Path.home() / ".cache" / "batchgate" / "models")
         key_prefix = get(ENV_PREFIX + "KEY_PREFIX", d.key_prefix)
         try:
             return cls(
-                redis_url=redis_url_from(env) or d.redis_url,
+                redis_url=redis_url or d.redis_url,
                 key_prefix=key_prefix,
-                redis_wait_replicas=int(get(ENV_PREFIX + "REDIS_WAIT_REPLICAS", d.redis_wait_replicas)),
-                redis_wait_ms=int(get(ENV_PREFIX + "REDIS_WAIT_MS", d.redis_wait_ms)),
+                redis_wait_replicas=integer("REDIS_WAIT_REPLICAS", d.redis_wait_replicas),
+                redis_wait_ms=integer("REDIS_WAIT_MS", d.redis_wait_ms),
                 host=get(ENV_PREFIX + "HOST", d.host),
-                port=int(get(ENV_PREFIX + "PORT", d.port)),
-                result_ttl_s=int(get(ENV_PREFIX + "RESULT_TTL_S", d.result_ttl_s)),
-                max_body_bytes=int(get(ENV_PREFIX + "MAX_BODY_BYTES", d.max_body_bytes)),
-                body_timeout_s=float(get(ENV_PREFIX + "BODY_TIMEOUT_S", d.body_timeout_s)),
-                max_wait_s=float(get(ENV_PREFIX + "MAX_WAIT_S", d.max_wait_s)),
-                expiry_grace_s=float(get(ENV_PREFIX + "EXPIRY_GRACE_S", d.expiry_grace_s)),
+                port=integer("PORT", d.port),
+                result_ttl_s=integer("RESULT_TTL_S", d.result_ttl_s),
+                max_body_bytes=integer("MAX_BODY_BYTES", d.max_body_bytes),
+                body_timeout_s=number("BODY_TIMEOUT_S", d.body_timeout_s),
+                shutdown_grace_s=number("SHUTDOWN_GRACE_S", d.shutdown_grace_s),
+                max_wait_s=number("MAX_WAIT_S", d.max_wait_s),
+                expiry_grace_s=number("EXPIRY_GRACE_S", d.expiry_grace_s),
                 log_level=get(ENV_PREFIX + "LOG_LEVEL", d.log_level).lower(),
                 log_format=get(ENV_PREFIX + "LOG_FORMAT", d.log_format).lower(),
                 # unique per start: a restarted container with the same host name and pid 1 must not inherit
                 # the pending entries of its previous life as if they were its own
                 worker_name=get(ENV_PREFIX + "WORKER_NAME")
                 or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}",
-                worker_metrics_port=int(get(ENV_PREFIX + "WORKER_METRICS_PORT", d.worker_metrics_port)),
-                intake_block_ms=int(get(ENV_PREFIX + "INTAKE_BLOCK_MS", d.intake_block_ms)),
-                reclaim_idle_s=float(get(ENV_PREFIX + "RECLAIM_IDLE_S", d.reclaim_idle_s)),
-                max_deliveries=int(get(ENV_PREFIX + "MAX_DELIVERIES", d.max_deliveries)),
-                drain_budget_s=float(get(ENV_PREFIX + "DRAIN_BUDGET_S", d.drain_budget_s)),
-                torch_threads=int(get(ENV_PREFIX + "TORCH_THREADS", d.torch_threads)),
+                worker_metrics_port=integer("WORKER_METRICS_PORT", d.worker_metrics_port),
+                intake_block_ms=integer("INTAKE_BLOCK_MS", d.intake_block_ms),
+                reclaim_idle_s=number("RECLAIM_IDLE_S", d.reclaim_idle_s),
+                max_deliveries=integer("MAX_DELIVERIES", d.max_deliveries),
+                drain_budget_s=number("DRAIN_BUDGET_S", d.drain_budget_s),
+                torch_threads=integer("TORCH_THREADS", d.torch_threads),
                 cpu_engines=get(ENV_PREFIX + "CPU_ENGINES", d.cpu_engines).lower(),
                 auth=get(ENV_PREFIX + "AUTH", d.auth).lower(),
-                tenant_rate_per_s=float(get(ENV_PREFIX + "TENANT_RATE_PER_S", d.tenant_rate_per_s)),
-                tenant_burst=int(get(ENV_PREFIX + "TENANT_BURST", d.tenant_burst)),
-                tenant_max_backlog=int(get(ENV_PREFIX + "TENANT_MAX_BACKLOG", d.tenant_max_backlog)),
-                max_batch_items=int(get(ENV_PREFIX + "MAX_BATCH_ITEMS", d.max_batch_items)),
+                tenant_rate_per_s=number("TENANT_RATE_PER_S", d.tenant_rate_per_s),
+                tenant_burst=integer("TENANT_BURST", d.tenant_burst),
+                tenant_max_backlog=integer("TENANT_MAX_BACKLOG", d.tenant_max_backlog),
+                max_batch_items=integer("MAX_BATCH_ITEMS", d.max_batch_items),
                 callback_allow=get(ENV_PREFIX + "CALLBACK_ALLOW", d.callback_allow),
-                callback_max_attempts=int(get(ENV_PREFIX + "CALLBACK_MAX_ATTEMPTS", d.callback_max_attempts)),
-                callback_base_s=float(get(ENV_PREFIX + "CALLBACK_BASE_S", d.callback_base_s)),
-                callback_cap_s=float(get(ENV_PREFIX + "CALLBACK_CAP_S", d.callback_cap_s)),
-                callback_connect_timeout_s=float(get(ENV_PREFIX + "CALLBACK_CONNECT_TIMEOUT_S",
-                                                     d.callback_connect_timeout_s)),
-                callback_timeout_s=float(get(ENV_PREFIX + "CALLBACK_TIMEOUT_S", d.callback_timeout_s)),
-                callback_lease_s=float(get(ENV_PREFIX + "CALLBACK_LEASE_S", d.callback_lease_s)),
+                callback_max_attempts=integer("CALLBACK_MAX_ATTEMPTS", d.callback_max_attempts),
+                callback_base_s=number("CALLBACK_BASE_S", d.callback_base_s),
+                callback_cap_s=number("CALLBACK_CAP_S", d.callback_cap_s),
+                callback_connect_timeout_s=number("CALLBACK_CONNECT_TIMEOUT_S", d.callback_connect_timeout_s),
+                callback_timeout_s=number("CALLBACK_TIMEOUT_S", d.callback_timeout_s),
+                callback_lease_s=number("CALLBACK_LEASE_S", d.callback_lease_s),
                 models=models,
                 model_cache_dir=cache_dir,
                 webhook_secret=get(ENV_PREFIX + "WEBHOOK_SECRET", d.webhook_secret),
-                dispatcher_metrics_port=int(get(ENV_PREFIX + "DISPATCHER_METRICS_PORT", d.dispatcher_metrics_port)),
+                dispatcher_metrics_port=integer("DISPATCHER_METRICS_PORT", d.dispatcher_metrics_port),
                 lambda_tenant=get(ENV_PREFIX + "LAMBDA_TENANT", d.lambda_tenant),
-                lambda_margin_s=float(get(ENV_PREFIX + "LAMBDA_MARGIN_S", d.lambda_margin_s)),
+                lambda_margin_s=number("LAMBDA_MARGIN_S", d.lambda_margin_s),
                 metric_namespace=get(ENV_PREFIX + "METRIC_NAMESPACE", d.metric_namespace),
                 deployment=get(ENV_PREFIX + "DEPLOYMENT", key_prefix),
                 cloudwatch_endpoint=get(ENV_PREFIX + "CLOUDWATCH_ENDPOINT", d.cloudwatch_endpoint),
@@ -299,8 +388,8 @@ class Settings:
                 files_s3_bucket=get(ENV_PREFIX + "FILES_S3_BUCKET", d.files_s3_bucket),
                 files_s3_prefix=get(ENV_PREFIX + "FILES_S3_PREFIX", d.files_s3_prefix),
                 files_s3_endpoint=get(ENV_PREFIX + "FILES_S3_ENDPOINT", d.files_s3_endpoint),
-                max_file_bytes=int(get(ENV_PREFIX + "MAX_FILE_BYTES", d.max_file_bytes)),
-                max_file_lines=int(get(ENV_PREFIX + "MAX_FILE_LINES", d.max_file_lines)),
+                max_file_bytes=integer("MAX_FILE_BYTES", d.max_file_bytes),
+                max_file_lines=integer("MAX_FILE_LINES", d.max_file_lines),
             ).validate()
         except ValueError as exc:
             raise ConfigError(f"invalid setting: {exc}") from exc
@@ -310,9 +399,10 @@ class Settings:
             raise ConfigError(f"key prefix {self.key_prefix!r}: 1-32 letters, digits, '_', '.', '-'")
         if self.reclaim_idle_s <= 0 or self.max_deliveries < 1 or self.drain_budget_s < 0:
             raise ConfigError("reclaim_idle_s > 0, max_deliveries >= 1 and drain_budget_s >= 0 are required")
-        if not self.body_timeout_s > 0 or self.redis_wait_replicas < 0 or self.redis_wait_ms < 1:
-            raise ConfigError("BATCHGATE_BODY_TIMEOUT_S > 0, BATCHGATE_REDIS_WAIT_REPLICAS >= 0 and "
-                              "BATCHGATE_REDIS_WAIT_MS >= 1 are required")
+        if not self.body_timeout_s > 0 or not self.shutdown_grace_s >= 0 or self.redis_wait_replicas < 0 \
+                or self.redis_wait_ms < 1:
+            raise ConfigError("BATCHGATE_BODY_TIMEOUT_S > 0, BATCHGATE_SHUTDOWN_GRACE_S >= 0, "
+                              "BATCHGATE_REDIS_WAIT_REPLICAS >= 0 and BATCHGATE_REDIS_WAIT_MS >= 1 are required")
         if self.result_ttl_s < 1 or self.max_body_bytes < 1024 or self.max_wait_s < 0:
             raise ConfigError("result_ttl_s >= 1, max_body_bytes >= 1024 and max_wait_s >= 0 are required")
         if self.max_file_bytes < 1 or self.max_file_lines < 1:
@@ -323,8 +413,7 @@ class Settings:
             raise ConfigError("BATCHGATE_CPU_ENGINES must be shared or parallel")
         if self.auth not in ("api_key", "off"):
             raise ConfigError("BATCHGATE_AUTH must be api_key or off")
-        if self.log_format not in ("json", "console", "auto"):
-            raise ConfigError("log format must be json, console or auto")
+        self._validate_logging()
         from shared.ssrf import AllowList  # stdlib only: no cycle
 
         try:
@@ -335,6 +424,12 @@ class Settings:
         if len(names) != len(set(names)):
             raise ConfigError(f"model names must be unique, got {names}")
         return self
+
+    def _validate_logging(self) -> None:
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"BATCHGATE_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.log_format not in ("json", "console", "auto"):
+            raise ConfigError(f"BATCHGATE_LOG_FORMAT must be json, console or auto, got {self.log_format!r}")
 
 
 def default_files_dir(env: Mapping[str, str]) -> str:

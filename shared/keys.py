@@ -94,6 +94,9 @@ class Keys:
     def tenant(self, tenant: str) -> str:
         return f"{self.prefix}:tenant:{tenant}"
 
+    def webhook_default(self) -> str:
+        return f"{self.prefix}:webhooks:default"
+
     def api_key(self, key_hash: str) -> str:
         return f"{self.prefix}:apikey:{key_hash}"
 

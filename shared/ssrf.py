@@ -14,7 +14,8 @@ and networks (`BATCHGATE_CALLBACK_ALLOW`) overrides the refusal, with limits: en
 (a bad network is an error, not a host name), entries wide enough to turn the guard off need
 `force:`, link-local and metadata addresses stay refused unless an entry names them, an allowed host
 name still has its resolved addresses checked against link-local/metadata, and obviously internal
-names (`localhost`, `*.localhost`, `*.internal`, `*.local`) are refused unless allowed. Messages
+names (`localhost`, a name of one label, `*.localhost`, `*.internal`, `*.local`, `*.home.arpa`, and the
+never-delegated `*.lan`, `*.home`, `*.corp`, `*.localdomain`) are refused unless allowed. Messages
 never name server environment variables (they reach API callers).
 """
 
@@ -58,15 +59,27 @@ class Target:
 SENSITIVE = tuple(ipaddress.ip_network(n) for n in (
     "169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128", "::ffff:169.254.0.0/112"))
 # obviously internal host names: refused at submit (422) unless allow-listed
-INTERNAL_SUFFIXES = (".localhost", ".internal", ".local")
+INTERNAL_SUFFIXES = (".localhost", ".internal", ".local", ".home.arpa", ".lan", ".home", ".corp", ".localdomain")
 FORCE = "force:"
 _LABEL = r"[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?"
 _HOST_RE = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
 
 
 def _too_wide(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bool:
-    """A network so wide that allowing it turns the guard off (0.0.0.0/0, ::/0, 0.0.0.0/1, ...)."""
-    return net.prefixlen < (8 if net.version == 4 else 16)
+    """A network so wide that allowing it turns the guard off (0.0.0.0/0, ::/0, 0.0.0.0/1, ...), IPv6 ones
+    carrying IPv4 included: an entry that covers a /8 or more of IPv4 through an embedding (`::ffff:0:0/96`,
+    `64:ff9b::/96`, `::/96`, `2002::/16`, or `::/80` around them) is as wide as `0.0.0.0/8`. A part of a
+    link-local or metadata network is named on purpose (`fe80::/10`), never too wide."""
+    if net.version == 4:
+        return net.prefixlen < 8
+    if any(net.subnet_of(s) for s in SENSITIVE if s.version == 6):  # type: ignore[arg-type]
+        return False
+    if net.prefixlen < 16:
+        return True
+    for embedding, v4_at in _EMBEDDINGS:
+        if net.supernet_of(embedding) or (net.subnet_of(embedding) and net.prefixlen - v4_at < 8):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -134,7 +147,7 @@ def is_sensitive(ip: IPAddress) -> bool:
 
 def is_internal_name(host: str) -> bool:
     h = host.lower().rstrip(".")
-    return h == "localhost" or h.endswith(INTERNAL_SUFFIXES)
+    return "." not in h or h.endswith(INTERNAL_SUFFIXES)  # one label (`intranet`): only a local resolver knows it
 
 
 def literal_ip(host: str) -> IPAddress | None:
@@ -154,6 +167,11 @@ _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # well-known NAT64 prefix: DNS64
 _NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")
 _SIIT = ipaddress.IPv6Network("::ffff:0:0:0/96")  # IPv4-translated
 _V4_COMPAT = ipaddress.IPv6Network("::/96")  # deprecated IPv4-compatible
+# IPv6 networks that carry IPv4 addresses, and the bit where the IPv4 address begins (conservatively, for
+# Teredo's and NAT64's local-use prefix, whose IPv4 bits sit in several places)
+_EMBEDDINGS = ((ipaddress.IPv6Network("::ffff:0:0/96"), 96), (_V4_COMPAT, 96), (_NAT64, 96), (_SIIT, 96),
+               (ipaddress.IPv6Network("2002::/16"), 16), (ipaddress.IPv6Network("2001::/32"), 96),
+               (_NAT64_LOCAL, 96))
 
 
 def _embedded(ip: IPAddress) -> list[IPAddress]:
@@ -208,7 +226,7 @@ def check_url(url: str, allow: AllowList) -> None:
     if ip is not None:
         check_ip(ip, allow)
     elif is_internal_name(host):
-        raise RefusedURL(f"host {host} is an internal name (localhost, *.localhost, *.internal, *.local); the "
+        raise RefusedURL(f"host {host} is an internal name (one label, *.internal, *.local, *.lan, ...); the "
                          "operator's callback allow-list can allow it")
 
 

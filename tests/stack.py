@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -89,3 +93,20 @@ async def running_gateway(settings: Settings) -> AsyncIterator[RunningGateway]:
         finally:
             server.should_exit = True
             await asyncio.wait_for(task, 30)
+
+
+def gateway_process(env: Mapping[str, str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`batchgate gateway` as its own process (configured by `env`, which names its port), once ready:
+    the process and its base URL. Its output goes to `log`."""
+    proc = subprocess.Popen([sys.executable, "-m", "batchgate", "gateway"], env=dict(env), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{env['BATCHGATE_PORT']}"
+    end = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(base + "/readyz", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < end, log.read_text()[-2000:]
+        time.sleep(0.1)

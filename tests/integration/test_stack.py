@@ -72,6 +72,31 @@ async def test_generate_sync_wait_matches_generate(redis_url, prefix, loaded_mod
         assert isinstance(r.json()["output"]["text"], str)
 
 
+async def test_the_built_in_llama_serves_a_2048_token_prompt_in_chunks_beside_a_running_row(redis_url, prefix,
+                                                                                        loaded_models):
+    """The built-in Llamas take prompts of up to 2,048 tokens: prefilled in chunks while other rows decode, with
+    the tokens `generate` gives; one token more is refused at submit."""
+    settings = make_settings(redis_url, prefix)
+    spec = settings.model("tiny-llama")
+    assert spec is not None and spec.max_input_tokens >= 2048 and spec.prefill_chunk_tokens < 2048
+    long_prompt = [(i * 7919) % 8000 + 3 for i in range(2048)]
+    short_prompt = [5, 17, 300, 42, 7]
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        params = {"max_new_tokens": 16, "ignore_eos": True}
+        short = gw.client.post("/v1/models/tiny-llama/requests?wait=60", json={
+            "input": {"input_ids": short_prompt}, "params": {"max_new_tokens": 64, "ignore_eos": True}})
+        long = gw.client.post("/v1/models/tiny-llama/requests?wait=60", json={
+            "input": {"input_ids": long_prompt}, "params": params})
+        rs, rl = await asyncio.gather(short, long)
+        assert rs.status_code == 200 and rl.status_code == 200, (rs.text, rl.text)
+        assert rl.json()["output"]["prompt_tokens"] == 2048
+        assert rl.json()["output"]["token_ids"] == tiny_llama_reference(loaded_models["tiny-llama"], long_prompt, 16)
+        assert rs.json()["output"]["token_ids"] == tiny_llama_reference(loaded_models["tiny-llama"], short_prompt, 64)
+        r = await gw.client.post("/v1/models/tiny-llama/requests", json={
+            "input": {"input_ids": [*long_prompt, 3]}, "params": params})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "input.input_ids", r.text
+
+
 async def test_a_stop_string_ends_text_and_token_ids_before_it(redis_url, prefix, loaded_models):
     settings = make_settings(redis_url, prefix)
     tok = loaded_models["tiny-llama"].tokenizer
@@ -300,6 +325,10 @@ BAD_SUBMITS = [
     ("/v1/models/minilm/requests", b'{"input": {"text": "\\ud800"}}', {}, 422),
     ("/v1/models/minilm/requests:batch", b'{"requests": [{"input": {"text": "x"}}]}', {"content-type": "text/plain"},
      415),
+    # no content type at all: what a browser sends for an untyped body (a Blob) cross-site, without a preflight
+    ("/v1/models/minilm/requests", b'{"input": {"text": "x"}}', {"content-type": None}, 415),
+    ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}]}',
+     {"content-type": None}, 415),
 ]
 
 
@@ -307,7 +336,8 @@ BAD_SUBMITS = [
 async def test_bad_input_gets_a_clear_4xx(redis_url, prefix, path, body, headers, status):
     settings = make_settings(redis_url, prefix)
     async with running_gateway(settings) as gw:
-        r = await gw.client.post(path, content=body, headers=headers)
+        sent = {k: v for k, v in {"content-type": "application/json", **headers}.items() if v is not None}
+        r = await gw.client.post(path, content=body, headers=sent)
         assert r.status_code == status, r.text
         err = r.json()["error"]
         assert err["code"] and err["message"]

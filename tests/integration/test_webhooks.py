@@ -52,6 +52,14 @@ async def dispatcher(settings, **kw):
         await asyncio.wait_for(task, 20)
 
 
+async def delivered_once(gw, rx) -> Received:
+    """A request with a callback to `rx`, completed; its one delivery as `rx` received it."""
+    rid = await submit(gw, rx.url)
+    await complete(gw, rid)
+    await wait_until(lambda: _true(len(rx.requests) == 1))
+    return rx.requests[0]
+
+
 async def complete(gw, rid: str, status: Status = Status.SUCCEEDED) -> None:
     """A worker's completion, minus the model: the same finish script, so the same webhook enqueue."""
     rec = await gw.service.store.get(rid)
@@ -296,10 +304,7 @@ async def test_secret_rotation_signs_with_both(redis_url, prefix):
         tenants = TenantStore(gw.service.redis, Keys(prefix))
         (old,) = await tenants.webhook_secrets("default")
         new = await tenants.rotate_webhook_secret("default")
-        rid = await submit(gw, rx.url)
-        await complete(gw, rid)
-        await wait_until(lambda: _true(len(rx.requests) == 1))
-        got = rx.requests[0]
+        got = await delivered_once(gw, rx)
         assert len(got.headers["webhook-signature"].split(" ")) == 2
         verify(old, got.body, got.headers)  # receivers on either secret accept it during the overlap
         verify(new, got.body, got.headers)
@@ -337,10 +342,7 @@ async def test_rotate_keeps_the_default_secret_from_the_environment(redis_url, p
     assert new.startswith("whsec_") and f"also accepted: {SECRET}" in out.stdout
     settings = settings_for(redis_url, prefix)
     async with receiver() as rx, running_gateway(settings) as gw, dispatcher(settings, secret=SECRET):
-        rid = await submit(gw, rx.url)
-        await complete(gw, rid)
-        await wait_until(lambda: _true(len(rx.requests) == 1))
-        got = rx.requests[0]
+        got = await delivered_once(gw, rx)
         assert len(got.headers["webhook-signature"].split(" ")) == 2
         verify(SECRET, got.body, got.headers)
         verify(new, got.body, got.headers)
@@ -404,3 +406,51 @@ async def test_internal_callback_names_get_422_at_submit_and_the_answer_names_no
         r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"},
                                                                       "callback": {"url": "http://dev.localhost/"}})
         assert r.status_code == 202, r.text  # allowed by name
+
+
+async def test_operations_tools_without_the_dispatchers_default_secret_neither_replace_nor_rotate_it(redis_url,
+                                                                                                   prefix):
+    """A shell without BATCHGATE_WEBHOOK_SECRET (or with another one) must not give a tenant that signs with
+    the dispatcher's default a secret of its own: `show` and `rotate` refuse with one line, store nothing, and
+    deliveries keep verifying with the default alone."""
+    settings = settings_for(redis_url, prefix)
+    base = {k: v for k, v in os.environ.items() if k != "BATCHGATE_WEBHOOK_SECRET"}
+    base |= {"BATCHGATE_REDIS_URL": redis_url, "BATCHGATE_KEY_PREFIX": prefix}
+    async with receiver() as rx, running_gateway(settings) as gw, dispatcher(settings, secret=SECRET):
+        for env in (base, {**base, "BATCHGATE_WEBHOOK_SECRET": "whsec_" + "b" * 32}):
+            for action in ("show", "rotate"):
+                out = await asyncio.to_thread(
+                    subprocess.run, [sys.executable, "-m", "batchgate.cli", "webhooks", action, "--tenant",
+                                     "default"], env=env, capture_output=True, text=True, timeout=60)
+                assert out.returncode == 1 and "BATCHGATE_WEBHOOK_SECRET" in out.stderr, (action, out)
+                assert "Traceback" not in out.stderr and "whsec_" not in out.stdout
+        assert (await TenantStore(gw.service.redis, Keys(prefix)).get("default")).webhook_secrets == ()
+        got = await delivered_once(gw, rx)
+        assert len(got.headers["webhook-signature"].split(" ")) == 1
+        verify(SECRET, got.body, got.headers)
+
+
+async def test_an_operator_allows_a_url_disabled_by_410_again(redis_url, prefix):
+    """A 410 disables a URL for its tenant for good (the dispatcher never undoes it); the operator lists such
+    URLs with `batchgate webhooks disabled` and allows one again with `webhooks enable URL`."""
+    settings = settings_for(redis_url, prefix)
+    env = {**os.environ, "BATCHGATE_REDIS_URL": redis_url, "BATCHGATE_KEY_PREFIX": prefix}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "batchgate.cli", "webhooks", *args, "--tenant", "default"],
+                              env=env, capture_output=True, text=True, timeout=60)
+
+    async with running_gateway(settings) as gw:
+        url = "http://127.0.0.1:9/gone"
+        await CallbackStore(gw.service.redis, Keys(prefix)).disable("default", url)
+        body = {"input": {"text": "x"}, "callback": {"url": url}}
+        assert (await gw.client.post("/v1/models/minilm/requests", json=body)).status_code == 422
+        listed = await asyncio.to_thread(cli, "disabled")
+        assert listed.returncode == 0 and listed.stdout.split() == [url], listed
+        enabled = await asyncio.to_thread(cli, "enable", url)
+        assert enabled.returncode == 0 and "allowed again" in enabled.stdout, enabled
+        assert (await gw.client.post("/v1/models/minilm/requests", json=body)).status_code == 202
+        again = await asyncio.to_thread(cli, "enable", url)
+        assert again.returncode == 1 and "not disabled" in again.stderr
+        missing = await asyncio.to_thread(cli, "enable")
+        assert missing.returncode == 2 and "needs the URL" in missing.stderr

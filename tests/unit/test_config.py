@@ -171,3 +171,78 @@ def test_the_gateway_finds_the_builtin_models_where_the_worker_creates_them(tmp_
         assert token_limits.model_dir(BUILTIN_MODELS[name], tmp_path) == expected
         assert BUILTIN_MODELS[name].vocab_size == models.TOKENIZER_VOCAB
     assert token_limits.model_dir(BUILTIN_MODELS["minilm"], tmp_path) == models.minilm_path()
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("BATCHGATE_MAX_WAIT_S", "abc", "BATCHGATE_MAX_WAIT_S='abc' is not a number"),
+    ("BATCHGATE_PORT", "abc", "BATCHGATE_PORT='abc' is not an integer"),
+    ("BATCHGATE_RESULT_TTL_S", "1.5", "BATCHGATE_RESULT_TTL_S='1.5' is not an integer"),
+    ("BATCHGATE_CALLBACK_CONNECT_TIMEOUT_S", "", "BATCHGATE_CALLBACK_CONNECT_TIMEOUT_S='' is not a number"),
+    ("BATCHGATE_LOG_LEVEL", "loud", "BATCHGATE_LOG_LEVEL must be one of debug, info, warning, error, critical"),
+    ("BATCHGATE_LOG_FORMAT", "xml", "BATCHGATE_LOG_FORMAT must be json, console or auto"),
+    ("BATCHGATE_REDIS_URL", "http://x", "BATCHGATE_REDIS_URL='http://x' is not a Redis URL"),
+    ("REDIS_URL", "garbage", "REDIS_URL='garbage' is not a Redis URL"),
+    ("BATCHGATE_REDIS_URL", "redis://h:port/0", "BATCHGATE_REDIS_URL='redis://h:port/0' is not a Redis URL"),
+])
+def test_a_bad_value_names_its_variable_and_what_it_should_be(name, value, says):
+    with pytest.raises(ConfigError) as exc:
+        Settings.from_environ({name: value})
+    assert str(exc.value).startswith(says), exc.value
+
+
+def test_every_redis_url_form_batchgate_documents_is_accepted():
+    for url in ("redis://127.0.0.1:6379/0", "rediss://:pw@h:6380/1", "unix:///tmp/redis.sock",
+                "redis+cluster://h:7000", "rediss+cluster://h:7000", "REDIS://h/0"):
+        assert Settings.from_environ({"BATCHGATE_REDIS_URL": url}).redis_url == url
+
+
+def test_an_unknown_batchgate_variable_is_warned_of_by_name(caplog):
+    from shared import config
+
+    env = {"BATCHGATE_MAXWAIT_S": "5", "BATCHGATE_MODEL__TINY_LLAMA__MAX_RUNNING": "4",
+           **{name: "" for name in config.OTHER_ENV}, "BATCHGATE_MAX_WAIT_S": "5", "OTHER_THING": "x"}
+    assert config.unknown_env(env) == ["BATCHGATE_MAXWAIT_S"]
+    config._warned_env.discard("BATCHGATE_MAXWAIT_S")
+    with caplog.at_level("WARNING", logger="batchgate.config"):
+        Settings.from_environ({"BATCHGATE_MAXWAIT_S": "5"})
+    (record,) = [r for r in caplog.records if r.name == "batchgate.config"]
+    assert "BATCHGATE_MAXWAIT_S" in record.getMessage() and "BATCHGATE_MAX_WAIT_S" in record.getMessage()
+
+
+def test_every_batchgate_variable_the_repository_names_is_known():
+    """A guard that keeps `SETTINGS_ENV`/`OTHER_ENV` in step: each `BATCHGATE_<NAME>` (or `ENV_PREFIX + "<NAME>"`)
+    written anywhere in the repository (but this file, which writes typos on purpose) is a variable batchgate
+    reads, so none is ever warned of as a typo."""
+    import re
+    from pathlib import Path
+
+    from shared import config
+
+    root = Path(__file__).resolve().parents[2]
+    not_variables = {"BATCHGATE_ENV"}  # a heredoc delimiter (terraform/templates/worker_user_data.sh.tftpl)
+    prefixes = ("BATCHGATE_MODEL__",)  # BATCHGATE_MODEL__<NAME>__<FIELD>
+    found: dict[str, str] = {}
+    this = Path(__file__).resolve()
+    for path in root.rglob("*"):
+        parts = path.relative_to(root).parts
+        if not path.is_file() or path == this or parts[0].startswith(".") or parts[0].endswith(".egg-info") or \
+                "node_modules" in parts or "__pycache__" in parts or path.suffix in (".pyc", ".lock", ".tfstate"):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        # literals, and the names shared/config.py reads as ENV_PREFIX + "NAME", integer("NAME", ...), number(...)
+        for m in re.finditer(r'BATCHGATE_[A-Z0-9_]*[A-Z0-9]_?_?|(?:ENV_PREFIX \+ |integer\(|number\()"([A-Z0-9_]+)"',
+                             text):
+            name = config.ENV_PREFIX + m.group(1) if m.group(1) else m.group(0)
+            found.setdefault(name, str(path.relative_to(root)))
+    unknown = {}
+    for name, where in found.items():
+        if name in config.KNOWN_ENV or name in not_variables or name.startswith(prefixes):
+            continue
+        if name.endswith("_") and any(k.startswith(name) for k in config.KNOWN_ENV):
+            continue  # a family written as BATCHGATE_CALLBACK_*
+        unknown[name] = where
+    assert not unknown, f"BATCHGATE_ variables not in shared/config.py SETTINGS_ENV or OTHER_ENV: {unknown}"
+    assert config.ENV_PREFIX + "MAX_WAIT_S" in found and config.ENV_PREFIX + "TENANT_BURST" in found

@@ -82,12 +82,29 @@ def test_mistyped_allow_list_entries_are_errors_not_host_names(entry):
         AllowList.parse(f"127.0.0.0/8,{entry}")
 
 
-@pytest.mark.parametrize("entry", ["0.0.0.0/0", "::/0", "0.0.0.0/1", "128.0.0.0/1", "::/1"])
+@pytest.mark.parametrize("entry", ["0.0.0.0/0", "::/0", "0.0.0.0/1", "128.0.0.0/1", "::/1",
+                                   # IPv6 networks carrying all (or a /8 and more) of IPv4: mapped, compatible,
+                                   # NAT64, 6to4, Teredo, and a wider network around them
+                                   "::ffff:0:0/96", "::ffff:0:0/100", "::/96", "64:ff9b::/96", "::/80",
+                                   "2002::/16", "2002:a00::/22", "2001::/32", "::ffff:0:0:0/96"])
 def test_guard_disabling_entries_need_force(entry):
     with pytest.raises(ValueError, match="turns the SSRF guard off"):
         AllowList.parse(entry)
     forced = AllowList.parse(f"force:{entry}")
     assert forced.forced == (str(forced.networks[0]),)
+
+
+@pytest.mark.parametrize("entry", ["::ffff:10.0.0.0/104", "::ffff:10.1.2.3", "2002:a00::/24", "::1",
+                                   "fe80::/10", "169.254.0.0/16", "10.0.0.0/8", "2001:db8::/32"])
+def test_narrow_entries_and_named_link_local_are_accepted_as_they_are(entry):
+    assert AllowList.parse(entry).forced == ()
+
+
+def test_a_mapped_loopback_is_refused_unless_its_own_range_is_allowed():
+    with pytest.raises(RefusedURL):
+        resolve_and_check("http://[::ffff:127.0.0.1]/", AllowList.parse("10.0.0.0/8"), stub)
+    assert resolve_and_check("http://[::ffff:127.0.0.1]/", AllowList.parse("::ffff:127.0.0.0/104"), stub).ip \
+        == "::ffff:7f00:1"
 
 
 def test_settings_refuse_a_bad_allow_list_at_start_up():
@@ -132,12 +149,14 @@ def test_an_allowed_name_still_has_its_resolved_address_checked():
 
 
 @pytest.mark.parametrize("host", ["localhost", "LOCALHOST.", "app.localhost", "db.internal", "printer.local",
-                                  "metadata.google.internal"])
+                                  "metadata.google.internal", "intranet", "hooks.", "nas.home.arpa", "box.lan",
+                                  "x.corp", "router.home", "db.localdomain"])
 def test_obviously_internal_names_are_refused_at_submit_unless_allowed(host):
     with pytest.raises(RefusedURL, match="internal name"):
         check_url(f"http://{host}:8080/hook", AllowList())
     check_url(f"http://{host}:8080/hook", AllowList.parse(host.rstrip(".")))
-    check_url("http://hooks.example.com/x", AllowList())  # ordinary names still pass submit
+    for ordinary in ("hooks.example.com", "example.com.", "hooks.corp.example.com", "lan.example"):
+        check_url(f"http://{ordinary}/x", AllowList())  # ordinary names still pass submit
 
 
 def test_refusals_shown_to_api_callers_name_no_environment_variable():
