@@ -18,6 +18,7 @@ import uvicorn
 from sse_starlette.sse import AppStatus
 
 from gateway.app import create_app
+from gateway.header_timeout import protocol_class
 from gateway.service import GatewayService
 from shared.config import Settings
 
@@ -42,6 +43,7 @@ class _Server(uvicorn.Server):
 def run_gateway(settings: Settings) -> None:
     app = create_app(settings)
     AppStatus.disable_automatic_graceful_drain()  # streams end through the hub's release instead (above)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="auto", http="auto",
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="auto",
+                            http=protocol_class(settings.header_timeout_s),
                             log_config=None, access_log=False, timeout_graceful_shutdown=settings.shutdown_grace_s)
     _Server(config, app.state.service, settings.shutdown_grace_s).run()
