@@ -23,11 +23,12 @@ from gateway.api import (
     ApiRequest,
     ApiResponse,
     BadRequest,
+    MethodNotAllowed,
     PayloadTooLarge,
     RequestTimeout,
     sse_data,
 )
-from gateway.routes import ROUTES, RouteSpec, dispatch
+from gateway.routes import ROUTES, RouteSpec, dispatch, errors_for
 from gateway.service import GatewayService
 from shared.config import Settings
 from shared.heap import freeze_startup_heap, thaw_heap
@@ -167,6 +168,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     if status == 405:
         allowed = headers.get("Allow") or headers.get("allow") or ""
         message = f"{request.method} is not allowed on {request.url.path} (allowed: {allowed})"
+        # in the shape of the path's routes (OpenAI's on its routes), `Allow` kept
+        return _send(errors_for(request.url.path)(MethodNotAllowed(message, headers={"Allow": allowed})), None)
     return _send(ApiResponse(status, {"error": {"code": codes.get(status, "error"), "message": message}},
                              headers), None)
 

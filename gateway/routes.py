@@ -97,6 +97,12 @@ def match(method: str, path: str) -> tuple[RouteSpec, list[str]]:
     raise NotFound(f"no route {method} {path}")
 
 
+def errors_for(path: str) -> Callable[[ApiError], ApiResponse]:
+    """The error shape of the routes at `path` (OpenAI's on its routes), for errors raised before one of them
+    is chosen (a 405); the native one where no route has the path."""
+    return next((r.errors for r in ROUTES if r.pattern.match(path)), error_response)
+
+
 log = structlog.get_logger(__name__)
 
 
@@ -127,9 +133,9 @@ async def handle(svc: GatewayService, req: ApiRequest, trusted_tenant: str | Non
     try:
         route, args = match(req.method, req.path)
     except ApiError as exc:
-        return error_response(exc)
+        return errors_for(req.path)(exc)
     if route.with_body and len(req.body) > svc.settings.max_body_bytes:
-        return error_response(PayloadTooLarge(f"body exceeds the limit of {svc.settings.max_body_bytes} bytes"))
+        return route.errors(PayloadTooLarge(f"body exceeds the limit of {svc.settings.max_body_bytes} bytes"))
     if route.streamed_body and req.stream is None:
         req = dataclasses.replace(req, stream=one_chunk(req.body))
     return await collect_events(await dispatch(route, svc, req, args, trusted_tenant))

@@ -163,6 +163,12 @@ async def test_bad_requests_are_typed_openai_errors(stack: RunningGateway, clien
     with pytest.raises(openai.NotFoundError) as info:
         await client.completions.create(model="gpt-nope", prompt="x")
     assert info.value.code == "model_not_found"
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):  # a 405 in OpenAI's shape too
+        r = await stack.client.get(path)
+        assert r.status_code == 405 and r.headers["allow"] == "POST", (path, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "method_not_allowed", error
+        assert "GET" in error["message"] and error["param"] is None
 
 
 async def test_a_rate_limited_call_is_retried_by_the_client(redis_url, prefix, loaded_models, clients: Clients):

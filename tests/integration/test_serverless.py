@@ -208,6 +208,9 @@ def test_cloud_functions_adapter(stack_env, monkeypatch):
     assert client.get(f"/v1/requests/{rid}").status_code == 401
     assert client.get("/healthz").status_code == 200
     assert client.put("/v1/models", headers={"X-API-Key": key}).status_code == 405
+    r = client.get("/v1/chat/completions", headers={"X-API-Key": key})  # OpenAI's error shape on its routes
+    assert r.status_code == 405 and r.get_json()["error"]["type"] == "invalid_request_error", r.get_json()
+    assert r.headers["Allow"] == "POST"
 
 
 @pytest.mark.parametrize("module", ["gateway.lambda_handler", "gateway.gcf_handler", "shared.sdk", "batchgate.cli"])
