@@ -44,6 +44,6 @@ def run_gateway(settings: Settings) -> None:
     app = create_app(settings)
     AppStatus.disable_automatic_graceful_drain()  # streams end through the hub's release instead (above)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="auto",
-                            http=protocol_class(settings.header_timeout_s),
+                            http=protocol_class(settings.header_timeout_s), timeout_keep_alive=settings.keep_alive_s,
                             log_config=None, access_log=False, timeout_graceful_shutdown=settings.shutdown_grace_s)
     _Server(config, app.state.service, settings.shutdown_grace_s).run()

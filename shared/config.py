@@ -185,15 +185,15 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # MAX_WAIT_S say, would otherwise be ignored without a word). Add a setting here when you add it below
 # (tests/unit/test_config.py checks every name the repository writes is here).
 SETTINGS_ENV = frozenset(ENV_PREFIX + name for name in (
-    "REDIS_URL", "KEY_PREFIX", "REDIS_WAIT_REPLICAS", "REDIS_WAIT_MS", "HOST", "PORT", "RESULT_TTL_S",
-    "MAX_BODY_BYTES", "BODY_TIMEOUT_S", "HEADER_TIMEOUT_S", "SHUTDOWN_GRACE_S", "MAX_WAIT_S", "EXPIRY_GRACE_S",
+    "REDIS_URL", "KEY_PREFIX", "REDIS_WAIT_REPLICAS", "REDIS_WAIT_MS", "HOST", "PORT", "RESULT_TTL_S", "MAX_BODY_BYTES",
+    "BODY_TIMEOUT_S", "HEADER_TIMEOUT_S", "SHUTDOWN_GRACE_S", "MAX_WAIT_S", "EXPIRY_GRACE_S", "KEEP_ALIVE_S",
     "LOG_LEVEL", "LOG_FORMAT", "WORKER_NAME", "WORKER_METRICS_PORT", "INTAKE_BLOCK_MS", "RECLAIM_IDLE_S",
     "MAX_DELIVERIES", "DRAIN_BUDGET_S", "TORCH_THREADS", "CPU_ENGINES", "AUTH", "TENANT_RATE_PER_S", "TENANT_BURST",
     "TENANT_MAX_BACKLOG", "MAX_BATCH_ITEMS", "CALLBACK_ALLOW", "CALLBACK_MAX_ATTEMPTS", "CALLBACK_BASE_S",
     "CALLBACK_CAP_S", "CALLBACK_CONNECT_TIMEOUT_S", "CALLBACK_TIMEOUT_S", "CALLBACK_LEASE_S", "MODEL_CACHE",
-    "WEBHOOK_SECRET", "DISPATCHER_METRICS_PORT", "LAMBDA_TENANT", "LAMBDA_MARGIN_S", "METRIC_NAMESPACE",
-    "DEPLOYMENT", "CLOUDWATCH_ENDPOINT", "FILES_DIR", "FILES_S3_BUCKET", "FILES_S3_PREFIX", "FILES_S3_ENDPOINT",
-    "MAX_FILE_BYTES", "MAX_FILE_LINES",
+    "WEBHOOK_SECRET", "DISPATCHER_METRICS_PORT", "LAMBDA_TENANT", "LAMBDA_MARGIN_S", "METRIC_NAMESPACE", "DEPLOYMENT",
+    "CLOUDWATCH_ENDPOINT", "FILES_DIR", "FILES_S3_BUCKET", "FILES_S3_PREFIX", "FILES_S3_ENDPOINT", "MAX_FILE_BYTES",
+    "MAX_FILE_LINES",
     "CONFIG", "CONFIG_YAML", "MODELS",  # load_models; BATCHGATE_MODEL__<NAME>__<FIELD> too (env_model_overrides)
 ))
 # ... and the ones read elsewhere, which `from_environ` leaves alone
@@ -255,6 +255,9 @@ class Settings:
     max_body_bytes: int = 1 << 20
     body_timeout_s: float = 30.0  # a request body must arrive whole within this (else 408, connection closed)
     header_timeout_s: float = 10.0  # ... and its headers within this of the request's first byte (or the connect)
+    # an idle keep-alive connection is closed after this: longer than the clients' and load balancers' own idle
+    # limits (httpx 5 s, an AWS ALB 60 s), so they close first and never reuse a connection as it is closed
+    keep_alive_s: float = 75.0
     # gateway SIGTERM: waits and event streams in flight go on (their results may still come) for this long
     # less 2 s, then answer what they have (a stream: an `error` event to reconnect), and the gateway exits
     shutdown_grace_s: float = 10.0
@@ -349,6 +352,7 @@ class Settings:
                 max_body_bytes=integer("MAX_BODY_BYTES", d.max_body_bytes),
                 body_timeout_s=number("BODY_TIMEOUT_S", d.body_timeout_s),
                 header_timeout_s=number("HEADER_TIMEOUT_S", d.header_timeout_s),
+                keep_alive_s=number("KEEP_ALIVE_S", d.keep_alive_s),
                 shutdown_grace_s=number("SHUTDOWN_GRACE_S", d.shutdown_grace_s),
                 max_wait_s=number("MAX_WAIT_S", d.max_wait_s),
                 expiry_grace_s=number("EXPIRY_GRACE_S", d.expiry_grace_s),
@@ -401,10 +405,10 @@ class Settings:
             raise ConfigError(f"key prefix {self.key_prefix!r}: 1-32 letters, digits, '_', '.', '-'")
         if self.reclaim_idle_s <= 0 or self.max_deliveries < 1 or self.drain_budget_s < 0:
             raise ConfigError("reclaim_idle_s > 0, max_deliveries >= 1 and drain_budget_s >= 0 are required")
-        if not self.body_timeout_s > 0 or not self.header_timeout_s > 0 or not self.shutdown_grace_s >= 0 \
-                or self.redis_wait_replicas < 0 or self.redis_wait_ms < 1:
+        if not self.body_timeout_s > 0 or not self.header_timeout_s > 0 or not self.keep_alive_s > 0 \
+                or not self.shutdown_grace_s >= 0 or self.redis_wait_replicas < 0 or self.redis_wait_ms < 1:
             raise ConfigError("BATCHGATE_BODY_TIMEOUT_S > 0, BATCHGATE_HEADER_TIMEOUT_S > 0, "
-                              "BATCHGATE_SHUTDOWN_GRACE_S >= 0, "
+                              "BATCHGATE_KEEP_ALIVE_S > 0, BATCHGATE_SHUTDOWN_GRACE_S >= 0, "
                               "BATCHGATE_REDIS_WAIT_REPLICAS >= 0 and BATCHGATE_REDIS_WAIT_MS >= 1 are required")
         if self.result_ttl_s < 1 or self.max_body_bytes < 1024 or self.max_wait_s < 0:
             raise ConfigError("result_ttl_s >= 1, max_body_bytes >= 1024 and max_wait_s >= 0 are required")

@@ -130,12 +130,18 @@ def test_requests_whose_headers_come_in_time_are_served_each_with_its_own_deadli
         assert read_all(sock).startswith(b"HTTP/1.1 408 ")
 
 
-def test_the_gateway_applies_the_configured_header_timeout(redis_url, prefix, tmp_path: Path):
+def test_the_gateway_applies_the_configured_header_and_keep_alive_timeouts(redis_url, prefix, tmp_path: Path):
+    """Headers: 1 s. Keep-alive: 3 s, so an idle connection outlives the headers' deadline (which starts only
+    with a request's first byte) and is closed by the gateway after 3 s; by default 75 s, longer than the idle
+    limits of the clients and load balancers in front (httpx 5 s, an AWS ALB 60 s): they close first."""
+    from shared.config import Settings
+
+    assert Settings().keep_alive_s > 60
     port = free_port()
     env = {**os.environ, "BATCHGATE_REDIS_URL": redis_url, "BATCHGATE_KEY_PREFIX": prefix, "BATCHGATE_AUTH": "off",
            "BATCHGATE_HOST": "127.0.0.1", "BATCHGATE_PORT": str(port), "BATCHGATE_MODELS": "echo",
            "BATCHGATE_CONFIG_YAML": "models:\n  - {name: echo, task: generate, kind: echo}\n",
-           "BATCHGATE_HEADER_TIMEOUT_S": "1"}
+           "BATCHGATE_HEADER_TIMEOUT_S": "1", "BATCHGATE_KEEP_ALIVE_S": "3"}
     proc, _ = gateway_process(env, tmp_path / "gateway.log")
     try:
         sock = connect(port)
@@ -143,6 +149,15 @@ def test_the_gateway_applies_the_configured_header_timeout(redis_url, prefix, tm
         t0 = time.monotonic()
         assert read_all(sock).startswith(b"HTTP/1.1 408 ")
         assert 0.9 <= time.monotonic() - t0 < 5
+
+        sock = connect(port)
+        for _ in range(2):
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+            time.sleep(1.5)  # idle past the headers' deadline, within the keep-alive
+        t0 = time.monotonic()
+        assert read_all(sock) == b""  # closed by the gateway once idle for 3 s, without a word
+        assert 0.5 <= time.monotonic() - t0 < 4
     finally:
         proc.terminate()
         proc.wait(30)
