@@ -47,17 +47,18 @@ def serving(impl: str) -> Iterator[int]:
     config = uvicorn.Config(echo_app, host="127.0.0.1", port=port, http=protocol_class(TIMEOUT_S, impl),
                             log_config=None, access_log=False, lifespan="off")
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    listener = socket.create_server(("127.0.0.1", port))  # listening before the server runs: connects queue
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
-    end = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < end and thread.is_alive()
-        time.sleep(0.02)
+    first = connect(port)  # a whole request answered: the server is serving (a blocking read, no polling)
+    first.sendall(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    assert read_all(first).startswith(b"HTTP/1.1 200 ")
     try:
         yield port
     finally:
         server.should_exit = True
         thread.join(10)
+        listener.close()
 
 
 def connect(port: int) -> socket.socket:

@@ -154,14 +154,14 @@ async def test_a_hold_whose_lease_renewal_swallows_the_cancellation_still_ends_a
         async def lease(self, batch_id, name, ms):
             renewing.set()
             with contextlib.suppress(asyncio.CancelledError):  # lost, as in the bug
-                await asyncio.sleep(10)
+                await asyncio.Event().wait()  # a renewal that answers only when cancelled
             return True
 
     work_ended = asyncio.Event()
 
     async def run_batch(batch_id):
         try:
-            await asyncio.sleep(60)
+            await asyncio.Event().wait()  # the batch's work: runs until it is stopped
         finally:
             work_ended.set()
 

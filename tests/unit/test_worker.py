@@ -240,7 +240,7 @@ class _SwallowingAnnouncer(MemoryAnnouncer):
     async def _call(self) -> None:
         self.in_call.set()
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.sleep(10)
+            await asyncio.Event().wait()  # a Redis call that returns only when cancelled, then swallows it
 
     async def heartbeat(self, worker: str, info: dict[str, Any]) -> None:
         await self._call()
