@@ -14,6 +14,9 @@ from gpu_worker.service_model import ServiceModel
 
 SLACK_FACTOR = 1.5
 SLACK_MARGIN_S = 0.02
+# A lane held to `long_rows` whose oldest request has waited this long takes free rows beyond it: the model is
+# saturated (the same test as `gpu_worker.engines.OVERFLOW_AFTER_S`), and a full batch is what keeps up with it.
+LONG_ROWS_SPILL_S = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +36,8 @@ class DynamicStage:
     # (`gpu_worker.background_rows`, set each round); None: no bound of its own
     background_rows: int | None = None
     background_tokens: int | None = None
+    # rows the lanes after the first may hold together while their queues are not backed up (None: no bound)
+    long_rows: int | None = None
 
     def ready_at(self, queue: LaneQueue, now: float) -> float:
         """When this non-empty lane's dynamic window closes (<= now: ready)."""
@@ -68,15 +73,34 @@ class DynamicStage:
     @property
     def shares_apply(self) -> bool:
         """Whether some lane is held to a share of the rows (then `plan` needs rows running per lane)."""
-        return bool(self.total_rows) and any(q.policy.max_share < 1.0 for q in self.queues.values())
+        return self.long_rows is not None or (
+            bool(self.total_rows) and any(q.policy.max_share < 1.0 for q in self.queues.values()))
 
-    def lane_rows(self, queue: LaneQueue, free_rows: int, running: Mapping[str, int]) -> int:
-        """Rows this lane may take now: the free rows, within its share of the running batch."""
+    def lane_rows(self, queue: LaneQueue, free_rows: int, running: Mapping[str, int], now: float) -> int:
+        """Rows this lane may take now: the free rows, within its share of the running batch and, for a lane after
+        the first, within `long_rows` (`held_to_long_rows`)."""
+        rows = free_rows
         share = queue.policy.max_share
-        if share >= 1.0 or not self.total_rows:
-            return free_rows
-        cap = max(1, int(share * self.total_rows))
-        return min(free_rows, cap - running.get(queue.policy.name, 0))
+        if share < 1.0 and self.total_rows:
+            rows = min(rows, max(1, int(share * self.total_rows)) - running.get(queue.policy.name, 0))
+        if self.long_rows is not None and self.held_to_long_rows(queue, now):
+            first = next(iter(self.queues))
+            rows = min(rows, self.long_rows - sum(n for lane, n in running.items() if lane != first))
+        return rows
+
+    def held_to_long_rows(self, queue: LaneQueue, now: float) -> bool:
+        """Whether this lane's new rows count against `long_rows`: it is not the first (shortest) lane, and its
+        queue is not backed up: its oldest request has waited less than LONG_ROWS_SPILL_S and, deadline-aware, its
+        head is not out of slack. On a CPU every row makes every decode step slower (~20 ms up to 8 rows, 32 ms at
+        16 on the 2-core VM), and a short request pays each step for its every token; held to a few rows, longer
+        work leaves the short rows steps near their own cost. A backed-up queue takes the free rows, so a
+        saturated model still runs a full batch (its throughput is that of one)."""
+        if queue is next(iter(self.queues.values())):
+            return False
+        oldest, head = queue.oldest_arrival(), queue.peek()
+        if oldest is None or head is None or now - oldest >= LONG_ROWS_SPILL_S:
+            return False
+        return not (self.deadline_aware and self.latest_start(head) <= now)  # the head: the earliest deadline
 
     def _take(self, queue: LaneQueue, free_rows: int, token_cap: int | None = None) -> list[Job]:
         """The lane's batch: its requests in order while the rows, the batch size and the padded prompt tokens

@@ -7,16 +7,16 @@ time the compute loop asks, `plan()` answers every question of the step:
 2. which waiting requests cannot finish by their deadline (past it, or past it once their estimated
    compute is done): they expire without compute (under overload, starting work that will miss
    anyway is how EDF collapses);
-3. how many rows new work may take: the free rows, fewer if another row would push a running row
-   past its deadline (every row slows every step), none while starting is held off (draining, or
-   the record store could not confirm the last batch), at most one for old work while the engine
-   yields its turns to a foreground engine;
+3. how many rows new work may take: the free rows, fewer if another row would push a running row past its deadline
+   (every row slows every step), none while starting is held off (draining, or the record store could not confirm
+   the last batch), at most one for old work while the engine yields its turns to a foreground engine;
 4. is some lane's dynamic window closed (its batch is full, its token budget is full, its oldest
    request has waited the lane's window, or the earliest deadline's slack says waiting longer would
    miss it), and if several are, which lane is most urgent: interactive before batch; then a lane
-   whose slack has run out (most overdue first); then the lane whose oldest request has waited the
-   most *windows* (short lanes have short windows, so short work goes first, and every lane's
-   urgency grows while it waits, so none starves); each lane within its share of the rows;
+   whose slack has run out (most overdue first); then the lane whose oldest request has waited the most *windows*
+   (short lanes have short windows, so short work goes first, and every lane's urgency grows while it waits, so
+   none starves); each lane within its share of the rows, the lanes after the first together within `long_rows`
+   until their queues back up (`DynamicStage.held_to_long_rows`);
 5. with no row free and an interactive request out of slack: which running batch-priority rows to
    give back (they are re-queued), so batch work never pushes interactive work past its deadline;
 6. if nothing is ready, when to ask again.
@@ -63,8 +63,9 @@ class Scheduler(DynamicStage):
     def __init__(self, lanes: Iterable[LanePolicy], limits: BatchLimits, *, aging: float = 1.0,
                  service: ServiceModel | None = None, deadline_aware: bool = True,
                  total_rows: int | None = None, chunk_tokens: int | None = None,
-                 overflow: Iterable[LanePolicy] = (), fused: bool = False) -> None:
+                 overflow: Iterable[LanePolicy] = (), fused: bool = False, long_rows: int | None = None) -> None:
         self.deadline_aware = deadline_aware
+        self.long_rows = long_rows
         self.fused = fused  # chunks ride in the decode steps' forwards: sized per step (`_fused_chunk`)
         self._chunk_id: str | None = None  # the job whose prompt is being chunked
         self._fused_last = 0  # tokens of the last fused chunk planned
@@ -174,9 +175,8 @@ class Scheduler(DynamicStage):
                 plan.preempt = self._victims(now, {j.id for j in plan.evict})
             return plan
         gone = {j.id for j in plan.evict}
-        running = (Counter(j.lane for j in self.running.values() if j.id not in gone)
-                   if self.shares_apply else Counter())
-        rows = {name: self.lane_rows(q, free_rows, running) for name, q in self.queues.items() if len(q)}
+        running = Counter(j.lane for j in self.running.values() if j.id not in gone) if self.shares_apply else Counter()
+        rows = {name: self.lane_rows(q, free_rows, running, now) for name, q in self.queues.items() if len(q)}
         ready, wake = self._ready_lanes(now, rows, budget, chunking)
         if not ready:
             plan.wake_at = min(wake, default=None)

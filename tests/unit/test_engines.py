@@ -207,3 +207,23 @@ def test_cpu_share_never_lets_the_pools_outnumber_the_cores():
     assert CpuShare(["only"], cores=16).threads("only") == 16
     big = CpuShare(["short", "main"], cores=16)
     assert (big.threads("short"), big.threads("main")) == (8, 8)
+
+
+def test_long_rows_bound_only_the_engine_that_runs_the_first_lane_beside_others():
+    """`long_rows` protects short rows in the forwards they share with longer work: the one-batch default on a CPU
+    gets it, a GPU does not, and with the short lane on an engine of its own neither engine does (the main
+    engine's overflow lanes are the short lane's, not its own forwards' concern)."""
+    from gpu_worker.assembly import build_scheduler
+
+    class Rows:
+        free_rows, fused = 16, False
+
+    one_batch = ModelSpec(name="m", task=Task.GENERATE, source="/x")
+    assert build_scheduler(one_batch, Rows(), cpu=True).long_rows == 8
+    assert build_scheduler(one_batch, Rows(), cpu=False).long_rows is None
+    assert build_scheduler(dataclasses.replace(one_batch, long_rows=0), Rows(), cpu=True).long_rows is None
+    (_, short), (_, main) = engine_groups(SPEC.lanes)
+    assert build_scheduler(SPEC, Rows(), short, cpu=True).long_rows is None
+    assert build_scheduler(SPEC, Rows(), main, short, cpu=True).long_rows is None
+    embed = ModelSpec(name="e", task=Task.EMBED, source="/x")
+    assert build_scheduler(embed, Rows(), cpu=True).long_rows is None  # an encoder's batch has no running rows

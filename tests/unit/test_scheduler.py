@@ -2,6 +2,7 @@
 
 import pytest
 
+from gpu_worker.dynamic_stage import LONG_ROWS_SPILL_S
 from gpu_worker.job import Job
 from gpu_worker.lane_queue import LanePolicy
 from gpu_worker.scheduler import BatchLimits, Scheduler
@@ -236,6 +237,75 @@ def test_a_tiny_share_still_allows_one_row_and_no_share_without_a_row_count():
     for i in range(3):
         s.add(item(i, "long"))
     assert len(s.plan(1.0, free_rows=8).batch) == 3
+
+
+def long_rows_sched(long_rows=3, **kw):
+    lanes = [LanePolicy("short", 0.0), LanePolicy("medium", 0.0), LanePolicy("long", 0.0)]
+    return Scheduler(lanes, BatchLimits(16, 100_000), total_rows=16, long_rows=long_rows, **kw)
+
+
+@pytest.mark.parametrize(("medium", "long", "expected"), [
+    (0, 0, 3),  # the bound
+    (2, 0, 1),  # the lanes after the first count together
+    (1, 1, 1),
+    (0, 3, 0),  # at the bound: waits though rows are free
+    (0, 5, 0),  # above it (rows taken while the queue was backed up): still waits
+])
+def test_the_lanes_after_the_first_hold_long_rows_together(medium, long, expected):
+    s = long_rows_sched()
+    for i in range(10):
+        s.add(item(i, "medium", arrived=0.9))
+    running(s, medium, "medium")
+    running(s, long, "long")
+    running(s, 4, "short")  # the first lane's rows do not count
+    plan = s.plan(1.0, free_rows=8)
+    assert len(plan.batch) == expected and all(p.lane == "medium" for p in plan.batch)
+
+
+def test_the_first_lane_is_never_held_to_long_rows():
+    s = long_rows_sched(long_rows=1)
+    running(s, 5, "long")
+    for i in range(6):
+        s.add(item(i, "short"))
+    assert len(s.plan(1.0, free_rows=8).batch) == 6
+
+
+@pytest.mark.parametrize(("arrived", "expected"), [
+    (1.0 - LONG_ROWS_SPILL_S + 0.01, 0),  # waited just under the spill: held
+    (1.0 - LONG_ROWS_SPILL_S, 8),  # backed up: the free rows, so a saturated model runs a full batch
+])
+def test_a_backed_up_lane_takes_the_free_rows_beyond_long_rows(arrived, expected):
+    s = long_rows_sched()
+    running(s, 3, "long")
+    for i in range(10):
+        s.add(item(i, "long", arrived=arrived if i == 0 else 0.9))
+    assert len(s.plan(1.0, free_rows=8).batch) == expected
+
+
+def test_a_request_out_of_slack_lifts_long_rows_and_fifo_keeps_the_bound():
+    s = long_rows_sched(service=ServiceModel(fixed_s=0.5))
+    running(s, 3, "long")
+    s.add(item(1, "long", arrived=0.9, deadline=100.0))
+    assert s.plan(1.0, free_rows=8).batch == []
+    s.add(item(2, "long", arrived=0.9, deadline=1.7))  # must start now to finish in time
+    assert {p.id for p in s.plan(1.0, free_rows=8).batch} == {"r1", "r2"}
+    s = long_rows_sched(deadline_aware=False)  # the FIFO baseline: no slack, the waiting time alone
+    running(s, 3, "long")
+    s.add(item(1, "long", arrived=0.9, deadline=1.5))
+    assert s.plan(1.0, free_rows=8).batch == []
+
+
+def test_long_rows_and_a_lane_share_both_bound_and_none_bounds_nothing():
+    lanes = [LanePolicy("short", 0.0), LanePolicy("long", 0.0, max_share=0.25)]
+    s = Scheduler(lanes, BatchLimits(16, 100_000), total_rows=16, long_rows=10)
+    for i in range(10):
+        s.add(item(i, "long", arrived=0.9))
+    assert len(s.plan(1.0, free_rows=16).batch) == 4  # the share (4 of 16) is the tighter
+    s = long_rows_sched(long_rows=None)
+    running(s, 6, "long")
+    for i in range(10):
+        s.add(item(i, "long", arrived=0.9))
+    assert len(s.plan(1.0, free_rows=8).batch) == 8
 
 
 # --- decisions about running rows, hold-offs and yielding (all in the scheduler) --------------------
