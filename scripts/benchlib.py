@@ -106,10 +106,11 @@ def poisson(jobs: list[Job], rate: float, seed: int) -> None:
 
 
 def model_config(*, lanes: bool, scheduling: str = "deadline", max_running: int = 64, max_batch_size: int = 32,
-                 max_batch_tokens: int = 1024, short_engine: bool = False) -> dict[str, Any]:
+                 max_batch_tokens: int = 1024, short_engine: bool = False,
+                 long_rows: int | None = None) -> dict[str, Any]:
     """The benchmark model's config. `lanes`: the default lanes as shipped (`shared.lanes.DEFAULT_LANES`); with
     `short_engine`, the short lane on an engine of its own; without lanes, one lane (FIFO when
-    `scheduling="fifo"`)."""
+    `scheduling="fifo"`); `long_rows`: the model setting (None: the default)."""
     from shared.lanes import DEFAULT_LANES
 
     spec: dict[str, Any] = {
@@ -117,6 +118,8 @@ def model_config(*, lanes: bool, scheduling: str = "deadline", max_running: int 
         "max_running": max_running, "max_batch_size": max_batch_size, "max_batch_tokens": max_batch_tokens,
         "max_input_tokens": 384, "max_new_tokens": 256, "max_timeout_s": 600,
     }
+    if long_rows is not None:
+        spec["long_rows"] = long_rows
     if lanes:
         spec["lanes"] = [{"name": ln.name, "max_tokens": ln.max_tokens, "window_ms": ln.window_ms,
                           "max_backlog": 100_000, "max_share": ln.max_share,
