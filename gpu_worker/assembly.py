@@ -51,9 +51,9 @@ def build_runners(loaded: Any, worker: str, faults: Faults,
 
 
 def build_scheduler(spec: ModelSpec, runner: Runner, lanes: tuple[LaneSpec, ...] | None = None,
-                    overflow: tuple[LaneSpec, ...] = (), *, cpu: bool = False) -> Scheduler:
+                    overflow: tuple[LaneSpec, ...] = ()) -> Scheduler:
     """`overflow`: other engines' lanes this engine also takes while the model is saturated (see
-    `gpu_worker.engines`); `cpu`: the model runs on a CPU (`ModelSpec.long_rows_on`)."""
+    `gpu_worker.engines`)."""
     # lane shares are of a running batch's rows; an encoder's batch ends with its forward, so it has none
     rows = runner.free_rows if spec.task is Task.GENERATE else None
     lanes = lanes or spec.lanes
@@ -66,7 +66,7 @@ def build_scheduler(spec: ModelSpec, runner: Runner, lanes: tuple[LaneSpec, ...]
 
     return Scheduler(policies(lanes), BatchLimits(spec.max_batch_size, spec.max_batch_tokens),
                      deadline_aware=spec.deadline_aware, total_rows=rows, overflow=policies(overflow),
-                     fused=runner.fused, long_rows=spec.long_rows_on(cpu=cpu) if shared_forwards else None,
+                     fused=runner.fused, long_rows=(spec.long_rows or None) if shared_forwards else None,
                      chunk_tokens=(spec.prefill_chunk_tokens or None) if spec.task is Task.GENERATE else None)
 
 
@@ -113,7 +113,7 @@ async def load_engines(settings: Settings, *, worker: str, faults: Faults,
             bind = functools.partial(bind_compute_thread, loaded.device, background=i > 0)
             # the last engine's rows hold any request: it takes the other engines' lanes when saturated
             overflow = tuple(ln for _, earlier in groups[:i] for ln in earlier) if i == len(groups) - 1 else ()
-            scheduler = build_scheduler(spec, runner, lanes, overflow, cpu=loaded.device.type == "cpu")
+            scheduler = build_scheduler(spec, runner, lanes, overflow)
             engines.add(ModelLoop(spec.name, runner, scheduler, mark_running=mark_running,
                                   emit=emit, on_crash=on_crash, worker=worker, faults=faults, engine=engine,
                                   bind_thread=bind, hand_over=engines.hand_over if len(groups) > 1 else None))

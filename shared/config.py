@@ -41,11 +41,6 @@ ENV_PREFIX = "BATCHGATE_"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 
 
-# `long_rows` on a CPU unless set: a decode step of the benchmark model costs about the same from 2 to 8 rows on the
-# 2-core VM (~20 ms) and 32 ms at 16 (docs/bench/step_costs.json)
-CPU_LONG_ROWS = 8
-
-
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     name: str
@@ -61,10 +56,9 @@ class ModelSpec:
     # chunks of this size, one per step, while the rows keep decoding. 0: never chunk (see docs/scheduling.md)
     prefill_chunk_tokens: int = 512
     # generate: rows the lanes after the first may hold together in the running batch while their queues are not
-    # backed up, so short requests' decode steps stay near their own cost; None: CPU_LONG_ROWS on a CPU (where
-    # every row makes every step slower), no bound on a GPU (where a step costs about the same for a few more
-    # rows); 0: no bound (see docs/scheduling.md)
-    long_rows: int | None = None
+    # backed up, so short requests' decode steps stay nearer their own cost; 0: no bound (the default: measured on
+    # a CPU, 8 took ~11% off short latency but ~30% onto the long tail and ~6% off capacity; docs/scheduling.md)
+    long_rows: int = 0
     kv_budget_tokens: int | None = None  # generate: KV cache size in tokens; None = sized from the device
     max_input_tokens: int = 512
     max_new_tokens: int = 512
@@ -93,11 +87,6 @@ class ModelSpec:
     def deadline_aware(self) -> bool:
         return self.scheduling == "deadline"
 
-    def long_rows_on(self, *, cpu: bool) -> int | None:
-        """The `long_rows` bound in force on this device (None: none)."""
-        if self.long_rows is None:
-            return CPU_LONG_ROWS if cpu else None
-        return self.long_rows or None
 
     @property
     def echo(self) -> bool:
@@ -128,7 +117,7 @@ class ModelSpec:
             raise ConfigError(f"model {self.name}: vocab_size must be >= 1")
         if self.prefill_chunk_tokens < 0:
             raise ConfigError(f"model {self.name}: prefill_chunk_tokens must be >= 0")
-        if self.long_rows is not None and self.long_rows < 0:
+        if self.long_rows < 0:
             raise ConfigError(f"model {self.name}: long_rows must be >= 0 (0: no bound)")
         if self.scheduling not in ("deadline", "fifo"):
             raise ConfigError(f"model {self.name}: scheduling must be deadline or fifo")

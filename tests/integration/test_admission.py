@@ -157,7 +157,7 @@ def most_at_once(results: list[dict]) -> int:
 async def test_longer_lanes_hold_long_rows_beside_short_work_until_their_queue_backs_up(
         redis_url, prefix, loaded_models, long_rows, bounded):
     """Six medium requests at once: held to `long_rows` = 2, they run two at a time (in waves shorter than the
-    4 s after which a backed-up queue takes the free rows); with `long_rows: 0`, all together."""
+    4 s after which a backed-up queue takes the free rows); with `long_rows: 0` (the default), all together."""
     spec = dataclasses.replace(LLAMA, long_rows=long_rows, max_batch_tokens=4096)
     settings = make_settings(redis_url, prefix, models=(spec,))
     async with running_worker(settings, loaded_models), running_gateway(settings) as gw:

@@ -81,7 +81,7 @@ def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
                              "--capacity-clients", "4", "--capacity-warm-s", "1", "--capacity-s", "6",
                              "--capacity-reps", "1", "--redis-url", redis_url, "--plot", str(tmp_path / "cdf.png"),
                              model_cache=model_cache, timeout=900)
-    for name in ("lanes_on", "lanes_unbounded", "two_engines", "lanes_off", "batch1", "short_alone"):
+    for name in ("lanes_on", "long_rows_8", "two_engines", "lanes_off", "batch1", "short_alone"):
         for key in ("short_p99_ms", "goodput_rps", "throughput_rps"):
             assert report[name][key] is not None, (name, key)
     # the lane targets' two figures, side by side in the one run
@@ -97,7 +97,7 @@ def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
         report["short_p99_floor_ratio"] * report["short_p99_on_vs_alone"])
     assert report["rounds"] == 2 and (tmp_path / "cdf.png").stat().st_size > 0
     # short_alone runs on lanes_on's stack
-    assert set(report["capacity_rps_by_stack"]) == {"lanes_on", "lanes_unbounded", "two_engines", "lanes_off"}
+    assert set(report["capacity_rps_by_stack"]) == {"lanes_on", "long_rows_8", "two_engines", "lanes_off"}
     assert report["capacity_rps"] == report["capacity_rps_by_stack"]["lanes_on"] > 0
     assert "round 2/2" in proc.stdout
 

@@ -1,6 +1,6 @@
 import pytest
 
-from shared.config import CPU_LONG_ROWS, DEFAULT_MODELS, ModelSpec, Settings, redis_url_from
+from shared.config import DEFAULT_MODELS, ModelSpec, Settings, redis_url_from
 from shared.errors import ConfigError
 from shared.lanes import LaneSpec
 from shared.states import Task
@@ -129,15 +129,12 @@ def test_lane_share_from_a_file_and_its_bounds(tmp_path):
                       lanes=(LaneSpec("a", 10), LaneSpec("b", None, max_share=bad))).validate()
 
 
-def test_long_rows_by_device_from_a_file_and_its_bounds(tmp_path):
-    spec = ModelSpec(name="m", task=Task.GENERATE, source="/x")
-    assert spec.long_rows_on(cpu=True) == CPU_LONG_ROWS and spec.long_rows_on(cpu=False) is None
+def test_long_rows_off_by_default_from_a_file_and_its_bounds(tmp_path):
+    assert ModelSpec(name="m", task=Task.GENERATE, source="/x").long_rows == 0  # no bound unless set
     cfg = tmp_path / "m.yaml"
-    cfg.write_text("models:\n  - {name: a, task: generate, source: /x, long_rows: 5}\n"
-                   "  - {name: b, task: generate, source: /x, long_rows: 0}\n")
-    a, b = Settings.from_environ({"BATCHGATE_CONFIG": str(cfg)}).models
-    assert a.long_rows_on(cpu=True) == a.long_rows_on(cpu=False) == 5
-    assert b.long_rows_on(cpu=True) is None and b.long_rows_on(cpu=False) is None  # 0: no bound anywhere
+    cfg.write_text("models:\n  - {name: a, task: generate, source: /x, long_rows: 5}\n")
+    (a,) = Settings.from_environ({"BATCHGATE_CONFIG": str(cfg)}).models
+    assert a.long_rows == 5
     with pytest.raises(ConfigError, match="long_rows"):
         ModelSpec(name="m", task=Task.GENERATE, source="/x", long_rows=-1).validate()
 

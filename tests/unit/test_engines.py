@@ -210,20 +210,20 @@ def test_cpu_share_never_lets_the_pools_outnumber_the_cores():
 
 
 def test_long_rows_bound_only_the_engine_that_runs_the_first_lane_beside_others():
-    """`long_rows` protects short rows in the forwards they share with longer work: the one-batch default on a CPU
-    gets it, a GPU does not, and with the short lane on an engine of its own neither engine does (the main
-    engine's overflow lanes are the short lane's, not its own forwards' concern)."""
+    """`long_rows` protects short rows in the forwards they share with longer work: the one-batch layout gets it
+    when set, and with the short lane on an engine of its own neither engine does (the main engine's overflow
+    lanes are the short lane's, not its own forwards' concern)."""
     from gpu_worker.assembly import build_scheduler
 
     class Rows:
         free_rows, fused = 16, False
 
     one_batch = ModelSpec(name="m", task=Task.GENERATE, source="/x")
-    assert build_scheduler(one_batch, Rows(), cpu=True).long_rows == 8
-    assert build_scheduler(one_batch, Rows(), cpu=False).long_rows is None
-    assert build_scheduler(dataclasses.replace(one_batch, long_rows=0), Rows(), cpu=True).long_rows is None
-    (_, short), (_, main) = engine_groups(SPEC.lanes)
-    assert build_scheduler(SPEC, Rows(), short, cpu=True).long_rows is None
-    assert build_scheduler(SPEC, Rows(), main, short, cpu=True).long_rows is None
-    embed = ModelSpec(name="e", task=Task.EMBED, source="/x")
-    assert build_scheduler(embed, Rows(), cpu=True).long_rows is None  # an encoder's batch has no running rows
+    assert build_scheduler(one_batch, Rows()).long_rows is None  # off by default
+    assert build_scheduler(dataclasses.replace(one_batch, long_rows=8), Rows()).long_rows == 8
+    two = dataclasses.replace(SPEC, long_rows=8)
+    (_, short), (_, main) = engine_groups(two.lanes)
+    assert build_scheduler(two, Rows(), short).long_rows is None
+    assert build_scheduler(two, Rows(), main, short).long_rows is None
+    embed = ModelSpec(name="e", task=Task.EMBED, source="/x", long_rows=8)
+    assert build_scheduler(embed, Rows()).long_rows is None  # an encoder's batch has no running rows
