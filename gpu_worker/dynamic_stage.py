@@ -83,9 +83,11 @@ class DynamicStage:
         share = queue.policy.max_share
         if share < 1.0 and self.total_rows:
             rows = min(rows, max(1, int(share * self.total_rows)) - running.get(queue.policy.name, 0))
-        if self.long_rows is not None and self.held_to_long_rows(queue, now):
+        if self.long_rows is not None:  # the queue scan of `held_to_long_rows` only when the bound would bind
             first = next(iter(self.queues))
-            rows = min(rows, self.long_rows - sum(n for lane, n in running.items() if lane != first))
+            room = self.long_rows - sum(n for lane, n in running.items() if lane != first)
+            if room < rows and self.held_to_long_rows(queue, now):
+                rows = room
         return rows
 
     def held_to_long_rows(self, queue: LaneQueue, now: float) -> bool:
@@ -94,7 +96,7 @@ class DynamicStage:
         head is not out of slack. On a CPU every row makes every decode step slower (~20 ms up to 8 rows, 32 ms at
         16 on the 2-core VM), and a short request pays each step for its every token; held to a few rows, longer
         work leaves the short rows steps near their own cost. A backed-up queue takes the free rows, so a
-        saturated model still runs a full batch (its throughput is that of one)."""
+        saturated model still runs a full batch (measured, it still cost some capacity: docs/scheduling.md)."""
         if queue is next(iter(self.queues.values())):
             return False
         oldest, head = queue.oldest_arrival(), queue.peek()
