@@ -90,7 +90,9 @@ class _Cursor:
         rest_text, rest_ids = text[self.chars:], ids[self.tokens:]
         start = self.tokens
         self.tokens, self.chars = len(ids), len(text)
-        if (not rest_text and not rest_ids) or len(ids) <= self.skip_to:
+        # a caller that reconnected with every token (`skip_to`) had this tail too; a fresh one (skip_to 0) gets it
+        # even with no token in it: text held back and then cut inside the first token is all the output there is
+        if (not rest_text and not rest_ids) or (self.skip_to and len(ids) <= self.skip_to):
             return None
         return ServerEvent("delta", {"index": start, "text": rest_text, "token_ids": rest_ids}, str(len(ids)))
 

@@ -119,6 +119,22 @@ async def test_chat_completion_streamed_and_not(stack: RunningGateway, clients: 
     assert usage.choices == [] and usage.usage is not None and usage.usage.completion_tokens == 10
 
 
+async def test_a_stop_string_cut_inside_the_first_token_streams_the_same_text(stack: RunningGateway, loaded_models,
+                                                                            clients: Clients):
+    _, client = clients(stack)
+    tok = loaded_models["tiny-llama"].tokenizer
+    ref = reference_ids(loaded_models["tiny-llama"], PROMPT_IDS, 8)
+    first, full = tok.decode(ref[:1], skip_special_tokens=True), tok.decode(ref, skip_special_tokens=True)
+    stop = full[2:5]
+    assert len(first) >= 5 and full.find(stop) == 2, (first, full)  # the cut falls inside the first token
+    kw: dict[str, Any] = dict(model="tiny-llama", prompt=PROMPT_IDS, max_tokens=8, temperature=0, stop=[stop])
+    whole = await client.completions.create(**kw)
+    assert whole.choices[0].text == full[:2] and whole.choices[0].finish_reason == "stop"
+    chunks = [c async for c in await client.completions.create(**kw, stream=True)]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full[:2]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 async def test_embeddings_float_and_base64(stack: RunningGateway, clients: Clients):
     sync, client = clients(stack)
     native = (await stack.client.post("/v1/models/minilm/requests?wait=20",
