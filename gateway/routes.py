@@ -62,7 +62,7 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec.make("DELETE", "/v1/requests/{request_id}", handlers.cancel_request),
     RouteSpec.make("GET", "/v1/requests/{request_id}/events", handlers.request_events),
     RouteSpec.make("POST", "/v1/requests/{request_id}/callback:replay", handlers.replay_callback),
-    RouteSpec.make("GET", "/v1/models", handlers.list_models),
+    RouteSpec.make("GET", "/v1/models", handlers.list_models, **OPENAI),  # native body; errors a superset of both
     RouteSpec.make("GET", "/v1/models/{model}", openai_api.retrieve_model, **OPENAI),
     RouteSpec.make("POST", "/v1/completions", openai_api.completions, with_body=True, **OPENAI),
     RouteSpec.make("POST", "/v1/chat/completions", openai_api.chat_completions, with_body=True, **OPENAI),

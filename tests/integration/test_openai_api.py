@@ -209,9 +209,13 @@ async def test_a_wrong_api_key_is_an_authentication_error(redis_url, prefix, loa
     async with running_gateway(settings) as gw:
         key = await TenantStore(gw.service.redis, Keys(prefix)).create_key("acme")
         _, client = clients(gw, key="bg_wrong")
-        with pytest.raises(openai.AuthenticationError):
+        with pytest.raises(openai.AuthenticationError) as info:  # in OpenAI's shape on its routes, /v1/models too
             await client.models.list()
-        with pytest.raises(openai.AuthenticationError) as info:  # in OpenAI's shape on its routes
+        assert info.value.code == "invalid_api_key" and info.value.type == "authentication_error"
+        wrong = await gw.client.delete("/v1/models")
+        assert wrong.status_code == 405 and "GET" in wrong.headers["allow"]
+        assert wrong.json()["error"]["type"] == "invalid_request_error" and "param" in wrong.json()["error"]
+        with pytest.raises(openai.AuthenticationError) as info:
             await client.completions.create(model="tiny-llama", prompt="x")
         assert info.value.code == "invalid_api_key" and info.value.type == "authentication_error"
         _, client = clients(gw, key=key)
