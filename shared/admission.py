@@ -57,6 +57,9 @@ class Decision:
     # admitted inside the margin, only because a request at least as large was admitted lately (`CONSISTENT_S`);
     # such an admission does not itself count as one (no chain of them keeps the margin off)
     within_margin: bool = False
+    # False: the request's own compute, at the speed measured now, does not fit before its deadline, with no queue
+    # at all; a retry of the same request would be refused the same way (the caller must allow it more time)
+    retryable: bool = True
 
 
 # A refusal for the margin alone is not given to a request no larger (prompt and output tokens) than one this process
@@ -158,5 +161,6 @@ def decide(*, now_s: float, deadline_s: float, est: Estimate, queued: int, max_b
             reason = (f"deadline infeasible: estimated finish in {est.finish_s * 1000:.0f} ms (queue "
                       f"{est.start_s * 1000:.0f} ms + compute {compute_ms:.0f} ms), deadline in {budget_ms:.0f} ms "
                       f"(admission keeps a {ADMISSION_MARGIN - 1:.0%} margin)")
-        return Decision(False, est, reason, "deadline_infeasible", max(1.0, math.ceil(est.start_s)), queued)
+        return Decision(False, est, reason, "deadline_infeasible", max(1.0, math.ceil(est.start_s)), queued,
+                        retryable=compute_ms <= budget_ms)
     return Decision(True, est, queued=queued)

@@ -151,8 +151,10 @@ async def _admit(q: QueueClient, inference: InferenceRequest,
     if not decision.accept:
         await q.limits.release(inference.tenant, inference.id)
         q.observer.rejected(inference, decision.code)
+        # a refusal no retry can change says so (OpenAI's clients read `x-should-retry` and do not resubmit)
         raise TooManyRequests(decision.reason, code=decision.code, retry_after=decision.retry_after_s,
-                              extra={"lane": inference.lane})
+                              extra={"lane": inference.lane},
+                              headers=None if decision.retryable else {"x-should-retry": "false"})
     return decision, inference
 
 

@@ -9,6 +9,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
@@ -202,6 +203,37 @@ async def test_a_rate_limited_call_is_retried_by_the_client(redis_url, prefix, l
         _, no_retry = clients(gw, max_retries=0)
         with pytest.raises(openai.RateLimitError):
             await no_retry.embeddings.create(model="minilm", input="hello")
+
+
+async def test_a_deadline_its_own_compute_cannot_meet_is_not_retried_by_the_client(stack: RunningGateway):
+    """A 429 that no retry can change (the request's own compute, with no queue, passes its deadline) carries
+    `x-should-retry: false`: OpenAI's client raises at once instead of submitting it twice more."""
+    body = {"model": "tiny-llama", "prompt": "once upon a time " * 20, "max_tokens": 256, "ignore_eos": True,
+            "timeout_s": 0.05}
+    warm = await stack.client.post("/v1/completions", json={**body, "max_tokens": 8, "timeout_s": 30})
+    assert warm.status_code == 200, warm.text  # the worker has measured its step time: admission estimates
+    for _ in range(100):  # until the worker's figures reach the gateway
+        refused = await stack.client.post("/v1/completions", json=body)
+        if refused.status_code == 429:
+            break
+        await asyncio.sleep(0.05)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "deadline_infeasible", refused.text
+    assert refused.headers["x-should-retry"] == "false" and "of compute" in refused.json()["error"]["message"]
+    sent: list[str] = []
+
+    async def count(request: httpx.Request) -> None:
+        sent.append(request.url.path)
+
+    async with AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=2,
+                           http_client=httpx.AsyncClient(event_hooks={"request": [count]})) as client:
+        with pytest.raises(openai.RateLimitError) as info:
+            await client.completions.create(model="tiny-llama", prompt=body["prompt"], max_tokens=256,
+                                            extra_body={"timeout_s": 0.05, "ignore_eos": True})
+    assert info.value.code == "deadline_infeasible" and sent == ["/v1/completions"]
+    # the native route says the same (its 429 keeps Retry-After, as documented)
+    native = await stack.client.post("/v1/models/tiny-llama/requests", json={
+        "input": {"prompt": "hi"}, "params": {"max_new_tokens": 256, "ignore_eos": True}, "timeout_s": 0.05})
+    assert native.status_code == 429 and native.headers["x-should-retry"] == "false" and native.headers["retry-after"]
 
 
 async def test_a_wrong_api_key_is_an_authentication_error(redis_url, prefix, loaded_models, clients: Clients):

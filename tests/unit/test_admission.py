@@ -66,6 +66,15 @@ def test_infeasible_message_says_why():
     assert "needs about 500 ms of compute" in d.reason
 
 
+def test_a_refusal_says_whether_a_retry_could_change_it():
+    queue_too_long = decide(now_s=0, deadline_s=1.0, est=Estimate(2.0, 2.5, "stats"), queued=3, max_backlog=100)
+    assert not queue_too_long.accept and queue_too_long.retryable  # the queue drains: later it may fit
+    compute_too_long = decide(now_s=0, deadline_s=0.1, est=Estimate(0.0, 0.5, "stats"), queued=0, max_backlog=100)
+    assert not compute_too_long.accept and not compute_too_long.retryable  # its own compute never fits
+    full = decide(now_s=0, deadline_s=60.0, est=Estimate(0.0, 0.5, "stats"), queued=100, max_backlog=100)
+    assert full.code == "backlog_full" and full.retryable
+
+
 def test_without_stats_accept_up_to_the_cap():
     none = Estimate(0.0, 0.0, "none")
     assert decide(now_s=0, deadline_s=0.001, est=none, queued=1, max_backlog=5).accept
