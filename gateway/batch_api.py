@@ -68,7 +68,12 @@ async def create_batch(svc: GatewayService, req: ApiRequest) -> ApiResponse:
             except RefusedURL as exc:
                 raise oa.invalid("callback_url", str(exc)) from None
         file_id = body.get("input_file_id")
-        fmeta = await files.get_meta(svc.redis, svc.keys, file_id) if isinstance(file_id, str) else None
+        if file_id is None:
+            raise oa.invalid("input_file_id", "required: the id of a file uploaded with purpose 'batch'",
+                             "missing_required_parameter")
+        if not isinstance(file_id, str):
+            raise oa.invalid("input_file_id", f"must be a string (a file id), not {type(file_id).__name__}")
+        fmeta = await files.get_meta(svc.redis, svc.keys, file_id)
         if fmeta is None or fmeta.tenant != req.tenant:
             raise oa.OpenAIError(404, f"no file {file_id!r}", code="file_not_found", param="input_file_id")
         if fmeta.purpose != "batch":

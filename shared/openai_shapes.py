@@ -307,6 +307,8 @@ def _params(req: _Sampling, max_tokens: int | None) -> dict[str, Any]:
 
 def _stream_flags(req: _Sampling) -> tuple[bool, bool]:
     stream = bool(req.stream)
+    if req.stream_options is not None and not stream:  # as OpenAI answers: options of a stream not asked for
+        raise invalid("stream_options", "only allowed when stream is true")
     return stream, bool(stream and req.stream_options is not None and req.stream_options.include_usage)
 
 
@@ -357,8 +359,10 @@ def _message(i: int, m: MessageIn) -> dict[str, str]:
         raise invalid(f"{at}.content", "required (a string or a list of text parts)")
     texts = []
     for j, part in enumerate(m.content):
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise unsupported(f"{at}.content[{j}]", f"only text parts are supported (got type {part.type!r})")
+        if part.text is None:
+            raise invalid(f"{at}.content[{j}].text", "required: a text part's string")
         texts.append(part.text)
     return {"role": m.role, "content": "\n".join(texts)}
 

@@ -112,6 +112,9 @@ async def test_an_invalid_line_fails_the_batch_before_anything_runs(redis_url, p
             await client.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
         with pytest.raises(NotFoundError):
             await client.batches.retrieve("batch_nope")
+        for missing in ({}, {"input_file_id": None}, {"input_file_id": 123}):  # a 400 naming the field, not a 404
+            r = await gw.client.post("/v1/batches", json={"endpoint": CHAT, "completion_window": "24h", **missing})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input_file_id", r.text
 
 
 async def test_cancel_stops_feeding_and_every_line_is_answered_once(redis_url, prefix, loaded_models, tmp_path):

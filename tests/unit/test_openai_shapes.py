@@ -62,8 +62,13 @@ def test_stream_and_include_usage():
     tr = oa.translate_completion({"model": "m", "prompt": "x", "stream": True,
                                   "stream_options": {"include_usage": True}})
     assert tr.stream and tr.include_usage and tr.body["stream"] is True
-    tr = oa.translate_completion({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}})
+    tr = oa.translate_completion({"model": "m", "prompt": "x", "stream_options": None})
     assert not tr.stream and not tr.include_usage
+    # options of a stream not asked for: a 400, as OpenAI and vLLM answer (not silently ignored)
+    for translate, body in ((oa.translate_completion, {"model": "m", "prompt": "x"}), (oa.translate_chat, chat())):
+        for stream in ({}, {"stream": False}):
+            err = refused(translate, {**body, **stream, "stream_options": {"include_usage": True}})
+            assert err.param == "stream_options" and "stream" in err.message
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -132,6 +137,8 @@ def test_chat_refusals():
     assert refused(oa.translate_chat, chat(messages=[{"role": "assistant", "tool_calls": [{"id": "1"}]}])).param \
         == "messages[0].tool_calls"
     assert refused(oa.translate_chat, chat(messages=[])).param == "messages"
+    err = refused(oa.translate_chat, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]))
+    assert err.param == "messages[0].content[0].text" and err.code == "invalid_request" and "required" in err.message
     assert refused(oa.translate_chat, chat(max_tokens=3, max_completion_tokens=4)).param == "max_completion_tokens"
     for field, value in [("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("logprobs", True),
                          ("top_logprobs", 2), ("response_format", {"type": "json_object"}), ("store", True),
@@ -141,8 +148,8 @@ def test_chat_refusals():
 
 def test_chat_harmless_fields():
     oa.translate_chat(chat(logprobs=False, tools=[], tool_choice="none", response_format={"type": "text"},
-                           store=False, metadata={"a": "b"}, parallel_tool_calls=True, modalities=["text"],
-                           stream_options={"include_usage": False, "include_obfuscation": False}))
+                           store=False, metadata={"a": "b"}, parallel_tool_calls=True, modalities=["text"]))
+    oa.translate_chat(chat(stream=True, stream_options={"include_usage": False, "include_obfuscation": False}))
 
 
 def test_translated_bodies_pass_the_native_checks():
