@@ -53,6 +53,9 @@ STATS_CACHE_S = 0.1
 # of reading it: under load every submit would otherwise pay a round trip for it; other processes' submits in this
 # window are what admission does not see (at 2,000 submits/s, up to 100 requests, about as many as are in flight).
 LANE_LENGTH_CACHE_S = 0.05
+# The socket timeout of a caller-facing client (gateway, SDK direct mode): no command it sends blocks in Redis, so
+# one that has not answered in this long meets a Redis that is stopped or wedged (its 503 then comes this soon).
+REQUEST_SOCKET_TIMEOUT_S = 3.0
 
 
 @dataclass(slots=True)
@@ -91,7 +94,10 @@ class QueueClient:
         self.settings = settings
         self.observer = observer or Observer()
         self.keys = Keys(settings.key_prefix)
-        self.redis = redis or make_redis(settings.redis_url)
+        # a caller waits on these commands: a Redis that answers nothing is a 503 within seconds, not minutes
+        # (durable writes wait up to `redis_wait_ms` for the replicas on top)
+        self.redis = redis or make_redis(settings.redis_url, retry_timeouts=False,
+                                         socket_timeout=REQUEST_SOCKET_TIMEOUT_S + settings.redis_wait_ms / 1000)
         self._own_redis = redis is None
         self.store = RecordStore(self.redis, self.keys, settings.result_ttl_s,
                                  wait_replicas=settings.redis_wait_replicas, wait_ms=settings.redis_wait_ms)

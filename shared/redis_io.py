@@ -68,15 +68,19 @@ def delete_prefix_sync(url: str, prefix: str) -> int:
 
 
 def make_redis(url: str, *, socket_timeout: float = 10.0, retries: int = 2,
-               max_connections: int | None = 200) -> aioredis.Redis:
+               max_connections: int | None = 200, retry_timeouts: bool = True) -> aioredis.Redis:
     """An asyncio client with bounded timeouts and a short retry on connection errors.
 
     `socket_timeout` must exceed the longest BLOCK a caller uses (intake blocks for ~1 s).
     A thawed serverless container or a restarted Redis leaves dead connections in the pool: the
     retry reconnects once or twice with jittered backoff before the error reaches the caller.
+    `retry_timeouts` False: a command that timed out is not sent again (a Redis that accepts connections and
+    answers nothing, stopped or wedged, then fails a caller within one `socket_timeout`, not three).
     """
+    on_error = [RedisConnectionError, RedisTimeoutError] if retry_timeouts else [RedisConnectionError]
     if is_cluster(url):
-        return _cluster(url, socket_timeout=socket_timeout, retries=retries, max_connections=max_connections)
+        return _cluster(url, socket_timeout=socket_timeout, retries=retries, max_connections=max_connections,
+                        on_error=on_error)
     # A blocking pool: under a burst of concurrent requests, callers wait (up to 5 s) for a free
     # connection instead of failing with "Too many connections".
     pool = aioredis.BlockingConnectionPool.from_url(
@@ -87,14 +91,15 @@ def make_redis(url: str, *, socket_timeout: float = 10.0, retries: int = 2,
         socket_timeout=socket_timeout,
         socket_keepalive=True,
         health_check_interval=30,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries, supported_errors=tuple(on_error)),
+        retry_on_error=on_error,
         decode_responses=False,
     )
     return aioredis.Redis(connection_pool=pool, auto_close_connection_pool=True)
 
 
-def _cluster(url: str, *, socket_timeout: float, retries: int, max_connections: int | None) -> aioredis.Redis:
+def _cluster(url: str, *, socket_timeout: float, retries: int, max_connections: int | None,
+             on_error: list[type[Exception]]) -> aioredis.Redis:
     """A cluster client with the same timeouts. Every caller uses the commands both kinds share; each script
     and transaction stays within one slot (see `shared.keys`)."""
     client = _Cluster.from_url(
@@ -103,8 +108,8 @@ def _cluster(url: str, *, socket_timeout: float, retries: int, max_connections: 
         socket_connect_timeout=2.0,
         socket_timeout=socket_timeout,
         socket_keepalive=True,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries, supported_errors=tuple(on_error)),
+        retry_on_error=on_error,
         decode_responses=False,
     )
     client._limit = max_connections or 200

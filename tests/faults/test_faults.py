@@ -10,6 +10,7 @@ import time
 import pytest
 
 from shared.codec import decode
+from shared.keys import Keys
 from shared.messages import RequestResult
 from tests.faults.harness import LONG, SHORT, OwnCluster, OwnRedis, cluster, until
 
@@ -172,6 +173,30 @@ async def test_redis_restart_and_client_kill(tmp_path, model_cache, prefix):
         t_fault = time.monotonic()
         final = await c.ledger("7b CLIENT KILL TYPE normal", t_fault)
         assert len(final) == 6
+
+
+@pytest.mark.standalone
+async def test_a_redis_that_answers_nothing_is_a_prompt_503(tmp_path, model_cache, prefix):
+    """A stopped (SIGSTOP) Redis accepts connections and answers nothing: callers get 503 within seconds (it took
+    90 s when every command was retried after its socket timeout), and the gateway serves again once it resumes."""
+    async with cluster(tmp_path, model_cache, prefix, own=OwnRedis()) as c:
+        assert (await c.submit(SHORT)).status_code == 202
+        assert c.redis.proc is not None
+        c.redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            hung = await c.submit(SHORT)
+            took = time.monotonic() - t0
+            ready = await c.client.get("/readyz")
+        finally:
+            c.redis.proc.send_signal(signal.SIGCONT)
+        assert hung.status_code == 503 and hung.headers.get("retry-after"), hung.text
+        assert took < 15, took  # one socket timeout (3 s + the durable-write wait), not three per command
+        assert ready.status_code == 503
+        await until_async(lambda: _ready(c), timeout=30)
+        assert (await c.submit(SHORT)).status_code == 202
+        keys = Keys(prefix)  # what was accepted, before the stop and after it, is stored
+        assert len(c.accepted) == 2 and all(c.redis.client().exists(keys.record(rid)) for rid in c.accepted)
 
 
 def _redis_up(c) -> bool:
