@@ -72,6 +72,12 @@ class _Cursor:
     entry: str = "-"
     skip_to: int = 0  # tokens the caller already had when it connected (Last-Event-ID)
 
+    @property
+    def position(self) -> str:
+        """The id of an event that carries no tokens: the tokens the caller has, so a reconnect from it resumes
+        where it is (a resumed stream's opening status must not send it back to 0)."""
+        return str(max(self.tokens, self.skip_to))
+
     def take(self, delta: StreamDelta) -> ServerEvent | None:
         end = delta.start + len(delta.token_ids)
         if delta.start != self.tokens:  # a repeat (or the overlap of a second attempt): never sent twice
@@ -194,7 +200,7 @@ async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None,
         async with q.hub.subscribe(q.keys.done_channel(request_id)) as sub:
             if status is None and not rec.terminal:  # opens with what the caller saw (queued, from a submit)
                 status = rec.state.value
-                yield ServerEvent("status", {"id": request_id, "status": status}, str(cursor.tokens))
+                yield ServerEvent("status", {"id": request_id, "status": status}, cursor.position)
             while True:
                 raise_if_cancelling()  # a caller gone while a read completed: stop here, not at the deadline
                 # the deltas come with their wake-ups: the stream is read only when some may have been missed
@@ -208,7 +214,7 @@ async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None,
                 now = _status_now(status, bool(new), fresh)
                 if now is not None:  # before the deltas it explains
                     status = now
-                    yield ServerEvent("status", {"id": request_id, "status": status}, str(cursor.tokens))
+                    yield ServerEvent("status", {"id": request_id, "status": status}, cursor.position)
                 for delta in new:
                     event = cursor.take(delta)
                     if event is not None:
@@ -217,7 +223,7 @@ async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None,
                     tail = cursor.tail(rec.result.output if rec.result else None)
                     if tail is not None:
                         yield tail
-                    yield ServerEvent("done", record_view(rec), str(cursor.tokens))
+                    yield ServerEvent("done", record_view(rec), cursor.position)
                     return
                 sub.raise_if_released()  # the gateway is shutting down: what there was went out
                 timeout = 5.0

@@ -131,6 +131,23 @@ async def test_reconnecting_with_last_event_id_loses_and_repeats_nothing(redis_u
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_last_event_id"
 
 
+async def test_a_resumed_streams_status_event_keeps_the_callers_place(redis_url, prefix, loaded_models):
+    """A reconnect opens with a status event: its id is where the caller is, so a client that drops right after it
+    (an EventSource keeps the last id it saw) resumes there, not from the first token again."""
+    settings = make_settings(redis_url, prefix)
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        body = {"input": {"prompt": PROMPT}, "params": {"max_new_tokens": 256, "ignore_eos": True}, "stream": True}
+        rid = (await gw.client.post("/v1/models/tiny-llama/requests", json=body)).json()["id"]
+        first = [e for e in await events_of(gw.client, rid, limit=4) if e["event"] == "delta"]
+        assert first, "no delta among the first events"
+        have = first[-1]["id"]
+        (opening,) = await events_of(gw.client, rid, last_id=have, limit=1)
+        assert opening["event"] == "status" and opening["id"] == have, opening
+        rest = await events_of(gw.client, rid, last_id=opening["id"])
+        final = check_adds_up([*first, *rest])  # nothing repeated, nothing lost
+        assert final["status"] == "succeeded" and len(final["output"]["token_ids"]) == 256
+
+
 async def test_a_stop_string_never_leaks_into_the_stream(redis_url, prefix, loaded_models):
     settings = make_settings(redis_url, prefix)
     async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
