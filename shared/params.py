@@ -143,8 +143,8 @@ class EmbedInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     texts: Annotated[list[NonEmptyStr], Meta(min_length=1)] | UnsetType = UNSET
     text: NonEmptyStr | UnsetType = UNSET
 
-    def normalised(self, *, max_texts: int, max_text_chars: int) -> dict[str, Any]:
-        """The wire form, {"texts"}, under a model's limits."""
+    def normalised(self, *, max_texts: int, max_text_chars: int | None) -> dict[str, Any]:
+        """The wire form, {"texts"}, under a model's limits (`max_text_chars` None: no bound on a text's length)."""
         if isinstance(self.text, str) and self.texts is UNSET:
             texts, field = [self.text], "input.text"
         elif isinstance(self.texts, list) and self.text is UNSET:
@@ -154,8 +154,10 @@ class EmbedInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if len(texts) > max_texts:
             raise ValidationError(field, f"at most {max_texts} texts per request")
         for i, text in enumerate(texts):
-            if len(text) > max_text_chars:
-                raise ValidationError(f"{field}[{i}]", f"longer than {max_text_chars} characters")
+            if max_text_chars is not None and len(text) > max_text_chars:
+                raise ValidationError(field if field == "input.text" else f"{field}[{i}]",
+                                      f"longer than {max_text_chars} characters (without params.truncate, a text "
+                                      f"is refused past 16 characters per token the model takes, before tokenizing)")
         return {"texts": list(texts)}
 
 
@@ -169,5 +171,5 @@ def parse_generate_input(raw: Any, *, max_prompt_chars: int, max_input_tokens: i
     return inp.normalised(max_prompt_chars=max_prompt_chars, max_input_tokens=max_input_tokens)
 
 
-def parse_embed_input(raw: Any, *, max_texts: int, max_text_chars: int) -> dict[str, Any]:
+def parse_embed_input(raw: Any, *, max_texts: int, max_text_chars: int | None) -> dict[str, Any]:
     return convert(raw, EmbedInput, "input").normalised(max_texts=max_texts, max_text_chars=max_text_chars)

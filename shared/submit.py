@@ -165,9 +165,10 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
         stream = sub.stream
     else:
         embed_params = sub.params or EmbedParams()
-        # with params.truncate, a text over the model's tokens is accepted (within the character bound) and
-        # cut by the worker, which reports it
-        inp = sub.input.normalised(max_texts=spec.max_texts, max_text_chars=spec.max_input_tokens * 16)
+        # with params.truncate, a text over the model's tokens is accepted, whatever its length (the body's size
+        # bounds it), and cut by the worker, which reports it; without, one far past them is refused untokenized
+        inp = sub.input.normalised(max_texts=spec.max_texts,
+                                   max_text_chars=None if embed_params.truncate else spec.max_input_tokens * 16)
         if limits is not None:
             check_tokens(inp, spec, limits, truncate=embed_params.truncate,
                          field="input.text" if isinstance(sub.input.text, str) else "input.texts")

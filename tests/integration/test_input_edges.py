@@ -367,6 +367,13 @@ async def test_embedding_truncation_is_asked_for_and_reported(redis_url, prefix,
         assert r.status_code == 200, r.text
         out = r.json()["output"]
         assert out["truncated"] == [True, False] and out["tokens"] == [512, 3]
+        # truncation asked for: a text of any length (past the 16-characters-per-token bound of untruncated ones)
+        huge = "hello " * 1400  # 8,400 characters
+        r = await gw.client.post("/v1/models/minilm/requests?wait=20", json={
+            "input": {"text": huge}, "params": {"truncate": True}})
+        assert r.status_code == 200 and r.json()["output"]["tokens"] == [512], r.text
+        refused = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": huge}})
+        assert refused.status_code == 422 and refused.json()["error"]["field"] == "input.text", refused.text
         # a gateway that cannot count (no tokenizer here) lets it through: the worker refuses it, never cuts
         gw.service.token_limits._tokenizers["minilm"] = None
         r = await gw.client.post("/v1/models/minilm/requests?wait=20", json={"input": {"texts": ["ok", words]}})
