@@ -37,7 +37,8 @@ async def submit(svc: GatewayService, req: ApiRequest, model: str) -> ApiRespons
 
 async def submit_batch(svc: GatewayService, req: ApiRequest, model: str) -> ApiResponse:
     spec = ops.model_spec(svc, model)
-    return _response(await ops.submit_batch(svc, parse_body(req, svc.settings.max_body_bytes), spec, req.tenant))
+    return _response(await ops.submit_batch(svc, parse_body(req, svc.settings.max_body_bytes), spec, req.tenant,
+                                            idempotency_key=parse_idempotency_key(req)))
 
 
 async def get_request(svc: GatewayService, req: ApiRequest, request_id: str) -> ApiResponse:

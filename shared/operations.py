@@ -163,11 +163,14 @@ def _eta_ms(decision: Decision) -> int | None:
     return round(est.finish_s * 1000) if est.basis == "stats" else None
 
 
-async def submit_batch(q: QueueClient, body: Any, spec: ModelSpec, tenant: str) -> Answer:
+async def submit_batch(q: QueueClient, body: Any, spec: ModelSpec, tenant: str,
+                       idempotency_key: str | None = None) -> Answer:
     """Many inputs in one call (e.g. an SQS batch): one id per accepted item, an error per refused one.
 
     Body: {"requests": [<submit body>, ...]}; an item may carry `idempotency_key` (an SQS message id,
-    say) so a redelivered batch does not create its accepted items twice."""
+    say) so a redelivered batch does not create its accepted items twice. `idempotency_key` (the call's
+    `Idempotency-Key` header) keys each item that carries none as `<key>#<index>`: the same call sent again
+    answers with the same requests."""
     items = body.get("requests") if isinstance(body, dict) else None
     if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
         raise Unprocessable("requests: a non-empty list of submit bodies (objects) is required",
@@ -183,7 +186,8 @@ async def submit_batch(q: QueueClient, body: Any, spec: ModelSpec, tenant: str) 
     try:
         for i, item in enumerate(items):
             try:
-                results.append(await _batch_item(q, spec, tenant, i, item, to_store))
+                results.append(await _batch_item(q, spec, tenant, i, item, to_store,
+                                                 None if idempotency_key is None else f"{idempotency_key}#{i}"))
             except ApiError as exc:
                 err: dict[str, Any] = {"code": exc.code, "message": exc.message, **exc.extra}
                 if exc.retry_after is not None:
@@ -217,12 +221,14 @@ class _Pending:
 
 
 async def _batch_item(q: QueueClient, spec: ModelSpec, tenant: str, i: int, item: Any,
-                      to_store: list[_Pending]) -> dict[str, Any]:
+                      to_store: list[_Pending], call_key: str | None = None) -> dict[str, Any]:
+    """`call_key`: the item's key from the call's `Idempotency-Key`, unless it carries its own."""
     key = item.get("idempotency_key")
     body = {k: v for k, v in item.items() if k != "idempotency_key"}
     if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 255 or not key.isprintable()):
         raise Unprocessable("idempotency_key must be a string of 1-255 printable characters",
                             extra={"field": f"requests[{i}].idempotency_key"})
+    key = call_key if key is None else key
     try:
         inference = _build(q, body, spec, tenant, at=f"requests[{i}]")
     except Unprocessable as exc:

@@ -153,6 +153,29 @@ async def test_field_errors_say_what_is_allowed_where(redis_url, prefix):
         assert err["field"] == "requests[0].input.colour" and "idempotency_key" not in err["message"], err
 
 
+async def test_a_batch_call_retried_with_its_idempotency_key_creates_nothing_twice(redis_url, prefix):
+    """The `Idempotency-Key` header of a `:batch` call keys each item without a key of its own: the same call sent
+    again answers with the same requests; an item's own key still wins; another body under it is a 409 item."""
+    settings = make_settings(redis_url, prefix)
+    async with running_gateway(settings) as gw:
+        body = {"requests": [{"input": {"text": "a"}}, {"input": {"text": "b"}, "idempotency_key": "own"}]}
+        url, headers = "/v1/models/minilm/requests:batch", {"Idempotency-Key": "call-1"}
+        first = (await gw.client.post(url, json=body, headers=headers)).json()
+        assert first["accepted"] == 2 and first["replayed"] == 0, first
+        again = (await gw.client.post(url, json=body, headers=headers)).json()
+        assert again["accepted"] == 2 and again["replayed"] == 2, again
+        assert [r["id"] for r in again["results"]] == [r["id"] for r in first["results"]]
+        # the item with its own key answers to it alone, whatever the call's key
+        other = (await gw.client.post(url, json=body, headers={"Idempotency-Key": "call-2"})).json()
+        assert other["results"][1]["id"] == first["results"][1]["id"] and other["replayed"] == 1
+        assert other["results"][0]["id"] != first["results"][0]["id"]
+        changed = {"requests": [{"input": {"text": "not a"}}]}
+        conflict = (await gw.client.post(url, json=changed, headers=headers)).json()["results"][0]
+        assert conflict["status"] == 409 and conflict["error"]["code"] == "idempotency_conflict", conflict
+        bad = await gw.client.post(url, json=body, headers={"Idempotency-Key": ""})
+        assert bad.status_code in (400, 422), bad.text  # as a single submit's header is checked
+
+
 async def test_cancel_of_a_cancelled_request_is_a_conflict(redis_url, prefix):
     settings = make_settings(redis_url, prefix)
     async with running_gateway(settings) as gw:
