@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import structlog
@@ -290,6 +290,7 @@ async def _store_and_answer(q: QueueClient, inference: InferenceRequest, decisio
                             headers: dict[str, str] | None = None, *,
                             claim: IdempotencyClaim | None = None) -> Answer:
     headers = {"Location": links(inference.id)["self"], **(headers or {})}
+    status: Literal["queued", "running"] = "queued"
     if wait > 0:
         # subscribed before the store: its result cannot come unseen, so the record is not read before waiting
         subscribing = True
@@ -306,10 +307,12 @@ async def _store_and_answer(q: QueueClient, inference: InferenceRequest, decisio
             raise
         if rec is not None and rec.terminal:
             return Answer(200, record_view(rec), headers)
+        if rec is not None and rec.state is Status.RUNNING:  # the wait ran out while it computes: say so
+            status = "running"
     else:
         submitted = await _store(q, inference, decision, claim)
     accepted = Accepted(
-        id=inference.id, status="queued", model=inference.model, lane=inference.lane,
+        id=inference.id, status=status, model=inference.model, lane=inference.lane,
         eta_ms=_eta_ms(submitted.decision), queue_position=submitted.queue_position,
         deadline=inference.deadline_ms / 1000, links=links(inference.id),
         admission=UNSET if submitted.decision.estimate.basis == "stats" else NO_ESTIMATE)

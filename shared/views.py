@@ -69,10 +69,10 @@ class RequestView(msgspec.Struct, frozen=True):
 
 
 class Accepted(msgspec.Struct, frozen=True):
-    """A submit accepted and queued (202)."""
+    """A submit accepted (202): queued, or running when a `?wait=` ran out while it computes."""
 
     id: str
-    status: Literal["queued"]
+    status: Literal["queued", "running"]
     model: str
     lane: str
     eta_ms: int | None  # null when no worker reported load recently (see `admission`)

@@ -129,7 +129,14 @@ async def test_wait_shorter_than_compute_returns_202(redis_url, prefix, loaded_m
         r = await gw.client.post("/v1/models/minilm/requests?wait=0.3", json={"input": {"text": "x"}})
         assert r.status_code == 202 and 0.25 < time.monotonic() - t0 < 3
         poll = await gw.client.get(f"/v1/requests/{r.json()['id']}")
-        assert poll.status_code == 200 and poll.json()["status"] == "queued"
+        assert poll.status_code == 200 and poll.json()["status"] == "queued" and r.json()["status"] == "queued"
+    # a wait that runs out while the request computes says it runs, as a poll then would
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        body = {"input": {"input_ids": list(range(3, 1500))}, "params": {"max_new_tokens": 256, "ignore_eos": True}}
+        r = await gw.client.post("/v1/models/tiny-llama/requests?wait=0.5", json=body)
+        assert r.status_code == 202 and r.json()["status"] == "running", r.text
+        done = await gw.client.get(f"/v1/requests/{r.json()['id']}?wait=60")
+        assert done.json()["status"] == "succeeded" and done.json()["timings"]["total_ms"] > 500, done.json()
 
 
 async def test_cancel_queued_request_is_never_computed(redis_url, prefix, loaded_models):
