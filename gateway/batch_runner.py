@@ -54,6 +54,7 @@ IN_FLIGHT = 128  # items of one batch queued or running at once (2x the default 
 POLL_S = 0.25  # how often the items in flight are read
 DISCOVER_S = 1.0  # how often the runner looks for batches to take
 LEASE_S = 15.0  # a runner that stops renewing loses its batches after this long
+DEADLINE_RETRY_S = 2.0  # an item refused for the queue its window's end leaves it is tried again after at most this
 MAX_ERRORS = 100
 TASK_OF = {"completion": Task.GENERATE, "chat": Task.GENERATE, "native": None, "embedding": Task.EMBED}
 
@@ -268,11 +269,17 @@ class BatchRunner:
             answer = await ops.submit(self.q, submit_body(item, deadline), spec, meta.tenant,
                                       idempotency_key=f"batch:{meta.id}:{line}")
         except TooManyRequests as exc:
-            if exc.code == "deadline_infeasible" and deadline >= meta.expires_at:
+            if exc.code == "deadline_infeasible" and deadline >= meta.expires_at and not exc.retryable:
+                # its own compute, with no queue at all, passes the window's end: no wait can change that
                 await self.store.write_line(meta.id, line, False,
                                             refused_line(item.custom_id, exc.code, exc.message, 429))
                 await self.store.fed(meta.id, [], line + 1, end)
                 return None
+            if exc.code == "deadline_infeasible":
+                # the queue ahead, as estimated, passes the window's end: the estimate errs (a queue drains faster
+                # than a forecast says), so the item is tried again soon, until it fits or the window ends (then it
+                # and the lines after it are answered `batch_expired`, as OpenAI answers what a window left)
+                return min(float(exc.retry_after or 1.0), DEADLINE_RETRY_S)
             return float(exc.retry_after or 1.0)
         except ApiError as exc:
             await self.store.write_line(meta.id, line, False,

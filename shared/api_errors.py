@@ -28,6 +28,11 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"code": self.code, "message": self.message, **self.extra}}
 
+    @property
+    def retryable(self) -> bool:
+        """False when the answer says no retry of the same request can change it (`x-should-retry: false`)."""
+        return self._headers.get("x-should-retry") != "false"
+
     def headers(self) -> dict[str, str]:
         """`Retry-After` in whole seconds (at least 1) when the caller should retry later."""
         if self.retry_after is None:

@@ -88,6 +88,44 @@ async def test_a_batch_runs_every_line_once_and_answers_in_openais_format(redis_
         assert b.id in [x.id for x in listed.data]
 
 
+async def test_an_item_refused_for_the_queue_is_tried_again_and_only_a_hopeless_one_is_written_off(
+        redis_url, prefix, loaded_models, tmp_path, monkeypatch):
+    """Admission's estimate of the queue errs (a queue drains faster than forecast): an item refused because the
+    queue ahead would pass its window's end is fed again seconds later, not failed; one whose own compute cannot
+    fit (`x-should-retry: false`) gets its error line at once."""
+    from gateway import batch_runner
+    from shared.api_errors import TooManyRequests
+
+    real = batch_runner.ops.submit
+    calls: dict[str, int] = {}
+
+    async def submit(q, body, spec, tenant, **kw):
+        key = kw.get("idempotency_key", "")
+        calls[key] = calls.get(key, 0) + 1
+        line = int(key.rsplit(":", 1)[1])
+        if line == 1 and calls[key] <= 2:  # the queue, as estimated, would pass the window: twice
+            raise TooManyRequests("deadline infeasible: estimated finish in 90000 ms", code="deadline_infeasible",
+                                  retry_after=60)
+        if line == 2:  # its own compute passes the window's end, whatever the queue
+            raise TooManyRequests("deadline infeasible: this request needs about 90000 ms of compute",
+                                  code="deadline_infeasible", retry_after=1, headers={"x-should-retry": "false"})
+        return await real(q, body, spec, tenant, **kw)
+
+    monkeypatch.setattr(batch_runner.ops, "submit", submit)
+    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw, runner(settings):
+        client = client_for(gw)
+        f = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(4))), purpose="batch")
+        b = await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="60s")
+        done = await until_done(client, b.id, 40)
+        assert done.status == "completed", done
+        out, err = await lines_of(client, done.output_file_id), await lines_of(client, done.error_file_id)
+        assert [x["custom_id"] for x in out] == ["c-0", "c-1", "c-3"]
+        assert [x["custom_id"] for x in err] == ["c-2"] and err[0]["error"]["code"] == "deadline_infeasible"
+        key = f"batch:{b.id}:1"
+        assert calls[key] == 3  # refused twice for the queue, then fed (after ~2 s each, not its 60 s Retry-After)
+
+
 async def test_an_invalid_line_fails_the_batch_before_anything_runs(redis_url, prefix, loaded_models, tmp_path):
     settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
     async with running_gateway(settings) as gw, runner(settings):  # no worker: nothing could run anyway
