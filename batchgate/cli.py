@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -100,6 +101,32 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def _usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with an operations command's tenant name or limit values (checked before any Redis is
+    touched: a usage error, exit status 2), or None."""
+    from shared.tenants import tenant_name_problem
+
+    tenant = getattr(args, "tenant", None)
+    if tenant is not None and (problem := tenant_name_problem(tenant)):
+        return problem
+    rate = getattr(args, "rate", None)
+    if rate is not None and not (math.isfinite(rate) and rate >= 0):
+        return f"--rate must be a finite number of submits per second, >= 0 (0: no rate limit); got {rate:g}"
+    burst = getattr(args, "burst", None)
+    if burst is not None and burst < 1:
+        return f"--burst must be a whole number >= 1; got {burst}"
+    backlog = getattr(args, "max_backlog", None)
+    if backlog is not None and backlog < 0:
+        return f"--max-backlog must be a whole number >= 0 (0: no quota); got {backlog}"
+    return None
+
+
+def _finite(value: float | None) -> float | None:
+    """A stored limit as JSON can carry it: one that is not a finite number (written before such values were
+    refused) reads as unset."""
+    return value if value is None or math.isfinite(value) else None
+
+
 def cmd_gateway(args: argparse.Namespace) -> int:
     settings = _settings(args)
     configure_logging(settings.log_level, settings.log_format)
@@ -144,6 +171,9 @@ def cmd_webhooks(args: argparse.Namespace) -> int:
 
     if args.action == "thin" and args.value not in ("on", "off"):
         print("batchgate: webhooks thin needs on or off", file=sys.stderr)
+        return 2
+    if problem := _usage_error(args):
+        print(f"batchgate: {problem}", file=sys.stderr)
         return 2
     if (args.action == "enable") != (args.value is not None and args.action != "thin"):
         print("batchgate: " + ("webhooks enable needs the URL to allow again (as `webhooks disabled` lists it)"
@@ -202,15 +232,21 @@ async def _disabled_urls(settings: Settings, args: argparse.Namespace) -> int:
         await redis.aclose()
 
 
+def _keys_usage_error(args: argparse.Namespace) -> str | None:
+    if (args.action == "revoke") != (args.key is not None):
+        return f"keys {args.action} " + ("needs the key, or its hash as `keys list` shows it"
+                                         if args.action == "revoke" else "takes no key")
+    return _usage_error(args)
+
+
 def cmd_keys(args: argparse.Namespace) -> int:
     """Create, revoke or list API keys (stored hashed: a new key is printed once, never again)."""
     from shared.keys import Keys
     from shared.redis_io import make_redis
     from shared.tenants import TenantStore, key_digest
 
-    if (args.action == "revoke") != (args.key is not None):
-        print(f"batchgate: keys {args.action} " + ("needs the key, or its hash as `keys list` shows it"
-                                                  if args.action == "revoke" else "takes no key"), file=sys.stderr)
+    if problem := _keys_usage_error(args):
+        print(f"batchgate: {problem}", file=sys.stderr)
         return 2
     settings = _admin_settings(args)
 
@@ -256,6 +292,9 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     from shared.redis_io import make_redis
     from shared.tenants import TenantStore
 
+    if problem := _usage_error(args):
+        print(f"batchgate: {problem}", file=sys.stderr)
+        return 2
     settings = _admin_settings(args)
 
     async def main() -> None:
@@ -273,9 +312,9 @@ def cmd_tenants(args: argparse.Namespace) -> int:
                 fields["thin_callbacks"] = args.thin_callbacks == "on"
             await store.set(args.tenant, **fields)
         cfg = await store.get(args.tenant)
-        print(json.dumps({"tenant": cfg.name, "rate_per_s": cfg.rate_per_s, "burst": cfg.burst,
+        print(json.dumps({"tenant": cfg.name, "rate_per_s": _finite(cfg.rate_per_s), "burst": cfg.burst,
                           "max_backlog": cfg.max_backlog, "thin_callbacks": cfg.thin_callbacks,
-                          "webhook_secrets": len(cfg.webhook_secrets)}))
+                          "webhook_secrets": len(cfg.webhook_secrets)}, allow_nan=False))
         await redis.aclose()
 
     return _run_admin(settings, main)
@@ -307,6 +346,10 @@ class _AnyOrder(argparse.ArgumentParser):
             self._intermixing = False
 
 
+ADMIN_REDIS = ("The Redis: --redis-url, else BATCHGATE_REDIS_URL or REDIS_URL, else the running `batchgate up`'s; "
+               "keys under BATCHGATE_KEY_PREFIX (default bg).")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchgate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_AnyOrder)
@@ -315,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", help="YAML or TOML model config (else BATCHGATE_CONFIG, else built-ins)")
         p.add_argument("--models", help="comma-separated model names to serve (else BATCHGATE_MODELS)")
         p.add_argument("--redis-url", help="Redis URL (else BATCHGATE_REDIS_URL or REDIS_URL)")
+
+    def admin(p: argparse.ArgumentParser) -> None:  # the operations commands serve no models
+        p.add_argument("--redis-url", help="Redis URL (else BATCHGATE_REDIS_URL or REDIS_URL, else the running "
+                                           "`batchgate up`'s)")
 
     up = sub.add_parser("up", help="run Redis (embedded unless REDIS_URL is set), a gateway, a worker and a "
                                    "webhook dispatcher")
@@ -344,32 +391,43 @@ def build_parser() -> argparse.ArgumentParser:
     common(bt)
     bt.set_defaults(func=cmd_batches)
 
-    wh = sub.add_parser("webhooks", help="a tenant's webhook signing secrets, payload form and disabled URLs")
-    common(wh)
+    wh = sub.add_parser(
+        "webhooks", help="a tenant's webhook signing secrets, payload form and disabled URLs",
+        description="Show or change a tenant's webhooks: show the signing secrets; rotate (sign with a new one, "
+                    "keep accepting the old); drop-old (end the overlap); thin on|off (payloads with ids only; "
+                    "prints no secret); disabled (the URLs its receivers disabled with 410); enable URL (allow "
+                    "one again). " + ADMIN_REDIS)
+    admin(wh)
     wh.add_argument("action", choices=["show", "rotate", "drop-old", "thin", "disabled", "enable"],
-                    help="show the secrets; rotate (sign with a new one, keep accepting the old); drop-old "
-                         "(end the overlap); thin on|off (payloads with ids only); disabled (the URLs its "
-                         "receivers disabled with 410); enable URL (allow one again)")
+                    help="what to do (above)")
     wh.add_argument("value", nargs="?", help="on|off for `thin`; the URL for `enable`")
-    wh.add_argument("--tenant", default="default")
+    wh.add_argument("--tenant", default="default", help="the tenant (default: default)")
     wh.set_defaults(func=cmd_webhooks)
 
-    ks = sub.add_parser("keys", help="create, revoke or list API keys")
-    common(ks)
-    ks.add_argument("action", choices=["create", "revoke", "list"])
+    ks = sub.add_parser(
+        "keys", help="create, revoke or list API keys",
+        description="API keys, stored hashed: create (a new key for the tenant, printed once, never again); "
+                    "revoke KEY (the key, or its hash as `list` shows it; with --tenant, only if it is that "
+                    "tenant's); list (the tenant's key hashes, or without --tenant every tenant's, one "
+                    "`TENANT HASH` a line). " + ADMIN_REDIS)
+    admin(ks)
+    ks.add_argument("action", choices=["create", "revoke", "list"], help="what to do (above)")
     ks.add_argument("key", nargs="?", help="for revoke: the key, or its hash as `list` shows it")
     ks.add_argument("--tenant", default=None,
                     help="the tenant (default: default; `list` without it lists every tenant's key hashes)")
     ks.set_defaults(func=cmd_keys)
 
-    ts = sub.add_parser("tenants", help="show or set a tenant's limits")
-    common(ts)
-    ts.add_argument("action", choices=["show", "set"])
-    ts.add_argument("tenant")
-    ts.add_argument("--rate", type=float, help="submits per second (token bucket)")
-    ts.add_argument("--burst", type=int, help="bucket size")
-    ts.add_argument("--max-backlog", type=int, help="requests queued or running at once")
-    ts.add_argument("--thin-callbacks", choices=["on", "off"])
+    ts = sub.add_parser(
+        "tenants", help="show or set a tenant's limits",
+        description="Show a tenant's limits, or set them (only the options given change), as JSON. A gateway "
+                    "picks a change up within 5 s. " + ADMIN_REDIS)
+    admin(ts)
+    ts.add_argument("action", choices=["show", "set"], help="show, or set the options given")
+    ts.add_argument("tenant", help="the tenant's name")
+    ts.add_argument("--rate", type=float, help="submits per second (token bucket; 0: no rate limit)")
+    ts.add_argument("--burst", type=int, help="bucket size: submits at once before the rate applies (>= 1)")
+    ts.add_argument("--max-backlog", type=int, help="requests queued or running at once (0: no quota)")
+    ts.add_argument("--thin-callbacks", choices=["on", "off"], help="webhook payloads with ids only")
     ts.set_defaults(func=cmd_tenants)
     return parser
 

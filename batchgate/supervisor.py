@@ -1,17 +1,20 @@
 """`batchgate up`: Redis (embedded unless one is named), a gateway, a worker and a webhook dispatcher as
 child processes; ready when the gateway answers /readyz and a worker has announced every model; stops
-them all on a signal or when one of them exits.
+them all on a signal or when one of them exits, the embedded Redis included (each such end is named: the part
+and its exit status or signal).
 
 Stopping goes in order, so that work in flight is not lost and nothing retries against a Redis that is
 already gone: the gateway first (no new intake), then the worker (it finishes what it runs within its
 drain budget, `BATCHGATE_DRAIN_BUDGET_S`, 10 s under `up`), then the webhook dispatcher, then Redis.
 The children run in their own sessions, so a terminal's Ctrl+C reaches `up` alone, and on Linux they
 die with `up` (PR_SET_PDEATHSIG) should it be killed outright. Exit status: 0 when every part stopped
-cleanly on request, 1 when a part failed or had to be killed.
+cleanly on request, 1 when a part failed or had to be killed. The embedded Redis keeps nothing: what was still
+queued in it when it stops is counted and said to be discarded.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import signal
 import socket
@@ -20,17 +23,33 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from batchgate.state import remove_state, write_state
 from shared.config import Settings, redis_url_from
 from shared.embedded_redis import free_port, start_embedded_redis
+from shared.keys import Keys
 from shared.lifeline import die_with_parent
 from shared.states import Task
 
 STARTUP_TIMEOUT_S = 600.0
 UP_DRAIN_BUDGET_S = 10.0  # the worker's drain budget under `up` unless BATCHGATE_DRAIN_BUDGET_S is set
 STOP_ORDER = ("gateway", "batches", "worker", "callbacks")  # intake first, then the work, then its webhooks
+PART_NAMES = {"gateway": "gateway", "worker": "worker", "callbacks": "webhook dispatcher (callbacks)",
+              "batches": "batch runner (batches)", "redis": "embedded Redis (redis-server)"}
+
+
+def ended(part: str, status: int) -> str:
+    """How a part ended, for a user: "the worker was killed by SIGKILL", "the gateway exited with status 1"."""
+    name = PART_NAMES.get(part, part)
+    if status < 0:
+        try:
+            how = f"was killed by {signal.Signals(-status).name}"
+        except ValueError:
+            how = f"was killed by signal {-status}"
+    else:
+        how = f"exited with status {status}" if status else "exited (status 0) although nothing asked it to stop"
+    return f"the {name} {how}"
 
 
 def _http_ok(url: str) -> bool:
@@ -77,22 +96,59 @@ def redis_problem(redis_url: str, timeout_s: float = 3.0) -> str | None:
     return None
 
 
-class Stack:
-    """The processes `batchgate up` supervises."""
+def queued_requests(redis_url: str, prefix: str) -> int | None:
+    """Accepted requests with no result yet (records queued, or running and handed back), or None when the Redis
+    cannot say."""
+    import redis
 
-    def __init__(self, procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    from shared.redis_io import make_sync_redis
+
+    try:
+        client = make_sync_redis(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        try:
+            count = 0
+            records = list(client.scan_iter(match=Keys(prefix).record("*"), count=1000))
+            for start in range(0, len(records), 1000):
+                pipe = client.pipeline(transaction=False)
+                for key in records[start:start + 1000]:
+                    pipe.hget(key, "state")
+                count += sum(state in (b"queued", b"running") for state in pipe.execute())
+            return count
+        finally:
+            client.close()
+    except (redis.RedisError, OSError):
+        return None
+
+
+def _port_taken(host: str, port: int) -> bool:
+    """Whether another process listens on `host:port` (binding as uvicorn does, with SO_REUSEADDR)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        return exc.errno == errno.EADDRINUSE
+    return False
+
+
+class Stack:
+    """The processes `batchgate up` supervises, and those it watches but did not start (the embedded Redis)."""
+
+    def __init__(self, procs: dict[str, subprocess.Popen[bytes]],
+                 watched: Mapping[str, Callable[[], int | None]] | None = None) -> None:
         self.procs = procs
+        self.watched = dict(watched or {})  # part -> its poll(): None while it runs, else its exit status
         self.stop_requested = False
         self.signals = 0  # a signal that arrives while stopping means: stop at once
 
     @classmethod
-    def start(cls, env: Mapping[str, str]) -> Stack:
+    def start(cls, env: Mapping[str, str], watched: Mapping[str, Callable[[], int | None]] | None = None) -> Stack:
         """A worker, a gateway, a webhook dispatcher and a batch runner, each `python -m batchgate <part>`;
-        SIGINT/SIGTERM ask it to stop."""
+        SIGINT/SIGTERM ask it to stop. `watched`: parts started elsewhere whose end stops the stack too."""
         cli = [sys.executable, "-m", "batchgate"]
         parts = ("worker", "gateway", "callbacks", "batches")
         stack = cls({part: subprocess.Popen([*cli, part], env=dict(env), start_new_session=True,
-                                            preexec_fn=die_with_parent()) for part in parts})
+                                            preexec_fn=die_with_parent()) for part in parts}, watched)
         signal.signal(signal.SIGINT, stack._on_signal)
         signal.signal(signal.SIGTERM, stack._on_signal)
         return stack
@@ -101,10 +157,19 @@ class Stack:
         self.stop_requested = True
         self.signals += 1
 
-    def exited(self) -> bool:
-        return any(p.poll() is not None for p in self.procs.values())
+    def exited(self) -> tuple[str, int] | None:
+        """The first part found ended, with its exit status (negative: the signal), or None while all run."""
+        for part, p in self.procs.items():
+            if (status := p.poll()) is not None:
+                return part, status
+        for part, poll in self.watched.items():
+            if (status := poll()) is not None:
+                return part, status
+        return None
 
     def wait_ready(self, base: str, redis_url: str, settings: Settings) -> bool:
+        """True once the gateway answers /readyz and workers announced every model; False on a signal, when a
+        part ends first, or after `STARTUP_TIMEOUT_S` (then `not_ready` says which part, and why)."""
         end = time.monotonic() + STARTUP_TIMEOUT_S
         models = {m.name for m in settings.models}
         while not self.stop_requested and not self.exited() and time.monotonic() < end:
@@ -113,11 +178,25 @@ class Stack:
             time.sleep(0.2)
         return False
 
+    def not_ready(self, base: str, port: int, settings: Settings) -> str:
+        """Why the stack did not become ready: the part that ended first, else the part that did not answer."""
+        if (end := self.exited()) is not None:
+            why = ended(*end)
+            if end[0] == "gateway" and _port_taken(settings.host, port):
+                why += (f": {settings.host}:{port} is in use by another process (choose another port with --port "
+                        "or BATCHGATE_PORT)")
+            return why
+        if not _http_ok(base + "/readyz"):
+            return f"the gateway did not answer {base}/readyz within {STARTUP_TIMEOUT_S:g} s"
+        return (f"the worker did not announce every model ({', '.join(m.name for m in settings.models)}) within "
+                f"{STARTUP_TIMEOUT_S:g} s")
+
     def supervise(self) -> int:
-        """Run until a signal (exit 0) or until a process dies (exit 1)."""
+        """Run until a signal (exit 0) or until a part ends (exit 1), saying which and how."""
         while not self.stop_requested:
-            if self.exited():
-                print("batchgate up: a process exited; stopping the stack", file=sys.stderr)
+            if (end := self.exited()) is not None:
+                lost = "; what it held is lost" if end[0] == "redis" else ""
+                print(f"batchgate up: {ended(*end)}{lost}; stopping the stack", file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.2)
         return 0
@@ -181,7 +260,7 @@ def run_stack(settings: Settings, environ: Mapping[str, str]) -> int:
     env.setdefault("BATCHGATE_AUTH", "off")  # local use; the gateway logs it loudly
     env.setdefault("BATCHGATE_DRAIN_BUDGET_S", str(UP_DRAIN_BUDGET_S))
     drain_budget_s = float(env["BATCHGATE_DRAIN_BUDGET_S"])
-    stack = Stack.start(env)
+    stack = Stack.start(env, watched={"redis": embedded.poll} if embedded is not None else None)
     base = f"http://{settings.host}:{port}"
     code = 1
     try:
@@ -189,7 +268,8 @@ def run_stack(settings: Settings, environ: Mapping[str, str]) -> int:
             if stack.stop_requested:
                 code = 0
             else:
-                print("batchgate up: the stack did not become ready", file=sys.stderr)
+                why = stack.not_ready(base, port, settings)
+                print(f"batchgate up: the stack did not become ready: {why}; stopping the stack", file=sys.stderr)
         else:
             write_state(environ, {"redis_url": redis_url, "key_prefix": settings.key_prefix, "gateway": base,
                                   "worker_metrics_port": int(env["BATCHGATE_WORKER_METRICS_PORT"]),
@@ -198,12 +278,32 @@ def run_stack(settings: Settings, environ: Mapping[str, str]) -> int:
             code = stack.supervise()
     finally:
         remove_state(environ)
+        asked = code == 0  # stopped on request: no part's end was said yet
         if not stack.stop(drain_budget_s):
             code = 1  # a part that failed or had to be killed (the return comes after this block)
         if embedded is not None:
+            if not _embedded_ended_well(embedded.poll(), redis_url, settings.key_prefix, asked):
+                code = 1
             embedded.stop()  # last: everything that used it has stopped
         print("batchgate up: stopped", file=sys.stderr, flush=True)
     return code
+
+
+def _embedded_ended_well(status: int | None, redis_url: str, prefix: str, asked: bool) -> bool:
+    """Before the embedded Redis stops with the stack: say how many accepted requests it discards (it keeps
+    nothing), or, should it have ended on its own, say so (unless said already: `asked` is False when the stack
+    stopped because a part ended, and named it); False in that case."""
+    if status is not None:
+        if asked:
+            print(f"batchgate up: {ended('redis', status)}; what it held is lost", file=sys.stderr, flush=True)
+        return False
+    queued = queued_requests(redis_url, prefix)
+    if queued:
+        were = "requests were" if queued != 1 else "request was"
+        print(f"batchgate up: {queued} accepted {were} still queued and {'are' if queued != 1 else 'is'} discarded "
+              "with the embedded Redis (it keeps nothing; set REDIS_URL to a persistent Redis to keep them)",
+              file=sys.stderr, flush=True)
+    return True
 
 
 def _metrics_url(port: str) -> str:

@@ -409,20 +409,24 @@ class Settings:
 
     def validate(self) -> Settings:
         if not re.match(r"^[A-Za-z0-9_.-]{1,32}$", self.key_prefix):
-            raise ConfigError(f"key prefix {self.key_prefix!r}: 1-32 letters, digits, '_', '.', '-'")
-        if self.reclaim_idle_s <= 0 or self.max_deliveries < 1 or self.drain_budget_s < 0:
-            raise ConfigError("reclaim_idle_s > 0, max_deliveries >= 1 and drain_budget_s >= 0 are required")
-        if not self.body_timeout_s > 0 or not self.header_timeout_s > 0 or not self.keep_alive_s > 0 \
-                or not self.shutdown_grace_s >= 0 or self.redis_wait_replicas < 0 or self.redis_wait_ms < 1:
-            raise ConfigError("BATCHGATE_BODY_TIMEOUT_S > 0, BATCHGATE_HEADER_TIMEOUT_S > 0, "
-                              "BATCHGATE_KEEP_ALIVE_S > 0, BATCHGATE_SHUTDOWN_GRACE_S >= 0, "
-                              "BATCHGATE_REDIS_WAIT_REPLICAS >= 0 and BATCHGATE_REDIS_WAIT_MS >= 1 are required")
-        if self.result_ttl_s < 1 or self.max_body_bytes < 1024 or self.max_wait_s < 0:
-            raise ConfigError("result_ttl_s >= 1, max_body_bytes >= 1024 and max_wait_s >= 0 are required")
-        if self.max_file_bytes < 1 or self.max_file_lines < 1:
-            raise ConfigError("BATCHGATE_MAX_FILE_BYTES and BATCHGATE_MAX_FILE_LINES must be >= 1")
-        if self.torch_threads < 0:
-            raise ConfigError("BATCHGATE_TORCH_THREADS must be >= 0 (0: automatic)")
+            raise ConfigError(f"{ENV_PREFIX}KEY_PREFIX must be 1-32 letters, digits, '_', '.' or '-' "
+                              f"(got {self.key_prefix!r})")
+        # (variable, value, operator, bound): each refusal names the variable and the value it got
+        bounds: tuple[tuple[str, float, str, int], ...] = (
+            ("RECLAIM_IDLE_S", self.reclaim_idle_s, ">", 0), ("MAX_DELIVERIES", self.max_deliveries, ">=", 1),
+            ("DRAIN_BUDGET_S", self.drain_budget_s, ">=", 0), ("BODY_TIMEOUT_S", self.body_timeout_s, ">", 0),
+            ("HEADER_TIMEOUT_S", self.header_timeout_s, ">", 0), ("KEEP_ALIVE_S", self.keep_alive_s, ">", 0),
+            ("SHUTDOWN_GRACE_S", self.shutdown_grace_s, ">=", 0),
+            ("REDIS_WAIT_REPLICAS", self.redis_wait_replicas, ">=", 0),
+            ("REDIS_WAIT_MS", self.redis_wait_ms, ">=", 1), ("RESULT_TTL_S", self.result_ttl_s, ">=", 1),
+            ("MAX_BODY_BYTES", self.max_body_bytes, ">=", 1024), ("MAX_WAIT_S", self.max_wait_s, ">=", 0),
+            ("MAX_FILE_BYTES", self.max_file_bytes, ">=", 1), ("MAX_FILE_LINES", self.max_file_lines, ">=", 1),
+            ("TORCH_THREADS", self.torch_threads, ">=", 0),
+        )
+        for name, value, op, bound in bounds:
+            if not (value > bound if op == ">" else value >= bound):  # NaN is refused too
+                shown = str(int(value)) if float(value).is_integer() else repr(value)
+                raise ConfigError(f"{ENV_PREFIX}{name} must be {op} {bound} (got {shown})")
         if self.cpu_engines not in ("shared", "parallel"):
             raise ConfigError("BATCHGATE_CPU_ENGINES must be shared or parallel")
         if self.auth not in ("api_key", "off"):

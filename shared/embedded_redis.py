@@ -34,6 +34,11 @@ class EmbeddedRedis:
     _server: Any = None
     _dir: Any = field(default=None, repr=False)
 
+    def poll(self) -> int | None:
+        """None while it serves; else the redis-server's exit status (negative: the signal that ended it). A
+        fakeredis serves from a thread of this process: it lasts as long as the process does."""
+        return self._proc.poll() if self._proc is not None else None
+
     def stop(self) -> None:
         if self._proc is not None:
             self._proc.terminate()

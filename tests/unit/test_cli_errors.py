@@ -5,6 +5,7 @@ No Redis here: the admin commands run against fakeredis."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -208,3 +209,60 @@ def test_a_stale_state_file_is_named_with_the_redis_used_instead(tmp_path, monke
     settings = cli._admin_settings(build_parser().parse_args(["keys", "list"]))
     assert (settings.redis_url, settings.key_prefix) == ("redis://127.0.0.1:7777/0", "upx")
     assert capsys.readouterr().err == ""
+
+
+# --- values the operations commands refuse -----------------------------------------------------------
+
+@pytest.mark.parametrize("argv, says", [
+    (["tenants", "set", "acme", "--rate", "-1"], "--rate"),
+    (["tenants", "set", "acme", "--rate", "nan"], "--rate"),
+    (["tenants", "set", "acme", "--rate", "inf"], "--rate"),
+    (["tenants", "set", "acme", "--burst", "-3"], "--burst"),
+    (["tenants", "set", "acme", "--burst", "0"], "--burst"),
+    (["tenants", "set", "acme", "--max-backlog", "-1"], "--max-backlog"),
+    (["tenants", "set", ""], "empty"),
+    (["tenants", "show", "a b"], "'a b'"),
+    (["keys", "create", "--tenant", ""], "empty"),
+    (["keys", "list", "--tenant", "a:keys"], "':'"),
+    (["webhooks", "show", "--tenant", ""], "empty"),
+])
+def test_an_invalid_limit_or_tenant_name_is_one_line_and_exit_2(argv, says, fake_redis, capsys):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1 and lines[0].startswith("batchgate: ") and says in lines[0], err
+    assert main(["tenants", "show", "acme"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["rate_per_s"], shown["burst"], shown["max_backlog"]) == (None, None, None)  # nothing was set
+
+
+def test_tenants_set_prints_valid_json_with_what_it_set(fake_redis, capsys):
+    assert main(["tenants", "set", "acme", "--rate", "0.5", "--burst", "2", "--max-backlog", "0"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["tenant"], shown["rate_per_s"], shown["burst"], shown["max_backlog"]) == ("acme", 0.5, 2, 0)
+    # a value stored before such values were refused prints as JSON can carry it (unset), not as NaN
+    fakeredis.FakeRedis(server=fake_redis).hset("bg:tenant:old", "rate_per_s", "nan")
+    assert main(["tenants", "show", "old"]) == 0
+    text = capsys.readouterr().out
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))["rate_per_s"] is None
+
+
+# --- each operations command's --help is its own ----------------------------------------------------------
+
+@pytest.mark.parametrize("command, words", [
+    ("keys", ["create", "revoke", "list", "--tenant", "--redis-url"]),
+    ("tenants", ["show", "set", "--rate", "--burst", "--max-backlog", "--thin-callbacks", "--redis-url"]),
+    ("webhooks", ["show", "rotate", "drop-old", "thin", "disabled", "enable", "--tenant", "--redis-url"]),
+])
+def test_an_operations_commands_help_describes_its_own_actions_and_options_only(command, words, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "--config" not in text and "--models" not in text and "model names to serve" not in text, text
+    for word in words:
+        assert word in text, f"{word} not in {command} --help:\n{text}"
+    description = text.split("positional arguments:")[0].split("\n\n", 1)[1].lower()  # after the usage lines
+    for action in words:
+        if not action.startswith("--"):
+            assert action in description, f"{action} is not described in {command} --help:\n{text}"

@@ -256,3 +256,30 @@ def test_every_batchgate_variable_the_repository_names_is_known():
         unknown[name] = where
     assert not unknown, f"BATCHGATE_ variables not in shared/config.py SETTINGS_ENV or OTHER_ENV: {unknown}"
     assert config.ENV_PREFIX + "MAX_WAIT_S" in found and config.ENV_PREFIX + "TENANT_BURST" in found
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("BATCHGATE_MAX_WAIT_S", "-1", "BATCHGATE_MAX_WAIT_S must be >= 0 (got -1)"),
+    ("BATCHGATE_MAX_WAIT_S", "nan", "BATCHGATE_MAX_WAIT_S must be >= 0 (got nan)"),
+    ("BATCHGATE_RESULT_TTL_S", "0", "BATCHGATE_RESULT_TTL_S must be >= 1 (got 0)"),
+    ("BATCHGATE_MAX_BODY_BYTES", "100", "BATCHGATE_MAX_BODY_BYTES must be >= 1024 (got 100)"),
+    ("BATCHGATE_RECLAIM_IDLE_S", "0", "BATCHGATE_RECLAIM_IDLE_S must be > 0 (got 0)"),
+    ("BATCHGATE_MAX_DELIVERIES", "0", "BATCHGATE_MAX_DELIVERIES must be >= 1 (got 0)"),
+    ("BATCHGATE_DRAIN_BUDGET_S", "-0.5", "BATCHGATE_DRAIN_BUDGET_S must be >= 0 (got -0.5)"),
+    ("BATCHGATE_BODY_TIMEOUT_S", "0", "BATCHGATE_BODY_TIMEOUT_S must be > 0 (got 0)"),
+    ("BATCHGATE_HEADER_TIMEOUT_S", "-2", "BATCHGATE_HEADER_TIMEOUT_S must be > 0 (got -2)"),
+    ("BATCHGATE_KEEP_ALIVE_S", "0", "BATCHGATE_KEEP_ALIVE_S must be > 0 (got 0)"),
+    ("BATCHGATE_SHUTDOWN_GRACE_S", "-1", "BATCHGATE_SHUTDOWN_GRACE_S must be >= 0 (got -1)"),
+    ("BATCHGATE_REDIS_WAIT_REPLICAS", "-1", "BATCHGATE_REDIS_WAIT_REPLICAS must be >= 0 (got -1)"),
+    ("BATCHGATE_REDIS_WAIT_MS", "0", "BATCHGATE_REDIS_WAIT_MS must be >= 1 (got 0)"),
+    ("BATCHGATE_MAX_FILE_BYTES", "0", "BATCHGATE_MAX_FILE_BYTES must be >= 1 (got 0)"),
+    ("BATCHGATE_MAX_FILE_LINES", "0", "BATCHGATE_MAX_FILE_LINES must be >= 1 (got 0)"),
+    ("BATCHGATE_TORCH_THREADS", "-1", "BATCHGATE_TORCH_THREADS must be >= 0 (got -1)"),
+    ("BATCHGATE_KEY_PREFIX", "a b", "BATCHGATE_KEY_PREFIX must be 1-32 letters"),
+])
+def test_a_value_out_of_range_names_its_variable_and_the_value_it_got(name, value, says):
+    """The README promises a configuration error naming the variable: each bound is its own message."""
+    with pytest.raises(ConfigError) as exc:
+        Settings.from_environ({name: value})
+    assert str(exc.value).startswith(says), exc.value
+    assert len(str(exc.value).splitlines()) == 1

@@ -9,6 +9,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from batchgate.supervisor import Stack
 
 STUBBORN = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
@@ -93,7 +95,7 @@ def test_up_exits_1_when_a_part_had_to_be_killed_on_the_way_out(monkeypatch, tmp
     monkeypatch.setattr(supervisor, "redis_problem", lambda url: None)  # no Redis here: say it answers
     env = {"BATCHGATE_REDIS_URL": "redis://127.0.0.1:1/0", "BATCHGATE_STATE_DIR": str(tmp_path)}
     for clean, code in ((True, 0), (False, 1)):
-        monkeypatch.setattr(supervisor.Stack, "start", staticmethod(lambda env, c=clean: Ran(c)))
+        monkeypatch.setattr(supervisor.Stack, "start", staticmethod(lambda env, watched=None, c=clean: Ran(c)))
         assert supervisor.run_stack(Settings(port=1), env) == code
 
 
@@ -131,3 +133,169 @@ def test_the_banner_shows_examples_for_the_models_served_only(capsys):
     _banner("http://127.0.0.1:1", "redis://x", "external", env, only_generate)
     out = capsys.readouterr().out
     assert "/v1/models/bench-llama/requests" in out and "texts" not in out  # no embedding model: no embed example
+
+
+# --- a part that ends is named, the embedded Redis included; what the embedded Redis discards is said ----------
+
+SLEEPER = "import time; print('ready', flush=True); time.sleep(60)"
+
+
+class FakeEmbedded:
+    """The embedded Redis as `run_stack` sees it: a URL, a kind, whether it still runs, a stop."""
+
+    def __init__(self, status: int | None = None) -> None:
+        self.url, self.kind, self.status, self.stopped = "redis://127.0.0.1:1/0", "redis-server", status, False
+
+    def poll(self) -> int | None:
+        return self.status
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def _exited(code: str) -> subprocess.Popen[bytes]:
+    p = subprocess.Popen([sys.executable, "-c", code])
+    p.wait()
+    return p
+
+
+def test_a_part_that_ends_is_named_with_its_exit_status_or_signal(capsys):
+    from batchgate.supervisor import ended
+
+    assert ended("worker", -9) == "the worker was killed by SIGKILL"
+    assert ended("gateway", 1) == "the gateway exited with status 1"
+    assert ended("redis", -9) == "the embedded Redis (redis-server) was killed by SIGKILL"
+    assert "callbacks" in ended("callbacks", 0) and "batches" in ended("batches", 2)
+    running = _proc(SLEEPER)
+    try:
+        stack = Stack({"gateway": running, "worker": _exited("import os, signal; os.kill(os.getpid(), 9)")})
+        assert stack.supervise() == 1
+    finally:
+        running.kill()
+        running.wait()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["batchgate up: the worker was killed by SIGKILL; stopping the stack"], err
+
+
+def test_the_embedded_redis_ending_stops_the_stack_like_any_part(capsys):
+    """kill -9 of the embedded redis-server: `up` stops the stack (it used to run on, every submit a 503)."""
+    from shared.config import Settings
+
+    running = _proc(SLEEPER)
+    try:
+        stack = Stack({"worker": running}, watched={"redis": lambda: -9})
+        started = time.monotonic()
+        assert stack.wait_ready("http://127.0.0.1:1", "redis://127.0.0.1:1/0", Settings()) is False
+        assert time.monotonic() - started < 5  # not the start-up timeout
+        assert stack.supervise() == 1
+    finally:
+        running.kill()
+        running.wait()
+    err = capsys.readouterr().err
+    assert "the embedded Redis (redis-server) was killed by SIGKILL" in err and "stopping the stack" in err
+
+
+def _run_with_embedded(monkeypatch, tmp_path: Path, embedded: FakeEmbedded, stack: object) -> int:
+    from batchgate import supervisor
+    from shared.config import Settings
+
+    monkeypatch.setattr(supervisor, "_banner", lambda *a: None)
+    monkeypatch.setattr(supervisor, "start_embedded_redis", lambda: embedded)
+    monkeypatch.setattr(supervisor.Stack, "start", staticmethod(lambda env, watched=None: stack))
+    return supervisor.run_stack(Settings(port=1), {"BATCHGATE_STATE_DIR": str(tmp_path)})
+
+
+def test_up_exits_1_naming_the_embedded_redis_when_it_dies_while_running(monkeypatch, tmp_path: Path, capsys):
+    embedded = FakeEmbedded()
+    running = _proc(SLEEPER)
+    stack = Stack({"worker": running}, watched={"redis": embedded.poll})
+    monkeypatch.setattr(stack, "wait_ready", lambda *a: True)
+    embedded.status = -9  # kill -9 of the redis-server once the stack is up
+    assert _run_with_embedded(monkeypatch, tmp_path, embedded, stack) == 1
+    assert running.returncode is not None and embedded.stopped
+    err = capsys.readouterr().err
+    assert err.count("embedded Redis (redis-server) was killed by SIGKILL") == 1, err  # said once
+    assert err.strip().splitlines()[-1] == "batchgate up: stopped"
+
+
+def test_up_exits_1_when_the_embedded_redis_died_before_a_ctrl_c(monkeypatch, tmp_path: Path, capsys):
+    """A Redis found dead only on the way out (the stack was asked to stop) still makes the exit status 1."""
+
+    class AskedToStop:
+        stop_requested = False
+
+        def wait_ready(self, *_: object) -> bool:
+            return True
+
+        def supervise(self) -> int:
+            return 0
+
+        def stop(self, drain_budget_s: float) -> bool:
+            return True
+
+    assert _run_with_embedded(monkeypatch, tmp_path, FakeEmbedded(status=-9), AskedToStop()) == 1
+    assert "embedded Redis (redis-server) was killed by SIGKILL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("states, says", [
+    (["queued", "running", "succeeded", "cancelled"], "2 accepted requests were still queued and are discarded"),
+    (["queued", "failed"], "1 accepted request was still queued and is discarded"),
+    (["succeeded"], None),
+])
+def test_stopping_with_the_embedded_redis_says_how_many_accepted_requests_it_discards(
+        states, says, monkeypatch, tmp_path: Path, capsys):
+    import fakeredis
+
+    from shared.keys import Keys
+
+    server = fakeredis.FakeServer()
+    monkeypatch.setattr("shared.redis_io.make_sync_redis", lambda url, **_: fakeredis.FakeRedis(server=server))
+    client = fakeredis.FakeRedis(server=server)
+    for i, state in enumerate(states):
+        client.hset(Keys("bg").record(f"req_{i}"), "state", state)
+    client.hset(Keys("other").record("req_x"), "state", "queued")  # another prefix: not this stack's
+
+    class CtrlC:
+        stop_requested = False
+
+        def wait_ready(self, *_: object) -> bool:
+            return True
+
+        def supervise(self) -> int:
+            return 0
+
+        def stop(self, drain_budget_s: float) -> bool:
+            return True
+
+    embedded = FakeEmbedded()
+    assert _run_with_embedded(monkeypatch, tmp_path, embedded, CtrlC()) == 0
+    err = capsys.readouterr().err
+    assert embedded.stopped
+    if says is None:
+        assert "discarded" not in err
+    else:
+        (line,) = [raw for raw in err.splitlines() if "discarded" in raw]
+        assert says in line and "with the embedded Redis" in line and "REDIS_URL" in line, line
+
+
+def test_a_gateway_that_cannot_bind_its_port_is_named_with_why(monkeypatch, tmp_path: Path, capsys):
+    """Not only `the stack did not become ready`: which part, how it ended, and that its port is taken."""
+    import socket
+
+    from batchgate import supervisor
+    from shared.config import Settings
+
+    monkeypatch.setattr(supervisor, "redis_problem", lambda url: None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        running = _proc(SLEEPER)
+        stack = Stack({"worker": running, "gateway": _exited("import sys; sys.exit(1)")})
+        monkeypatch.setattr(supervisor.Stack, "start", staticmethod(lambda env, watched=None: stack))
+        env = {"BATCHGATE_REDIS_URL": "redis://127.0.0.1:1/0", "BATCHGATE_STATE_DIR": str(tmp_path)}
+        assert supervisor.run_stack(Settings(port=port), env) == 1
+    assert running.returncode is not None
+    line = next(raw for raw in capsys.readouterr().err.splitlines() if "did not become ready" in raw)
+    assert "the gateway exited with status 1" in line and f"127.0.0.1:{port} is in use" in line, line
+    assert "--port" in line
