@@ -2,6 +2,9 @@
 
 - A key arrives as `Authorization: Bearer <key>` or `X-API-Key: <key>`; only its SHA-256 is stored.
   Lookups are cached for `KEY_CACHE_S` per process (so a revoked key stops working within that).
+- Every 401 carries `WWW-Authenticate: Bearer` (RFC 6750), with `error="invalid_token"` when a key was given
+  and is not valid. Another `Authorization` scheme (Basic, Digest, ...) is `unsupported_auth_scheme`, not a
+  missing key: the caller sent credentials, of a kind batchgate does not take.
 - With `BATCHGATE_AUTH=off` (the `batchgate up` default, and logged loudly) every caller is tenant
   `default`.
 """
@@ -20,6 +23,17 @@ log = structlog.get_logger(__name__)
 
 KEY_CACHE_S = CACHE_S
 DEFAULT_TENANT = "default"
+HOW = "Authorization: Bearer <key> or X-API-Key: <key>"
+CHALLENGE = {"WWW-Authenticate": 'Bearer realm="batchgate"'}
+INVALID_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="batchgate", error="invalid_token"'}
+
+
+class UnsupportedScheme(ValueError):
+    """An `Authorization` header of a scheme other than Bearer (and no `X-API-Key`)."""
+
+    def __init__(self, scheme: str) -> None:
+        super().__init__(scheme)
+        self.scheme = scheme
 
 
 class Auth:
@@ -40,15 +54,18 @@ class Auth:
     async def tenant_for(self, req: ApiRequest) -> str:
         if not self.enabled:
             return DEFAULT_TENANT
-        key = _key_from(req)
+        try:
+            key = _key_from(req)
+        except UnsupportedScheme as exc:
+            raise Unauthorized(f"the Authorization scheme {exc.scheme!r} is not supported: send the API key as {HOW}",
+                               code="unsupported_auth_scheme", headers=CHALLENGE) from None
         if not key:
-            raise Unauthorized("an API key is required (Authorization: Bearer <key> or X-API-Key)",
-                               code="missing_api_key")
+            raise Unauthorized(f"an API key is required ({HOW})", code="missing_api_key", headers=CHALLENGE)
         if not key.isprintable() or len(key) > 512:  # not a key we could have issued (nor valid text to hash)
-            raise Unauthorized("invalid or revoked API key", code="invalid_api_key")
+            raise Unauthorized("invalid or revoked API key", code="invalid_api_key", headers=INVALID_CHALLENGE)
         tenant = await self._cache.get("key:" + key, lambda: self.tenants.tenant_of(key))
         if not isinstance(tenant, str):
-            raise Unauthorized("invalid or revoked API key", code="invalid_api_key")
+            raise Unauthorized("invalid or revoked API key", code="invalid_api_key", headers=INVALID_CHALLENGE)
         return tenant
 
     async def config(self, tenant: str) -> TenantConfig:
@@ -62,7 +79,12 @@ class Auth:
 
 
 def _key_from(req: ApiRequest) -> str | None:
-    auth = req.header("authorization") or ""
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip() or None
-    return (req.header("x-api-key") or "").strip() or None
+    """The API key a request carries; `UnsupportedScheme` for credentials of another scheme and no X-API-Key."""
+    auth = (req.header("authorization") or "").strip()
+    scheme, _, rest = auth.partition(" ")
+    if scheme.lower() == "bearer":
+        return rest.strip() or None
+    key = (req.header("x-api-key") or "").strip() or None
+    if key is None and auth:
+        raise UnsupportedScheme(scheme[:32])
+    return key

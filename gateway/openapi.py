@@ -28,9 +28,10 @@ def _err(desc: str) -> dict[str, Any]:
     return {"description": desc, "content": {"application/json": {"schema": ERROR}}}
 
 
+UNAUTHORIZED = "Missing, invalid or revoked API key, or a scheme other than Bearer (WWW-Authenticate says so)"
 COMMON_ERRORS = {
     "400": _err("Malformed body or query"),
-    "401": _err("Missing, invalid or revoked API key"),
+    "401": _err(UNAUTHORIZED),
     "404": _err("Unknown model or request (or another tenant's)"),
     "503": _err("Redis unreachable; retry after Retry-After"),
 }
@@ -110,7 +111,7 @@ def _oa_err(desc: str) -> dict[str, Any]:
 
 OPENAI_ERRORS = {
     "400": _oa_err("Invalid or unsupported parameter (`param` names it): native 422s are 400s here"),
-    "401": _oa_err("Missing, invalid or revoked API key"),
+    "401": _oa_err(UNAUTHORIZED),
     "404": _oa_err("Unknown model"),
     "408": {**_oa_err("The body did not arrive within the server's body timeout (connection closed)"),
             "headers": {"Connection": {"schema": {"type": "string", "enum": ["close"]}}}},

@@ -223,3 +223,30 @@ async def test_sdk_streams_tokens_over_http_sync_async_and_direct(redis_url, pre
         sub = await c.submit("tiny-llama", {"prompt": "stream me"}, params=params, stream=True)
         events = [e async for e in c.events(sub.id)]
         assert "".join(e.text for e in events) == text and events[-1].event == "done"
+
+
+async def test_a_401_says_how_to_authenticate(redis_url, prefix, loaded_models):
+    """Every 401 carries `WWW-Authenticate: Bearer` (RFC 6750); credentials of another scheme (Basic) are not a
+    missing key but a scheme batchgate does not take, and the message says what it does take."""
+    settings = make_settings(redis_url, prefix, auth="api_key")
+    async with running_gateway(settings) as gw:
+        (key,) = await keys_for(gw, "acme")
+        body = {"input": {"text": "x"}}
+        missing = await gw.client.post("/v1/models/minilm/requests", json=body)
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == "missing_api_key"
+        assert missing.headers["www-authenticate"].startswith("Bearer ")
+        wrong = await gw.client.post("/v1/models/minilm/requests", json=body, headers={"Authorization": "Bearer no"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        assert 'error="invalid_token"' in wrong.headers["www-authenticate"]
+        basic = await gw.client.post("/v1/models/minilm/requests", json=body,
+                                     headers={"Authorization": "Basic dXNlcjpwYXNz"})
+        assert basic.status_code == 401 and basic.headers["www-authenticate"].startswith("Bearer ")
+        error = basic.json()["error"]
+        assert error["code"] == "unsupported_auth_scheme", error
+        assert "Basic" in error["message"] and "Bearer" in error["message"] and "X-API-Key" in error["message"]
+        # the OpenAI routes answer in OpenAI's shape, with the same header
+        openai = await gw.client.get("/v1/models", headers={"Authorization": "Basic dXNlcjpwYXNz"})
+        assert openai.status_code == 401 and openai.headers["www-authenticate"].startswith("Bearer ")
+        # an X-API-Key beside another scheme's Authorization (a proxy's own credentials) is still used
+        ok = await gw.client.get("/v1/models", headers={"Authorization": "Basic dXNlcjpwYXNz", "X-API-Key": key})
+        assert ok.status_code == 200
