@@ -37,7 +37,17 @@ from shared import files
 from shared import operations as ops
 from shared.api_errors import ApiError, TooManyRequests
 from shared.batch_store import BatchState, BatchStore
-from shared.batches import BatchError, Item, ItemRef, Progress, parse_line, refused_line, result_line, submit_body
+from shared.batches import (
+    BatchError,
+    Item,
+    ItemRef,
+    Progress,
+    parse_line,
+    refused_line,
+    refused_line_id,
+    result_line,
+    submit_body,
+)
 from shared.config import Settings
 from shared.errors import ValidationError
 from shared.messages import CallbackDelivery
@@ -271,8 +281,8 @@ class BatchRunner:
         except TooManyRequests as exc:
             if exc.code == "deadline_infeasible" and deadline >= meta.expires_at and not exc.retryable:
                 # its own compute, with no queue at all, passes the window's end: no wait can change that
-                await self.store.write_line(meta.id, line, False,
-                                            refused_line(item.custom_id, exc.code, exc.message, 429))
+                await self.store.write_line(meta.id, line, False, refused_line(
+                    item.custom_id, exc.code, exc.message, 429, line_id=refused_line_id(meta.id, line)))
                 await self.store.fed(meta.id, [], line + 1, end)
                 return None
             if exc.code == "deadline_infeasible":
@@ -282,8 +292,8 @@ class BatchRunner:
                 return min(float(exc.retry_after or 1.0), DEADLINE_RETRY_S)
             return float(exc.retry_after or 1.0)
         except ApiError as exc:
-            await self.store.write_line(meta.id, line, False,
-                                        refused_line(item.custom_id, exc.code, exc.message, exc.status))
+            await self.store.write_line(meta.id, line, False, refused_line(
+                item.custom_id, exc.code, exc.message, exc.status, line_id=refused_line_id(meta.id, line)))
             await self.store.fed(meta.id, [], line + 1, end)
             return None
         ref = item.ref(str(answer.body["id"]))
@@ -305,7 +315,7 @@ class BatchRunner:
                 rec = await self.q.get(ref.request_id)  # expires it once its deadline (and grace) passed
             if rec is None:
                 payload = refused_line(ref.custom_id, "result_expired", "the item's result expired before it "
-                                       "was collected")
+                                       "was collected", line_id="batch_req_" + ref.request_id.removeprefix("req_"))
                 ok = False
             elif not rec.terminal:
                 continue
@@ -340,7 +350,8 @@ class BatchRunner:
     async def _refuse(self, meta: Any, entry: tuple[int, bytes, int], code: str, message: str) -> None:
         line, raw, _ = entry
         custom_id = parse_line(raw, line, meta.endpoint).custom_id
-        await self.store.write_line(meta.id, line, False, refused_line(custom_id, code, message))
+        await self.store.write_line(meta.id, line, False,
+                                    refused_line(custom_id, code, message, line_id=refused_line_id(meta.id, line)))
 
     async def finalize(self, st: BatchState, final: str) -> None:
         """Write the output and error files (idempotent: their ids come from the batch's), then the status."""

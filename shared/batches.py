@@ -196,16 +196,31 @@ def result_line(ref: ItemRef, view: dict[str, Any], created: int) -> tuple[bool,
         ok = oa_err is None
         err = None if ok else {"code": oa_err.code, "message": oa_err.message}
         status = 200 if ok else oa_err.status
-    body = _response_body(ref, view, created) if ok else {"error": err}
+    body = _response_body(ref, view, created) if ok else _error_body(status, err or {})
+    # as OpenAI writes them: a line with an HTTP response has its error in the response's body, `error` null
     return ok, {"id": line_id, "custom_id": ref.custom_id,
-                "response": {"status_code": status, "request_id": ref.request_id, "body": body}, "error": err}
+                "response": {"status_code": status, "request_id": ref.request_id, "body": body}, "error": None}
 
 
-def refused_line(custom_id: str, code: str, message: str, status: int | None = None) -> dict[str, Any]:
-    """The error line of an item that never ran (refused at submit, the window ended, the batch cancelled)."""
-    err = {"code": code, "message": message}
-    response = None if status is None else {"status_code": status, "request_id": None, "body": {"error": err}}
-    return {"id": None, "custom_id": custom_id, "response": response, "error": err}
+def _error_body(status: int, err: dict[str, Any]) -> dict[str, Any]:
+    """An error response's body in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`)."""
+    return oa.OpenAIError(status, str(err.get("message", "")), code=err.get("code")).body()
+
+
+def refused_line(custom_id: str, code: str, message: str, status: int | None = None, *,
+                 line_id: str) -> dict[str, Any]:
+    """The error line of an item that never ran: refused at submit (`status`: the HTTP answer it got, in
+    `response`, `error` null), or never sent (the window ended, the batch was cancelled: `response` null, the
+    reason in `error`), as OpenAI writes both. `line_id`: the line's `batch_req_` id (`refused_line_id`)."""
+    if status is None:
+        return {"id": line_id, "custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
+    return {"id": line_id, "custom_id": custom_id, "error": None, "response": {
+        "status_code": status, "request_id": None, "body": _error_body(status, {"code": code, "message": message})}}
+
+
+def refused_line_id(batch_id: str, line: int) -> str:
+    """The id of a line that never had a request (its own request's id names the others)."""
+    return f"batch_req_{batch_id.removeprefix('batch_')}_{line}"
 
 
 @dataclass(slots=True)

@@ -59,6 +59,11 @@ async def lines_of(client: AsyncOpenAI, file_id: str | None) -> list[dict]:
     return [json.loads(x) for x in content.text.splitlines() if x.strip()]
 
 
+def code_of(line: dict) -> str:
+    """An error line's code: in `error` for a line that never ran, else in its response's body."""
+    return line["error"]["code"] if line["error"] is not None else line["response"]["body"]["error"]["code"]
+
+
 def client_for(gw) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=gw.base_url + "/v1", api_key="x", max_retries=0)
 
@@ -121,7 +126,8 @@ async def test_an_item_refused_for_the_queue_is_tried_again_and_only_a_hopeless_
         assert done.status == "completed", done
         out, err = await lines_of(client, done.output_file_id), await lines_of(client, done.error_file_id)
         assert [x["custom_id"] for x in out] == ["c-0", "c-1", "c-3"]
-        assert [x["custom_id"] for x in err] == ["c-2"] and err[0]["error"]["code"] == "deadline_infeasible"
+        assert [x["custom_id"] for x in err] == ["c-2"] and code_of(err[0]) == "deadline_infeasible"
+        assert err[0]["response"]["status_code"] == 429 and err[0]["id"].startswith("batch_req_")
         key = f"batch:{b.id}:1"
         assert calls[key] == 3  # refused twice for the queue, then fed (after ~2 s each, not its 60 s Retry-After)
 
@@ -173,7 +179,9 @@ async def test_cancel_stops_feeding_and_every_line_is_answered_once(redis_url, p
         out, err = await lines_of(client, done.output_file_id), await lines_of(client, done.error_file_id)
         ids = [x["custom_id"] for x in out + err]
         assert sorted(ids) == sorted(f"c-{i}" for i in range(60)) and len(set(ids)) == 60
-        assert 3 <= len(out) < 60 and all(x["error"]["code"] in ("batch_cancelled", "cancelled") for x in err)
+        assert 3 <= len(out) < 60 and all(code_of(x) in ("batch_cancelled", "cancelled") for x in err)
+        # as OpenAI writes them: a line that never ran has no response; one cancelled while it ran has one
+        assert all((x["response"] is None) == (code_of(x) == "batch_cancelled") for x in err)
         assert done.request_counts.completed == len(out) and done.request_counts.failed == len(err)
 
 

@@ -16,6 +16,7 @@ from shared.batches import (
     new_batch_id,
     parse_line,
     refused_line,
+    refused_line_id,
     result_line,
     submit_body,
     window_seconds,
@@ -92,9 +93,17 @@ def test_output_and_error_lines_follow_openais_format():
     assert out["response"]["body"]["usage"]["total_tokens"] == 5
     bad, err = result_line(ref, {"id": "req_abc", "status": "failed",
                                  "error": {"code": "input_too_long", "message": "too long"}}, 100)
-    assert not bad and err["error"]["code"] == "input_too_long" and err["response"]["status_code"] == 400
-    refused = refused_line("a", "batch_expired", "window ended")
-    assert refused["response"] is None and refused["error"]["code"] == "batch_expired"
+    # a line that got an HTTP answer: its error in the response's body, in OpenAI's shape; `error` null
+    assert not bad and err["error"] is None and err["response"]["status_code"] == 400
+    assert err["response"]["body"]["error"] == {"message": "too long", "type": "invalid_request_error", "param": None,
+                                               "code": "input_too_long"}
+    never = refused_line("a", "batch_expired", "window ended", line_id=refused_line_id("batch_xyz", 7))
+    assert never["response"] is None and never["error"] == {"code": "batch_expired", "message": "window ended"}
+    assert never["id"] == "batch_req_xyz_7"
+    refused = refused_line("a", "deadline_infeasible", "too late", 429, line_id="batch_req_1")
+    assert refused["error"] is None and refused["response"]["status_code"] == 429
+    assert refused["response"]["body"]["error"]["type"] == "rate_limit_error"
+    assert refused["response"]["body"]["error"]["code"] == "deadline_infeasible"
 
 
 def test_the_batch_object_has_openais_fields():
