@@ -8,8 +8,10 @@ the publisher. Only the compute is gone:
 - the output's i-th token is the prompt's i-th, cycling (prompt "abc", `max_new_tokens: 5` -> "abcab");
   sampling parameters change nothing; the text is the UTF-8 decoding of the tokens below 256;
 - a start gives each new row its first token and every `step` one more to each running row, after
-  sleeping `step_ms` (0: no sleep), as a forward would take; stop strings end a row as on a model;
-  there is no EOS. Rows: the model's `max_running` per engine.
+  sleeping as a forward would take: `step_ms`, plus `step_ms_per_row` per row a step advances and
+  `prefill_ms_per_token` per prompt token a start prefills (all 0: no sleep), so a benchmark can give the
+  stack a model's cost curve without its compute; stop strings end a row as on a model; there is no EOS.
+  Rows: the model's `max_running` per engine.
 Pure Python: no torch.
 """
 
@@ -68,6 +70,8 @@ class EchoRunner:
         self.sleep = sleep
         self.faults = faults or Faults()
         self.step_s = spec.step_ms / 1000
+        self.row_s = spec.step_ms_per_row / 1000
+        self.token_s = spec.prefill_ms_per_token / 1000
         self.rows: dict[str, _Row] = {}
         self.held: frozenset[str] = frozenset()
         self.stats = EngineStats()
@@ -140,8 +144,8 @@ class EchoRunner:
                 continue
             prefix = job.stream.restart() if job.stream is not None else ()
             fresh.append(_Row(job, job.inputs[0], len(prefix), job.new_tokens - len(prefix), t0, 0.0))
-        if fresh and self.step_s:
-            self.sleep(self.step_s)  # the prefill's forward
+        if fresh and (cost := self.step_s + self.token_s * sum(len(row.prompt) for row in fresh)):
+            self.sleep(cost)  # the prefill's forward
         done = self.clock()
         for row in fresh:
             row.prefill_s, row.first_token_at = done - t0, done
@@ -155,9 +159,9 @@ class EchoRunner:
 
     def step(self, chunk_tokens: int = 0) -> list[Outcome]:
         t0 = self.clock()
-        if self.step_s:
-            self.sleep(self.step_s)
         rows = [row for rid, row in self.rows.items() if rid not in self.held]
+        if cost := self.step_s + self.row_s * len(rows):
+            self.sleep(cost)
         now = self.clock()
         self.stats.steps += 1
         self.stats.decode_tokens += len(rows)

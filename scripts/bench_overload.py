@@ -80,6 +80,13 @@ def phase(st: bl.Stack, name: str, rate: float, capacity: float, args: argparse.
         "latency_p50_ms": s["latency_p50_ms"], "latency_p99_ms": s["latency_p99_ms"],
         "admission": bl.misjudged(outs),
     }
+    if args.outcomes:  # one line per request, for looking into admission's decisions afterwards
+        with open(args.outcomes, "a") as f:
+            for o in outs:
+                f.write(json.dumps({"phase": name, "id": o.job.idx, "at_s": o.job.at, "prompt": len(o.job.prompt),
+                                    "out": o.job.out, "http": o.http, "status": o.status, "error": o.error[:200],
+                                    "submitted": o.submitted, "latency_ms": o.latency_ms if o.done else None,
+                                    "eta_ms": o.eta_ms, "queue_ms": o.queue_ms, "in_deadline": o.in_deadline}) + "\n")
     adm = result["admission"]
     print(f"{name}: offered {rate:.2f} req/s x {span:.0f} s = {n}; goodput {s['goodput_rps']:.2f} req/s "
           f"({result['goodput_vs_capacity']:.0%} of capacity; over the {wall:.0f} s until all ended "
@@ -93,7 +100,7 @@ def phase(st: bl.Stack, name: str, rate: float, capacity: float, args: argparse.
 
 def run(name: str, scheduling: str, args: argparse.Namespace, capacity: float | None,
         phases: tuple[tuple[str, float], ...]) -> dict[str, Any]:
-    cfg = bl.model_config(lanes=True, scheduling=scheduling, max_batch_tokens=args.max_batch_tokens)
+    cfg = bl.model_config(lanes=True, scheduling=scheduling, max_batch_tokens=args.max_batch_tokens, echo=args.echo)
     with bl.stack(cfg, args.redis_url) as st:
         asyncio.run(bl.drive(st.url, workload(8, 99, 60, args.workload)))  # warm-up
         result: dict[str, Any] = {}
@@ -131,6 +138,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     ap.add_argument("--json")
+    ap.add_argument("--echo", nargs="?", const=bl.ECHO_COSTS, default=None,
+                    type=lambda v: tuple(float(x) for x in v.split(",")), metavar="STEP_MS,PER_ROW_MS,PER_TOKEN_MS",
+                    help="no model: the echo runner with this cost curve (default: the benchmark model's on a CPU)")
+    ap.add_argument("--outcomes", help="append every request's outcome here, one JSON line each")
     args = ap.parse_args()
     if args.timeout is None:
         args.timeout = 3.0 if args.workload == "short" else 60.0

@@ -61,6 +61,7 @@ class Outcome:
     deadline: float | None = None
     error: str = ""
     eta_ms: float | None = None  # the gateway's estimated finish at submit (202 only)
+    queue_ms: float | None = None  # from its submit to its start, as the worker measured it
 
     @property
     def latency_ms(self) -> float:
@@ -105,12 +106,19 @@ def poisson(jobs: list[Job], rate: float, seed: int) -> None:
         job.at = t
 
 
+# The benchmark model's costs on this project's 2-core CPU (`python scripts/step_costs.py`: a decode step ~15 ms at one
+# row growing to ~35 ms at 32, a 256-token prefill ~100 ms), as the echo runner's cost curve: the stack with a
+# model's timing and none of its compute, so what a benchmark measures is the scheduling, not the machine's noise.
+ECHO_COSTS = (14.0, 0.7, 0.35)
+
+
 def model_config(*, lanes: bool, scheduling: str = "deadline", max_running: int = 64, max_batch_size: int = 32,
                  max_batch_tokens: int = 1024, short_engine: bool = False,
-                 long_rows: int | None = None) -> dict[str, Any]:
+                 long_rows: int | None = None, echo: tuple[float, float, float] | None = None) -> dict[str, Any]:
     """The benchmark model's config. `lanes`: the default lanes as shipped (`shared.lanes.DEFAULT_LANES`); with
     `short_engine`, the short lane on an engine of its own; without lanes, one lane (FIFO when
-    `scheduling="fifo"`); `long_rows`: the model setting (None: the default)."""
+    `scheduling="fifo"`); `long_rows`: the model setting (None: the default); `echo`: no model, the echo runner
+    with this cost curve instead (`step_ms`, `step_ms_per_row`, `prefill_ms_per_token`; see `ECHO_COSTS`)."""
     from shared.lanes import DEFAULT_LANES
 
     spec: dict[str, Any] = {
@@ -118,6 +126,9 @@ def model_config(*, lanes: bool, scheduling: str = "deadline", max_running: int 
         "max_running": max_running, "max_batch_size": max_batch_size, "max_batch_tokens": max_batch_tokens,
         "max_input_tokens": 384, "max_new_tokens": 256, "max_timeout_s": 600,
     }
+    if echo is not None:
+        spec.update({"kind": "echo", "source": "",
+                     **dict(zip(("step_ms", "step_ms_per_row", "prefill_ms_per_token"), echo, strict=True))})
     if long_rows is not None:
         spec["long_rows"] = long_rows
     if lanes:
@@ -219,8 +230,9 @@ async def run_one(client: httpx.AsyncClient, job: Job, t0: float, wait_s: float 
         if isinstance(data.get("error"), dict):
             o.error = data["error"].get("message", "")
         timings = data.get("timings") or {}
-        if "ttft_ms" in timings and "queue_ms" in timings:
-            o.ttft_ms = timings["queue_ms"] + timings["ttft_ms"]
+        o.queue_ms = timings.get("queue_ms")
+        if "ttft_ms" in timings and o.queue_ms is not None:
+            o.ttft_ms = o.queue_ms + timings["ttft_ms"]
         o.finished_at = data.get("finished_at")
         o.deadline = data.get("deadline")
     except (httpx.HTTPError, ValueError) as exc:

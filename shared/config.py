@@ -82,6 +82,10 @@ class ModelSpec:
     # prompt's tokens (gpu_worker/echo_runner.py), so a benchmark measures batchgate itself, not a model
     kind: str = "model"
     step_ms: float = 0.0  # echo: each decode step sleeps this long (0: none), standing in for a forward
+    # echo: a cost curve like a real model's on a CPU, for measuring scheduling and admission without a model: a
+    # decode step also sleeps this much per row it advances, and a start this much per prompt token it prefills
+    step_ms_per_row: float = 0.0
+    prefill_ms_per_token: float = 0.0
 
     @property
     def deadline_aware(self) -> bool:
@@ -121,15 +125,19 @@ class ModelSpec:
             raise ConfigError(f"model {self.name}: long_rows must be >= 0 (0: no bound)")
         if self.scheduling not in ("deadline", "fifo"):
             raise ConfigError(f"model {self.name}: scheduling must be deadline or fifo")
+        self._validate_kind()
+        if not 0 <= self.min_timeout_s < self.default_timeout_s <= self.max_timeout_s:
+            raise ConfigError(f"model {self.name}: need 0 <= min_timeout_s < default_timeout_s <= max_timeout_s")
+        return self
+
+    def _validate_kind(self) -> None:
         if self.kind not in ("model", "echo"):
             raise ConfigError(f"model {self.name}: kind must be model or echo, got {self.kind!r}")
         if self.echo and self.task is not Task.GENERATE:
             raise ConfigError(f"model {self.name}: kind echo is a generation model (task: generate)")
-        if not 0 <= self.step_ms < 60_000:
-            raise ConfigError(f"model {self.name}: step_ms must be in [0, 60000)")
-        if not 0 <= self.min_timeout_s < self.default_timeout_s <= self.max_timeout_s:
-            raise ConfigError(f"model {self.name}: need 0 <= min_timeout_s < default_timeout_s <= max_timeout_s")
-        return self
+        for attr in ("step_ms", "step_ms_per_row", "prefill_ms_per_token"):
+            if not 0 <= getattr(self, attr) < 60_000:
+                raise ConfigError(f"model {self.name}: {attr} must be in [0, 60000)")
 
     def _validate_lanes(self) -> None:
         if not self.lanes:

@@ -116,6 +116,24 @@ def test_refusals_cancel_hold_back_and_a_step_sleep():
     assert runner.running_ids() == ["b"]
 
 
+def test_a_cost_curve_sleeps_per_row_stepped_and_per_prompt_token_prefilled():
+    slept: list[float] = []
+    spec = dataclasses.replace(SPEC, step_ms=10.0, step_ms_per_row=2.0, prefill_ms_per_token=0.5).validate()
+    runner = EchoRunner(spec, "w", max_rows=4, sleep=slept.append)
+    a, b = job(runner, request("a", prompt="x" * 20, max_new_tokens=9)), job(runner, request("b", prompt="yy"))
+    runner.start([a, b], time.time())  # one forward prefills both prompts: 22 tokens
+    runner.step()  # two rows
+    runner.hold_back(frozenset({"b"}))
+    runner.step()  # a held-back row is not advanced, and costs nothing
+    assert slept == pytest.approx([0.010 + 0.0005 * 22, 0.010 + 0.002 * 2, 0.010 + 0.002])
+    with pytest.raises(ConfigError):
+        dataclasses.replace(SPEC, prefill_ms_per_token=-1.0).validate()
+    spec = Settings.from_environ({"BATCHGATE_CONFIG_YAML": "models:\n  - {name: e, task: generate, kind: echo, "
+                                                          "step_ms: 14, step_ms_per_row: 0.5, "
+                                                          "prefill_ms_per_token: 0.35}\n"}).models[0]
+    assert (spec.step_ms, spec.step_ms_per_row, spec.prefill_ms_per_token) == (14.0, 0.5, 0.35)
+
+
 def test_streamed_deltas_add_up_to_the_result_and_a_rerun_continues_after_them():
     runner = EchoRunner(SPEC, "w", max_rows=4)
     j = job(runner, request(prompt="hello", max_new_tokens=7, stream=True))
