@@ -4,17 +4,20 @@ Inputs are the workers' published `LaneStats` for the model (only fresh ones cou
 a worker, each listing the lanes that engine serves, so only the engines serving the request's lane are
 read) and the lane's stream length. The estimate:
     start  = the lane window, plus the time for the workers to drain the requests waiting ahead of
-             it at their measured completion rate (while no completion has been measured yet, only
-             the requests that do not fit the free rows count, at what the rows could do); ahead of
-             it are its own lane's entries not yet running and the requests waiting in the shorter
-             lanes of the same engines (which the scheduler starts first);
+             it, its own lane's entries not yet running (while no completion has been measured yet,
+             only the requests that do not fit the free rows count, at what the rows could do), at
+             the measured completion rate less the shorter lanes' own: the scheduler starts the
+             shorter lanes of an engine first, and while a request waits their arrivals keep taking
+             that share of the rows (under overload, most of a medium request's wait);
     finish = start + its own compute (prefill of its prompt + one decode step per new token, at the
              step time measured for the current batch).
 Continuous batching always has "a free row" until memory runs out, but every row slows every step:
 throughput, not rows, is what a new request waits for.
 A request is refused (429 + Retry-After) when `now + ADMISSION_MARGIN x finish` passes its deadline (unless
-`now + finish` does not and a request at least as large was admitted to the lane within
-`CONSISTENT_S`) or its lane's backlog is at the cap. Without fresh stats (no worker alive) it is accepted up
+`now + INNER_MARGIN x finish` does not and a request at least as large, with no more time, was admitted to the
+lane within `CONSISTENT_S`), when it is near that line (`CONSISTENT_BAND`) and a request no larger, with no less time,
+was refused for its deadline within `CONSISTENT_S` (decisions do not flap while the queue moves), or when its
+lane's backlog is at the cap. Without fresh stats (no worker alive) it is accepted up
 to the backlog cap, and the response says there was no estimate.
 """
 
@@ -30,12 +33,9 @@ from shared.messages import LaneStats
 
 STATS_MAX_AGE_MS = 5_000
 # A request is admitted only if its deadline leaves this much room over the estimated finish. The estimate is a
-# forecast (the queue ahead drains at a measured rate, each token at the measured interval); under a mixed
-# overload 2.7% of the requests admitted on the bare estimate expired in the queue without compute, while the
-# requests that did run finished within 1.12x of their estimate at the 90th percentile. A refusal at submit is
-# the better answer (the caller may retry elsewhere at once). Measured on the mixed overload (one run each):
-# 10% left 1.3% admitted-then-expired and refused 0.5% that a comparable request beside them shows would have
-# made it; 15% 0% and 1.4%; 20% 0% and 1.6%.
+# forecast (the queue ahead drains at a measured rate, each token at the measured interval) and a refusal at submit
+# is the better mistake: the caller may retry elsewhere at once, where an admitted request that then expires in the
+# queue has lost its time (docs/scheduling.md, Admission, has the measurements).
 ADMISSION_MARGIN = 1.15
 
 
@@ -54,39 +54,68 @@ class Decision:
     code: str = ""
     retry_after_s: float | None = None
     queued: int = 0  # the lane's stream length it was decided on (the request's queue position is one more)
-    # admitted inside the margin, only because a request at least as large was admitted lately (`CONSISTENT_S`);
-    # such an admission does not itself count as one (no chain of them keeps the margin off)
+    # admitted inside the margin (within `INNER_MARGIN`), only because a request at least as large was admitted
+    # lately (`CONSISTENT_S`)
     within_margin: bool = False
     # False: the request's own compute, at the speed measured now, does not fit before its deadline, with no queue
     # at all; a retry of the same request would be refused the same way (the caller must allow it more time)
     retryable: bool = True
 
 
-# A refusal for the margin alone is not given to a request no larger (prompt and output tokens) than one this process
-# admitted to the same lane within this many seconds, provided the estimate meets its deadline without the margin.
-# The queue moves between two submits a second apart; without this rule a request was refused while a larger one
-# admitted a moment before it finished in time (under the mixed overload, 0.3-2.2% of all requests).
+# Admission's decisions near the line stay consistent for this many seconds: the queue moves between two submits a
+# second apart, and a request was refused while a larger one admitted a moment before or after it finished in time
+# (under the mixed overload, 0.3-2.2% of all requests). Per process and lane:
+# - a request no larger (prompt and output tokens), with no less time to its deadline, than one admitted within this
+#   window is not refused for the margin alone: it is admitted if its estimate meets its deadline with
+#   `INNER_MARGIN`; so admitted, it counts as an admission in turn (the line stays where the last admissions put
+#   it while the queue drifts), and however long such a chain runs it keeps the inner margin;
+# - a request no smaller, with no more time, than one refused for its deadline within this window (and within
+#   `REFUSAL_SHARE` of its time budget: with 3 s deadlines the queue turns over in less than 3 s) is refused too,
+#   while its own estimate is within `CONSISTENT_BAND` of its deadline (nearer the line than the margin's double).
 CONSISTENT_S = 3.0
+CONSISTENT_BAND = 1.3
+INNER_MARGIN = 1.05
+REFUSAL_SHARE = 0.05  # of a request's time budget: how far back a refusal still holds for it (3 s at a minute)
+# Time budgets within this of each other count as the same (two requests with one timeout, submitted a moment apart,
+# have budgets a few milliseconds apart; the comparison is about a request given less time, not about jitter).
+BUDGET_SLACK_S = 0.25
 
 
 @dataclass(slots=True)
 class RecentAdmits:
-    """The sizes of what a process admitted to one lane lately (`CONSISTENT_S`); clock passed in."""
+    """The sizes and time budgets of what a process decided for one lane lately (`CONSISTENT_S`), admitted or
+    refused (one instance each); clock passed in."""
     window_s: float = CONSISTENT_S
-    entries: deque[tuple[float, int, int]] = field(default_factory=deque)  # (admitted at, prompt, new tokens)
+    # (decided at, prompt tokens, new tokens, seconds it had to its deadline)
+    entries: deque[tuple[float, int, int, float]] = field(default_factory=deque)
 
-    def note(self, now_s: float, prompt_tokens: int, new_tokens: int) -> None:
-        self.entries.append((now_s, prompt_tokens, new_tokens))
+    def note(self, now_s: float, prompt_tokens: int, new_tokens: int, budget_s: float = math.inf) -> None:
+        self.entries.append((now_s, prompt_tokens, new_tokens, budget_s))
         self._prune(now_s)
 
-    def covers(self, now_s: float, prompt_tokens: int, new_tokens: int) -> bool:
-        """Whether a request at least as large (prompt and output) was admitted within the window."""
+    def covers(self, now_s: float, prompt_tokens: int, new_tokens: int, budget_s: float = math.inf) -> bool:
+        """Whether a request at least as large (prompt and output), with no more time, was noted in the window."""
         self._prune(now_s)
-        return any(p >= prompt_tokens and n >= new_tokens for _, p, n in self.entries)
+        return any(p >= prompt_tokens and n >= new_tokens and b <= budget_s + BUDGET_SLACK_S
+                   for _, p, n, b in self.entries)
+
+    def below(self, now_s: float, prompt_tokens: int, new_tokens: int, budget_s: float = 0.0) -> bool:
+        """Whether a request no larger (prompt and output), with no less time, was noted in the window, or within
+        `REFUSAL_SHARE` of this request's time budget if that is shorter (a refusal a whole deadline ago says
+        nothing about a queue that has turned over since)."""
+        self._prune(now_s)
+        since = now_s - min(self.window_s, REFUSAL_SHARE * budget_s)
+        return any(t >= since and p <= prompt_tokens and n <= new_tokens and b >= budget_s - BUDGET_SLACK_S
+                   for t, p, n, b in self.entries)
 
     def _prune(self, now_s: float) -> None:
         while self.entries and now_s - self.entries[0][0] > self.window_s:
             self.entries.popleft()
+
+
+# A lane behind shorter ones drains at what their arrivals leave it, but never counted below this share of the rows'
+# rate (were the shorter lanes to take them all, their requests still start a longer lane's out of slack first).
+MIN_DRAIN_SHARE = 0.1
 
 
 def fresh(stats: Iterable[LaneStats], now_ms: int, max_age_ms: int = STATS_MAX_AGE_MS) -> list[LaneStats]:
@@ -99,13 +128,14 @@ def serving(stats: list[LaneStats], lane: str) -> list[LaneStats]:
     return mine or stats
 
 
-def shorter_waiting(stats: list[LaneStats], lane: str) -> int:
-    """Requests waiting in the lanes an engine lists before `lane` (its shorter lanes, started first)."""
-    total = 0
+def shorter_rate(stats: list[LaneStats], lane: str) -> float:
+    """Completions per second of the lanes an engine lists before `lane`: the share of its rows that its shorter
+    lanes, started first, take (while they keep up, their completions are their arrivals)."""
+    total = 0.0
     for s in stats:
         names = [ln.lane for ln in s.lanes]
         if lane in names:
-            total += sum(ln.waiting for ln in s.lanes[:names.index(lane)])
+            total += sum(ln.completed_rps for ln in s.lanes[:names.index(lane)])
     return total
 
 
@@ -130,11 +160,12 @@ def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int,
     decode = max(s.decode_ms_per_step for s in costs) / 1000 * new_tokens
     service = prefill + decode
     running = sum(ln.running for s in stats for ln in s.lanes if ln.lane == lane)
-    ahead = max(0, queued - running) + shorter_waiting(stats, lane)
+    ahead = max(0, queued - running)
     measured = sum(ln.completed_rps for s in stats for ln in s.lanes)
     start = window_s
     if measured > 0:
-        start += ahead / measured
+        # the rows free up at the measured rate, and the shorter lanes' new arrivals take their share of them first
+        start += ahead / max(measured - shorter_rate(stats, lane), MIN_DRAIN_SHARE * measured)
     else:
         free = sum(s.free_rows for s in stats)
         if ahead >= free:
@@ -143,14 +174,18 @@ def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int,
 
 
 def decide(*, now_s: float, deadline_s: float, est: Estimate, queued: int, max_backlog: int,
-           deadline_aware: bool = True, larger_admitted: bool = False) -> Decision:
-    """`larger_admitted`: a request at least as large was admitted to the lane within `CONSISTENT_S`."""
+           deadline_aware: bool = True, larger_admitted: bool = False, smaller_refused: bool = False) -> Decision:
+    """`larger_admitted`: a request at least as large, with no more time, was admitted to the lane within
+    `CONSISTENT_S`; `smaller_refused`: one no larger, with no less time, was refused for its deadline then."""
     if queued >= max_backlog:
         wait = est.start_s if est.basis == "stats" else 1.0
         return Decision(False, est, f"lane backlog is full ({queued} >= {max_backlog} requests)", "backlog_full",
                         max(1.0, wait), queued)
-    if deadline_aware and est.basis == "stats" and cannot_finish(deadline_s, now_s, ADMISSION_MARGIN * est.finish_s):
-        if larger_admitted and not cannot_finish(deadline_s, now_s, est.finish_s):
+    if not deadline_aware or est.basis != "stats":
+        return Decision(True, est, queued=queued)
+    if cannot_finish(deadline_s, now_s, ADMISSION_MARGIN * est.finish_s):
+        inner = not cannot_finish(deadline_s, now_s, INNER_MARGIN * est.finish_s)
+        if larger_admitted and not smaller_refused and inner:
             return Decision(True, est, queued=queued, within_margin=True)
         budget_ms = (deadline_s - now_s) * 1000
         compute_ms = (est.finish_s - est.start_s) * 1000
@@ -163,4 +198,9 @@ def decide(*, now_s: float, deadline_s: float, est: Estimate, queued: int, max_b
                       f"(admission keeps a {ADMISSION_MARGIN - 1:.0%} margin)")
         return Decision(False, est, reason, "deadline_infeasible", max(1.0, math.ceil(est.start_s)), queued,
                         retryable=compute_ms <= budget_ms)
+    if smaller_refused and cannot_finish(deadline_s, now_s, CONSISTENT_BAND * est.finish_s):
+        reason = (f"deadline infeasible: estimated finish in {est.finish_s * 1000:.0f} ms, deadline in "
+                  f"{(deadline_s - now_s) * 1000:.0f} ms; a request no larger and with no less time was refused "
+                  f"within the last {CONSISTENT_S:.0f} s, and admission stays consistent while the queue moves")
+        return Decision(False, est, reason, "deadline_infeasible", max(1.0, math.ceil(est.start_s)), queued)
     return Decision(True, est, queued=queued)

@@ -112,7 +112,8 @@ class QueueClient:
         self.clock = clock
         self._stats: dict[str, tuple[float, list[LaneStats]]] = {}  # model -> (read at, monotonic; the figures)
         self._lengths: dict[str, LaneLength] = {}  # lane stream -> its length as last seen
-        self._admitted: dict[tuple[str, str], admission.RecentAdmits] = {}  # (model, lane) -> admitted lately
+        # (model, lane) -> what this process admitted and refused for deadlines lately (`admission.CONSISTENT_S`)
+        self._recent: dict[tuple[str, str], tuple[admission.RecentAdmits, admission.RecentAdmits]] = {}
         self._submits: Coalescer[tuple[InferenceRequest, Decision], Submitted] = Coalescer(
             lambda items: self.submit_many(items))  # late-bound: the submits go wherever submit_many does
 
@@ -165,13 +166,18 @@ class QueueClient:
         est = admission.estimate(stats, req.lane, queued, prompt_tokens, new_tokens,
                                  (lane.window_ms if lane else 10.0) / 1000)
         now = self.clock()
-        recent = self._admitted.setdefault((req.model, req.lane), admission.RecentAdmits())
+        budget = req.deadline_ms / 1000 - now
+        admitted, refused = self._recent.setdefault((req.model, req.lane), (admission.RecentAdmits(),
+                                                                           admission.RecentAdmits()))
         decision = admission.decide(now_s=now, deadline_s=req.deadline_ms / 1000, est=est, queued=queued,
                                     max_backlog=lane.max_backlog if lane else 10_000,
                                     deadline_aware=spec.deadline_aware,
-                                    larger_admitted=recent.covers(now, prompt_tokens, new_tokens))
-        if decision.accept and est.basis == "stats" and not decision.within_margin:
-            recent.note(now, prompt_tokens, new_tokens)
+                                    larger_admitted=admitted.covers(now, prompt_tokens, new_tokens, budget),
+                                    smaller_refused=refused.below(now, prompt_tokens, new_tokens, budget))
+        if decision.accept and est.basis == "stats":
+            admitted.note(now, prompt_tokens, new_tokens, budget)
+        elif decision.code == "deadline_infeasible" and decision.retryable:
+            refused.note(now, prompt_tokens, new_tokens, budget)
         if decision.accept and (seen := self._lengths.get(self.keys.lane_stream(req.model, req.lane))) is not None:
             seen.admitted += 1
         return decision, queued

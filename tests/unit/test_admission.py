@@ -2,7 +2,7 @@
 
 import pytest
 
-from shared.admission import Estimate, RecentAdmits, decide, estimate, fresh
+from shared.admission import MIN_DRAIN_SHARE, Estimate, RecentAdmits, decide, estimate, fresh
 from shared.messages import LaneStat, LaneStats
 
 
@@ -112,21 +112,33 @@ def test_an_engine_that_has_measured_nothing_borrows_the_others_costs():
     assert est.finish_s == pytest.approx((10.0 + 0.1 * 100 + 15.0 * 100) / 1000)
 
 
-def test_requests_waiting_in_shorter_lanes_of_the_same_engine_are_ahead():
-    """The scheduler starts an engine's shorter lanes first: a medium request waits for them too (under overload a
-    queue of short work ahead of it is most of its wait)."""
+def test_a_lane_drains_at_the_rows_its_shorter_lanes_leave_it():
+    """The scheduler starts an engine's shorter lanes first: while a medium request waits, the short lane's arrivals
+    keep taking their share of the rows (under overload, most of a medium request's wait). The short requests
+    waiting now are that share's standing queue, not extra work ahead: counting them too made the medium lane's
+    estimate pessimistic under the mixed overload (actual / estimated queue 0.75-0.8)."""
     engine = LaneStats(model="m", worker="w", at_ms=10_000, max_rows=8, free_rows=0, deadline_aware=True,
                        prefill_fixed_ms=10.0, prefill_ms_per_token=0.1, decode_ms_per_step=20.0,
                        lanes=(LaneStat("short", 20, 4, 6.0, 0.0), LaneStat("medium", 5, 4, 4.0, 0.0)))
     est = estimate([engine], "medium", queued=9, prompt_tokens=10, new_tokens=10, window_s=0.0)
-    # 9 in the medium stream, 4 of them running: 5 waiting, plus the 20 short ones, at 10 completions a second
-    assert est.start_s == pytest.approx(25 / 10.0)
+    # 9 in the medium stream, 4 of them running: 5 waiting; of the 10 completions a second the short lane's 6 are
+    # rows its new arrivals keep taking first, so the medium lane drains at 4
+    assert est.start_s == pytest.approx(5 / 4.0)
     est_short = estimate([engine], "short", queued=24, prompt_tokens=10, new_tokens=10, window_s=0.0)
-    assert est_short.start_s == pytest.approx(20 / 10.0)  # nothing shorter ahead of the short lane
+    assert est_short.start_s == pytest.approx(20 / 10.0)  # nothing shorter ahead of the short lane: all the rows
+
+
+def test_a_lane_behind_busy_shorter_lanes_still_drains_at_a_share_of_the_rows():
+    """Shorter lanes completing nearly everything leave a longer lane a floor of the rows' rate, never none."""
+    engine = LaneStats(model="m", worker="w", at_ms=10_000, max_rows=8, free_rows=0, deadline_aware=True,
+                       prefill_fixed_ms=10.0, prefill_ms_per_token=0.1, decode_ms_per_step=20.0,
+                       lanes=(LaneStat("short", 0, 8, 10.0, 0.0), LaneStat("medium", 3, 0, 0.0, 0.0)))
+    est = estimate([engine], "medium", queued=3, prompt_tokens=10, new_tokens=10, window_s=0.0)
+    assert est.start_s == pytest.approx(3 / (MIN_DRAIN_SHARE * 10.0))
 
 
 # --- consistency: no refusal for the margin alone right after a larger admission ----------------------------------
-# deadline 10 s away; estimated finish 8.9 s: within the deadline, not within the 15% margin (8.9 x 1.15 = 10.2)
+# deadline 10 s away; estimated finish 8.9 s: within the inner 5% margin (9.35), not the 15% one (8.9 x 1.15 = 10.2)
 NEAR = Estimate(start_s=6.9, finish_s=8.9, basis="stats")  # 2 s of compute
 
 
@@ -138,9 +150,12 @@ def test_a_request_no_larger_than_one_admitted_lately_is_not_refused_for_the_mar
         assert d.code == "deadline_infeasible"
 
 
-def test_the_consistency_rule_never_admits_past_the_deadline_itself():
+def test_the_consistency_rule_never_admits_past_the_inner_margin():
     late = Estimate(start_s=8.5, finish_s=10.5, basis="stats")
     d = decide(now_s=0.0, deadline_s=10.0, est=late, queued=3, max_backlog=100, larger_admitted=True)
+    assert not d.accept and d.code == "deadline_infeasible"
+    near = Estimate(start_s=7.0, finish_s=9.6, basis="stats")  # meets the deadline, not with 5% (10.08)
+    d = decide(now_s=0.0, deadline_s=10.0, est=near, queued=3, max_backlog=100, larger_admitted=True)
     assert not d.accept and d.code == "deadline_infeasible"
     within = decide(now_s=0.0, deadline_s=10.0, est=Estimate(1.0, 3.0, "stats"), queued=3, max_backlog=100,
                     larger_admitted=True)
@@ -156,3 +171,47 @@ def test_recent_admits_cover_what_is_no_larger_within_the_window_only():
     assert not recent.covers(2.9, 201, 100) and not recent.covers(2.9, 60, 110)  # larger in one of the two
     assert not recent.covers(3.5, 150, 90) and recent.covers(3.5, 50, 120)  # the first left the window
     assert not recent.covers(4.1, 1, 1)
+
+
+def test_recent_decisions_compare_time_budgets_too():
+    recent = RecentAdmits(window_s=3.0)
+    recent.note(0.0, 100, 50, budget_s=30.0)
+    assert recent.covers(1.0, 100, 50, budget_s=30.0) and recent.covers(1.0, 90, 40, budget_s=45.0)
+    assert not recent.covers(1.0, 90, 40, budget_s=20.0)  # the admitted one had more time: it says nothing here
+    assert recent.below(1.0, 100, 50, budget_s=30.0) and recent.below(1.0, 110, 60, budget_s=20.0)
+    assert not recent.below(1.0, 110, 60, budget_s=40.0)  # more time than the noted one
+    assert not recent.below(1.0, 90, 60, budget_s=20.0)  # smaller in one of the two
+    # one timeout, submitted a moment apart: budgets milliseconds apart are the same budget
+    assert recent.covers(1.0, 100, 50, budget_s=29.998) and recent.below(1.0, 100, 50, budget_s=30.002)
+    assert not recent.below(3.5, 110, 60, budget_s=20.0)  # it left the window
+    short = RecentAdmits(window_s=3.0)
+    short.note(0.0, 10, 10, budget_s=3.0)  # a refusal with a 3 s budget holds for 5% of it, 0.15 s
+    assert short.below(0.1, 10, 10, budget_s=3.0) and not short.below(0.2, 10, 10, budget_s=3.0)
+
+
+# --- consistency: no admission near the line right after a smaller refusal -------------------------------------------
+# deadline 10 s away; estimated finish 8.2 s: within the 15% margin (9.43), not within the band (8.2 x 1.3 = 10.66)
+NEAR_INSIDE = Estimate(start_s=6.2, finish_s=8.2, basis="stats")
+
+
+@pytest.mark.parametrize("smaller_refused", [False, True])
+def test_a_request_no_smaller_than_one_refused_lately_is_refused_near_the_line(smaller_refused):
+    d = decide(now_s=0.0, deadline_s=10.0, est=NEAR_INSIDE, queued=3, max_backlog=100,
+               smaller_refused=smaller_refused)
+    assert d.accept is not smaller_refused
+    if smaller_refused:
+        assert d.code == "deadline_infeasible" and d.retryable and d.retry_after_s == 7
+        assert "refused within the last 3 s" in d.reason
+
+
+def test_far_from_the_line_a_refusal_nearby_changes_nothing():
+    clear = Estimate(start_s=4.0, finish_s=7.0, basis="stats")  # 7 x 1.3 = 9.1 s: clears the band
+    assert decide(now_s=0.0, deadline_s=10.0, est=clear, queued=3, max_backlog=100, smaller_refused=True).accept
+
+
+def test_a_smaller_refusal_outweighs_a_larger_admission_inside_the_margin():
+    """Both happened within the window (the line moved between them): the request is judged on its own estimate,
+    with the margin, rather than admitted inside it."""
+    d = decide(now_s=0.0, deadline_s=10.0, est=NEAR, queued=3, max_backlog=100, larger_admitted=True,
+               smaller_refused=True)
+    assert not d.accept and d.code == "deadline_infeasible"

@@ -122,10 +122,45 @@ async def test_a_waiting_submit_subscribes_before_it_stores_and_gets_its_result(
     assert q.hub.waiting == 0
 
 
-async def test_a_request_admitted_inside_the_margin_does_not_open_the_margin_for_others(monkeypatch):
+async def test_after_a_refusal_for_its_deadline_no_larger_request_is_admitted_near_the_line_for_a_while(monkeypatch):
+    """`admission.CONSISTENT_S`: a refusal for the deadline keeps the same answer, for a request no smaller and with
+    no more time, while its estimate stays near the line: the queue moving by a second does not flip it."""
+    from shared import admission
+    from tests.fakes import ManualClock
+
+    clock = ManualClock(1_000.0)
+    q = QueueClient(Settings(key_prefix="unit", models=(SPEC,), auth="off").validate(),
+                    redis=fakeredis.FakeAsyncRedis(), clock=clock)
+    estimates: list[Estimate] = []
+    monkeypatch.setattr(admission, "estimate", lambda *a, **k: estimates.pop(0))
+
+    async def admit(est: Estimate, timeout_s: float = 60) -> Decision:
+        estimates.append(est)
+        req = ops._build(q, {"input": {"prompt": "hi"}, "timeout_s": timeout_s}, SPEC, "t")
+        decision, _ = await q.admit(req, SPEC)
+        return decision
+
+    try:
+        assert not (await admit(Estimate(42.0, 54.0, "stats"))).accept  # 54 x 1.15 > 60: refused
+        clock.advance(1.0)
+        near = await admit(Estimate(37.2, 49.2, "stats"))  # inside the margin now, but near the line (x 1.3 > 60)
+        assert not near.accept and "refused within the last" in near.reason
+        assert (await admit(Estimate(37.2, 49.2, "stats"), timeout_s=120)).accept  # more time: another request
+        assert (await admit(Estimate(18.0, 36.0, "stats"))).accept  # far from the line
+        clock.advance(admission.CONSISTENT_S + 0.5)  # both refusals (the second is noted too) have left the window
+        assert (await admit(Estimate(37.2, 49.2, "stats"))).accept
+        # with a short deadline a refusal holds for 5% of it: the queue turns over faster than the window
+        assert not (await admit(Estimate(5.0, 9.0, "stats"), timeout_s=10)).accept
+        clock.advance(0.6)
+        assert (await admit(Estimate(4.0, 8.0, "stats"), timeout_s=10)).accept
+    finally:
+        await q.close()
+
+
+async def test_admissions_inside_the_margin_keep_the_inner_margin_however_long_they_chain(monkeypatch):
     """`admission.CONSISTENT_S`: right after a larger request was admitted, a smaller one that meets its deadline
-    only without the margin is admitted too; one admitted that way does not count as a larger admission, so no
-    chain of them keeps the margin off."""
+    with the inner margin only is admitted too, and counts as an admission in turn (the line stays where the last
+    admissions put it); however long such a chain runs, a request past the inner margin is refused."""
     from shared import admission
     from tests.fakes import ManualClock
 
@@ -144,10 +179,12 @@ async def test_a_request_admitted_inside_the_margin_does_not_open_the_margin_for
     try:
         assert (await admit(Estimate(1.0, 6.0, "stats"))).accept  # 5 s of compute, well inside the margin
         clock.advance(1.0)
-        tight = await admit(Estimate(6.0, 8.8, "stats"))  # 2.8 s: meets the deadline, not the 15% margin
+        tight = await admit(Estimate(6.0, 8.8, "stats"))  # 2.8 s: meets the deadline with 5%, not with 15%
         assert tight.accept and tight.within_margin
-        clock.advance(admission.CONSISTENT_S)  # the larger admission has left the window; the tight one has not
+        clock.advance(admission.CONSISTENT_S)  # the first admission has left the window; the tight one has not
         again = await admit(Estimate(6.0, 8.8, "stats"))
-        assert not again.accept and again.code == "deadline_infeasible"
+        assert again.accept and again.within_margin
+        past = await admit(Estimate(7.0, 9.6, "stats"))  # 9.6 x 1.05 > 10: past the inner margin, chain or not
+        assert not past.accept and past.code == "deadline_infeasible"
     finally:
         await q.close()
