@@ -58,7 +58,11 @@ class DynamicStage:
         return item.deadline - SLACK_FACTOR * self.service.estimate(item) - SLACK_MARGIN_S
 
     def urgency(self, queue: LaneQueue, now: float) -> tuple[int, int, float]:
-        """Lower is more urgent: (head priority, 0 if out of slack else 1, overdue time or -waited windows)."""
+        """Lower is more urgent: (head priority, 0 if out of slack else 1, overdue time or -windows waited past the
+        expected start). A request's expected start is what the gateway's admission estimated for it, else its
+        arrival (`Job.due`): under a backlog a medium request is told it starts in tens of seconds, and while it is
+        on that schedule, short work arriving meanwhile goes first instead of waiting a share of its wait; work
+        that falls behind its estimate ages like any other, so none starves."""
         head = queue.peek()
         oldest = queue.oldest_arrival()
         if head is None or oldest is None:
@@ -68,7 +72,8 @@ class DynamicStage:
         latest = min(self.latest_start(p) for p in queue.items() if p.rank == head.rank)
         if latest <= now:
             return head.rank, 0, latest
-        return head.rank, 1, -self.aging * (now - oldest) / max(queue.policy.window_s, 1e-3)
+        due = queue.earliest_due()
+        return head.rank, 1, -self.aging * (now - (oldest if due is None else due)) / max(queue.policy.window_s, 1e-3)
 
     @property
     def shares_apply(self) -> bool:

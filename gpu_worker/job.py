@@ -43,6 +43,13 @@ class Job:
     stream: Release | None = None  # a streaming generation: what its caller was sent
 
     @property
+    def due(self) -> float:
+        """When it was expected to start (wall-clock seconds): the start the gateway's admission estimated, else
+        its arrival here. The scheduler ages lanes by the time their requests have waited past this."""
+        eta = self.request.start_eta_ms if self.request is not None else None
+        return eta / 1000 if eta is not None else self.arrived
+
+    @property
     def req(self) -> InferenceRequest:
         """The request this job answers (every job built by a runner has one)."""
         if self.request is None:

@@ -79,6 +79,10 @@ class LaneQueue:
     def oldest_arrival(self) -> float | None:
         return min((p.arrived for p in self._live.values()), default=None)
 
+    def earliest_due(self) -> float | None:
+        """The earliest expected start among the waiting requests (`Job.due`)."""
+        return min((p.due for p in self._live.values()), default=None)
+
     def pop_expired(self, now: float, service: ServiceModel | None = None) -> list[Job]:
         """Remove requests that cannot finish in time: past the deadline, or past it once computed."""
         gone = [p for p in self._live.values()

@@ -13,10 +13,10 @@ time the compute loop asks, `plan()` answers every question of the step:
 4. is some lane's dynamic window closed (its batch is full, its token budget is full, its oldest
    request has waited the lane's window, or the earliest deadline's slack says waiting longer would
    miss it), and if several are, which lane is most urgent: interactive before batch; then a lane
-   whose slack has run out (most overdue first); then the lane whose oldest request has waited the most *windows*
-   (short lanes have short windows, so short work goes first, and every lane's urgency grows while it waits, so
-   none starves); each lane within its share of the rows, the lanes after the first together within `long_rows`
-   until their queues back up (`DynamicStage.held_to_long_rows`);
+   whose slack has run out (most overdue first); then the lane whose requests have waited the most *windows* past
+   their expected start (`DynamicStage.urgency`: short windows, short work first; none starves); each lane within
+   its share of the rows, the lanes after the first together within `long_rows` until their queues back up
+   (`DynamicStage.held_to_long_rows`);
 5. with no row free and an interactive request out of slack: which running batch-priority rows to
    give back (they are re-queued), so batch work never pushes interactive work past its deadline;
 6. if nothing is ready, when to ask again.

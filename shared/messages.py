@@ -48,6 +48,10 @@ class InferenceRequest:
     # and ending it costs no Redis command for one; True by default, so a request from an older gateway is
     # always given back)
     quota_slot: bool = True
+    # when the gateway's admission expected it to start (epoch ms; None: no estimate, or an older gateway). The
+    # scheduler ages a lane by how long its requests have waited past this, so work that is on the schedule it was
+    # promised lets shorter work go first (`gpu_worker.dynamic_stage.DynamicStage.urgency`)
+    start_eta_ms: int | None = None
 
     def meta(self) -> RequestMeta:
         return RequestMeta(

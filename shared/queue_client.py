@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -86,6 +87,13 @@ class Observer:
 
     def cancelled(self, model: str) -> None:
         """A caller cancelled a request."""
+
+
+def promised(req: InferenceRequest, decision: Decision) -> InferenceRequest:
+    """The request as stored: with the start admission estimated for it, which the worker's scheduler ages it by."""
+    if decision.estimate.basis != "stats":
+        return req
+    return dataclasses.replace(req, start_eta_ms=req.created_ms + round(decision.estimate.start_s * 1000))
 
 
 class QueueClient:
@@ -194,6 +202,7 @@ class QueueClient:
         at = time.monotonic()
         streams = [self.keys.lane_stream(req.model, req.lane) for req, _ in items]
         lengths, inits = [], []
+        items = [(promised(req, decision), decision) for req, decision in items]
         for (req, _), stream in zip(items, streams, strict=True):
             pipe.xadd(stream, {"m": encode(req)})
             lengths.append(len(pipe))

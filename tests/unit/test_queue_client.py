@@ -100,6 +100,17 @@ async def test_queue_positions_are_the_lane_length_after_each_xadd(q):
     assert not again[0].created
 
 
+async def test_a_stored_request_carries_the_start_admission_estimated_for_it(q):
+    """The worker's scheduler ages a lane by the time its requests wait past this (`Job.due`)."""
+    body = {"input": {"prompt": "hi"}}
+    estimated, unknown = ops._build(q, body, SPEC, "t"), ops._build(q, body, SPEC, "t")
+    await q.submit_many([(estimated, Decision(True, Estimate(12.5, 14.0, "stats"))),
+                         (unknown, Decision(True, Estimate(0.0, 0.0, "none")))])
+    stored = [decode(f[b"m"], InferenceRequest) for _, f in await q.redis.xrange(q.keys.lane_stream("echo", "short"))]
+    assert stored[0].start_eta_ms == estimated.created_ms + 12_500
+    assert stored[1].start_eta_ms is None  # no estimate (no worker has reported): it ages from its arrival
+
+
 async def test_a_waiting_submit_subscribes_before_it_stores_and_gets_its_result(q):
     """A worker that finishes the request the moment it is stored: the waiter was subscribed already, so the
     event reaches it (no read of the record before waiting is needed)."""

@@ -129,6 +129,38 @@ def test_aging_prevents_starvation():
     assert plan.lane == "long" and t < 1000
 
 
+def promised(i, lane, *, arrived, start_in, deadline=1000.0):
+    """A job whose request carries the start the gateway's admission estimated for it."""
+    from shared.messages import InferenceRequest
+    from shared.states import Priority, Task
+
+    job = item(i, lane, arrived=arrived, deadline=deadline)
+    job.request = InferenceRequest(id=job.id, tenant="t", model="m", task=Task.GENERATE, input={}, params={},
+                                   lane=lane, priority=Priority.INTERACTIVE, created_ms=int(arrived * 1000),
+                                   deadline_ms=int(deadline * 1000), est_tokens=10,
+                                   start_eta_ms=int((arrived + start_in) * 1000))
+    return job
+
+
+def test_work_on_the_schedule_admission_promised_lets_short_work_go_first():
+    """Under a backlog a long request is told it starts in 30 s; 20 s into that wait it is on schedule, and a short
+    request that has waited 50 ms goes first (by waited windows alone the long one would: 400 windows to 5)."""
+    s = sched()
+    s.add(promised(1, "long", arrived=0.0, start_in=30.0))
+    s.add(item(2, "short", arrived=19.95))
+    assert s.plan(20.0, free_rows=1).lane == "short"
+    # past its promised start it ages like any other: 1 s late is 20 windows, beating a short one 5 windows in
+    s.add(item(3, "short", arrived=30.95))
+    assert s.plan(31.0, free_rows=1).lane == "long"
+
+
+def test_without_a_promise_a_request_ages_from_its_arrival():
+    s = sched()
+    s.add(item(1, "long", arrived=0.0))
+    s.add(item(2, "short", arrived=19.95))
+    assert s.plan(20.0, free_rows=1).lane == "long"  # 400 windows against 5
+
+
 def test_cancel_removes_a_waiting_request():
     s = sched()
     s.add(item(1))
