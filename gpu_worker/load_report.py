@@ -77,7 +77,7 @@ class LoadReport:
         self.snapshot = Snapshot(
             at=time.time(), lanes=lanes, max_rows=self.max_rows, free_rows=free_rows,
             prefill_fixed_ms=tracker.prefill.intercept * 1000, prefill_ms_per_token=tracker.prefill.slope * 1000,
-            decode_ms_per_step=tracker.step_seconds(rows) * 1000,
+            decode_ms_per_step=tracker.forecast_step_seconds(rows) * 1000,
             oldest_wait_s=max(0.0, (time.time() if clock_now is None else clock_now) - oldest)
             if (oldest := scheduler.oldest_arrival()) is not None else 0.0,
         )

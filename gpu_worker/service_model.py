@@ -97,6 +97,7 @@ class LaneCounters:
 
 
 MEASURED_STEPS = 8  # bare decode steps seen before `bare_step_s` answers
+ADMISSION_ALPHA = 0.01  # the weight of the newest token interval in the one admission forecasts with
 
 
 @dataclass
@@ -104,6 +105,11 @@ class ServiceTracker:
     lanes: tuple[str, ...]
     prefill: RunningFit = field(default_factory=RunningFit)
     decode: RunningFit = field(default_factory=RunningFit)  # the token interval a running row sees, all included
+    # the same, averaged over ~100 intervals (about 10 s of a full batch on a CPU) instead of ~20: what admission
+    # forecasts a request's tokens at. A generation spans many seconds, and a second of slow steps (a burst of
+    # prefills, the machine's hiccups) moved the published interval by 15% and the estimate of a 128-token request
+    # by seconds, so admission's line jumped between two submits a moment apart
+    decode_slow: RunningFit = field(default_factory=lambda: RunningFit(alpha=ADMISSION_ALPHA))
     bare: RunningFit = field(default_factory=RunningFit)  # a decode step alone (no chunk, no prefill), by rows
     # what a chunk fused into a decode step adds to it, by the chunk's tokens (its cost per token grows as the
     # chunk moves along the prompt and attends to more of it, so recent steps count most)
@@ -119,6 +125,7 @@ class ServiceTracker:
 
     def observe_step(self, rows: int, seconds: float) -> None:
         self.decode.add(rows, seconds)
+        self.decode_slow.add(rows, seconds)
 
     def observe_bare_step(self, rows: int, seconds: float) -> None:
         self.bare.add(rows, seconds)
@@ -131,6 +138,7 @@ class ServiceTracker:
         """A round's decode step advanced `rows` rows in `step_s`, with `chunk` prompt tokens of a chunked prefill
         (`chunk_s` of them when not `fused` into it); a running row saw `interval_s` since its previous token."""
         self.decode.add(rows, interval_s)
+        self.decode_slow.add(rows, interval_s)
         decoding = rows - int(chunking or chunk > 0)
         if chunk and fused and decoding > 0:  # what the chunk added to the decode step
             self.observe_fused(chunk, step_s - (self.bare.predict(decoding) if self.bare.n else 0.0))
@@ -166,6 +174,10 @@ class ServiceTracker:
     def step_seconds(self, rows: int) -> float:
         return self.decode.predict(max(1, rows))
 
+    def forecast_step_seconds(self, rows: int) -> float:
+        """The token interval admission forecasts a new request's tokens at (`decode_slow`)."""
+        return self.decode_slow.predict(max(1, rows))
+
     def rows_within(self, per_token_s: float, limit: int) -> int:
         """The most running rows whose predicted token interval stays within `per_token_s` (at most `limit`;
         `limit` until the fit has seen enough steps to say)."""
@@ -178,8 +190,13 @@ class ServiceTracker:
         return max(0, min(limit, int((per_token_s - intercept) / slope)))
 
     def service_model(self, rows: int) -> ServiceModel:
+        """Whole requests' compute, as the scheduler's expiry and slack judge it: tokens at the averaged interval
+        (`forecast_step_seconds`), as admission forecast them. Expiring waiting work is final, and at the
+        moment's interval a spell of slow steps condemns every waiting request near its line at once (one mixed
+        overload run, with the machine's token interval doubled for a few tens of seconds by other load, expired 7.6%
+        of the admitted requests while those that did run finished at 1.1-1.3x their estimate)."""
         return ServiceModel(fixed_s=self.prefill.intercept, per_token_s=self.prefill.slope,
-                            decode_s_per_token=self.step_seconds(rows))
+                            decode_s_per_token=self.forecast_step_seconds(rows))
 
     def total_rate(self) -> float:
         return sum(c.rate for c in self.counters.values())

@@ -119,3 +119,18 @@ def test_rows_within_a_token_budget():
     assert t.rows_within(0.05, 64) == 20  # 0.01 + 0.002 x 20 = 0.05
     assert t.rows_within(0.2, 64) == 64
     assert t.rows_within(0.005, 64) == 0  # even one row is slower than that
+
+
+def test_admission_forecasts_tokens_at_an_interval_a_second_of_slow_steps_barely_moves():
+    """A generation spans many seconds: the interval admission forecasts with (`forecast_step_seconds`) follows a
+    lasting change but not a burst of ten slow steps, which moves the scheduler's own fit by tens of percent."""
+    t = ServiceTracker(("short",))
+    for _ in range(500):
+        t.observe_step(64, 0.100)
+    for _ in range(10):  # a second of steps at 1.5x (prefills, the machine's hiccups)
+        t.observe_step(64, 0.150)
+    assert t.step_seconds(64) > 0.118
+    assert t.forecast_step_seconds(64) < 0.105
+    for _ in range(400):  # a lasting change is learned
+        t.observe_step(64, 0.150)
+    assert t.forecast_step_seconds(64) == pytest.approx(0.150, rel=0.03)
