@@ -58,11 +58,13 @@ class DynamicStage:
         return item.deadline - SLACK_FACTOR * self.service.estimate(item) - SLACK_MARGIN_S
 
     def urgency(self, queue: LaneQueue, now: float) -> tuple[int, int, float]:
-        """Lower is more urgent: (head priority, 0 if out of slack else 1, overdue time or -windows waited past the
-        expected start). A request's expected start is what the gateway's admission estimated for it, else its
-        arrival (`Job.due`): under a backlog a medium request is told it starts in tens of seconds, and while it is
-        on that schedule, short work arriving meanwhile goes first instead of waiting a share of its wait; work
-        that falls behind its estimate ages like any other, so none starves."""
+        """Lower is more urgent: (head priority, 0 if out of slack else 1, overdue time or -windows waited). The first
+        (shortest) lane counts its windows from arrival; a lane after it from the start the gateway's admission
+        estimated for its requests, else their arrival (`Job.due`): under a backlog a medium request is told it
+        starts in tens of seconds, and while it is on that schedule, short work arriving meanwhile goes first
+        instead of waiting a share of its wait; work that falls behind its estimate ages like any other, so none
+        starves. (Counting the short lane from its own estimates too let a short request whose estimate included a
+        little queue wait out long prefills at 70% load: its p99 in the e2e benchmark went from 0.8x to 1.8x FIFO.)"""
         head = queue.peek()
         oldest = queue.oldest_arrival()
         if head is None or oldest is None:
@@ -72,7 +74,7 @@ class DynamicStage:
         latest = min(self.latest_start(p) for p in queue.items() if p.rank == head.rank)
         if latest <= now:
             return head.rank, 0, latest
-        due = queue.earliest_due()
+        due = oldest if queue is next(iter(self.queues.values())) else queue.earliest_due()
         return head.rank, 1, -self.aging * (now - (oldest if due is None else due)) / max(queue.policy.window_s, 1e-3)
 
     @property

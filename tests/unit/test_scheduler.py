@@ -154,6 +154,14 @@ def test_work_on_the_schedule_admission_promised_lets_short_work_go_first():
     assert s.plan(31.0, free_rows=1).lane == "long"
 
 
+def test_the_first_lane_ages_from_arrival_whatever_it_was_promised():
+    """A short request whose estimate included a little queue does not yield to longer work until that passes."""
+    s = sched()
+    s.add(item(1, "long", arrived=19.9))  # 2 windows of 50 ms
+    s.add(promised(2, "short", arrived=19.95, start_in=0.5))  # 5 windows of 10 ms since arrival, 45 early
+    assert s.plan(20.0, free_rows=1).lane == "short"
+
+
 def test_without_a_promise_a_request_ages_from_its_arrival():
     s = sched()
     s.add(item(1, "long", arrived=0.0))
