@@ -17,6 +17,7 @@ import httpx
 import uvicorn
 
 from gateway.app import create_app
+from gateway.server import server_config
 from gateway.service import GatewayService
 from gpu_worker.worker import Worker
 from shared.config import BUILTIN_MODELS, ModelSpec, Settings
@@ -78,8 +79,10 @@ async def running_gateway(settings: Settings) -> AsyncIterator[RunningGateway]:
     port = free_port()
     service = GatewayService(settings)
     app = create_app(settings, service=service)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False,
-                            lifespan="on")
+    # as `batchgate gateway` runs it (keep-alive above httpx's 5 s: a test that blocks the loop for seconds, as
+    # `Cluster.worker` does while a worker starts, must not find its pooled connection closed under it)
+    config = server_config(app, settings, host="127.0.0.1", port=port)
+    config.lifespan = "on"
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
