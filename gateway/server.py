@@ -41,12 +41,11 @@ class _Server(uvicorn.Server):
             release.cancel()
 
 
-def server_config(app: ASGIApp, settings: Settings, *, host: str | None = None,
-                  port: int | None = None) -> uvicorn.Config:
+def server_config(app: ASGIApp, settings: Settings) -> uvicorn.Config:
     """uvicorn as the gateway runs it: the header timeout's protocol, the keep-alive above the clients' own idle
     limit (so a client never reuses a connection the server is closing), the shutdown grace; the tests' in-process
-    gateway uses it too, on an address of their choosing."""
-    return uvicorn.Config(app, host=host or settings.host, port=settings.port if port is None else port, loop="auto",
+    gateway uses it too."""
+    return uvicorn.Config(app, host=settings.host, port=settings.port, loop="auto",
                           http=protocol_class(settings.header_timeout_s), timeout_keep_alive=settings.keep_alive_s,
                           log_config=None, access_log=False, timeout_graceful_shutdown=settings.shutdown_grace_s)
 

@@ -66,16 +66,19 @@ class DynamicStage:
         starves. (Counting the short lane from its own estimates too let a short request whose estimate included a
         little queue wait out long prefills at 70% load: its p99 in the e2e benchmark went from 0.8x to 1.8x FIFO.)"""
         head = queue.peek()
-        oldest = queue.oldest_arrival()
-        if head is None or oldest is None:
+        since = queue.oldest_arrival() if not self.deadline_aware or self.is_first(queue) else queue.earliest_due()
+        if head is None or since is None:
             return (1 << 30, 1, float("inf"))
         if not self.deadline_aware:
-            return 0, 1, oldest
+            return 0, 1, since
         latest = min(self.latest_start(p) for p in queue.items() if p.rank == head.rank)
         if latest <= now:
             return head.rank, 0, latest
-        due = oldest if queue is next(iter(self.queues.values())) else queue.earliest_due()
-        return head.rank, 1, -self.aging * (now - (oldest if due is None else due)) / max(queue.policy.window_s, 1e-3)
+        return head.rank, 1, -self.aging * (now - since) / max(queue.policy.window_s, 1e-3)
+
+    def is_first(self, queue: LaneQueue) -> bool:
+        """Whether `queue` is the first (shortest) lane's."""
+        return queue is next(iter(self.queues.values()))
 
     @property
     def shares_apply(self) -> bool:
@@ -104,7 +107,7 @@ class DynamicStage:
         16 on the 2-core VM), and a short request pays each step for its every token; held to a few rows, longer
         work leaves the short rows steps near their own cost. A backed-up queue takes the free rows, so a
         saturated model still runs a full batch (measured, it still cost some capacity: docs/scheduling.md)."""
-        if queue is next(iter(self.queues.values())):
+        if self.is_first(queue):
             return False
         oldest, head = queue.oldest_arrival(), queue.peek()
         if oldest is None or head is None or now - oldest >= LONG_ROWS_SPILL_S:

@@ -173,6 +173,14 @@ def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int,
     return Estimate(start, start + service, "stats")
 
 
+def near_line(*, now_s: float, deadline_s: float, est: Estimate) -> bool:
+    """Whether `decide` can turn on what was decided for the lane lately (`larger_admitted`, `smaller_refused`): a
+    measured estimate that, stretched by the margin or the consistency band, reaches the deadline. Elsewhere the
+    caller need not look (a look scans the lane's last `CONSISTENT_S` of decisions: thousands under load)."""
+    return est.basis == "stats" and cannot_finish(deadline_s, now_s,
+                                                  max(ADMISSION_MARGIN, CONSISTENT_BAND) * est.finish_s)
+
+
 def decide(*, now_s: float, deadline_s: float, est: Estimate, queued: int, max_backlog: int,
            deadline_aware: bool = True, larger_admitted: bool = False, smaller_refused: bool = False) -> Decision:
     """`larger_admitted`: a request at least as large, with no more time, was admitted to the lane within

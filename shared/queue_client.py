@@ -173,15 +173,16 @@ class QueueClient:
         prompt_tokens = max(1, req.est_tokens - new_tokens)
         est = admission.estimate(stats, req.lane, queued, prompt_tokens, new_tokens,
                                  (lane.window_ms if lane else 10.0) / 1000)
-        now = self.clock()
-        budget = req.deadline_ms / 1000 - now
+        now, deadline_s = self.clock(), req.deadline_ms / 1000
+        budget = deadline_s - now
         admitted, refused = self._recent.setdefault((req.model, req.lane), (admission.RecentAdmits(),
                                                                            admission.RecentAdmits()))
-        decision = admission.decide(now_s=now, deadline_s=req.deadline_ms / 1000, est=est, queued=queued,
+        near = spec.deadline_aware and admission.near_line(now_s=now, deadline_s=deadline_s, est=est)
+        decision = admission.decide(now_s=now, deadline_s=deadline_s, est=est, queued=queued,
                                     max_backlog=lane.max_backlog if lane else 10_000,
                                     deadline_aware=spec.deadline_aware,
-                                    larger_admitted=admitted.covers(now, prompt_tokens, new_tokens, budget),
-                                    smaller_refused=refused.below(now, prompt_tokens, new_tokens, budget))
+                                    larger_admitted=near and admitted.covers(now, prompt_tokens, new_tokens, budget),
+                                    smaller_refused=near and refused.below(now, prompt_tokens, new_tokens, budget))
         if decision.accept and est.basis == "stats":
             admitted.note(now, prompt_tokens, new_tokens, budget)
         elif decision.code == "deadline_infeasible" and decision.retryable:

@@ -81,7 +81,7 @@ async def running_gateway(settings: Settings) -> AsyncIterator[RunningGateway]:
     app = create_app(settings, service=service)
     # as `batchgate gateway` runs it (keep-alive above httpx's 5 s: a test that blocks the loop for seconds, as
     # `Cluster.worker` does while a worker starts, must not find its pooled connection closed under it)
-    config = server_config(app, settings, host="127.0.0.1", port=port)
+    config = server_config(app, dataclasses.replace(settings, host="127.0.0.1", port=port))
     config.lifespan = "on"
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())

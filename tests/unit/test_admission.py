@@ -2,7 +2,7 @@
 
 import pytest
 
-from shared.admission import MIN_DRAIN_SHARE, Estimate, RecentAdmits, decide, estimate, fresh
+from shared.admission import MIN_DRAIN_SHARE, Estimate, RecentAdmits, decide, estimate, fresh, near_line
 from shared.messages import LaneStat, LaneStats
 
 
@@ -215,3 +215,19 @@ def test_a_smaller_refusal_outweighs_a_larger_admission_inside_the_margin():
     d = decide(now_s=0.0, deadline_s=10.0, est=NEAR, queued=3, max_backlog=100, larger_admitted=True,
                smaller_refused=True)
     assert not d.accept and d.code == "deadline_infeasible"
+
+
+@pytest.mark.parametrize("finish", [0.5, 5.0, 7.0, 7.6, 7.7, 8.2, 8.9, 9.6, 10.0, 10.5, 20.0])
+@pytest.mark.parametrize("basis", ["stats", "none"])
+def test_away_from_the_line_what_was_decided_lately_cannot_change_a_decision(finish, basis):
+    """`near_line` is where the caller must look up the lane's recent decisions; elsewhere `decide` answers the
+    same whatever they were (the look-up, a scan of seconds of decisions, is skipped there)."""
+    est = Estimate(start_s=finish / 2, finish_s=finish, basis=basis)
+    answers = {(d.accept, d.code, d.within_margin)
+               for larger in (False, True) for smaller in (False, True)
+               for d in [decide(now_s=0.0, deadline_s=10.0, est=est, queued=3, max_backlog=100,
+                                larger_admitted=larger, smaller_refused=smaller)]}
+    if not near_line(now_s=0.0, deadline_s=10.0, est=est):
+        assert len(answers) == 1
+    elif basis == "stats" and finish in (8.2, 8.9):  # inside the band or the margin: the recent decisions count
+        assert len(answers) == 2
