@@ -69,7 +69,7 @@ data "aws_iam_policy_document" "files" {
 
 resource "aws_iam_role_policy" "lambda_files" {
   name   = "${var.name}-files"
-  role   = aws_iam_role.lambda.id
+  role   = aws_iam_role.lambda["gateway"].id
   policy = data.aws_iam_policy_document.files.json
 }
 

@@ -10,13 +10,22 @@ data "aws_iam_policy_document" "assume" {
   }
 }
 
+# A role per Lambda, each with what its function does and no more: the gateway (public, behind its Function URL)
+# reads and writes the files bucket; the scaler publishes the backlog metric; the SQS Lambda reads its queue. All
+# three reach Redis in the VPC.
+locals {
+  lambda_roles = toset(concat(["gateway", "scaler"], var.sqs_queue_arn == "" ? [] : ["sqs"]))
+}
+
 resource "aws_iam_role" "lambda" {
-  name               = "${var.name}-lambda"
+  for_each           = local.lambda_roles
+  name               = "${var.name}-${each.key}-lambda"
   assume_role_policy = data.aws_iam_policy_document.assume["lambda"].json
 }
 
 resource "aws_iam_role_policy_attachment" "lambda_vpc" {
-  role       = aws_iam_role.lambda.name
+  for_each   = local.lambda_roles
+  role       = aws_iam_role.lambda[each.key].name
   policy_arn = "arn:aws:iam::aws:policy/service-role/AWSLambdaVPCAccessExecutionRole"
 }
 
@@ -34,7 +43,7 @@ data "aws_iam_policy_document" "lambda_metrics" {
 
 resource "aws_iam_role_policy" "lambda_metrics" {
   name   = "${var.name}-metrics"
-  role   = aws_iam_role.lambda.id
+  role   = aws_iam_role.lambda["scaler"].id
   policy = data.aws_iam_policy_document.lambda_metrics.json
 }
 
@@ -42,7 +51,7 @@ resource "aws_iam_role_policy" "lambda_metrics" {
 # The same package also has `direct_handler` (aws lambda invoke) and `sqs_handler` entry points.
 resource "aws_lambda_function" "gateway" {
   function_name    = "${var.name}-gateway"
-  role             = aws_iam_role.lambda.arn
+  role             = aws_iam_role.lambda["gateway"].arn
   runtime          = "python3.11"
   handler          = "gateway.lambda_handler.http_handler"
   filename         = var.gateway_zip
@@ -64,4 +73,17 @@ resource "aws_lambda_function" "gateway" {
 resource "aws_lambda_function_url" "gateway" {
   function_name      = aws_lambda_function.gateway.function_name
   authorization_type = var.gateway_url_auth
+}
+
+# A Function URL without IAM auth answers only if the function's policy lets anyone call it through the URL
+# (the console adds this; the API and Terraform do not), and, for URLs created since October 2025, lets anyone
+# invoke the function too. batchgate's API keys authenticate every request the handler serves.
+resource "aws_lambda_permission" "gateway_url_public" {
+  for_each = var.gateway_url_auth == "NONE" ? toset(["InvokeFunctionUrl", "InvokeFunction"]) : toset([])
+
+  statement_id           = "BatchgatePublic${each.key}"
+  action                 = "lambda:${each.key}"
+  function_name          = aws_lambda_function.gateway.function_name
+  principal              = "*"
+  function_url_auth_type = each.key == "InvokeFunctionUrl" ? "NONE" : null
 }

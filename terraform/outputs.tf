@@ -4,8 +4,9 @@ output "gateway_url" {
 }
 
 output "redis_url" {
-  description = "BATCHGATE_REDIS_URL for `batchgate keys create` and other operations inside the VPC."
+  description = "BATCHGATE_REDIS_URL for `batchgate keys create` and other operations inside the VPC (sensitive: `terraform output -raw redis_url`)."
   value       = local.redis_url
+  sensitive   = true
 }
 
 output "worker_asg_name" {

@@ -1,5 +1,6 @@
-# One non-cluster replication group: batchgate's Lua scripts touch keys of several hash slots (a
-# result record and the webhook stream), which Redis Cluster and ElastiCache Serverless refuse.
+# One non-cluster replication group (primary and replicas, automatic failover): what one deployment needs up to
+# its control plane's ceiling (docs/architecture.md). batchgate also runs on a Redis Cluster, every script within
+# one hash slot: point `redis_url` at one (redis+cluster://) to go past it.
 # Not created when `redis_url` names an existing Redis.
 
 resource "aws_elasticache_subnet_group" "redis" {

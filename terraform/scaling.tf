@@ -4,7 +4,7 @@
 
 resource "aws_lambda_function" "scaler" {
   function_name    = "${var.name}-scaler"
-  role             = aws_iam_role.lambda.arn
+  role             = aws_iam_role.lambda["scaler"].arn
   runtime          = "python3.11"
   handler          = "gateway.scaling_handler.handler"
   filename         = var.gateway_zip

@@ -2,16 +2,27 @@
 # that was not accepted is reported in `batchItemFailures`, so SQS retries that message alone; the
 # mapping must ask for that report, or one refused message would redeliver (and finally dead-letter)
 # the whole batch, the accepted messages included.
-resource "aws_iam_role_policy_attachment" "lambda_sqs" {
-  count      = var.sqs_queue_arn == "" ? 0 : 1
-  role       = aws_iam_role.lambda.name
-  policy_arn = "arn:aws:iam::aws:policy/service-role/AWSLambdaSQSQueueExecutionRole"
+# What the event source mapping needs of this queue alone (AWS's AWSLambdaSQSQueueExecutionRole grants it on
+# every queue of the account).
+data "aws_iam_policy_document" "lambda_sqs" {
+  count = var.sqs_queue_arn == "" ? 0 : 1
+  statement {
+    actions   = ["sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:GetQueueAttributes"]
+    resources = [var.sqs_queue_arn]
+  }
+}
+
+resource "aws_iam_role_policy" "lambda_sqs" {
+  count  = var.sqs_queue_arn == "" ? 0 : 1
+  name   = "${var.name}-sqs"
+  role   = aws_iam_role.lambda["sqs"].id
+  policy = data.aws_iam_policy_document.lambda_sqs[0].json
 }
 
 resource "aws_lambda_function" "sqs" {
   count            = var.sqs_queue_arn == "" ? 0 : 1
   function_name    = "${var.name}-sqs"
-  role             = aws_iam_role.lambda.arn
+  role             = aws_iam_role.lambda["sqs"].arn
   runtime          = "python3.11"
   handler          = "gateway.lambda_handler.sqs_handler"
   filename         = var.gateway_zip

@@ -43,9 +43,10 @@ variable "subnet_ids" {
 # --- Redis (ElastiCache) ---------------------------------------------------------------------
 
 variable "redis_url" {
-  description = "An existing Redis (non-cluster, 7.0+, maxmemory-policy noeviction) to use instead of creating ElastiCache, e.g. rediss://host:6379/0. It must accept connections from the subnets."
+  description = "An existing Redis (7.0+, maxmemory-policy noeviction; a cluster as redis+cluster:// or rediss+cluster://) to use instead of creating ElastiCache, e.g. rediss://:password@host:6379/0. It must accept connections from the subnets."
   type        = string
   default     = null
+  sensitive   = true # it may carry a password: kept out of plan output
 }
 
 variable "redis_node_type" {

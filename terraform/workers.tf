@@ -22,6 +22,13 @@ resource "aws_iam_role_policy" "worker" {
   policy = data.aws_iam_policy_document.worker.json
 }
 
+# Session Manager and Run Command on the workers: the operators' way into the VPC (the first API key, tenants,
+# webhooks: `batchgate keys create ...`), with no inbound port and no SSH key.
+resource "aws_iam_role_policy_attachment" "worker_ssm" {
+  role       = aws_iam_role.worker.name
+  policy_arn = "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"
+}
+
 resource "aws_iam_instance_profile" "worker" {
   name = "${var.name}-worker"
   role = aws_iam_role.worker.name

@@ -166,6 +166,27 @@ def test_workers_drain_before_their_instance_goes(planned):
     assert syntax.returncode == 0, syntax.stderr
 
 
+def test_workers_run_the_batch_runner_keep_the_redis_url_private_and_take_operators_through_ssm(planned):
+    script = base64.b64decode(planned["aws_launch_template.worker"]["user_data"]).decode()
+    assert "ExecStart=/opt/batchgate/bin/batchgate batches" in script  # the Batch API's batches run somewhere
+    assert "batchgate-batches.service" in script.rsplit("systemctl enable", 1)[1]
+    assert script.index("install -m 0600 /dev/null /etc/batchgate/env") < script.index("cat > /etc/batchgate/env")
+    assert "ln -sf /opt/batchgate/bin/batchgate /usr/local/bin/batchgate" in script
+    ssm = planned["aws_iam_role_policy_attachment.worker_ssm"]
+    assert ssm["policy_arn"].endswith("/AmazonSSMManagedInstanceCore")
+
+
+def test_a_public_function_url_is_allowed_to_be_called(planned, workdir, fake_aws):
+    """With gateway_url_auth NONE the URL answers only if the function's policy lets anyone call it through the
+    URL, and (URLs created since October 2025) invoke it: the API and Terraform add neither (the console does)."""
+    url = planned['aws_lambda_permission.gateway_url_public["InvokeFunctionUrl"]']
+    assert (url["action"], url["principal"], url["function_url_auth_type"]) == ("lambda:InvokeFunctionUrl", "*", "NONE")
+    invoke = planned['aws_lambda_permission.gateway_url_public["InvokeFunction"]']
+    assert (invoke["action"], invoke["principal"]) == ("lambda:InvokeFunction", "*")
+    signed = planned_values(workdir, fake_aws, "bgiam", redis_url=REDIS_URL, gateway_url_auth="AWS_IAM")
+    assert not any(a.startswith("aws_lambda_permission.gateway_url_public") for a in signed)
+
+
 def test_scaling_on_backlog_per_worker_and_from_zero(planned):
     policy = planned["aws_autoscaling_policy.backlog_per_worker"]["target_tracking_configuration"][0]
     assert policy["target_value"] == 64
@@ -216,6 +237,8 @@ def test_an_sqs_queue_feeds_the_sqs_handler_with_per_message_failures(workdir, f
     fn = values["aws_lambda_function.sqs[0]"]
     assert fn["handler"] == "gateway.lambda_handler.sqs_handler"
     assert fn["environment"][0]["variables"]["BATCHGATE_AUTH"] == "api_key"
+    (statement,) = json.loads(values["aws_iam_role_policy.lambda_sqs[0]"]["policy"])["Statement"]
+    assert statement["Resource"] == "arn:aws:sqs:us-east-1:123456789012:batchgate-in"  # this queue, not every one
     assert not any("sqs" in address for address in planned_values(workdir, fake_aws, "bgnosqs", redis_url=REDIS_URL))
 
 
@@ -240,3 +263,9 @@ def test_a_private_files_bucket_named_to_the_gateway_and_the_workers(planned):
         actions = {a for s in policy["Statement"] for a in ([s["Action"]] if isinstance(s["Action"], str)
                                                              else s["Action"])}
         assert {"s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:ListBucket"} <= actions
+
+
+def test_a_redis_password_is_not_printed_by_plan(workdir, fake_aws):
+    proc = plan(workdir, fake_aws, "bgsecret", redis_url="redis://:s3cretpass@127.0.0.1:6379/0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "s3cretpass" not in proc.stdout + proc.stderr

@@ -132,6 +132,16 @@ def test_apply_creates_the_stack_in_the_account(deployment: Deployment, redis_ur
     assert target["Arn"] == scaler["FunctionArn"]  # run every minute
     gateway = lambdas.get_function_configuration(FunctionName=f"{deployment.name}-gateway")
     assert gateway["Environment"]["Variables"]["BATCHGATE_AUTH"] == "api_key"
+    # a role per Lambda: the public gateway cannot publish the scaling metric, the scaler cannot touch the files
+    iam = deployment.client("iam")
+    roles = {fn["Handler"]: fn["Role"].rsplit("/", 1)[1] for fn in (gateway, scaler)}
+    assert len(set(roles.values())) == 2
+    inline = {handler: set(iam.list_role_policies(RoleName=role)["PolicyNames"]) for handler, role in roles.items()}
+    assert inline == {gateway["Handler"]: {f"{deployment.name}-files"},
+                      scaler["Handler"]: {f"{deployment.name}-metrics"}}
+    for role in roles.values():
+        attached = iam.list_attached_role_policies(RoleName=role)["AttachedPolicies"]
+        assert [p["PolicyName"] for p in attached] == ["AWSLambdaVPCAccessExecutionRole"]
     assert deployment.client("s3").head_bucket(Bucket=out["files_bucket"])["ResponseMetadata"]["HTTPStatusCode"] == 200
 
 
@@ -280,7 +290,7 @@ def test_the_applied_scaler_takes_the_applied_group_from_zero_and_back(deploymen
 
         # minute 1: a backlog and no worker. The alarm starts one (target tracking cannot, from 0).
         since = next_period()
-        assert run_scaler(env) == {"deployment": deployment.name, "backlog": BACKLOG, "total": TOTAL}
+        assert run_scaler(env) == {"deployment": deployment.name, "backlog": BACKLOG, "total": TOTAL, "upkeep": 0}
         seen = autoscaler.evaluate(since)
         assert seen["alarm_backlog"] == seen["tracking_backlog"] == TOTAL and seen["workers"] == 0
         assert seen["alarm"] and autoscaler.group()["DesiredCapacity"] == 1 and autoscaler.in_service() == 1
@@ -298,7 +308,8 @@ def test_the_applied_scaler_takes_the_applied_group_from_zero_and_back(deploymen
 
         # minute 3: no backlog: back to 0
         since = next_period()
-        assert run_scaler(env) == {"deployment": deployment.name, "backlog": dict.fromkeys(BACKLOG, 0), "total": 0}
+        assert run_scaler(env) == {"deployment": deployment.name, "backlog": dict.fromkeys(BACKLOG, 0), "total": 0,
+                                   "upkeep": 0}
         seen = autoscaler.evaluate(since)
         assert seen["alarm_backlog"] == seen["tracking_backlog"] == 0 and seen["workers"] == 3
         assert not seen["alarm"] and seen["tracking"] == 0
