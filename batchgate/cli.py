@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from shared.config import Settings
+from shared.config_checks import Rule
 from shared.errors import ConfigError
 from shared.logs import configure_logging
 
@@ -31,6 +32,8 @@ def _environ(args: argparse.Namespace) -> dict[str, str]:
     problem = redis_url_problem(args.redis_url) if getattr(args, "redis_url", None) else None
     if problem:
         raise ConfigError(f"--redis-url {args.redis_url!r} is not a Redis URL: {problem}")
+    if problem := _option_problem(args):
+        raise ConfigError(problem)
     if getattr(args, "config", None):
         env["BATCHGATE_CONFIG"] = args.config
     if getattr(args, "models", None):
@@ -42,6 +45,46 @@ def _environ(args: argparse.Namespace) -> dict[str, str]:
     if getattr(args, "port", None) is not None:
         env["BATCHGATE_PORT"] = str(args.port)
     return env
+
+
+def _option_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with a serving command's --port or --drain-budget, or None (the environment's own values
+    are Settings.from_environ's to check)."""
+    port = getattr(args, "port", None)
+    if port is not None:
+        low = 0 if args.command == "up" else 1  # only `up` picks a free port for 0
+        if not low <= port <= 65535:
+            free = "; 0 picks a free port" if low == 0 else ""
+            return f"--port must be between {low} and 65535 (got {port}){free}"
+    budget = getattr(args, "drain_budget", None)
+    if budget is not None and (problem := Rule(0).problem(budget)):
+        return f"--drain-budget (seconds to finish the work in flight on SIGTERM) {problem}"
+    return None
+
+
+def _port_setting(args: argparse.Namespace) -> str:
+    return "--port" if getattr(args, "port", None) is not None else "BATCHGATE_PORT"
+
+
+def _check_listen(settings: Settings, args: argparse.Namespace) -> None:
+    """Before a part that listens starts: its host and port are ones it can listen on (ConfigErrors)."""
+    from shared.startup_checks import check_listen, host_problem
+
+    if problem := host_problem(settings.host):
+        raise ConfigError(f"{'--host' if getattr(args, 'host', None) else 'BATCHGATE_HOST'}: {problem}")
+    if settings.port == 0:
+        raise ConfigError(f"{_port_setting(args)} must be between 1 and 65535 for `batchgate {args.command}` "
+                          "(got 0); only `batchgate up` picks a free port for 0")
+    check_listen(_port_setting(args), settings.host, settings.port,
+                 hint="choose another port (--port or BATCHGATE_PORT)")
+
+
+def _check_file_store(settings: Settings) -> None:
+    """Before a part that keeps files (the gateway, the batch runner, `up`) starts: the files directory is one it
+    can write (a ConfigError), not 503s at request time."""
+    from shared.startup_checks import check_file_store
+
+    check_file_store(settings)
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -129,6 +172,8 @@ def _finite(value: float | None) -> float | None:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     settings = _settings(args)
+    _check_listen(settings, args)
+    _check_file_store(settings)
     configure_logging(settings.log_level, settings.log_format)
     from gateway.server import run_gateway
 
@@ -156,6 +201,7 @@ def cmd_callbacks(args: argparse.Namespace) -> int:
 
 def cmd_batches(args: argparse.Namespace) -> int:
     settings = _settings(args)
+    _check_file_store(settings)
     configure_logging(settings.log_level, settings.log_format)
     from gateway.batch_runner import run
 
@@ -325,6 +371,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     environ = _environ(args)
     settings = Settings.from_environ(environ)
+    _check_file_store(settings)  # here, not as a part's failure once started (a taken --port: the supervisor's)
     configure_logging(settings.log_level, settings.log_format)
     return run_stack(settings, environ)
 

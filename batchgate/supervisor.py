@@ -34,6 +34,7 @@ from shared.states import Task
 
 STARTUP_TIMEOUT_S = 600.0
 UP_DRAIN_BUDGET_S = 10.0  # the worker's drain budget under `up` unless BATCHGATE_DRAIN_BUDGET_S is set
+STOP_MARGIN_S = 10.0  # a part's time to exit after its own drain or grace, before it is killed
 STOP_ORDER = ("gateway", "batches", "worker", "callbacks")  # intake first, then the work, then its webhooks
 PART_NAMES = {"gateway": "gateway", "worker": "worker", "callbacks": "webhook dispatcher (callbacks)",
               "batches": "batch runner (batches)", "redis": "embedded Redis (redis-server)"}
@@ -201,8 +202,10 @@ class Stack:
             time.sleep(0.2)
         return 0
 
-    def stop(self, drain_budget_s: float = UP_DRAIN_BUDGET_S) -> bool:
-        """Stop the parts one by one in `STOP_ORDER`; True when each exited cleanly within its time."""
+    def stop(self, drain_budget_s: float = UP_DRAIN_BUDGET_S, shutdown_grace_s: float = 10.0) -> bool:
+        """Stop the parts one by one in `STOP_ORDER`; True when each exited cleanly within its time: the worker's
+        drain budget, the gateway's shutdown grace (`BATCHGATE_SHUTDOWN_GRACE_S`: its waiters and streams get
+        their results), each plus `STOP_MARGIN_S`."""
         clean = True
         signals_before = self.signals
         if any(p.poll() is None for p in self.procs.values()):
@@ -213,7 +216,8 @@ class Stack:
                 continue
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-                end = time.monotonic() + (drain_budget_s if part == "worker" else 0) + 10
+                own = {"worker": drain_budget_s, "gateway": shutdown_grace_s}.get(part, 0.0)
+                end = time.monotonic() + own + STOP_MARGIN_S
                 while p.poll() is None and time.monotonic() < end and self.signals == signals_before:
                     time.sleep(0.05)
                 if p.poll() is None:
@@ -279,7 +283,7 @@ def run_stack(settings: Settings, environ: Mapping[str, str]) -> int:
     finally:
         remove_state(environ)
         asked = code == 0  # stopped on request: no part's end was said yet
-        if not stack.stop(drain_budget_s):
+        if not stack.stop(drain_budget_s, settings.shutdown_grace_s):
             code = 1  # a part that failed or had to be killed (the return comes after this block)
         if embedded is not None:
             if not _embedded_ended_well(embedded.poll(), redis_url, settings.key_prefix, asked):

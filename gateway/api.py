@@ -7,8 +7,9 @@ The errors are `shared.api_errors` (the SDK's direct mode raises the same ones);
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,9 @@ class ApiRequest:
     # the body as it arrives, for a route with `streamed_body` (an upload): `body` is then empty, and the
     # handler reads this once; a transport that has the body whole passes it as one chunk (`one_chunk`)
     stream: AsyncIterator[bytes] | None = None
+    # returns when the caller has gone (closed its connection), for a transport that can tell (HTTP); None where
+    # it cannot (a Lambda invocation). Only for a route whose body was read whole.
+    gone: Callable[[], Awaitable[None]] | None = None
 
     def header(self, name: str, default: str | None = None) -> str | None:
         return self.headers.get(name.lower(), default)
@@ -127,6 +131,9 @@ class ApiResponse:
     # bytes instead of a body (a file's content): the app streams them; `collect_events` joins them
     stream: AsyncIterator[bytes] | None = None
     media_type: str | None = None  # of `stream` or `raw`; None: the events' text/event-stream
+    # the event a transport that answers once ends `events` with when it cuts them at its longest wait (None: an
+    # `error` event telling the caller to reconnect with its Last-Event-ID, as the native events can)
+    cut: ServerEvent | None = None
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         if self.raw is not None:
@@ -140,15 +147,47 @@ class ApiResponse:
         return json.dumps(self.body, separators=(",", ":"), allow_nan=False).encode(), "application/json"
 
 
-async def collect_events(resp: ApiResponse) -> ApiResponse:
-    """A streamed response (events or bytes) rendered whole, for transports that answer once."""
+async def collect_events(resp: ApiResponse, limit_s: float | None = None) -> ApiResponse:
+    """A streamed response (events or bytes) rendered whole, for transports that answer once; its events those
+    of the first `limit_s` seconds (`answered_once`)."""
     if resp.stream is not None:
         chunks = [chunk async for chunk in resp.stream]
         return ApiResponse(resp.status, headers=resp.headers, raw=b"".join(chunks), media_type=resp.media_type)
     if resp.events is None:
         return resp
-    frames = [sse_frame(event) async for event in resp.events]
+    events = resp.events if limit_s is None else answered_once(resp.events, limit_s, resp.cut)
+    frames = [sse_frame(event) async for event in events]
     return ApiResponse(resp.status, headers=resp.headers, raw=b"".join(frames))
+
+
+async def answered_once(events: AsyncIterator[ServerEvent], limit_s: float,
+                        cut: ServerEvent | None = None) -> AsyncIterator[ServerEvent]:
+    """An event stream held to `limit_s` seconds, for a transport that answers once (Lambda, Cloud Functions: the
+    caller gets nothing until the answer is whole, and nothing at all past the function's own timeout): past it,
+    `cut` ends it, or an `error` event telling the caller to reconnect with its Last-Event-ID for the rest, which
+    loses nothing."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit_s
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(anext(events), max(0.0, end - loop.time()))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                if cut is not None:
+                    yield cut
+                    return
+                yield ServerEvent("error", {"error": {
+                    "code": "wait_exceeded", "message": f"this gateway answers once, with the events of its longest "
+                                                       f"wait ({limit_s:g} s): reconnect with Last-Event-ID for the "
+                                                       "rest"}}, "")
+                return
+            yield event
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 async def one_chunk(body: bytes) -> AsyncIterator[bytes]:
@@ -180,6 +219,7 @@ __all__ = [
     "Unauthorized",
     "Unprocessable",
     "UnsupportedMediaType",
+    "answered_once",
     "collect_events",
     "error_response",
     "negotiate",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -24,8 +26,10 @@ from gateway.api import (
     ApiResponse,
     BadRequest,
     MethodNotAllowed,
+    NotFound,
     PayloadTooLarge,
     RequestTimeout,
+    answered_once,
     sse_data,
 )
 from gateway.routes import ROUTES, RouteSpec, dispatch, errors_for
@@ -99,8 +103,18 @@ async def _frames(resp: ApiResponse) -> AsyncIterator[ServerSentEvent]:
         yield ServerSentEvent(json.dumps(body), event="error")
 
 
-def _send(resp: ApiResponse, accept: str | None) -> Response:
+async def client_gone(request: Request) -> None:
+    """Returns once the client has closed its connection (the body was read whole: what comes next is the
+    disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _send(resp: ApiResponse, accept: str | None, once_s: float | None = None) -> Response:
+    """`once_s`: the app answers once (Lambda, through Mangum): an event stream holds that long at most."""
     if resp.events is not None:
+        if once_s is not None:
+            resp = dataclasses.replace(resp, events=answered_once(resp.events, once_s, resp.cut))
         return EventSourceResponse(_frames(resp), status_code=resp.status, headers=resp.headers,
                                    ping=EVENT_PING_S)
     if resp.stream is not None:
@@ -110,7 +124,7 @@ def _send(resp: ApiResponse, accept: str | None) -> Response:
     return Response(body, status_code=resp.status, media_type=ctype, headers=resp.headers)
 
 
-def _endpoint(route: RouteSpec, svc: GatewayService):  # type: ignore[no-untyped-def]
+def _endpoint(route: RouteSpec, svc: GatewayService, answers_once: bool):  # type: ignore[no-untyped-def]
     name = route.handler.__name__
 
     async def endpoint(request: Request) -> Response:
@@ -122,20 +136,22 @@ def _endpoint(route: RouteSpec, svc: GatewayService):  # type: ignore[no-untyped
                 method=request.method, path=request.url.path, query=dict(request.query_params),
                 headers={k.lower(): v for k, v in request.headers.items()}, body=body,
                 stream=stream_body(request, svc.settings.body_timeout_s) if route.streamed_body else None,
+                gone=None if route.streamed_body else functools.partial(client_gone, request),
             )
             resp = await dispatch(route, svc, api_req, [request.path_params[p] for p in route.params])
         except ApiError as exc:
             resp = route.errors(exc)
         metrics.HTTP_LATENCY.labels(name, str(resp.status)).observe(time.perf_counter() - t0)
-        return _send(resp, request.headers.get("accept"))
+        return _send(resp, request.headers.get("accept"), svc.settings.max_wait_s if answers_once else None)
 
     endpoint.__name__ = name
     return endpoint
 
 
-def _path_endpoint(routes: list[RouteSpec], svc: GatewayService):  # type: ignore[no-untyped-def]
+def _path_endpoint(routes: list[RouteSpec], svc: GatewayService,  # type: ignore[no-untyped-def]
+                   answers_once: bool = False):
     """One Starlette route per path, serving each of its methods: so a 405 names them all in `Allow`."""
-    by_method = {r.method: _endpoint(r, svc) for r in routes}
+    by_method = {r.method: _endpoint(r, svc, answers_once) for r in routes}
     if "GET" in by_method:
         by_method.setdefault("HEAD", by_method["GET"])
 
@@ -163,7 +179,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     codes = {404: "not_found", 405: "method_not_allowed"}
     message = exc.detail if isinstance(exc, HTTPException) else "internal error"
     if status == 404:
-        message = f"no route {request.method} {request.url.path}"
+        return _send(errors_for(request.url.path)(NotFound(f"no route {request.method} {request.url.path}")), None)
     headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else {}
     if status == 405:
         allowed = headers.get("Allow") or headers.get("allow") or ""
@@ -179,7 +195,10 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return _send(ApiResponse(500, {"error": {"code": "internal", "message": "internal error"}}), None)
 
 
-def create_app(settings: Settings | None = None, *, service: GatewayService | None = None) -> Starlette:
+def create_app(settings: Settings | None = None, *, service: GatewayService | None = None,
+               answers_once: bool = False) -> Starlette:
+    """`answers_once`: the app serves a transport that answers once (Lambda, through Mangum): an event stream is
+    held to `max_wait_s` (`gateway.api.answered_once`)."""
     settings = settings or (service.settings if service else Settings.from_environ())
     svc = service or GatewayService(settings)
     spec = openapi.document(settings)
@@ -206,11 +225,12 @@ def create_app(settings: Settings | None = None, *, service: GatewayService | No
     paths: dict[str, list[RouteSpec]] = {}
     for r in ROUTES:
         paths.setdefault(r.path, []).append(r)
-    routes = [Route(path, _path_endpoint(group, svc), methods=[r.method for r in group])
+    routes = [Route(path, _path_endpoint(group, svc, answers_once), methods=[r.method for r in group])
               for path, group in paths.items()]
-    routes += [Route("/metrics", _metrics_endpoint(svc), methods=["GET"]),
-               Route("/openapi.json", openapi_endpoint, methods=["GET"]),
+    routes += [Route("/openapi.json", openapi_endpoint, methods=["GET"]),
                Route("/docs", docs_endpoint, methods=["GET"])]
+    if not answers_once:  # a function's metrics are one container's, which nothing can scrape; and its URL is public
+        routes.append(Route("/metrics", _metrics_endpoint(svc), methods=["GET"]))
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.service = svc

@@ -71,8 +71,8 @@ class Auth:
     async def config(self, tenant: str) -> TenantConfig:
         return await self.limits.config(tenant)
 
-    async def admit(self, tenant: str, request_id: str = "", expires_ms: int = 0) -> bool:
-        return await self.limits.admit(tenant, request_id, expires_ms)
+    async def admit(self, tenant: str, request_id: str = "", expires_ms: int = 0, *, tokens: int = 1) -> bool:
+        return await self.limits.admit(tenant, request_id, expires_ms, tokens=tokens)
 
     async def release(self, tenant: str, request_id: str) -> None:
         await self.limits.release(tenant, request_id)

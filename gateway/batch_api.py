@@ -52,6 +52,10 @@ async def create_batch(svc: GatewayService, req: ApiRequest) -> ApiResponse:
         body = parse_body(req, svc.settings.max_body_bytes)
         if not isinstance(body, dict):
             raise oa.invalid(None, "the body must be a JSON object")
+        if "output_expires_after" in body:  # a parameter of OpenAI's, for a policy this gateway does not have
+            raise oa.invalid("output_expires_after", "not supported: a batch's output and error files are kept "
+                                                     "until they are deleted (DELETE /v1/files/{file_id})",
+                             "unsupported_parameter")
         unknown = sorted(set(body) - CREATE_FIELDS)
         if unknown:
             raise oa.invalid(unknown[0], f"unknown parameter {unknown[0]!r}", "unknown_parameter")

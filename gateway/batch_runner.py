@@ -187,8 +187,8 @@ class BatchRunner:
             build_request(submit_body(item, self.clock() + spec.max_timeout_s / 2), spec, tenant, self.clock(),
                           self.q.callback_allow, self.q.token_limits)
         except ValidationError as exc:
-            raise BatchError(exc.message, code="invalid_request", param=f"body.{exc.field}" if exc.field else "body",
-                             line=item.line) from None
+            param, message = item.param(exc.field, exc.message)
+            raise BatchError(message, code="invalid_request", param=param, line=item.line) from None
 
     async def validate(self, st: BatchState) -> bool:
         """Every line checked before anything runs: `in_progress` with the total, or `failed` with the errors."""
@@ -325,9 +325,12 @@ class BatchRunner:
             del flight[ref.line]
 
     async def _stop_items(self, tenant: str, refs: list[ItemRef]) -> None:
-        for ref in refs:
+        async def stop(ref: ItemRef) -> None:
             with contextlib.suppress(ApiError):
                 await ops.cancel(self.q, tenant, ref.request_id)
+
+        # together: a running item's cancel waits for its worker to stop it (`QueueClient.cancel`)
+        await asyncio.gather(*(stop(ref) for ref in refs))
 
     async def _close_unfed(self, meta: Any, reader: AsyncIterator[tuple[int, bytes, int]] | None,
                            pending: tuple[int, bytes, int] | None, ending: str) -> None:

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import httpx
 import redis.asyncio as aioredis
 import structlog
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Histogram
 from redis.exceptions import ResponseError
 
 from shared.batch_store import BatchStore
@@ -46,6 +46,7 @@ from shared.messages import CallbackDelivery, CallbackState
 from shared.records import RecordStore
 from shared.redis_io import UNAVAILABLE, make_redis, raise_if_cancelling
 from shared.ssrf import AllowList, RefusedURL, ResolveFailed, Resolver, Target, resolve_and_check, system_resolver
+from shared.startup_checks import start_metrics_server
 from shared.tenants import TenantStore
 from shared.views import record_view
 from shared.webhooks import sign_headers
@@ -373,8 +374,8 @@ async def _serve(settings: Settings) -> None:
 
 def run(settings: Settings, *, metrics_host: str = "127.0.0.1") -> None:
     """One dispatcher until SIGTERM/SIGINT; its /metrics on `settings.dispatcher_metrics_port` (0: none)."""
-    if settings.dispatcher_metrics_port:
-        start_http_server(settings.dispatcher_metrics_port, addr=metrics_host)
+    if settings.dispatcher_metrics_port:  # a port it cannot have: a ConfigError, before anything starts
+        start_metrics_server("BATCHGATE_DISPATCHER_METRICS_PORT", settings.dispatcher_metrics_port, metrics_host)
     asyncio.run(_serve(settings))
 
 
@@ -390,11 +391,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ).parse_args(argv)  # --help, or an unknown argument (exit 2), before anything starts
     try:
         settings = Settings.from_environ()
+        configure_logging(settings.log_level, settings.log_format)
+        run(settings)
     except ConfigError as exc:
         print(f"batchgate callbacks: configuration error: {exc}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_level, settings.log_format)
-    run(settings)
     return 0
 
 

@@ -1,6 +1,7 @@
 """Google Cloud Functions (functions-framework, a Flask request) onto the same routes and handlers.
 
-Deploy with `gcloud functions deploy ... --trigger-http --entry-point batchgate`. The async handlers
+Deploy the directory `scripts/build_gcf_source.sh` builds (its `main.py` names this entry point) with
+`gcloud functions deploy ... --trigger-http --entry-point batchgate --source DIR`. The async handlers
 run on one event loop in a background thread owned by this module (created once per instance, like
 the Redis pool), because the Flask server calling us may be multi-threaded.
 """

@@ -14,6 +14,7 @@ from gateway.parsing import parse_body, parse_idempotency_key, parse_wait
 from gateway.service import GatewayService
 from shared import operations as ops
 from shared.events import follow, parse_last_event_id
+from shared.messages import REPLAYABLE
 from shared.redis_io import UNAVAILABLE
 from shared.views import callback_view
 
@@ -67,12 +68,17 @@ async def replay_callback(svc: GatewayService, req: ApiRequest, request_id: str)
         raise NotFound("this request has no callback", code="no_callback")
     if rec.callback is None:
         raise Conflict("the callback has not been attempted yet", code="callback_pending")
-    fresh = await svc.callbacks.replay(rec.callback.delivery_id, svc.now_ms())
-    if fresh is None:
+    now, latest = svc.now_ms(), None
+    states = {d.event: d for d in rec.deliveries}
+    for d in rec.deliveries:  # every event's delivery that died or failed (a started one, a completed one)
+        if d.status in REPLAYABLE and (fresh := await svc.callbacks.replay(d.delivery_id, now)) is not None:
+            await svc.store.set_callback_state(request_id, fresh)  # the record's latest delivery now
+            states[d.event] = latest = fresh
+    if latest is None:
         raise Conflict(f"the callback is {rec.callback.status}; only dead or failed deliveries are replayed",
                        code="callback_not_replayable")
-    await svc.store.set_callback_state(request_id, fresh)
-    return ApiResponse(202, {"id": request_id, "callback": callback_view(rec.meta.callback, fresh)})
+    return ApiResponse(202, {"id": request_id,
+                             "callback": callback_view(rec.meta.callback, latest, list(states.values()))})
 
 
 async def list_models(svc: GatewayService, req: ApiRequest) -> ApiResponse:

@@ -19,6 +19,7 @@ Direct and SQS invocations are authenticated by IAM; they act for `BATCHGATE_LAM
 from __future__ import annotations
 
 import asyncio
+import binascii
 import json
 import math
 import time
@@ -29,18 +30,28 @@ import structlog
 from mangum import Mangum
 
 from gateway import routes
-from gateway.api import ApiRequest, ApiResponse
+from gateway.api import ApiRequest, ApiResponse, BadRequest
 from gateway.app import create_app
 from gateway.service import GatewayService
 from shared.config import Settings
 from shared.logs import configure_logging
+from shared.operations import wait_seconds
 
 log = structlog.get_logger(__name__)
 SETTINGS = Settings.from_environ()
 configure_logging(SETTINGS.log_level, "json")
 SERVICE = GatewayService(SETTINGS)  # module scope: one Redis pool per warm container, reused
-APP = create_app(SETTINGS, service=SERVICE)
-http_handler = Mangum(APP, lifespan="off")
+APP = create_app(SETTINGS, service=SERVICE, answers_once=True)
+_MANGUM = Mangum(APP, lifespan="off")
+
+
+def http_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    try:
+        return _MANGUM(event, context)
+    except binascii.Error:  # a body flagged isBase64Encoded that is not base64: the caller's to fix, not a crash
+        body = {"error": {"code": "bad_request", "message": "the body is flagged isBase64Encoded but is not base64"}}
+        return {"statusCode": 400, "headers": {"content-type": "application/json"}, "body": json.dumps(body),
+                "isBase64Encoded": False}
 TENANT = SETTINGS.lambda_tenant
 MARGIN_S = SETTINGS.lambda_margin_s
 SUBMIT_KEYS = ("input", "params", "timeout_s", "deadline", "priority", "callback")
@@ -67,18 +78,26 @@ def direct_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         return {"statusCode": 500, "error": {"code": "internal", "message": "internal error"}}
 
 
+def _wait_of(raw: Any) -> float:
+    """The event's `wait` (a number, or a string of one) in seconds; checked as `?wait=` is."""
+    try:
+        value = float(raw)
+    except OverflowError:  # an integer too large for a float
+        value = math.inf
+    except (TypeError, ValueError):
+        raise BadRequest(f"wait must be a number of seconds, got {raw!r:.40}", code="invalid_wait") from None
+    return wait_seconds(value, math.inf)
+
+
 def _direct(event: dict[str, Any], context: Any) -> dict[str, Any]:
     if not isinstance(event, dict) or not isinstance(event.get("model"), str):
         return {"statusCode": 400,
                 "error": {"code": "bad_request", "message": "event needs a `model` and an `input`"}}
     body = {k: event[k] for k in SUBMIT_KEYS if k in event}
     try:
-        wanted_wait = float(event["wait"]) if "wait" in event else None
-        if wanted_wait is not None and not (math.isfinite(wanted_wait) and wanted_wait >= 0):
-            raise ValueError(wanted_wait)
-    except (TypeError, ValueError, OverflowError):
-        return {"statusCode": 400, "error": {"code": "invalid_wait",
-                                             "message": "wait must be a number of seconds, 0 or more"}}
+        wanted_wait = _wait_of(event["wait"]) if "wait" in event else None
+    except BadRequest as exc:
+        return {"statusCode": 400, "error": {"code": exc.code, "message": exc.message}}
     remaining = _remaining_s(context)
     query: dict[str, str] = {}
     if remaining is not None:

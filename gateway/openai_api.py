@@ -31,6 +31,7 @@ from shared.views import record_view
 
 log = structlog.get_logger(__name__)
 
+CHOICE_IDS_HEADER = "X-Batchgate-Request-Ids"  # with several choices (`n`): each one's request id, in order
 WAIT_MARGIN_S = 0.25  # past the deadline and its grace, the record is terminal (expired) when read
 DONE = ServerEvent("", "[DONE]", "")  # sent as it is: `data: [DONE]` (`ServerEvent.data` may be a str)
 _abandoned: set[asyncio.Task[None]] = set()  # cancellations of streams whose caller went away
@@ -89,23 +90,104 @@ async def _submit(svc: GatewayService, req: ApiRequest, tr: oa.Translated, task:
     return await ops.submit(svc, tr.body, spec, req.tenant, idempotency_key=parse_idempotency_key(req))
 
 
-async def _result(svc: GatewayService, answer: ops.Answer) -> dict[str, Any]:
+async def _submit_choices(svc: GatewayService, req: ApiRequest, tr: oa.Translated) -> list[ops.Answer]:
+    """One native request per choice (`n`), batched together on the worker like any others. The first takes the
+    whole call's share of the tenant's rate (a call that does not fit is refused before any choice is accepted);
+    more choices than the tenant's backlog quota can never fit, and are refused for good. An Idempotency-Key keys
+    the first choice as it is and the next ones as `<key>#<i>`. If a choice is refused all the same (the quota,
+    admission), the call is: the choices accepted before it are cancelled, unless a key lets a retry find them."""
+    spec = _spec_for(svc, tr, Task.GENERATE)
+    key = parse_idempotency_key(req)
+    if tr.n > 1 and (quota := await svc.limits.max_backlog(req.tenant)) is not None and tr.n > quota:
+        raise oa.invalid("n", f"{tr.n} choices are more requests than this tenant may have queued or running at "
+                              f"once ({quota})", code="tenant_backlog_exceeded")
+    answers: list[ops.Answer] = []
+    try:
+        for i, body in enumerate(tr.bodies()):
+            answers.append(await ops.submit(svc, body, spec, req.tenant, rate_tokens=tr.n if i == 0 else 0,
+                                            idempotency_key=key if key is None or i == 0 else f"{key}#{i}"))
+    except BaseException:
+        if key is None:
+            for answer in answers:
+                _abandon(svc, req.tenant, str(answer.body["id"]))
+        raise
+    return answers
+
+
+def _wait_budget(svc: GatewayService, answers: list[ops.Answer]) -> float:
+    """Until when a call waits for its results: its requests' deadline (and the grace a worker has to write its
+    result), at most the gateway's `max_wait_s` from now."""
+    deadline = max(float(a.body.get("deadline") or svc.clock()) for a in answers)
+    return svc.clock() + max(0.0, min(svc.settings.max_wait_s,
+                                      deadline + svc.settings.expiry_grace_s + WAIT_MARGIN_S - svc.clock()))
+
+
+async def _answers(svc: GatewayService, req: ApiRequest, answers: list[ops.Answer]) -> list[dict[str, Any]]:
+    """The record view of each submitted request once it has an answer (see `_result`), within one budget. The
+    first without one (an error) is the call's error: the others, and all of them when the caller goes away
+    meanwhile, are cancelled, since they compute for nobody."""
+    until = _wait_budget(svc, answers)
+    views = []
+    for i, answer in enumerate(answers):
+        try:
+            view = await _result(svc, req, answer, until)
+            if (error := oa.result_error(view)) is not None:
+                raise error
+        except oa.OpenAIError as err:
+            if err.code == "wait_exceeded" and len(answers) > 1:  # they go on, each for GET /v1/requests/{id}
+                ids = [str(a.body["id"]) for a in answers]
+                raise oa.OpenAIError(504, f"no result for every choice within the gateway's longest wait; requests "
+                                          f"{', '.join(ids)} go on: GET /v1/requests/{{id}} for their results",
+                                     code="wait_exceeded", retry=False,
+                                     headers={"X-Request-Id": ids[0], CHOICE_IDS_HEADER: ",".join(ids)}) from None
+            _abandon_all(svc, req.tenant, answers[i + 1:])  # (a caller gone: `_result` cancelled its own)
+            raise
+        except BaseException:  # the queue unreachable, the call's task cancelled: nobody will read them
+            _abandon_all(svc, req.tenant, answers[i:])
+            raise
+        views.append(view)
+    return views
+
+
+def _abandon_all(svc: GatewayService, tenant: str, answers: list[ops.Answer]) -> None:
+    for answer in answers:
+        _abandon(svc, tenant, str(answer.body["id"]))
+
+
+async def _result(svc: GatewayService, req: ApiRequest, answer: ops.Answer,
+                  until: float | None = None) -> dict[str, Any]:
     """The record view of a submitted request once terminal: waited for up to its deadline (and the grace
-    a worker has to write its result), at most the gateway's `max_wait_s`."""
+    a worker has to write its result), at most the gateway's `max_wait_s` (or `until`). A caller that goes away
+    meanwhile (a client's timeout) has its request cancelled, as a stream's caller has: OpenAI's clients retry a
+    timeout as a new request, and each would otherwise be computed in full for nobody."""
     view = answer.body
     if view.get("status") in ("succeeded", "failed", "expired", "cancelled"):
         return view  # an idempotent replay of a finished request
     request_id = str(view["id"])
-    deadline = float(view.get("deadline") or svc.clock())
-    wait = max(0.0, min(svc.settings.max_wait_s,
-                        deadline + svc.settings.expiry_grace_s + WAIT_MARGIN_S - svc.clock()))
-    rec = await svc.wait(request_id, wait)
+    wait = max(0.0, (_wait_budget(svc, [answer]) if until is None else until) - svc.clock())
+    rec = await _wait_while_there(svc, req, request_id, wait)
     if rec is None or not rec.terminal:
         raise oa.OpenAIError(
             504, f"no result within {wait:.3g} s (the gateway's longest wait); request {request_id} goes on: "
                  f"GET /v1/requests/{request_id} for its result", code="wait_exceeded", retry=False,
             headers={"X-Request-Id": request_id})
     return record_view(rec)
+
+
+async def _wait_while_there(svc: GatewayService, req: ApiRequest, request_id: str, wait: float) -> StoredRecord | None:
+    if req.gone is None:
+        return await svc.wait(request_id, wait)
+    waiting, gone = asyncio.ensure_future(svc.wait(request_id, wait)), asyncio.ensure_future(req.gone())
+    try:
+        await asyncio.wait((waiting, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (waiting, gone):
+            task.cancel()  # none of a finished task's doing
+        await asyncio.gather(waiting, gone, return_exceptions=True)
+    if not waiting.cancelled():  # a result (or the wait's error) wins over a caller gone at the same moment
+        return waiting.result()
+    _abandon(svc, req.tenant, request_id)
+    raise oa.OpenAIError(499, "the client closed its connection: the request was cancelled", code="client_closed")
 
 
 async def completions(svc: GatewayService, req: ApiRequest) -> ApiResponse:
@@ -122,57 +204,109 @@ async def _generate(svc: GatewayService, req: ApiRequest, translate: Callable[..
     async def work() -> ApiResponse:
         tr = state["tr"] = _translate(svc, req, translate)
         created = int(svc.clock())
-        answer = await _submit(svc, req, tr, Task.GENERATE)
-        request_id = str(answer.body["id"])
-        headers = {"X-Request-Id": request_id}
+        answers = await _submit_choices(svc, req, tr)
+        ids = [str(a.body["id"]) for a in answers]
+        headers = {"X-Request-Id": ids[0]} | ({CHOICE_IDS_HEADER: ",".join(ids)} if len(ids) > 1 else {})
         if tr.stream:
-            rec = await ops.visible(svc, req.tenant, request_id)
-            chunks = oa.ChunkMaker(tr, request_id, created)
-            return ApiResponse(200, headers=headers, events=_stream(svc, req.tenant, rec, chunks))
-        view = await _result(svc, answer)
-        error = oa.result_error(view)
-        if error is not None:
-            raise error
-        return ApiResponse(200, oa.completion_response(tr, view, created), headers)
+            try:
+                recs = [await ops.visible(svc, req.tenant, request_id) for request_id in ids]
+            except BaseException:  # no stream will follow them
+                _abandon_all(svc, req.tenant, answers)
+                raise
+            makers = [oa.ChunkMaker(tr, ids[0], created, i) for i in range(len(ids))]
+            return ApiResponse(200, headers=headers, events=_stream(svc, req.tenant, recs, makers),
+                               cut=_data(_cut(svc, ids).body()))
+        return ApiResponse(200, oa.completion_response(tr, await _answers(svc, req, answers), created), headers)
 
     return await _answer(work, lambda: state["tr"].aliases if "tr" in state else {})
+
+
+def _cut(svc: GatewayService, ids: list[str]) -> oa.OpenAIError:
+    """What ends a stream a transport that answers once (Lambda, Cloud Functions) cuts at the gateway's longest
+    wait: OpenAI's clients cannot reconnect, so its requests are cancelled, and the caller is told how to fit."""
+    return oa.OpenAIError(504, f"this gateway answers a stream once, with what its longest wait "
+                               f"({svc.settings.max_wait_s:g} s) brings: the stream was cut there and its request "
+                               f"{', '.join(ids)} cancelled; ask for fewer tokens, or run the gateway with a longer "
+                               "BATCHGATE_MAX_WAIT_S (and function timeout)", code="wait_exceeded", retry=False)
 
 
 def _data(chunk: dict[str, Any]) -> ServerEvent:
     return ServerEvent("", chunk, "")
 
 
-async def _stream(svc: GatewayService, tenant: str, rec: StoredRecord,
-                  chunks: oa.ChunkMaker) -> AsyncIterator[ServerEvent]:
-    """A request's events as OpenAI's chunks: the first (chat), one per text delta, the last with the
-    finish_reason (and the usage chunk), then `[DONE]`. A result without an answer (cancelled, failed,
-    expired before any output) ends it with `{"error": ...}`, which OpenAI's clients raise."""
-    finished = False
+async def _stream(svc: GatewayService, tenant: str, recs: list[StoredRecord],
+                  makers: list[oa.ChunkMaker]) -> AsyncIterator[ServerEvent]:
+    """The events of a call's requests (one per choice) as OpenAI's chunks: the first of each choice (chat),
+    one per text delta as they come, each choice's last with its finish_reason, then (with include_usage) the
+    usage chunk and `[DONE]`. A result without an answer (cancelled, failed, expired before any output) ends
+    the stream with `{"error": ...}`, which OpenAI's clients raise."""
+    finished: dict[int, dict[str, Any]] = {}
     try:
-        first = chunks.first()
-        if first is not None:
-            yield _data(first)
-        async for event in follow(svc, rec):
-            if event.event == "delta" and event.data.get("text"):
-                yield _data(chunks.text(str(event.data["text"])))
-            elif event.event == "done":
-                finished = True
-                error = oa.result_error(event.data)
-                for chunk in [error.body()] if error else chunks.final(event.data):
-                    yield _data(chunk)
-                yield DONE
-                return
+        for maker in makers:
+            if (first := maker.first()) is not None:
+                yield _data(first)
+        async with contextlib.aclosing(_merged(svc, recs)) as merged:
+            async for i, event in merged:
+                if event.event == "delta" and event.data.get("text"):
+                    yield _data(makers[i].text(str(event.data["text"])))
+                elif event.event == "done":
+                    finished[i] = event.data
+                    if (error := oa.result_error(event.data)) is not None:
+                        yield _data(error.body())
+                        yield DONE
+                        return
+                    for chunk in makers[i].final(event.data, with_usage=len(recs) == 1):
+                        yield _data(chunk)
+                    if len(finished) == len(recs):
+                        break
+        if len(recs) > 1 and makers[0].tr.include_usage:
+            yield _data(makers[0].usage_chunk([finished[i] for i in range(len(recs))]))
+        yield DONE
     finally:
-        if not finished:  # the caller went away (or the stream broke): stop computing for nobody
-            task = asyncio.get_running_loop().create_task(_cancel_quietly(svc, tenant, rec.id))
-            _abandoned.add(task)
-            task.add_done_callback(_abandoned.discard)
+        for i, rec in enumerate(recs):
+            if i not in finished:  # the caller went away (or the stream broke, or a choice failed): stop computing
+                _abandon(svc, tenant, rec.id)
+
+
+async def _merged(svc: GatewayService, recs: list[StoredRecord]) -> AsyncIterator[tuple[int, ServerEvent]]:
+    """The events of several requests as they come, each with its request's index (one request: its own)."""
+    if len(recs) == 1:
+        async for event in follow(svc, recs[0]):
+            yield 0, event
+        return
+    events: asyncio.Queue[tuple[int, ServerEvent | Exception]] = asyncio.Queue()
+
+    async def pump(i: int, rec: StoredRecord) -> None:
+        try:
+            async for event in follow(svc, rec):
+                events.put_nowait((i, event))
+        except Exception as exc:  # raised where the events are read
+            events.put_nowait((i, exc))
+
+    pumps = [asyncio.ensure_future(pump(i, rec)) for i, rec in enumerate(recs)]
+    try:
+        while True:
+            i, event = await events.get()
+            if isinstance(event, Exception):
+                raise event
+            yield i, event
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+def _abandon(svc: GatewayService, tenant: str, request_id: str) -> None:
+    """Cancel a request its caller went away from, in the background (the caller's task is ending)."""
+    task = asyncio.get_running_loop().create_task(_cancel_quietly(svc, tenant, request_id))
+    _abandoned.add(task)
+    task.add_done_callback(_abandoned.discard)
 
 
 async def _cancel_quietly(svc: GatewayService, tenant: str, request_id: str) -> None:
     with contextlib.suppress(Exception):
         await ops.cancel(svc, tenant, request_id)
-        log.info("stream abandoned: request cancelled", request_id=request_id)
+        log.info("caller gone: request cancelled", request_id=request_id)
 
 
 async def embeddings(svc: GatewayService, req: ApiRequest) -> ApiResponse:
@@ -181,7 +315,7 @@ async def embeddings(svc: GatewayService, req: ApiRequest) -> ApiResponse:
     async def work() -> ApiResponse:
         tr = state["tr"] = _translate(svc, req, oa.translate_embeddings)
         answer = await _submit(svc, req, tr, Task.EMBED)
-        view = await _result(svc, answer)
+        view = await _result(svc, req, answer)
         error = oa.result_error(view)
         if error is not None:
             raise error

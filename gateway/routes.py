@@ -99,8 +99,15 @@ def match(method: str, path: str) -> tuple[RouteSpec, list[str]]:
 
 def errors_for(path: str) -> Callable[[ApiError], ApiResponse]:
     """The error shape of the routes at `path` (OpenAI's on its routes), for errors raised before one of them
-    is chosen (a 405); the native one where no route has the path."""
-    return next((r.errors for r in ROUTES if r.pattern.match(path)), error_response)
+    is chosen (a 405); where no route has the path, both shapes at once (`no_route_response`)."""
+    return next((r.errors for r in ROUTES if r.pattern.match(path)), no_route_response)
+
+
+def no_route_response(exc: ApiError) -> ApiResponse:
+    """An error at a path no route has (an OpenAI route this gateway lacks, such as /v1/responses, as well as a
+    mistyped native one): the native body with OpenAI's `type` and `param` too, so either kind of client reads it."""
+    return ApiResponse(exc.status, {"error": {**exc.body()["error"], "type": "invalid_request_error", "param": None}},
+                       exc.headers())
 
 
 log = structlog.get_logger(__name__)
@@ -138,4 +145,4 @@ async def handle(svc: GatewayService, req: ApiRequest, trusted_tenant: str | Non
         return route.errors(PayloadTooLarge(f"body exceeds the limit of {svc.settings.max_body_bytes} bytes"))
     if route.streamed_body and req.stream is None:
         req = dataclasses.replace(req, stream=one_chunk(req.body))
-    return await collect_events(await dispatch(route, svc, req, args, trusted_tenant))
+    return await collect_events(await dispatch(route, svc, req, args, trusted_tenant), svc.settings.max_wait_s)

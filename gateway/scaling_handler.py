@@ -6,6 +6,11 @@ not yet acknowledged) and publishes it to CloudWatch as `Backlog` (namespace `ba
 in-service instance, and a step policy starts the first instance when there is a backlog and no
 worker: the case a metric published by the workers themselves could never see.
 
+The workers also run the webhook dispatcher and the Batch API's runner. Work of theirs with nothing in the lanes
+(a webhook's retries, a batch not yet submitted or finalized) counts as a backlog of one for the deployment, so
+that one worker runs while it lasts: scaled to zero, retries would wait for the next request, and a batch created
+through the gateway would never start.
+
 No torch; the Redis client and the CloudWatch client are created once per container.
 """
 
@@ -45,10 +50,23 @@ def read_backlog(client: redis.Redis, settings: Settings) -> dict[str, int]:
     return counts
 
 
-def metric_data(counts: Mapping[str, int], deployment: str) -> list[dict[str, Any]]:
-    """The CloudWatch datapoints: the deployment's total, then one per model."""
+def read_upkeep(client: redis.Redis, settings: Settings) -> int:
+    """The workers' other work: webhook deliveries queued or scheduled (the callback stream's entries are deleted
+    once scheduled, a scheduled one once it is done) and batches still active."""
+    keys = Keys(settings.key_prefix)
+    pipe = client.pipeline(transaction=False)
+    pipe.xlen(keys.callback_stream())
+    pipe.zcard(keys.callback_due())
+    pipe.zcard(keys.batches_active())
+    return sum(int(n) for n in pipe.execute())
+
+
+def metric_data(counts: Mapping[str, int], deployment: str, upkeep: int = 0) -> list[dict[str, Any]]:
+    """The CloudWatch datapoints: the deployment's total (at least 1 while the workers have `upkeep`), then one per
+    model."""
     base = [{"Name": "Deployment", "Value": deployment}]
-    data = [{"MetricName": "Backlog", "Dimensions": base, "Value": float(sum(counts.values())), "Unit": "Count"}]
+    total = max(sum(counts.values()), 1 if upkeep else 0)
+    data = [{"MetricName": "Backlog", "Dimensions": base, "Value": float(total), "Unit": "Count"}]
     data += [{"MetricName": "Backlog", "Dimensions": [*base, {"Name": "Model", "Value": model}],
               "Value": float(n), "Unit": "Count"} for model, n in sorted(counts.items())]
     return data
@@ -56,7 +74,8 @@ def metric_data(counts: Mapping[str, int], deployment: str) -> list[dict[str, An
 
 def handler(event: Any, context: Any) -> dict[str, Any]:
     counts = read_backlog(REDIS, SETTINGS)
-    data = metric_data(counts, DEPLOYMENT)
+    upkeep = read_upkeep(REDIS, SETTINGS)
+    data = metric_data(counts, DEPLOYMENT, upkeep)
     for i in range(0, len(data), 1000):  # PutMetricData takes at most 1000 datapoints per call
         CLOUDWATCH.put_metric_data(Namespace=NAMESPACE, MetricData=data[i:i + 1000])
-    return {"deployment": DEPLOYMENT, "backlog": counts, "total": sum(counts.values())}
+    return {"deployment": DEPLOYMENT, "backlog": counts, "total": sum(counts.values()), "upkeep": upkeep}

@@ -40,11 +40,16 @@ def build_runners(loaded: Any, worker: str, faults: Faults,
 
         return [EmbedRunner(loaded, worker, faults=faults) for _ in groups]
     from gpu_worker.exactness import verify_exact
-    from gpu_worker.generate_runner import GenerateRunner
+    from gpu_worker.generate_runner import GenerateRunner, model_context
 
     # served exactly or refused, before any request reaches it; and whether chunks may ride in decode steps
     fused = verify_exact(loaded.model, spec.name)
-    seq_lens = [engine_seq_len(spec, lanes) for _, lanes in groups]
+    context = model_context(loaded.model)
+    if context is not None and context < spec.max_seq_len:  # requests past it are refused, one by one
+        log.warning("the model's context is shorter than its model file allows: requests past it are refused",
+                    model=spec.name, context=context, max_input_tokens=spec.max_input_tokens,
+                    max_new_tokens=spec.max_new_tokens)
+    seq_lens = [min(engine_seq_len(spec, lanes), context or spec.max_seq_len) for _, lanes in groups]
     rows = size_engines(loaded, seq_lens)
     return [GenerateRunner(loaded, worker, max_rows=r, max_seq_len=n, faults=faults, fused=fused)
             for r, n in zip(rows, seq_lens, strict=True)]

@@ -104,9 +104,12 @@ class EchoRunner:
 
     def prepare(self, req: InferenceRequest, now: float) -> Job | Outcome:
         params = GenerateParams(**{**req.params, "stop": tuple(req.params.get("stop", ()))})
+        vocab = self.spec.vocab_size
+        if params.bias_beyond(vocab) is not None:  # as a model's runner refuses it
+            return failed_outcome(req, self.worker, now, "invalid_input",
+                                  f"logit_bias: token ids must be below the vocabulary size {vocab}")
         if "input_ids" in req.input:
             ids = list(req.input["input_ids"])
-            vocab = self.spec.vocab_size
             if vocab is not None and any(i >= vocab for i in ids):
                 return failed_outcome(req, self.worker, now, "invalid_input",
                                       f"input_ids must be below the vocabulary size {vocab}")

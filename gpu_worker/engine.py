@@ -129,7 +129,7 @@ class GenerationEngine:
         self._keep([s.id for s in specs], logits)
         params = [s.sampling for s in specs]
         gens = [make_generator(p, self.device) for p in params]
-        tokens = select_tokens(logits, params, gens)
+        tokens = select_tokens(logits, params, gens, lambda i: specs[i].history())
         now = self._clock()
         self.stats.prefill_s += now - t0
         first = len(self.rows)
@@ -137,7 +137,6 @@ class GenerationEngine:
             self.rows.append(Row(
                 spec=spec, start=self.end - len(spec.prompt_ids), tokens=[token], generator=gen,
                 admitted_at=t0, prefill_s=now - t0, first_token_at=now,
-                stop_tail=max((len(s) for s in spec.stop), default=0) + 8,
             ))
         return self._retire([r for r in range(first, len(self.rows)) if self._finish_reason(self.rows[r]) is not None],
                             now)
@@ -202,7 +201,9 @@ class GenerationEngine:
         if self.last_logits is not None:
             self.last_logits.clear()
         self._keep([r.spec.id for r in self.rows], logits)
-        tokens = select_tokens(logits, [r.spec.sampling for r in self.rows], [r.generator for r in self.rows])
+        rows = self.rows
+        tokens = select_tokens(logits, [r.spec.sampling for r in rows], [r.generator for r in rows],
+                               lambda i: rows[i].spec.history(rows[i].tokens))
         n = len(self.rows)
         self.stats.forward_s += forward_s
         self.stats.kv_padded += n * (self.end + 1 - read_lo)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import structlog
 
 from gpu_worker.engine import GenerationEngine
 from gpu_worker.generation_result import generation_result, resumed_whole
 from gpu_worker.job import Job
+from gpu_worker.kv_cache import text_config
 from gpu_worker.models import LoadedModel
 from gpu_worker.outcomes import Delta, Outcome, failed_outcome
 from gpu_worker.runner import count_calls
@@ -25,6 +26,7 @@ from gpu_worker.stream_release import Release, next_delta
 from shared.faults import Faults
 from shared.lanes import assign_lane
 from shared.messages import InferenceRequest, RequestResult
+from shared.model_context import CONTEXT_EXCEEDED, context_message, exact_context
 from shared.params import GenerateParams
 from shared.states import FinishReason, Priority
 
@@ -45,6 +47,12 @@ class GenerateRunner:
         if eos is None:
             eos = loaded.model.config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.repetition_penalty = float(loaded.model.generation_config.repetition_penalty or 1.0)
+        if ignored := ignored_generation_settings(loaded.model.generation_config):
+            log.warning("the model's generation_config asks for what the engine does not apply: its output will "
+                        "differ from generate()'s with them", model=self.spec.name, settings=ignored)
+        # the longest sequence the model computes exactly (its context, a RoPE switch); None: none declared
+        self.context = model_context(loaded.model)
         self.engine = GenerationEngine(loaded.model, max_rows=max_rows, max_seq_len=max_seq_len,
                                        decode_tail=self._decode, clock=clock, fused=fused)
         self.model_calls: dict[str, int] = {}
@@ -75,6 +83,9 @@ class GenerateRunner:
 
     def prepare(self, req: InferenceRequest, now: float) -> Job | Outcome:
         params = GenerateParams(**{**req.params, "stop": tuple(req.params.get("stop", ()))})
+        if params.bias_beyond(self.vocab) is not None:
+            return failed_outcome(req, self.worker, now, "invalid_input",
+                                  f"logit_bias: token ids must be below the vocabulary size {self.vocab}")
         if "input_ids" in req.input:
             ids = list(req.input["input_ids"])
             if any(i >= self.vocab for i in ids):
@@ -99,6 +110,9 @@ class GenerateRunner:
         if total > self.spec.max_seq_len:
             return failed_outcome(req, self.worker, now, "input_too_long",
                                   f"prompt + max_new_tokens = {total} exceeds {self.spec.max_seq_len} tokens")
+        if self.context is not None and total > self.context:  # before it is computed: alone, not its batch
+            return failed_outcome(req, self.worker, now, CONTEXT_EXCEEDED,
+                                  context_message(self.context, len(ids), params.max_new_tokens))
         # a streaming request run again (a crash, a hand-back) continues after what its caller was sent
         stream = Release(params.stop, released=list(req.streamed)) if req.stream else None
         return Job(id=req.id, lane=assign_lane(total, self.spec.lanes).name, rank=Priority(req.priority).rank,
@@ -110,9 +124,12 @@ class GenerateRunner:
         params = cast(GenerateParams, job.params)  # prepare builds a generation job's params so
         prefix = job.stream.restart() if job.stream is not None else ()
         return GenSpec(id=job.id, prompt_ids=job.inputs[0] + prefix, max_new_tokens=job.new_tokens - len(prefix),
-                       sampling=SamplingParams(params.temperature, params.top_p, params.top_k, params.seed),
+                       sampling=SamplingParams(
+                           params.temperature, params.top_p, params.top_k, params.seed,
+                           self.repetition_penalty if params.repetition_penalty is None else params.repetition_penalty,
+                           params.presence_penalty, params.frequency_penalty, tuple(params.logit_bias.items())),
                        stop=tuple(params.stop), eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
-                       owner=job)
+                       owner=job, resumed=len(prefix))
 
     def start(self, batch: list[Job], now: float) -> list[Outcome]:
         count_calls(self.model_calls, batch)
@@ -194,3 +211,28 @@ class GenerateRunner:
 
     def _result(self, job: Job, r: GenResult, now: float) -> RequestResult:
         return generation_result(job, r, now, worker=self.worker, decode=self._decode)
+
+
+def model_context(model: Any) -> int | None:
+    """The longest sequence (prompt and output) `model` computes exactly as `generate` does
+    (`shared.model_context`)."""
+    return exact_context(text_config(model).to_dict())
+
+
+# `generation_config` settings that change which token `generate` picks and that the engine does not apply (its
+# repetition_penalty, eos ids and, per request, sampling it does); "truthy" means set to more than nothing
+IGNORED_GENERATION_SETTINGS = ("no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens",
+                               "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
+                               "forced_eos_token_id", "sequence_bias", "exponential_decay_length_penalty",
+                               "encoder_repetition_penalty", "encoder_no_repeat_ngram_size", "typical_p", "min_p",
+                               "epsilon_cutoff", "eta_cutoff")
+
+
+def ignored_generation_settings(config: Any) -> dict[str, Any]:
+    """What a model's `generation_config` sets that the engine does not apply (logged at load)."""
+    token_ids = ("forced_bos_token_id", "forced_eos_token_id")  # token 0 is a token
+    out = {name: value for name in IGNORED_GENERATION_SETTINGS if (value := getattr(config, name, None)) is not None
+           and (name in token_ids or value not in (0, 1.0, [], ()))}
+    if (getattr(config, "num_beams", None) or 1) > 1:
+        out["num_beams"] = config.num_beams
+    return out

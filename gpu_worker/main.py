@@ -6,11 +6,12 @@ import asyncio
 import signal
 
 import structlog
-from prometheus_client import start_http_server
 
+from gpu_worker.devices import check_devices
 from gpu_worker.worker import Worker
 from shared.config import Settings
 from shared.faults import Faults
+from shared.startup_checks import start_metrics_server
 
 log = structlog.get_logger(__name__)
 
@@ -25,8 +26,11 @@ async def _main(settings: Settings, drain_budget_s: float | None) -> None:
 
 
 def run_worker(settings: Settings, *, metrics_host: str = "127.0.0.1", drain_budget_s: float | None = None) -> None:
+    """Until SIGTERM/SIGINT. A model's device this host lacks, or a metrics port it cannot have, is a ConfigError
+    before anything starts."""
+    check_devices(settings.models)
     if settings.worker_metrics_port:
-        start_http_server(settings.worker_metrics_port, addr=metrics_host)
+        start_metrics_server("BATCHGATE_WORKER_METRICS_PORT", settings.worker_metrics_port, metrics_host)
         log.info("worker metrics", url=f"http://{metrics_host}:{settings.worker_metrics_port}/metrics")
     try:
         import uvloop

@@ -31,15 +31,13 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from gpu_worker import prefill_budget
+from gpu_worker import prefill_budget, running_deadlines
 from gpu_worker.dynamic_stage import BatchLimits, DynamicStage
 from gpu_worker.job import Job, JobState
 from gpu_worker.lane_queue import LanePolicy, LaneQueue
 from gpu_worker.service_model import ServiceModel, ServiceTracker
 from shared.deadlines import cannot_finish
 
-# A running row is given up only if even 80% of its estimated remaining time would end past its deadline.
-DOOM_OPTIMISM = 0.8
 # While its engine yields to a foreground engine with running rows (CPU engines taking turns on one
 # thread) and chunked prefill is off, a background turn starts no prefill (a 256-token prompt's forward takes
 # ~100 ms on the 2-core VM, and every short row would wait it out) unless work has waited this long; then it
@@ -190,7 +188,7 @@ class Scheduler(DynamicStage):
             if self.fused:  # its first chunk rides in this round's decode step already
                 plan.chunk_tokens = min(budget, self._fused_chunk(now, plan.chunked.prompt_tokens, plan.chunked))
             return plan
-        plan.batch = self._take(lane, rows[lane.policy.name], budget)
+        plan.batch = self._batch(lane, rows[lane.policy.name], budget, now, remaining)
         if budget and chunking:  # new prompts first within the step's budget; the chunk gets the rest
             plan.chunk_tokens = min(plan.chunk_tokens,
                                     max(budget // 4, budget - sum(j.prompt_tokens * j.size for j in plan.batch)))
@@ -245,21 +243,23 @@ class Scheduler(DynamicStage):
     def _unfinishable(self, now: float, left: Mapping[str, int]) -> list[Job]:
         """Running rows that cannot finish by their deadline at the measured token interval (or are past
         it): they leave now, partial output kept, instead of taking rows and steps from work that can."""
-        interval = self.tracker.step_seconds(max(1, len(self.running)))
-        return [job for rid, n in left.items() if (job := self.running.get(rid)) is not None
-                and cannot_finish(job.deadline, now, DOOM_OPTIMISM * n * max(0.0, interval))]
+        return running_deadlines.unfinishable(self.running, left, now, self.tracker)
 
     def _deadline_room(self, now: float, left: Mapping[str, int], free_rows: int) -> int:
-        """Rows that may join without pushing a running row past its deadline: every row slows every
-        step, and each running row must still fit its remaining tokens into the time it has left. Under
-        overload, admitting past this point starts work that is then evicted unfinished (its compute
-        wasted, and everyone slowed while it ran)."""
-        budgets = [(job.deadline - now) / n for rid, n in left.items()
-                   if n > 0 and (job := self.running.get(rid)) is not None]
+        """Rows that may join without pushing a running row past its deadline (`running_deadlines.room`)."""
         limit = self.total_rows or free_rows + len(self.running)
-        if not budgets:
-            return limit
-        return max(0, self.tracker.rows_within(min(budgets), limit) - len(left))
+        return running_deadlines.room(self.running, left, now, self.tracker, limit)
+
+    def _batch(self, lane: LaneQueue, rows: int, budget: int | None, now: float, left: Mapping[str, int]) -> list[Job]:
+        """The lane's batch (`_take`), unless prefilling it now would push a running row past a deadline it can
+        keep while the batch can as well start a step later (`running_deadlines.stalled`): then none this turn."""
+        batch = self._take(lane, rows, budget)
+        if self.deadline_aware and running_deadlines.stalled(self.running, left, now, self.tracker, batch,
+                                                              self.latest_start):
+            for job in batch:
+                lane.push(job)
+            return []
+        return batch
 
     def _rows_while_yielding(self, now: float, free_rows: int) -> int:
         """A background turn beside the foreground engine's running rows prefills nothing, so that a short

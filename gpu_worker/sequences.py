@@ -3,7 +3,7 @@ sampling parameters, its result, and the engine's running counters."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,10 +18,23 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    # the model's `generation_config.repetition_penalty`, as `generate` applies it (greedy or sampled): every token
+    # of the sequence so far, prompt included, has its logit divided by it (multiplied, if negative)
+    repetition_penalty: float = 1.0
+    # OpenAI's: every token the output holds so far has its logit lowered by `presence_penalty`, and by
+    # `frequency_penalty` once per time it occurs (the prompt's tokens are not counted)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE  # tiny temperatures overflow the softmax: greedy is the limit
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +48,18 @@ class GenSpec:
     stop: tuple[str, ...] = ()
     eos_ids: frozenset[int] = frozenset()
     owner: Any = None  # the caller's object for this sequence (the worker's Job), handed back in the result
+    # the last `resumed` of `prompt_ids` are output already (a streamed request run again continues after what
+    # its caller was sent): output for the presence and frequency penalties
+    resumed: int = 0
+    stop_tail: int = field(init=False, default=0)  # the last tokens to decode to see a stop string whole
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_tail", stop_tail_tokens(self.stop))
+
+    def history(self, tokens: Sequence[int] = ()) -> tuple[Sequence[int], Sequence[int]]:
+        """(prompt, output so far) with `tokens` generated: what the penalties read."""
+        cut = len(self.prompt_ids) - self.resumed
+        return self.prompt_ids[:cut], (*self.prompt_ids[cut:], *tokens)
 
     @property
     def total_tokens(self) -> int:
@@ -104,7 +129,14 @@ class Row:
     admitted_at: float
     prefill_s: float
     first_token_at: float
-    stop_tail: int = 0
+
+
+def stop_tail_tokens(stop: tuple[str, ...]) -> int:
+    """How many of a row's last tokens to decode to see every stop string whole: a token spells at least one
+    byte (byte-level BPE, SentencePiece's byte fallback), so a stop string of B bytes spans at most B tokens,
+    one more on each side where a token straddles it; counting characters misses one of multibyte characters
+    (an emoji is 4 tokens of a byte-level vocabulary)."""
+    return max((len(s.encode("utf-8")) for s in stop), default=0) + 8
 
 
 def finish_reason(row: Row, decode_tail: Callable[[list[int]], str] | None) -> FinishReason | None:
@@ -114,7 +146,7 @@ def finish_reason(row: Row, decode_tail: Callable[[list[int]], str] | None) -> F
     if row.tokens[-1] in spec.eos_ids:
         return FinishReason.EOS
     if spec.stop and decode_tail is not None:
-        tail = decode_tail(row.tokens[-row.stop_tail:])
+        tail = decode_tail(row.tokens[-spec.stop_tail:])
         if any(s in tail for s in spec.stop):
             return FinishReason.STOP
     if len(row.tokens) >= spec.max_new_tokens:

@@ -174,6 +174,13 @@ class ServiceTracker:
     def step_seconds(self, rows: int) -> float:
         return self.decode.predict(max(1, rows))
 
+    def doom_step_seconds(self, rows: int) -> float:
+        """The token interval a running row is judged unable to finish at: the better of the moment's and the
+        averaged one admission forecast it with. A spell of slow steps (the machine's, a burst's) does not
+        condemn what admission just took (a request admitted with an eta 20% inside its deadline was evicted after
+        2 tokens on an idle stack just after a burst); a lasting slowdown moves both."""
+        return min(self.step_seconds(rows), self.forecast_step_seconds(rows))
+
     def forecast_step_seconds(self, rows: int) -> float:
         """The token interval admission forecasts a new request's tokens at (`decode_slow`)."""
         return self.decode_slow.predict(max(1, rows))

@@ -111,6 +111,17 @@ class Item:
     body: dict[str, Any]  # the native submit body (no deadline yet)
     kind: str  # "completion" | "chat" | "embedding" | "native"
     encoding_format: str = "float"
+    aliases: dict[str, str] = field(default_factory=dict)  # native field -> the endpoint's parameter (OpenAI's)
+
+    def param(self, native_field: str | None, message: str) -> tuple[str, str]:
+        """A field of the native body the checks refused, and their message, as the line names them
+        (`body.prompt` on /v1/completions, not `body.input.prompt`)."""
+        if not native_field:
+            return "body", message
+        if self.kind == "native":
+            return f"body.{native_field}", message
+        param, message = oa.in_openai_terms(native_field, message, self.aliases)
+        return f"body.{param or native_field}", message
 
     def ref(self, request_id: str) -> ItemRef:
         return ItemRef(self.line, self.custom_id, request_id, self.kind, self.model, self.encoding_format)
@@ -166,8 +177,11 @@ def parse_line(raw: bytes | str, line: int, endpoint: str) -> Item:
     except oa.OpenAIError as err:
         raise BatchError(err.message, code=err.code or "invalid_request",
                          param=f"body.{err.param}" if err.param else "body", line=line) from None
+    if tr.n > 1:  # a line is one request, with one result line
+        raise BatchError("a batch item has one choice (n=1): write a line per choice", code="unsupported_parameter",
+                         param="body.n", line=line)
     inner = {k: v for k, v in tr.body.items() if k not in ("timeout_s", "deadline", "priority", "stream")}
-    return Item(line, custom_id, tr.model, inner, tr.kind, tr.encoding_format)
+    return Item(line, custom_id, tr.model, inner, tr.kind, tr.encoding_format, tr.aliases)
 
 
 def submit_body(item: Item, deadline_s: float) -> dict[str, Any]:
@@ -181,12 +195,15 @@ def _response_body(ref: ItemRef, view: dict[str, Any], created: int) -> dict[str
     tr = oa.Translated(kind=ref.kind, model=ref.model, body={}, encoding_format=ref.encoding_format)  # type: ignore[arg-type]
     if ref.kind == "embedding":
         return oa.embedding_response(tr, view)
-    return oa.completion_response(tr, view, created)
+    return oa.completion_response(tr, [view], created)
 
 
 def result_line(ref: ItemRef, view: dict[str, Any], created: int) -> tuple[bool, dict[str, Any]]:
     """(succeeded, the line) for a finished item: OpenAI's output line, or its error line."""
     line_id = "batch_req_" + ref.request_id.removeprefix("req_")
+    if view.get("status") == "cancelled" and view.get("started_at") is None:  # never ran (the batch's cancel)
+        return False, refused_line(ref.custom_id, "batch_cancelled", "cancelled before this request ran",
+                                   line_id=line_id)
     if ref.kind == "native":
         ok = view.get("status") == "succeeded"
         err = None if ok else (view.get("error") or {"code": view.get("status"), "message": view.get("status")})

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from shared.codec import decode, encode
 from shared.keys import Keys
-from shared.messages import CallbackDelivery, CallbackState
+from shared.messages import REPLAYABLE, CallbackDelivery, CallbackState
 
 GROUP = "dispatchers"
 FINAL_TTL_MS = 7 * 24 * 3600 * 1000
@@ -111,7 +111,7 @@ class CallbackStore:
     async def replay(self, delivery_id: str, now_ms: int) -> CallbackState | None:
         """Schedule a dead or failed delivery again, from attempt zero. None if there is nothing to replay."""
         loaded = await self.load(delivery_id)
-        if loaded is None or loaded[1].status not in ("dead", "failed"):
+        if loaded is None or loaded[1].status not in REPLAYABLE:
             return None
         delivery, _state = loaded
         fresh = CallbackState(delivery.delivery_id, delivery.event, delivery.url, "pending", next_attempt_ms=now_ms)

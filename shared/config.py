@@ -5,7 +5,8 @@ Models come from a YAML or TOML file (`BATCHGATE_CONFIG`, or the same YAML inlin
 environment variables:
 - `BATCHGATE_MODELS=minilm,tiny-llama` picks which models this process serves (built-ins or names
   defined in the file);
-- `BATCHGATE_MODEL__<NAME>__<FIELD>=value` sets one field of a model (NAME upper-case, `-` as `_`),
+- `BATCHGATE_MODEL__<NAME>__<FIELD>=value` sets one field of a model (NAME: its name upper-case, each `-`, `_` or
+  `.` as `_`, so `my_lm.v2` is MY_LM_V2; see `env_model_name`),
   and defines a new model when NAME is not known yet, e.g.
   `BATCHGATE_MODEL__MY_LM__SOURCE=/models/my-lm` + `BATCHGATE_MODEL__MY_LM__TASK=generate`.
 Nothing here is read at import time.
@@ -33,12 +34,27 @@ from typing import Any
 
 import yaml
 
+from shared.config_checks import (
+    DEVICE_RE,
+    DEVICES_TEXT,
+    DTYPES,
+    DTYPES_TEXT,
+    MODEL_RULES,
+    NAME_RE,
+    SETTINGS_RULES,
+    check_lanes,
+    check_number,
+    coerce_number,
+    env_model_name,
+    lane_from,
+    resolve_env_model,
+    top_level_problem,
+)
 from shared.errors import ConfigError
 from shared.lanes import DEFAULT_LANES, LaneSpec
 from shared.states import Task
 
 ENV_PREFIX = "BATCHGATE_"
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,24 +126,27 @@ class ModelSpec:
         return tuple(lane.name for lane in self.lanes)
 
     def validate(self) -> ModelSpec:
-        if not _NAME_RE.match(self.name):
+        if not NAME_RE.match(self.name):
             raise ConfigError(f"model name {self.name!r}: use lower-case letters, digits, '.', '_' or '-'")
-        self._validate_lanes()
-        for attr in ("max_batch_size", "max_batch_tokens", "max_running", "max_input_tokens",
-                     "max_new_tokens", "default_max_new_tokens", "max_texts"):
-            if getattr(self, attr) < 1:
-                raise ConfigError(f"model {self.name}: {attr} must be >= 1")
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ConfigError(f"model {self.name}: vocab_size must be >= 1")
-        if self.prefill_chunk_tokens < 0:
-            raise ConfigError(f"model {self.name}: prefill_chunk_tokens must be >= 0")
-        if self.long_rows < 0:
-            raise ConfigError(f"model {self.name}: long_rows must be >= 0 (0: no bound)")
+        where = f"model {self.name}"
+        for attr, rule in MODEL_RULES.items():
+            value = getattr(self, attr)
+            if value is not None or attr not in ("vocab_size", "kv_budget_tokens"):
+                check_number(where, attr, value, rule)
+        longest = (self.max_seq_len, "max_input_tokens + max_new_tokens") if self.task is Task.GENERATE else \
+            (self.max_input_tokens, "max_input_tokens")
+        check_lanes(self.name, self.lanes, *longest)
         if self.scheduling not in ("deadline", "fifo"):
-            raise ConfigError(f"model {self.name}: scheduling must be deadline or fifo")
+            raise ConfigError(f"{where}: scheduling must be deadline or fifo, got {self.scheduling!r}")
+        if not DEVICE_RE.match(self.device):
+            hint = " (a GPU is cuda)" if self.device.lower() == "gpu" else ""
+            raise ConfigError(f"{where}: device must be {DEVICES_TEXT}, got {self.device!r}{hint}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"{where}: dtype must be {DTYPES_TEXT}, got {self.dtype!r}")
         self._validate_kind()
-        if not 0 <= self.min_timeout_s < self.default_timeout_s <= self.max_timeout_s:
-            raise ConfigError(f"model {self.name}: need 0 <= min_timeout_s < default_timeout_s <= max_timeout_s")
+        if not self.min_timeout_s < self.default_timeout_s <= self.max_timeout_s:
+            raise ConfigError(f"{where}: need 0 <= min_timeout_s < default_timeout_s <= max_timeout_s (got "
+                              f"{self.min_timeout_s:g}, {self.default_timeout_s:g}, {self.max_timeout_s:g})")
         return self
 
     def _validate_kind(self) -> None:
@@ -135,27 +154,6 @@ class ModelSpec:
             raise ConfigError(f"model {self.name}: kind must be model or echo, got {self.kind!r}")
         if self.echo and self.task is not Task.GENERATE:
             raise ConfigError(f"model {self.name}: kind echo is a generation model (task: generate)")
-        for attr in ("step_ms", "step_ms_per_row", "prefill_ms_per_token"):
-            if not 0 <= getattr(self, attr) < 60_000:
-                raise ConfigError(f"model {self.name}: {attr} must be in [0, 60000)")
-
-    def _validate_lanes(self) -> None:
-        if not self.lanes:
-            raise ConfigError(f"model {self.name}: needs at least one lane")
-        names = [lane.name for lane in self.lanes]
-        if len(set(names)) != len(names) or not all(_NAME_RE.match(n) for n in names):
-            raise ConfigError(f"model {self.name}: lane names must be unique and simple, got {names}")
-        bounds = [lane.max_tokens for lane in self.lanes[:-1]]
-        if any(b is None for b in bounds) or bounds != sorted(bounds):  # type: ignore[type-var]
-            raise ConfigError(f"model {self.name}: lane bounds must increase; only the last may be open")
-        for lane in self.lanes:
-            if not 0 < lane.max_share <= 1:
-                raise ConfigError(f"model {self.name}: lane {lane.name} max_share must be in (0, 1]")
-            if not _NAME_RE.match(lane.engine):
-                raise ConfigError(f"model {self.name}: lane {lane.name} engine {lane.engine!r} is not a simple name")
-        engines = [lane.engine for lane in self.lanes]
-        if any(engines.index(e) != i and engines[i - 1] != e for i, e in enumerate(engines)):
-            raise ConfigError(f"model {self.name}: an engine's lanes must be adjacent in length order, got {engines}")
 
     def to_public(self) -> dict[str, Any]:
         return {
@@ -352,10 +350,10 @@ class Settings:
             if problem:
                 source = ENV_PREFIX + "REDIS_URL" if get(ENV_PREFIX + "REDIS_URL") else "REDIS_URL"
                 raise ConfigError(f"{source}={redis_url!r} is not a Redis URL: {problem}")
-        models = load_models(env)
         cache_dir = get(ENV_PREFIX + "MODEL_CACHE") or str(Path.home() / ".cache" / "batchgate" / "models")
         key_prefix = get(ENV_PREFIX + "KEY_PREFIX", d.key_prefix)
         try:
+            models = load_models(env)
             return cls(
                 redis_url=redis_url or d.redis_url,
                 key_prefix=key_prefix,
@@ -412,29 +410,21 @@ class Settings:
                 max_file_bytes=integer("MAX_FILE_BYTES", d.max_file_bytes),
                 max_file_lines=integer("MAX_FILE_LINES", d.max_file_lines),
             ).validate()
-        except ValueError as exc:
-            raise ConfigError(f"invalid setting: {exc}") from exc
+        except (ValueError, TypeError) as exc:  # a value no check above foresaw: still one line, no traceback
+            raise ConfigError(f"invalid setting: {' '.join(str(exc).split())}") from None
 
     def validate(self) -> Settings:
         if not re.match(r"^[A-Za-z0-9_.-]{1,32}$", self.key_prefix):
             raise ConfigError(f"{ENV_PREFIX}KEY_PREFIX must be 1-32 letters, digits, '_', '.' or '-' "
                               f"(got {self.key_prefix!r})")
-        # (variable, value, operator, bound): each refusal names the variable and the value it got
-        bounds: tuple[tuple[str, float, str, int], ...] = (
-            ("RECLAIM_IDLE_S", self.reclaim_idle_s, ">", 0), ("MAX_DELIVERIES", self.max_deliveries, ">=", 1),
-            ("DRAIN_BUDGET_S", self.drain_budget_s, ">=", 0), ("BODY_TIMEOUT_S", self.body_timeout_s, ">", 0),
-            ("HEADER_TIMEOUT_S", self.header_timeout_s, ">", 0), ("KEEP_ALIVE_S", self.keep_alive_s, ">", 0),
-            ("SHUTDOWN_GRACE_S", self.shutdown_grace_s, ">=", 0),
-            ("REDIS_WAIT_REPLICAS", self.redis_wait_replicas, ">=", 0),
-            ("REDIS_WAIT_MS", self.redis_wait_ms, ">=", 1), ("RESULT_TTL_S", self.result_ttl_s, ">=", 1),
-            ("MAX_BODY_BYTES", self.max_body_bytes, ">=", 1024), ("MAX_WAIT_S", self.max_wait_s, ">=", 0),
-            ("MAX_FILE_BYTES", self.max_file_bytes, ">=", 1), ("MAX_FILE_LINES", self.max_file_lines, ">=", 1),
-            ("TORCH_THREADS", self.torch_threads, ">=", 0),
-        )
-        for name, value, op, bound in bounds:
-            if not (value > bound if op == ">" else value >= bound):  # NaN is refused too
-                shown = str(int(value)) if float(value).is_integer() else repr(value)
-                raise ConfigError(f"{ENV_PREFIX}{name} must be {op} {bound} (got {shown})")
+        for name, attr, rule in SETTINGS_RULES:  # each refusal names the variable, its range and the value it got
+            problem = rule.problem(getattr(self, attr))
+            if problem:
+                raise ConfigError(f"{ENV_PREFIX}{name} {problem}")
+        if self.callback_lease_s <= self.callback_timeout_s:  # else a slow attempt is started again meanwhile
+            raise ConfigError(f"{ENV_PREFIX}CALLBACK_LEASE_S must be > {ENV_PREFIX}CALLBACK_TIMEOUT_S (got "
+                              f"{self.callback_lease_s:g} <= {self.callback_timeout_s:g}): another dispatcher "
+                              "takes a delivery over when its lease ends, even mid-attempt")
         if self.cpu_engines not in ("shared", "parallel"):
             raise ConfigError("BATCHGATE_CPU_ENGINES must be shared or parallel")
         if self.auth not in ("api_key", "off"):
@@ -472,54 +462,46 @@ def redis_url_from(env: Mapping[str, str]) -> str | None:
 
 # --- model configuration -------------------------------------------------------------------------
 
-def _lane_from(raw: Any, model: str) -> LaneSpec:
-    if not isinstance(raw, Mapping) or "name" not in raw:
-        raise ConfigError(f"model {model}: each lane needs at least a name")
-    unknown = set(raw) - {f.name for f in dataclasses.fields(LaneSpec)}
-    if unknown:
-        raise ConfigError(f"model {model}: unknown lane field(s) {sorted(unknown)}")
-    return LaneSpec(
-        name=str(raw["name"]),
-        max_tokens=None if raw.get("max_tokens") is None else int(raw["max_tokens"]),
-        window_ms=float(raw.get("window_ms", 10.0)),
-        max_backlog=int(raw.get("max_backlog", 10_000)),
-        max_share=float(raw.get("max_share", 1.0)),
-        engine=str(raw.get("engine", "main")),
-    )
-
-
 _FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(ModelSpec)}
 
 
-def _coerce(model: str, name: str, value: Any) -> Any:
+def _coerce(where: str, model: str, name: str, value: Any) -> Any:
+    """One field of a model from the file or the environment (`where` names it: `model NAME` or the variable)."""
     if name not in _FIELD_TYPES:
-        raise ConfigError(f"model {model}: unknown field {name!r}")
+        known = ", ".join(sorted(_FIELD_TYPES))
+        raise ConfigError(f"{where}: unknown field {name!r}; known: {known}")
     if name == "lanes":
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{where}: lanes do not parse as YAML or JSON: {' '.join(str(exc).split())}") \
+                    from None
         if not isinstance(value, list):
-            raise ConfigError(f"model {model}: lanes must be a list")
-        return tuple(_lane_from(lane, model) for lane in value)
+            raise ConfigError(f"{where}: lanes must be a list of lanes, got {value!r}")
+        return tuple(lane_from(lane, where) for lane in value)
     if name == "task":
         try:
             return Task(str(value))
         except ValueError as exc:
-            raise ConfigError(f"model {model}: task must be generate or embed, got {value!r}") from exc
+            raise ConfigError(f"{where}: task must be generate or embed, got {value!r}") from exc
     kind = str(_FIELD_TYPES[name])
-    try:
-        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "auto") and "None" in kind):
+    if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null", "auto") and "None" in kind):
+        if "None" in kind:
             return None
-        if kind.startswith("int"):
-            return int(value)
-        if kind.startswith("float"):
-            return float(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"model {model}: {name} has a bad value {value!r}") from exc
+        raise ConfigError(f"{where}: {name} needs a value")
+    if name in MODEL_RULES:
+        return coerce_number(where, name, value, MODEL_RULES[name])
+    if isinstance(value, Mapping | list | bool):
+        raise ConfigError(f"{where}: {name} must be a string, got {value!r}")
     return str(value)
 
 
-def _spec_from(name: str, fields: Mapping[str, Any], base: ModelSpec | None) -> ModelSpec:
-    values = {k: _coerce(name, k, v) for k, v in fields.items() if k != "name"}
+def _spec_from(name: str, fields: Mapping[str, Any], base: ModelSpec | None,
+               where: Mapping[str, str] | None = None) -> ModelSpec:
+    """A model from its fields (over `base`, a model of that name already known); `where`: each field's setting
+    as a refusal names it (the environment's variables), else `model NAME`."""
+    values = {k: _coerce((where or {}).get(k, f"model {name}"), name, k, v) for k, v in fields.items() if k != "name"}
     if base is not None:
         return replace(base, name=name, **values)
     if values.get("kind") == "echo":  # no weights to load: nothing to name
@@ -551,17 +533,41 @@ def parse_config(text: str, *, toml: bool = False, where: str = "config") -> dic
     return data
 
 
-def env_model_overrides(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
-    """`BATCHGATE_MODEL__<NAME>__<FIELD>=value` variables, grouped by model name."""
-    overrides: dict[str, dict[str, str]] = {}
-    for key, value in env.items():
+def env_model_overrides(env: Mapping[str, str]) -> dict[str, dict[str, tuple[str, str]]]:
+    """`BATCHGATE_MODEL__<NAME>__<FIELD>=value` variables: {NAME as written: {field: (variable, value)}}."""
+    overrides: dict[str, dict[str, tuple[str, str]]] = {}
+    for key, value in sorted(env.items()):
         if key.startswith(ENV_PREFIX + "MODEL__"):
             parts = key[len(ENV_PREFIX + "MODEL__"):].split("__")
             if len(parts) != 2 or not all(parts):
-                raise ConfigError(f"{key}: expected BATCHGATE_MODEL__<NAME>__<FIELD>")
-            name = parts[0].lower().replace("_", "-")
-            overrides.setdefault(name, {})[parts[1].lower()] = value
+                raise ConfigError(f"{key}: expected BATCHGATE_MODEL__<NAME>__<FIELD> (NAME: the model's name in "
+                                  "upper case, each '-', '_' or '.' as '_')")
+            overrides.setdefault(env_model_name(parts[0]), {})[parts[1].lower()] = (key, value)
     return overrides
+
+
+def _file_models(data: Mapping[str, Any], where: str, known: dict[str, ModelSpec]) -> list[str]:
+    """The models a model file defines (added to `known`), in its order; its top level must be `models:`, a
+    list of at least one model."""
+    problem = top_level_problem(data, where)
+    if problem:
+        raise ConfigError(problem)
+    if "models" not in data:
+        return []
+    entries = data["models"]
+    if not isinstance(entries, list):
+        raise ConfigError(f"{where}: `models` must be a list of models, got {type(entries).__name__}")
+    if not entries:
+        raise ConfigError(f"{where}: `models` is empty; list at least one model (without the key, the built-ins "
+                          f"{', '.join(DEFAULT_MODELS)} are served)")
+    names = []
+    for entry in entries:
+        if not isinstance(entry, Mapping) or "name" not in entry:
+            raise ConfigError(f"{where}: every model needs a name (got {entry!r})")
+        name = str(entry["name"])
+        known[name] = _spec_from(name, entry, known.get(name))
+        names.append(name)
+    return names
 
 
 def load_models(env: Mapping[str, str]) -> tuple[ModelSpec, ...]:
@@ -574,24 +580,20 @@ def load_models(env: Mapping[str, str]) -> tuple[ModelSpec, ...]:
         raise ConfigError(f"set {ENV_PREFIX}CONFIG or {ENV_PREFIX}CONFIG_YAML, not both")
     if path or inline:
         data = read_config_file(path) if path else parse_config(inline or "", where=ENV_PREFIX + "CONFIG_YAML")
-        entries = data.get("models", [])
-        if not isinstance(entries, list):
-            raise ConfigError("config: `models` must be a list")
-        file_names = []
-        for entry in entries:
-            if not isinstance(entry, Mapping) or "name" not in entry:
-                raise ConfigError("config: every model needs a name")
-            name = str(entry["name"])
-            known[name] = _spec_from(name, entry, known.get(name))
-            file_names.append(name)
+        file_names = _file_models(data, f"config file {path}" if path else ENV_PREFIX + "CONFIG_YAML", known)
         if file_names:
             selected = file_names
-    for name, fields in env_model_overrides(env).items():
-        known[name] = _spec_from(name, fields, known.get(name))
+    for written, fields in env_model_overrides(env).items():
+        variables = {f: var for f, (var, _) in fields.items()}
+        name = resolve_env_model(written, known, selected, next(iter(variables.values())))
+        known[name] = _spec_from(name, {f: v for f, (_, v) in fields.items()}, known.get(name), variables)
         if name not in selected:
             selected.append(name)
     if env.get(ENV_PREFIX + "MODELS"):
         selected = [n.strip() for n in env[ENV_PREFIX + "MODELS"].split(",") if n.strip()]
+        if not selected:
+            raise ConfigError(f"{ENV_PREFIX}MODELS={env[ENV_PREFIX + 'MODELS']!r} names no model; give "
+                              "comma-separated model names, or unset it to serve the configured models")
     missing = [n for n in selected if n not in known]
     if missing:
         raise ConfigError(f"unknown model(s) {missing}; known: {sorted(known)}")

@@ -10,10 +10,11 @@ class BatchgateError(Exception):
 class ValidationError(BatchgateError):
     """Caller input that cannot be accepted. `field` is a dotted path into the request body."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, code: str = "") -> None:
         super().__init__(f"{field}: {message}" if field else message)
         self.field = field
         self.message = message
+        self.code = code  # an error code more precise than the API's default (e.g. context_length_exceeded)
 
 
 class CodecError(BatchgateError):

@@ -158,6 +158,10 @@ class CallbackDelivery:
     created_ms: int
 
 
+# the delivery states a caller (or operator) may send again: POST /v1/requests/{id}/callback:replay
+REPLAYABLE = frozenset({"dead", "failed"})
+
+
 @dataclass(frozen=True, slots=True)
 class CallbackState:
     """Where a delivery stands; kept with the delivery and copied into the request's record."""

@@ -11,6 +11,7 @@ either honoured or harmless at the value given; anything else is a 400 naming th
 from __future__ import annotations
 
 import base64
+import math
 import re
 import struct
 from collections.abc import Callable, Sequence
@@ -22,13 +23,18 @@ from msgspec import Meta
 
 from shared.api_errors import ApiError
 from shared.errors import ValidationError
+from shared.model_context import CONTEXT_EXCEEDED
+from shared.params import MAX_SEED, MIN_TOP_P
 from shared.validation import check_text, convert
 
 OWNED_BY = "batchgate"
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when the caller sends none (the native API's is 0: greedy)
 TIMEOUT_HEADER = "x-batchgate-timeout"
+MAX_CHOICES = 16  # `n`: each choice is a request of its own, batched with the others on the worker
 EXTENSION = "batchgate"  # the key of our own fields in a response (OpenAI clients keep unknown keys)
-TEXT_FAILURES = frozenset({"invalid_input", "input_too_long", "no_chat_template"})  # the caller's to fix
+# the caller's to fix: a 400 with that code (a generation's prompt past what the model takes: OpenAI's
+# context_length_exceeded, which clients built on its SDK look for to trim a conversation)
+TEXT_FAILURES = frozenset({"invalid_input", "input_too_long", "no_chat_template", CONTEXT_EXCEEDED})
 
 Priority = Literal["interactive", "batch"]
 Kind = Literal["completion", "chat", "embedding"]
@@ -95,19 +101,27 @@ def openai_param(native_field: str, aliases: dict[str, str]) -> str | None:
 _NATIVE_HINT = re.compile(r" \(or set (params\.[a-z_]+)[^)]*\)")
 
 
-def from_api_error(exc: ApiError, aliases: dict[str, str] | None = None) -> OpenAIError:
-    """A native error in OpenAI's shape. A 422 (a field the native checks refused) is a 400, as OpenAI
-    answers invalid parameters; its field and message name the OpenAI parameter."""
-    native = str(exc.extra.get("field") or "")
-    param = openai_param(native, aliases or {})
-    message = exc.message
+def in_openai_terms(native: str, message: str, aliases: dict[str, str]) -> tuple[str | None, str]:
+    """A field the native checks refused, and their message, as an OpenAI route names them: (the parameter,
+    the message naming it)."""
+    param = openai_param(native, aliases)
     if native and param and message.startswith(native + ":"):
         message = param + message[len(native):]
     # a hint to set a native parameter this route has no counterpart of (`params.truncate`) would mislead
-    message = _NATIVE_HINT.sub(lambda m: m.group(0) if m.group(1) in (aliases or {}) else "", message)
+    message = _NATIVE_HINT.sub(lambda m: m.group(0) if m.group(1) in aliases else "", message)
+    return param, message
+
+
+def from_api_error(exc: ApiError, aliases: dict[str, str] | None = None) -> OpenAIError:
+    """A native error in OpenAI's shape. A 422 (a field the native checks refused) is a 400, as OpenAI
+    answers invalid parameters; its field and message name the OpenAI parameter."""
+    param, message = in_openai_terms(str(exc.extra.get("field") or ""), exc.message, aliases or {})
     status = 400 if exc.status == 422 else exc.status
+    # a conflict with no time to come back after (a key used with another body, a file in use) cannot change
+    # on a retry, and OpenAI's clients retry every 409 unless told not to
+    final = exc.status == 409 and exc.retry_after is None
     return OpenAIError(status, message, code=exc.code, param=param, retry_after=exc.retry_after,
-                       headers=exc.headers())  # Retry-After among them
+                       retry=False if final else None, headers=exc.headers())  # Retry-After among them
 
 
 # --------------------------------------------------------------------------------------- request types
@@ -133,13 +147,14 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Any] | None = None  # checked as the native params.logit_bias
     service_tier: str | None = None
-    # extensions: the deadline and priority of the native API; vLLM's top_k and ignore_eos
+    # extensions: the deadline and priority of the native API; vLLM's top_k, ignore_eos and repetition_penalty
     timeout_s: float | None = None
     priority: Priority | None = None
     top_k: int | None = None
     ignore_eos: bool | None = None
+    repetition_penalty: float | None = None
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -216,6 +231,18 @@ class Translated:
     include_usage: bool = False
     encoding_format: str = "float"
     aliases: dict[str, str] = field(default_factory=dict)  # native field -> OpenAI parameter
+    n: int = 1  # choices asked for: each its own native request
+
+    def bodies(self) -> list[dict[str, Any]]:
+        """The native submit body of each choice: a given seed is the first choice's, the next ones count up from
+        it (OpenAI's choices of one seeded request differ from each other, and are the same on every call)."""
+        out = []
+        for i in range(self.n):
+            params = dict(self.body["params"])
+            if isinstance(params.get("seed"), int):
+                params["seed"] = (params["seed"] + i) % (MAX_SEED + 1)
+            out.append({**self.body, "params": params})
+        return out
 
 
 # ----------------------------------------------------------------------------------------- translation
@@ -247,15 +274,11 @@ def _empty(v: Any) -> bool:
 
 
 _COMMON_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("n", _none_or(1), "only n=1 is supported; send n separate requests"),
-    ("presence_penalty", _none_or(0), "not supported (only 0)"),
-    ("frequency_penalty", _none_or(0), "not supported (only 0)"),
-    ("logit_bias", _empty, "not supported (only empty)"),
     ("service_tier", _none_or("auto", "default"), "only 'auto' or 'default'"),
 )
 _COMPLETION_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("echo", _none_or(False), "not supported (only false)"),
-    ("best_of", _none_or(1), "only best_of=1 is supported"),
+    ("best_of", _none_or(1), "only best_of=1 is supported (n choices are n samples)"),
     ("logprobs", _none_or(), "log probabilities are not returned (only null)"),
     ("suffix", _empty, "not supported (only empty)"),
 )
@@ -284,10 +307,13 @@ def _deadline(req: Any, timeout_header: str | None) -> dict[str, Any]:
         out["timeout_s"] = req.timeout_s
     elif timeout_header is not None and timeout_header.strip():
         try:
-            out["timeout_s"] = float(timeout_header)
+            seconds = float(timeout_header) if "_" not in timeout_header else math.nan  # float() takes "1_0"
         except ValueError:
-            raise invalid("X-Batchgate-Timeout", f"must be a number of seconds, got {timeout_header[:40]!r}",
-                          code="invalid_timeout") from None
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0):  # named as the header, where the caller set it
+            raise invalid("X-Batchgate-Timeout", f"must be a positive number of seconds, got {timeout_header[:40]!r}",
+                          code="invalid_timeout")
+        out["timeout_s"] = seconds
     if req.priority is not None:
         out["priority"] = req.priority
     return out
@@ -297,12 +323,31 @@ def _params(req: _Sampling, max_tokens: int | None) -> dict[str, Any]:
     params: dict[str, Any] = {"temperature": DEFAULT_TEMPERATURE if req.temperature is None else req.temperature}
     if max_tokens is not None:
         params["max_new_tokens"] = max_tokens
-    for name in ("top_p", "seed", "top_k", "ignore_eos"):
+    for name in ("top_p", "seed", "top_k", "ignore_eos", "repetition_penalty"):
         if getattr(req, name) is not None:
             params[name] = getattr(req, name)
+    for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
+        if getattr(req, name):  # 0 and {}, OpenAI's defaults, are the native defaults too
+            params[name] = getattr(req, name)
+    # values OpenAI (and vLLM) take that the native params spell otherwise: top_p 0 keeps the likeliest token
+    # alone (the native least top_p does), any int64 is a seed, vLLM's top_k -1 is off (native 0)
+    if params.get("top_p") == 0:
+        params["top_p"] = MIN_TOP_P
+    if isinstance(params.get("seed"), int):
+        params["seed"] %= MAX_SEED + 1
+    if params.get("top_k") == -1:
+        params["top_k"] = 0
     if req.stop is not None and req.stop != []:
         params["stop"] = req.stop
     return params
+
+
+def _choices(req: _Sampling) -> int:
+    if req.n is None:
+        return 1
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise invalid("n", f"must be between 1 and {MAX_CHOICES}, got {req.n}")
+    return req.n
 
 
 def _stream_flags(req: _Sampling) -> tuple[bool, bool]:
@@ -320,15 +365,23 @@ def _prompt_input(prompt: str | list[Any]) -> dict[str, Any]:
         raise invalid("prompt", "must not be empty")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return {"input_ids": prompt}
+    if not (all(isinstance(p, str) for p in prompt) or all(_token_ids(p) for p in prompt)):  # mixed, or booleans
+        raise invalid("prompt", "must be a string, a list of strings, a list of token ids (integers) or a list of "
+                                "such lists")
     if len(prompt) > 1:
         raise invalid("prompt", f"one prompt per request (got a list of {len(prompt)}); send each as its own "
                                 "request (they are batched together on the server anyway)", code="multiple_prompts")
     only = prompt[0]
     if isinstance(only, str):
         return {"prompt": only}
-    if isinstance(only, list) and only and all(isinstance(t, int) and not isinstance(t, bool) for t in only):
+    if _token_ids(only):
         return {"input_ids": only}
     raise invalid("prompt", "must be a string, a list of one string, or a list of token ids")
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
 
 
 def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Translated:
@@ -339,7 +392,7 @@ def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Tran
             "stream": stream, **_deadline(req, timeout_header)}
     aliases = {"input.prompt": "prompt", "input.input_ids": "prompt", "input": "prompt",
                "params.max_new_tokens": "max_tokens"}
-    return Translated("completion", req.model, body, stream, usage, aliases=aliases)
+    return Translated("completion", req.model, body, stream, usage, aliases=aliases, n=_choices(req))
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -381,7 +434,7 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None) -> Translated
     body = {"input": {"messages": messages}, "params": _params(req, limit), "stream": stream,
             **_deadline(req, timeout_header)}
     aliases = {"input": "messages", "input.messages": "messages", "params.max_new_tokens": max_param}
-    return Translated("chat", req.model, body, stream, usage, aliases=aliases)
+    return Translated("chat", req.model, body, stream, usage, aliases=aliases, n=_choices(req))
 
 
 def translate_embeddings(raw: Any, *, timeout_header: str | None = None) -> Translated:
@@ -420,6 +473,8 @@ def result_error(view: dict[str, Any]) -> OpenAIError | None:
     if status == "cancelled":
         return OpenAIError(409, f"the request was cancelled: {message}", code=code, retry=False)
     if status == "failed" and code in TEXT_FAILURES:
+        if code == "input_too_long" and view.get("task") == "generate":
+            code = CONTEXT_EXCEEDED
         return OpenAIError(400, message, code=code, retry=False)
     return OpenAIError(500, f"the request failed: {message}", code=code or "failed", retry=False)
 
@@ -439,10 +494,11 @@ def extension(view: dict[str, Any]) -> dict[str, Any]:
     return {"request_id": view.get("id"), "status": view.get("status"), "finish_reason": view.get("finish_reason")}
 
 
-def usage(view: dict[str, Any]) -> dict[str, int]:
+def usage(view: dict[str, Any], *more: dict[str, Any]) -> dict[str, int]:
+    """The tokens of a generation, or of the choices of one call (`more`: the others): one prompt, every output."""
     output = view.get("output") or {}
     prompt = int(output.get("prompt_tokens") or 0)
-    completion = _completion_tokens(view)
+    completion = sum(_completion_tokens(v) for v in (view, *more))
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -450,18 +506,28 @@ def completion_id(kind: Kind, request_id: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
 
 
-def completion_response(tr: Translated, view: dict[str, Any], created: int) -> dict[str, Any]:
-    """A finished generation as a `text_completion` or a `chat.completion`."""
-    text = str((view.get("output") or {}).get("text", ""))
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(view), "logprobs": None}
-    if tr.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text, "refusal": None}
-    else:
-        choice["text"] = text
-    return {"id": completion_id(tr.kind, str(view["id"])),
+def completion_response(tr: Translated, views: list[dict[str, Any]], created: int) -> dict[str, Any]:
+    """A finished generation as a `text_completion` or a `chat.completion`: one choice per view (`n`), each a
+    request of its own; the first names the response."""
+    choices = []
+    for i, view in enumerate(views):
+        text = str((view.get("output") or {}).get("text", ""))
+        choice: dict[str, Any] = {"index": i, "finish_reason": finish_reason(view), "logprobs": None}
+        if tr.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+        else:
+            choice["text"] = text
+        choices.append(choice)
+    return {"id": completion_id(tr.kind, str(views[0]["id"])),
             "object": "chat.completion" if tr.kind == "chat" else "text_completion",
-            "created": created, "model": tr.model, "choices": [choice], "usage": usage(view),
-            "system_fingerprint": None, EXTENSION: extension(view)}
+            "created": created, "model": tr.model, "choices": choices, "usage": usage(*views),
+            "system_fingerprint": None, EXTENSION: extensions(views)}
+
+
+def extensions(views: list[dict[str, Any]]) -> dict[str, Any]:
+    """The batchgate fields of a response: its request's, and with several choices each choice's too."""
+    first = extension(views[0])
+    return first if len(views) == 1 else {**first, "choices": [extension(v) for v in views]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -471,6 +537,7 @@ class ChunkMaker:
     tr: Translated
     request_id: str
     created: int
+    index: int = 0  # the choice the chunks are of
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         out = {"id": completion_id(self.tr.kind, self.request_id),
@@ -481,7 +548,7 @@ class ChunkMaker:
         return {**out, **extra}
 
     def _choice(self, content: str | None, role: bool = False, reason: str | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": reason, "logprobs": None}
         if self.tr.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if content is not None:
@@ -498,13 +565,18 @@ class ChunkMaker:
     def text(self, text: str) -> dict[str, Any]:
         return self._chunk([self._choice(text)])
 
-    def final(self, view: dict[str, Any]) -> list[dict[str, Any]]:
-        """The chunk with the finish_reason, then (with stream_options.include_usage) the usage chunk."""
+    def final(self, view: dict[str, Any], *, with_usage: bool = True) -> list[dict[str, Any]]:
+        """The chunk with the finish_reason, then (with stream_options.include_usage, unless other choices are still
+        to finish: `with_usage` false) the usage chunk."""
         last = self._chunk([self._choice(None if self.tr.kind == "chat" else "", reason=finish_reason(view))],
                            **{EXTENSION: extension(view)})
-        if not self.tr.include_usage:
+        if not (self.tr.include_usage and with_usage):
             return [last]
-        return [last, {**self._chunk([]), "usage": usage(view)}]
+        return [last, self.usage_chunk([view])]
+
+    def usage_chunk(self, views: list[dict[str, Any]]) -> dict[str, Any]:
+        """The last chunk with stream_options.include_usage: no choices, the usage of every choice."""
+        return {**self._chunk([]), "usage": usage(*views)}
 
 
 def float32_base64(vector: Sequence[float]) -> str:

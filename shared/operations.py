@@ -23,6 +23,7 @@ from shared.api_errors import ApiError, BadRequest, Conflict, Gone, NotFound, To
 from shared.config import ModelSpec
 from shared.errors import ValidationError
 from shared.idempotency import IdempotencyClaim, body_hash
+from shared.idempotency_keys import KEY_RULE, MAX_KEY_CHARS, valid_idempotency_key
 from shared.ids import created_ms, is_request_id
 from shared.messages import InferenceRequest
 from shared.params import finite_number
@@ -50,14 +51,17 @@ class Answer:
 
 def wait_seconds(value: float, cap: float) -> float:
     """How long a caller may wait for a result: a non-negative number of seconds, at most `cap`."""
-    if finite_number(value) is None or value < 0:
-        raise BadRequest("wait must be a non-negative number of seconds", code="invalid_wait")
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    if finite_number(value) is None:
+        raise BadRequest(f"wait must be a finite number of seconds, got {shown}", code="invalid_wait")
+    if value < 0:
+        raise BadRequest(f"wait must be a non-negative number of seconds, got {shown}", code="invalid_wait")
     return min(float(value), cap)
 
 
 def check_idempotency_key(key: str) -> str:
-    if not 1 <= len(key) <= 255 or not key.isprintable():
-        raise BadRequest("Idempotency-Key must be 1-255 printable characters", code="invalid_idempotency_key")
+    if not valid_idempotency_key(key):
+        raise BadRequest(KEY_RULE, code="invalid_idempotency_key")
     return key
 
 
@@ -76,15 +80,14 @@ def _build(q: QueueClient, body: Any, spec: ModelSpec, tenant: str, at: str = ""
     except ValidationError as exc:
         where = f"{at}.{exc.field}" if at and exc.field else (at or exc.field)
         raise Unprocessable(f"{exc.field}: {exc.message}" if exc.field else exc.message,
-                            extra={"field": where}) from exc
+                            code=exc.code or None, extra={"field": where}) from exc
 
 
 async def submit(q: QueueClient, body: Any, spec: ModelSpec, tenant: str, *, wait: float = 0.0,
-                 idempotency_key: str | None = None) -> Answer:
+                 idempotency_key: str | None = None, rate_tokens: int = 1) -> Answer:
+    """`rate_tokens`: what the request takes of its tenant's rate (a call of several requests takes them all with
+    its first, 0 with the others)."""
     inference = _build(q, body, spec, tenant)
-    if inference.callback and await q.callbacks.is_disabled(tenant, inference.callback.url):
-        raise Unprocessable("callback.url: this URL answered 410 Gone and is disabled for this tenant",
-                            extra={"field": "callback.url"})
     digest = ""
     if idempotency_key is not None:
         inference = dataclasses.replace(inference, idempotency_key=idempotency_key)
@@ -92,11 +95,19 @@ async def submit(q: QueueClient, body: Any, spec: ModelSpec, tenant: str, *, wai
         existing = await q.idempotency.get(tenant, idempotency_key)
         if existing is not None:
             return await _replay(q, existing, digest, inference, wait)
-    decision, inference = await _admit(q, inference, spec)
+    await _refuse_disabled_callback(q, inference)  # a replay above is the original request, as it is now
+    decision, inference = await _admit(q, inference, spec, rate_tokens)
     claim, existing = await _claim_key(q, inference, digest)
     if existing is not None:  # a concurrent submit with the same key won the race
         return await _replay(q, existing, digest, inference, wait)
     return await _store_and_answer(q, inference, decision, wait, claim=claim)
+
+
+async def _refuse_disabled_callback(q: QueueClient, inference: InferenceRequest, at: str = "") -> None:
+    """A new request naming a callback URL that answered 410 Gone for this tenant is refused (docs/webhooks.md)."""
+    if inference.callback and await q.callbacks.is_disabled(inference.tenant, inference.callback.url):
+        raise Unprocessable(f"{at}callback.url: this URL answered 410 Gone and is disabled for this tenant",
+                            extra={"field": f"{at}callback.url"})
 
 
 async def _claim_key(q: QueueClient, inference: InferenceRequest,
@@ -136,12 +147,12 @@ async def _unwind(q: QueueClient, inference: InferenceRequest, claim: Idempotenc
             await q.idempotency.release(inference.tenant, inference.idempotency_key, claim)
 
 
-async def _admit(q: QueueClient, inference: InferenceRequest,
-                 spec: ModelSpec) -> tuple[Decision, InferenceRequest]:
+async def _admit(q: QueueClient, inference: InferenceRequest, spec: ModelSpec,
+                 rate_tokens: int = 1) -> tuple[Decision, InferenceRequest]:
     """Tenant limits (rate, quota slot) then the deadline/backlog estimate; a refusal frees the slot. The request
     comes back marked with whether it holds a quota slot."""
     expires = inference.deadline_ms + int(q.settings.expiry_grace_s * 1000)
-    if not await q.limits.admit(inference.tenant, inference.id, expires):
+    if not await q.limits.admit(inference.tenant, inference.id, expires, tokens=rate_tokens):
         inference = dataclasses.replace(inference, quota_slot=False)
     try:
         decision, _ = await q.admit(inference, spec)
@@ -225,8 +236,8 @@ async def _batch_item(q: QueueClient, spec: ModelSpec, tenant: str, i: int, item
     """`call_key`: the item's key from the call's `Idempotency-Key`, unless it carries its own."""
     key = item.get("idempotency_key")
     body = {k: v for k, v in item.items() if k != "idempotency_key"}
-    if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 255 or not key.isprintable()):
-        raise Unprocessable("idempotency_key must be a string of 1-255 printable characters",
+    if key is not None and (not isinstance(key, str) or not valid_idempotency_key(key)):
+        raise Unprocessable(f"idempotency_key must be a string of 1-{MAX_KEY_CHARS} printable characters",
                             extra={"field": f"requests[{i}].idempotency_key"})
     key = call_key if key is None else key
     try:
@@ -246,6 +257,7 @@ async def _batch_item(q: QueueClient, spec: ModelSpec, tenant: str, i: int, item
         existing = await q.idempotency.get(tenant, key)
         if existing is not None:
             return await _batch_replay(q, i, existing, digest, inference)
+    await _refuse_disabled_callback(q, inference, f"requests[{i}].")
     decision, inference = await _admit(q, inference, spec)
     claim, existing = await _claim_key(q, inference, digest)
     if existing is not None:
@@ -270,7 +282,7 @@ async def _batch_replay(q: QueueClient, i: int, existing: IdempotencyClaim, dige
     """A batch item whose key was seen: the original request, never a second one (as `_replay`)."""
     answer = await _replay(q, existing, digest, inference, wait=0.0)
     return {"index": i, "status": answer.status, "id": existing.request_id, "replayed": True,
-            "links": links(existing.request_id)}
+            "request_status": answer.body.get("status"), "links": links(existing.request_id)}
 
 
 async def _store(q: QueueClient, inference: InferenceRequest, decision: Decision,

@@ -16,12 +16,22 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from shared.errors import ValidationError
+from shared.model_context import CONTEXT_EXCEEDED
 from shared.validation import convert
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 64
 MAX_SEED = 2**63 - 1
+MIN_TOP_P = 1e-6  # the smallest nucleus: the likeliest token alone
 MAX_TOKEN_ID = 2**31 - 1
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range, [-2, 2]
+MIN_REPETITION_PENALTY = 0.01  # below, a float32 logit divided by it overflows
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 1024  # tokens a request may bias
+MAX_BIAS = 100.0  # OpenAI's range, [-100, 100]: -100 bans a token, 100 all but forces it
+# the sampling fields a request sets only to change them: on the wire only where set (a worker of the release
+# before them serves every request that leaves them out)
+PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 
 NonEmptyStr = Annotated[str, Meta(min_length=1)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LENGTH)]
@@ -47,11 +57,24 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_new_tokens: Annotated[int, Meta(ge=1, description="at most the model's max_new_tokens; "
                                                           "default: the model's default")] = 64
     temperature: Annotated[float, Meta(ge=0.0, le=10.0, description="0: greedy")] = 0.0
-    top_p: Annotated[float, Meta(ge=1e-6, le=1.0)] = 1.0
+    top_p: Annotated[float, Meta(ge=MIN_TOP_P, le=1.0)] = 1.0
     top_k: Annotated[int, Meta(ge=0, le=1_000_000, description="0: off")] | None = 0
     seed: Annotated[int, Meta(ge=0, le=MAX_SEED)] | None = None
     stop: Annotated[tuple[StopString, ...], Meta(max_length=MAX_STOP_STRINGS)] | StopString = ()
     ignore_eos: bool = False
+    presence_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
+        "subtracted from the logit of every token the output holds so far (OpenAI's presence_penalty)"))] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
+        "subtracted from a token's logit once per time the output holds it so far (OpenAI's frequency_penalty)"))
+    ] = 0.0
+    repetition_penalty: Annotated[float, Meta(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, description=(
+        "divides the positive logits (multiplies the negative ones) of every token of the prompt and output so "
+        "far, as transformers' generate does; 1: off; default: the model's generation_config"))] | None = None
+    logit_bias: Annotated[dict[TokenId, Annotated[float, Meta(ge=-MAX_BIAS, le=MAX_BIAS)]], Meta(
+        max_length=MAX_LOGIT_BIAS, extra_json_schema={"propertyNames": {"pattern": "^(0|[1-9][0-9]*)$"}},
+        description="token id -> added to its logit before the penalties and sampling "
+                                               "(OpenAI's logit_bias; -100 bans a token)")] = msgspec.field(
+        default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.stop, tuple):  # one string, or a list from the wire dict
@@ -59,6 +82,13 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                           else tuple(self.stop))
         if self.top_k is None:
             msgspec.structs.force_setattr(self, "top_k", 0)
+        if any(isinstance(k, str) for k in self.logit_bias):  # the wire's JSON spells the ids as strings
+            msgspec.structs.force_setattr(self, "logit_bias", {int(k): v for k, v in self.logit_bias.items()})
+
+    def bias_beyond(self, vocab: int | None) -> int | None:
+        """The smallest `logit_bias` token id that is not in a vocabulary of `vocab` tokens (None: all are, or the
+        size is unknown)."""
+        return min((t for t in self.logit_bias if t >= vocab), default=None) if vocab is not None else None
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +97,9 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def to_dict(self) -> dict[str, Any]:
         out = msgspec.structs.asdict(self)
         out["stop"] = list(self.stop)
+        for name in PENALTY_FIELDS:
+            if not out[name]:  # None, 0 or {}: the default (a repetition penalty is at least 0.01)
+                del out[name]
         return out
 
     def within(self, *, given: bool, limit: int, default_max_new_tokens: int) -> GenerateParams:
@@ -128,7 +161,8 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return {"prompt": self.prompt}
         if given == ["input_ids"] and isinstance(self.input_ids, list):
             if len(self.input_ids) > max_input_tokens:
-                raise ValidationError("input.input_ids", f"more than {max_input_tokens} tokens")
+                raise ValidationError("input.input_ids", f"more than {max_input_tokens} tokens",
+                                      code=CONTEXT_EXCEEDED)
             return {"input_ids": self.input_ids}
         if given == ["messages"] and isinstance(self.messages, list):
             if sum(len(m.content) for m in self.messages) > max_prompt_chars:

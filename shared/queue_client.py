@@ -57,6 +57,9 @@ LANE_LENGTH_CACHE_S = 0.05
 # The socket timeout of a caller-facing client (gateway, SDK direct mode): no command it sends blocks in Redis, so
 # one that has not answered in this long meets a Redis that is stopped or wedged (its 503 then comes this soon).
 REQUEST_SOCKET_TIMEOUT_S = 3.0
+# how long a cancel waits for the worker of a running request to stop it (at its next step: tens of ms; a
+# prompt's whole prefill on a CPU: about a second) before it writes the cancelled record itself
+CANCEL_GRACE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -290,7 +293,16 @@ class QueueClient:
             deadline_ms = None  # woken: read the record
 
     async def cancel(self, rec: StoredRecord) -> bool:
-        """Cancel unless already terminal. True if this call's write won."""
+        """Cancel unless already terminal. True if the request ended cancelled by this call.
+
+        A running request is asked of its worker first: it stops the row at its next step and writes the result
+        with the output generated so far (what a streaming caller was sent, so the deltas still add up to the
+        final output). Without an answer in `CANCEL_GRACE_S` (no live worker has it), or for a queued request,
+        the cancelled record is written here, with no output."""
+        if rec.state is Status.RUNNING and rec.meta is not None:
+            ended = await self._cancel_through_worker(rec)
+            if ended is not None:
+                return ended.state is Status.CANCELLED  # else it finished otherwise first
         won = await self.store.finish(RequestResult(
             id=rec.id, status=Status.CANCELLED, finish_reason=FinishReason.CANCELLED,
             error=ErrorInfo("cancelled", "cancelled by the caller"), finished_ms=self.now_ms(),
@@ -300,6 +312,17 @@ class QueueClient:
             await self.redis.publish(self.keys.cancel_channel(rec.meta.model), rec.id)
             await self.redis.zrem(self.keys.tenant_active(rec.meta.tenant), rec.id)
         return won
+
+    async def _cancel_through_worker(self, rec: StoredRecord) -> StoredRecord | None:
+        """Publish the cancel to the model's workers and wait for the request's terminal record; None when it
+        did not come within `CANCEL_GRACE_S`."""
+        assert rec.meta is not None
+        async with self.waiting(rec.id) as sub:
+            await self.redis.publish(self.keys.cancel_channel(rec.meta.model), rec.id)
+            if sub is None:
+                return None
+            ended = await self.wait_on(sub, rec.id, CANCEL_GRACE_S)
+        return ended if ended is not None and ended.terminal else None
 
     async def backlog(self, model: str, lanes: tuple[str, ...]) -> dict[str, int]:
         pipe = self.redis.pipeline(transaction=False)

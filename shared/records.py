@@ -106,10 +106,12 @@ end
 return out
 """
 
-# KEYS[1] record; ARGV callback state. Keeps the record's view of its webhook current (if it still exists).
+# KEYS[1] record; ARGV callback state, its event. Keeps the record's view of its webhooks current (if it still
+# exists): the latest delivery's state ('cb') and each event's ('cb:<event>': a started webhook that died stays
+# visible, and replayable, after the completed one was delivered).
 CALLBACK_STATE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'cb', ARGV[1])
+redis.call('HSET', KEYS[1], 'cb', ARGV[1], 'cb:' .. ARGV[2], ARGV[1])
 return 1
 """
 
@@ -122,7 +124,8 @@ class StoredRecord:
     result: RequestResult | None
     started_ms: int | None
     attempts: int = 0
-    callback: CallbackState | None = None
+    callback: CallbackState | None = None  # the latest delivery's
+    deliveries: tuple[CallbackState, ...] = ()  # each event's latest delivery, in the order the events happen
 
     @property
     def terminal(self) -> bool:
@@ -246,7 +249,7 @@ class RecordStore:
         return len(found)
 
     async def set_callback_state(self, request_id: str, state: CallbackState) -> None:
-        await self._cb_state(keys=[self.keys.record(request_id)], args=[encode(state)])
+        await self._cb_state(keys=[self.keys.record(request_id)], args=[encode(state), state.event])
 
 
 def ungroup(groups: list[list[int]], replies: Sequence[Any], n: int) -> list[Any]:
@@ -269,8 +272,11 @@ def parse_record(request_id: str, raw: dict[bytes, bytes]) -> StoredRecord | Non
     result = decode(raw[b"result"], RequestResult) if b"result" in raw else None
     started = int(raw[b"started"]) if b"started" in raw else None
     callback = decode(raw[b"cb"], CallbackState) if b"cb" in raw else None
+    deliveries = tuple(decode(raw[f"cb:{event}".encode()], CallbackState) for event in OUTBOX_EVENTS
+                       if f"cb:{event}".encode() in raw)
     return StoredRecord(id=request_id, state=Status(_text(raw[b"state"])), meta=meta, result=result,
-                        started_ms=started, attempts=int(raw.get(b"attempts", 0)), callback=callback)
+                        started_ms=started, attempts=int(raw.get(b"attempts", 0)), callback=callback,
+                        deliveries=deliveries or ((callback,) if callback else ()))
 
 
 RECORD_FIELDS = (b"state", b"result", b"meta", b"started", b"attempts", b"cb")  # in a record event, in order

@@ -21,6 +21,7 @@ from shared.errors import ValidationError
 from shared.ids import new_request_id
 from shared.lanes import assign_lane, estimate_embed_tokens, estimate_generate_tokens
 from shared.messages import Callback, InferenceRequest
+from shared.model_context import CONTEXT_EXCEEDED, context_message
 from shared.params import ITEM_LISTS, EmbedInput, EmbedParams, GenerateInput, GenerateParams, exactly_one
 from shared.ssrf import AllowList, RefusedURL, check_url
 from shared.states import Priority, Task
@@ -113,24 +114,28 @@ def resolve_callback(spec: CallbackSpec, allow: AllowList) -> Callback:
 
 
 def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, truncate: bool = False,
-                 field: str = "") -> None:
+                 field: str = "") -> tuple[int | None, str]:
     """Token limits the gateway can know before queueing (the model's vocabulary, its tokenizer): a prompt
-    or text too long for the model, a token id outside its vocabulary. Unknowable ones are the worker's."""
+    or text too long for the model, a token id outside its vocabulary. Unknowable ones are the worker's.
+    Returns a prompt's token count where it could count it (else None), and its field."""
     if "input_ids" in inp:
         vocab = limits.vocab_size(spec)
         bad = next(((i, t) for i, t in enumerate(inp["input_ids"]) if vocab is not None and t >= vocab), None)
         if bad is not None:
             raise ValidationError("input.input_ids", f"item {bad[0]}: {bad[1]} is not a token of this model "
                                                      f"(its vocabulary has {vocab} tokens: ids 0-{vocab - 1})")
-    elif "prompt" in inp or "messages" in inp:
+        return len(inp["input_ids"]), "input.input_ids"
+    if "prompt" in inp or "messages" in inp:
         if "prompt" in inp:
             counts = limits.count(spec, [inp["prompt"]])
             n, where = (counts[0] if counts is not None else None), "input.prompt"
         else:
             n, where = limits.count_chat(spec, inp["messages"]), "input.messages"
         if n is not None and n > spec.max_input_tokens:
-            raise ValidationError(where, f"is {n} tokens; this model takes at most {spec.max_input_tokens}")
-    elif "texts" in inp and not truncate:
+            raise ValidationError(where, f"is {n} tokens; this model takes at most {spec.max_input_tokens}",
+                                  code=CONTEXT_EXCEEDED)
+        return n, where
+    if "texts" in inp and not truncate:
         cap = limits.max_text_tokens(spec)
         counts = limits.count(spec, inp["texts"]) or []
         for i, n in enumerate(counts):
@@ -138,6 +143,28 @@ def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, t
                 where = "input.text" if field == "input.text" else f"input.texts[{i}]"
                 raise ValidationError(where, f"is {n} tokens; this model takes at most {cap} per text "
                                              "(or set params.truncate to cut it, reported in the result)")
+    return None, ""
+
+
+def check_bias(params: GenerateParams, vocab: int | None) -> None:
+    """`logit_bias` names tokens of the model's vocabulary (where the gateway knows its size)."""
+    if (bad := params.bias_beyond(vocab)) is not None:
+        raise ValidationError("params.logit_bias", f"{bad} is not a token of this model (its vocabulary has "
+                                                   f"{vocab} tokens: ids 0-{vocab - 1})")
+
+
+def within_context(params: GenerateParams, given: bool, prompt_tokens: int | None, where: str,
+                   context: int | None) -> GenerateParams:
+    """A prompt and its new tokens within the model's context (`shared.model_context`), as OpenAI and vLLM hold
+    them: a default `max_new_tokens` shrinks to what fits; one the caller gave that does not fit, or a prompt that
+    fills the context alone, is refused naming the field to change."""
+    if context is None or prompt_tokens is None or prompt_tokens + params.max_new_tokens <= context:
+        return params
+    room = context - prompt_tokens
+    if not given and room >= 1:
+        return msgspec.structs.replace(params, max_new_tokens=room)
+    field = "params.max_new_tokens" if room >= 1 else where
+    raise ValidationError(field, context_message(context, prompt_tokens, params.max_new_tokens), code=CONTEXT_EXCEEDED)
 
 
 def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
@@ -153,13 +180,15 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
     sub = convert(body, SUBMIT_TYPES[spec.task], item_lists=ITEM_LISTS)
     if isinstance(sub, GenerateSubmit):
         raw_params = body.get("params")
+        given = isinstance(raw_params, dict) and "max_new_tokens" in raw_params
         params = (sub.params or GenerateParams()).within(
-            given=isinstance(raw_params, dict) and "max_new_tokens" in raw_params,
-            limit=spec.max_new_tokens, default_max_new_tokens=spec.default_max_new_tokens)
+            given=given, limit=spec.max_new_tokens, default_max_new_tokens=spec.default_max_new_tokens)
         inp = sub.input.normalised(max_prompt_chars=spec.max_input_tokens * 16,
                                    max_input_tokens=spec.max_input_tokens)
         if limits is not None:
-            check_tokens(inp, spec, limits)
+            prompt_tokens, where = check_tokens(inp, spec, limits)
+            params = within_context(params, given, prompt_tokens, where, limits.context(spec))
+            check_bias(params, limits.vocab_size(spec))
         _, tokens = estimate_generate_tokens(inp, params.max_new_tokens)
         params_dict = params.to_dict()
         stream = sub.stream

@@ -99,22 +99,30 @@ class TenantLimits:
         cfg = await self.cache.get("cfg:" + tenant, lambda: self.tenants.get(tenant))
         return cfg if isinstance(cfg, TenantConfig) else TenantConfig(tenant)
 
-    async def admit(self, tenant: str, request_id: str = "", expires_ms: int = 0) -> bool:
-        """Raise 429 with Retry-After if the tenant is over its rate or its backlog quota; otherwise take a
-        rate token and (with a quota) reserve the request's slot until it finishes or `expires_ms`. True when
-        a slot was reserved (then whoever ends the request gives it back)."""
-        n = 1
+    async def max_backlog(self, tenant: str) -> int | None:
+        """The most requests the tenant may have queued or running at once; None: no quota."""
+        return self._quota_of(await self.config(tenant))
+
+    def _quota_of(self, cfg: TenantConfig) -> int | None:
+        quota = cfg.max_backlog if cfg.max_backlog is not None else self.default_backlog
+        return quota if quota and quota > 0 else None
+
+    async def admit(self, tenant: str, request_id: str = "", expires_ms: int = 0, *, tokens: int = 1) -> bool:
+        """Raise 429 with Retry-After if the tenant is over its rate or its backlog quota; otherwise take `tokens`
+        rate tokens (a call of several requests takes them all with its first, 0 with the others) and (with a
+        quota) reserve the request's slot until it finishes or `expires_ms`. True when a slot was reserved (then
+        whoever ends the request gives it back)."""
         cfg = await self.config(tenant)
         rate = cfg.rate_per_s if cfg.rate_per_s is not None else self.default_rate
-        if rate and rate > 0:
+        if rate and rate > 0 and tokens > 0:
             burst = cfg.burst if cfg.burst is not None else (self.default_burst or max(1, math.ceil(rate)))
             wait_ms = await self._bucket(keys=[self.keys.rate(tenant, 0)],
-                                         args=[rate, max(burst, n), int(self.clock() * 1000), n])
+                                         args=[rate, max(burst, tokens), int(self.clock() * 1000), tokens])
             if int(wait_ms) > 0:
                 raise TooManyRequests(f"tenant {tenant!r} is over its rate limit of {rate:g} requests/s",
                                       code="rate_limited", retry_after=int(wait_ms) / 1000)
-        quota = cfg.max_backlog if cfg.max_backlog is not None else self.default_backlog
-        if quota and quota > 0:
+        quota = self._quota_of(cfg)
+        if quota is not None:
             fits = await self._quota(keys=[self.keys.tenant_active(tenant)],
                                      args=[int(self.clock() * 1000), quota, request_id, expires_ms, ACTIVE_SET_TTL_MS])
             if not int(fits):

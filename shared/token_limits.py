@@ -29,6 +29,7 @@ from typing import Any
 import structlog
 
 from shared.config import ModelSpec
+from shared.model_context import exact_context
 
 log = structlog.get_logger(__name__)
 
@@ -189,6 +190,11 @@ class TokenLimits:
     def vocab_size(self, spec: ModelSpec) -> int | None:
         value = spec.vocab_size or self.config(spec).get("vocab_size")
         return value if isinstance(value, int) and value > 0 else None
+
+    def context(self, spec: ModelSpec) -> int | None:
+        """The longest sequence a generation model computes exactly (`shared.model_context`), where its config is
+        here to say."""
+        return exact_context(self.config(spec))
 
     def max_text_tokens(self, spec: ModelSpec) -> int:
         """Tokens per text an encoder takes: its `max_input_tokens`, at most its position embeddings."""

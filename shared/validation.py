@@ -20,6 +20,7 @@ from shared.errors import ValidationError
 T = TypeVar("T")
 
 _AT = re.compile(r"^(?P<text>.*?)(?: - at `\$(?P<at>[^`]*)`)?$", re.S)
+_KEY = re.compile(r"(?P<text>.*) - at `key` in `\$(?P<at>[^`]*)`", re.S)
 _NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
           "object": "an object", "array": "a list", "null": "null"}
 _WORDS = {">=": "at least", "<=": "at most", ">": "greater than", "<": "less than"}
@@ -63,7 +64,7 @@ def convert(raw: Any, typ: type[T], path: str = "", *, item_lists: tuple[str, ..
     """`raw` as a `typ`. An error on an item of one of `item_lists` (lists of short values, such as
     "params.stop") is reported at the list itself, naming the item."""
     try:
-        return msgspec.convert(raw, typ, strict=True)
+        return msgspec.convert(raw, typ, strict=True, str_keys=True)  # JSON's keys are strings: {"42": ...}
     except msgspec.ValidationError as exc:
         field, message = explain(str(exc), typ)
         field = join(path, field)
@@ -74,7 +75,20 @@ def convert(raw: Any, typ: type[T], path: str = "", *, item_lists: tuple[str, ..
 
 
 def explain(error: str, typ: Any) -> tuple[str, str]:
-    """(field path, message) from a msgspec validation error raised while converting to `typ`."""
+    """(field path, message) from a msgspec validation error raised while converting to `typ`; an object's key
+    or value (msgspec names neither) is reported at the object: "every key must be ..."."""
+    if key := _KEY.fullmatch(error):
+        message = _explain(key.group("text"), typ)[1]
+        if message.startswith("must be an integer, got"):  # a JSON object's keys are strings: "42" is read as 42
+            message = "must be an integer (written as a string of digits)"
+        return key.group("at").lstrip("."), "every key " + message
+    at, message = _explain(error, typ)
+    if at.endswith("[...]"):
+        return at.removesuffix("[...]"), "every value " + message
+    return at, message
+
+
+def _explain(error: str, typ: Any) -> tuple[str, str]:
     m = _AT.match(error)
     text, at = (m.group("text"), (m.group("at") or "").lstrip(".")) if m else (error, "")
     if found := re.fullmatch(r"Object contains unknown field `(.+)`", text):

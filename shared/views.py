@@ -5,12 +5,13 @@ document's response schemas are generated from them, so the two cannot drift apa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from shared.messages import Callback, CallbackState
+from shared.messages import REPLAYABLE, Callback, CallbackState
 from shared.records import StoredRecord
 from shared.states import FinishReason, Priority, Status, Task
 
@@ -28,6 +29,17 @@ class ErrorBody(msgspec.Struct, frozen=True):
     error: ErrorDetail
 
 
+class DeliveryView(msgspec.Struct, frozen=True):
+    event: str
+    status: str
+    attempts: int
+    last_status_code: int | None
+    last_error: str | None
+    next_attempt_at: float | None
+    delivered_at: float | None
+    webhook_id: str
+
+
 class CallbackView(msgspec.Struct, frozen=True):
     url: str
     events: list[str]
@@ -39,6 +51,8 @@ class CallbackView(msgspec.Struct, frozen=True):
     next_attempt_at: float | UnsetType | None = UNSET
     delivered_at: float | UnsetType | None = UNSET
     webhook_id: str | UnsetType = UNSET
+    # each event's delivery (the fields above are the latest one's), when the request has more than one
+    deliveries: list[DeliveryView] | UnsetType = UNSET
 
 
 class ResultError(msgspec.Struct, frozen=True):
@@ -90,18 +104,27 @@ def _sec(ms: int | None) -> float | None:
     return None if ms is None else ms / 1000
 
 
-def _callback(cb: Callback, state: CallbackState | None) -> CallbackView:
+def _delivery(state: CallbackState) -> DeliveryView:
+    return DeliveryView(event=state.event, status=state.status, attempts=state.attempts,
+                        last_status_code=state.last_status_code, last_error=state.last_error or None,
+                        next_attempt_at=_sec(state.next_attempt_ms), delivered_at=_sec(state.delivered_ms),
+                        webhook_id=state.delivery_id)
+
+
+def _callback(cb: Callback, state: CallbackState | None, deliveries: Sequence[CallbackState] = ()) -> CallbackView:
     if state is None:  # nothing to deliver yet (or the delivery is queued)
         return CallbackView(url=cb.url, events=list(cb.events), status="waiting")
+    d = _delivery(state)
     return CallbackView(
-        url=cb.url, events=list(cb.events), status=state.status, event=state.event, attempts=state.attempts,
-        last_status_code=state.last_status_code, last_error=state.last_error or None,
-        next_attempt_at=_sec(state.next_attempt_ms), delivered_at=_sec(state.delivered_ms),
-        webhook_id=state.delivery_id)
+        url=cb.url, events=list(cb.events), status=d.status, event=d.event, attempts=d.attempts,
+        last_status_code=d.last_status_code, last_error=d.last_error, next_attempt_at=d.next_attempt_at,
+        delivered_at=d.delivered_at, webhook_id=d.webhook_id,
+        deliveries=[_delivery(x) for x in deliveries] if len(deliveries) > 1 else UNSET)
 
 
-def callback_view(cb: Callback, state: CallbackState | None) -> dict[str, Any]:
-    return msgspec.to_builtins(_callback(cb, state))
+def callback_view(cb: Callback, state: CallbackState | None,
+                  deliveries: Sequence[CallbackState] = ()) -> dict[str, Any]:
+    return msgspec.to_builtins(_callback(cb, state, deliveries))
 
 
 def request_view(rec: StoredRecord) -> RequestView:
@@ -110,8 +133,8 @@ def request_view(rec: StoredRecord) -> RequestView:
     callback: CallbackView | UnsetType = UNSET
     out_links = links(rec.id)
     if meta is not None and meta.callback is not None:
-        callback = _callback(meta.callback, rec.callback)
-        if rec.callback is not None and rec.callback.status in ("dead", "failed"):
+        callback = _callback(meta.callback, rec.callback, rec.deliveries)
+        if any(d.status in REPLAYABLE for d in rec.deliveries):
             out_links["replay_callback"] = f"/v1/requests/{rec.id}/callback:replay"
     return RequestView(
         id=rec.id, status=rec.state,

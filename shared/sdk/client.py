@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from shared.idempotency_keys import KEY_RULE, valid_idempotency_key
 from shared.sdk.errors import (
     BatchgateError,
     DeadlineInfeasible,
@@ -83,7 +84,9 @@ def parse_sse(lines: Iterable[str], state: dict[str, Any]) -> Iterator[Event]:
             state[name] = value[1:] if value.startswith(" ") else value
 
 
+_SUBMIT_ARGS = frozenset({"input", "params", "timeout_s", "deadline", "priority", "callback", "stream"})
 EVENT_RETRIES = 5  # reconnects of an event stream after a dropped connection (with Last-Event-ID)
+EVENT_RETRY_S = 0.2  # the pause before each
 
 
 class _Common:
@@ -101,7 +104,9 @@ class _Common:
         h = {"accept": "application/json"}
         if self.api_key:
             h["authorization"] = f"Bearer {self.api_key}"
-        if idempotency_key:
+        if idempotency_key is not None:
+            if not valid_idempotency_key(idempotency_key):  # the gateway's rule, checked before sending
+                raise InvalidRequest(KEY_RULE, status=400, code="invalid_idempotency_key")
             h["idempotency-key"] = idempotency_key
         return h
 
@@ -167,18 +172,18 @@ class _Common:
                                      "'params': ...}}), got " + (f"keys {sorted(it)}" if isinstance(it, dict)
                                                                   else type(it).__name__), code="invalid_request")
             body = self._body(it["input"], it.get("params"), it.get("timeout_s"), it.get("deadline"),
-                              it.get("priority"), it.get("callback"))
-            if it.get("idempotency_key"):
-                body["idempotency_key"] = it["idempotency_key"]
-            out.append(body)
+                              it.get("priority"), it.get("callback"), bool(it.get("stream")))
+            # every other field as given: the gateway takes idempotency_key and names a field it does not know
+            out.append({**{k: v for k, v in it.items() if k not in _SUBMIT_ARGS}, **body})
         return out
 
     @staticmethod
     def _batch_outcomes(resp: dict[str, Any]) -> list[Submission | BatchgateError]:
         out: list[Submission | BatchgateError] = []
         for r in resp["results"]:
-            if r["status"] in (200, 202):
-                out.append(Submission(r["id"], "queued", r.get("eta_ms"), r.get("queue_position"), r))
+            if r["status"] in (200, 202):  # a replayed item says where its request is (200: finished)
+                out.append(Submission(r["id"], r.get("request_status") or "queued", r.get("eta_ms"),
+                                      r.get("queue_position"), r))
             else:
                 out.append(error_for(r["status"], r, (r.get("error") or {}).get("retry_after")))
         return out
@@ -274,7 +279,8 @@ class AsyncBatchgateClient(_Common):
         with `stream=True`; else its whole output as one), the final result. A dropped connection is resumed
         where it left off (Last-Event-ID); so is a call given the `id` of the last event a caller had."""
         if self._direct is not None:
-            async for ev in self._direct.events(request_id, last_event_id):
+            async for ev in self._direct.events(request_id, last_event_id, retries=EVENT_RETRIES,
+                                                pause_s=EVENT_RETRY_S):
                 yield Event(ev.event, ev.data, ev.id)
             return
         retries = EVENT_RETRIES
@@ -296,7 +302,7 @@ class AsyncBatchgateClient(_Common):
                 retries -= 1
                 if retries < 0:
                     raise Unavailable(f"event stream of {request_id} lost: {exc!r}") from exc
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(EVENT_RETRY_S)
 
     async def stream(self, request_ids: Iterable[str], timeout: float = 300.0) -> AsyncIterator[Result]:
         """Results of many requests, in the order they finish."""
@@ -407,7 +413,7 @@ class BatchgateClient(_Common):
                 retries -= 1
                 if retries < 0:
                     raise Unavailable(f"event stream of {request_id} lost: {exc!r}") from exc
-                time.sleep(0.2)
+                time.sleep(EVENT_RETRY_S)
 
     def stream(self, request_ids: Iterable[str], timeout: float = 300.0, concurrency: int = 16) -> Iterator[Result]:
         """Results of many requests, in the order they finish (long-polls on a small thread pool)."""

@@ -8,6 +8,7 @@ no gateway, Starlette or uvicorn module.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
@@ -19,7 +20,7 @@ from shared.config import Settings
 from shared.events import follow, parse_last_event_id
 from shared.queue_client import QueueClient
 from shared.redis_io import UNAVAILABLE
-from shared.sdk.errors import error_for
+from shared.sdk.errors import Unavailable, error_for
 
 _ROUTES = (
     ("POST", re.compile(r"^/v1/models/([^/]+)/requests$"), "submit"),
@@ -41,19 +42,31 @@ class DirectTransport:
     async def aclose(self) -> None:
         await self._queue.close()
 
-    async def events(self, request_id: str, last_event_id: str | None) -> AsyncIterator[Any]:
+    async def events(self, request_id: str, last_event_id: str | None, *, retries: int = 5,
+                     pause_s: float = 0.2) -> AsyncIterator[Any]:
         """A request's events (`shared.events.ServerEvent`), read from Redis as the gateway's event stream
-        reads them."""
+        reads them; resumed after a lost connection up to `retries` times, `pause_s` apart."""
         try:
             after = parse_last_event_id(last_event_id)
         except ValueError as exc:
             raise error_for(400, BadRequest(str(exc), code="invalid_last_event_id").body(), None) from exc
-        try:
-            rec = await ops.visible(self._queue, self._tenant, request_id)
-        except ApiError as exc:
-            raise error_for(exc.status, exc.body(), None) from exc
-        async for ev in follow(self._queue, rec, after):
-            yield ev
+        sent = None
+        while True:
+            try:
+                rec = await ops.visible(self._queue, self._tenant, request_id)
+                async for ev in follow(self._queue, rec, after, sent):
+                    after = parse_last_event_id(ev.id) if ev.id else after
+                    if ev.event == "status" and isinstance(ev.data, dict):
+                        sent = ev.data.get("status", sent)
+                    yield ev
+                return
+            except ApiError as exc:
+                raise error_for(exc.status, exc.body(), None) from exc
+            except UNAVAILABLE as exc:  # resumed where it left off, as the HTTP client resumes a dropped stream
+                retries -= 1
+                if retries < 0:
+                    raise Unavailable(f"event stream of {request_id} lost: {exc!r}") from exc
+                await asyncio.sleep(pause_s)
 
     async def request(self, method: str, path: str, body: Any, params: dict[str, Any],
                       headers: dict[str, str]) -> tuple[int, dict[str, str], Any]:

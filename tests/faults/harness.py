@@ -78,23 +78,26 @@ class WorkerProc:
                                      stdout=self.log.open("a"), stderr=subprocess.STDOUT)
         return self
 
-    def wait_ready(self, r: redis.Redis, prefix: str, timeout: float = 120) -> None:
+    async def wait_ready(self, r: redis.Redis, prefix: str, timeout: float = 120) -> None:
+        """Until the worker has registered; the event loop (the in-process gateway's too) runs meanwhile, as a
+        gateway's does while a worker starts elsewhere."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"worker {self.name} exited during start-up:\n{self.log.read_text()[-3000:]}")
             if r.hexists(f"{prefix}:workers", self.name):
                 return
-            time.sleep(0.05)
+            await asyncio.sleep(0.05)
         raise RuntimeError(f"worker {self.name} not ready")
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
 
-    def wait(self, timeout: float = 60) -> int:
+    async def wait(self, timeout: float = 60) -> int:
+        """Its exit code, once it has exited (the event loop runs meanwhile)."""
         assert self.proc is not None
-        return self.proc.wait(timeout)
+        return await asyncio.to_thread(self.proc.wait, timeout)
 
     @property
     def alive(self) -> bool:
@@ -161,11 +164,12 @@ class Cluster:
     rejected: int = 0
     unavailable: int = 0
 
-    def worker(self, name: str, **extra_env: str) -> WorkerProc:
+    async def worker(self, name: str, **extra_env: str) -> WorkerProc:
+        """A worker process, once it has registered (seconds: it loads its models)."""
         env = {**self.env, "BATCHGATE_WORKER_NAME": name, **extra_env}
         w = WorkerProc(env, name, self.tmp / f"{name}.log").start()
         self.workers.append(w)
-        w.wait_ready(self.redis.client(), self.prefix)
+        await w.wait_ready(self.redis.client(), self.prefix)
         return w
 
     async def submit(self, body: dict[str, Any], *, wait: float = 0, headers: dict[str, str] | None = None,
@@ -224,7 +228,7 @@ class Cluster:
         for w in self.workers:
             if w.proc is not None:
                 try:
-                    w.wait(60)
+                    w.proc.wait(60)  # teardown: nothing is served any more
                 except subprocess.TimeoutExpired:
                     w.signal(signal.SIGKILL)
 

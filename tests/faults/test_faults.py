@@ -24,13 +24,13 @@ def running(c) -> int:
 
 async def test_kill9_mid_batch(tmp_path, model_cache, prefix):
     async with cluster(tmp_path, model_cache, prefix) as c:
-        a = c.worker("w-a")
+        a = await c.worker("w-a")
         for _ in range(8):
             await c.submit(LONG)
         await until(lambda: running(c) >= 4)
         a.signal(signal.SIGKILL)
         t_fault = time.monotonic()
-        c.worker("w-b")
+        await c.worker("w-b")
         final = await c.ledger("1 kill -9 mid-batch", t_fault)
         assert len(final) == len(c.accepted) == 8
         assert all(r["status"] == "succeeded" for r in final.values())
@@ -39,7 +39,7 @@ async def test_kill9_mid_batch(tmp_path, model_cache, prefix):
 
 async def test_kill9_after_result_write_before_ack(tmp_path, model_cache, prefix):
     async with cluster(tmp_path, model_cache, prefix) as c:
-        a = c.worker("w-a", BATCHGATE_FAULTS="kill_after_result_write=1")
+        a = await c.worker("w-a", BATCHGATE_FAULTS="kill_after_result_write=1")
         rs = await asyncio.gather(*(c.submit(SHORT) for _ in range(6)))
         assert all(r.status_code == 202 for r in rs)
         await until(lambda: not a.alive)
@@ -48,7 +48,7 @@ async def test_kill9_after_result_write_before_ack(tmp_path, model_cache, prefix
         written = {rid: r.hget(f"{prefix}:{{r:{rid}}}:rec", "result") for rid in c.accepted}
         written = {rid: decode(v, RequestResult) for rid, v in written.items() if v}
         assert written, "the worker should have written some results before dying"
-        c.worker("w-b")
+        await c.worker("w-b")
         final = await c.ledger("2 kill -9 after result write, before XACK", t_fault,
                                written_before_kill=len(written))
         assert len(final) == 6
@@ -59,15 +59,16 @@ async def test_kill9_after_result_write_before_ack(tmp_path, model_cache, prefix
 async def test_kill9_after_ack_waiters_still_get_results(tmp_path, model_cache, prefix):
     async with cluster(tmp_path, model_cache, prefix) as c:
         ids = [(await c.submit(SHORT)).json()["id"] for _ in range(4)]
-        waiters = [asyncio.create_task(c.client.get(f"/v1/requests/{rid}", params={"wait": 30})) for rid in ids]
-        a = c.worker("w-a", BATCHGATE_FAULTS="kill_after_ack=1")
         t0 = time.monotonic()
+        waiters = [asyncio.create_task(c.client.get(f"/v1/requests/{rid}", params={"wait": 60})) for rid in ids]
+        a = await c.worker("w-a", BATCHGATE_FAULTS="kill_after_ack=1")  # the waiters wait while it starts
         await until(lambda: not a.alive)
         got = await asyncio.gather(*waiters)
         finished = [g for g in got if g.json()["status"] == "succeeded"]
-        assert finished and time.monotonic() - t0 < 20  # woken by the event, not by their 30 s timeout
+        # woken by the event, not by their 60 s timeout (the worker's start-up counts: seconds, not tens)
+        assert finished and time.monotonic() - t0 < 45
         t_fault = time.monotonic()
-        c.worker("w-b")
+        await c.worker("w-b")
         final = await c.ledger("3 kill -9 after XACK (done event already sent)", t_fault,
                                waiters_woken=len(finished))
         assert len(final) == 4
@@ -75,28 +76,28 @@ async def test_kill9_after_ack_waiters_still_get_results(tmp_path, model_cache, 
 
 async def test_sigterm_mid_batch_hands_back(tmp_path, model_cache, prefix):
     async with cluster(tmp_path, model_cache, prefix, BATCHGATE_DRAIN_BUDGET_S="0.3") as c:
-        a = c.worker("w-a")
+        a = await c.worker("w-a")
         for _ in range(10):
             await c.submit(LONG)
         await until(lambda: running(c) >= 4)
         a.signal(signal.SIGTERM)
         t_fault = time.monotonic()
-        assert a.wait(30) == 0
+        assert await a.wait(30) == 0
         drained_in = time.monotonic() - t_fault
         r = c.redis.client()
         for lane in ("short", "medium", "long"):
             stream = f"{prefix}:{{m:tiny-llama}}:lane:{lane}"
             assert r.xpending_range(stream, "workers", "-", "+", 10, consumername="w-a") == []
             assert "w-a" not in [x["name"].decode() for x in r.xinfo_consumers(stream, "workers")]
-        c.worker("w-b")
+        await c.worker("w-b")
         final = await c.ledger("4 SIGTERM mid-batch (drain, hand back)", t_fault, drain_s=round(drained_in, 2))
         assert len(final) == 10 and all(v["status"] == "succeeded" for v in final.values())
 
 
 async def test_long_batch_beyond_idle_threshold_is_not_stolen_and_hung_worker_is(tmp_path, model_cache, prefix):
     async with cluster(tmp_path, model_cache, prefix, BATCHGATE_RECLAIM_IDLE_S="1.0") as c:
-        a = c.worker("w-a")
-        b = c.worker("w-b")
+        a = await c.worker("w-a")
+        b = await c.worker("w-b")
         t0 = time.monotonic()
         await asyncio.gather(*(c.submit(LONG) for _ in range(16)))
         final = await c.ledger("5a batch longer than the idle threshold, live workers", t0)
@@ -104,13 +105,13 @@ async def test_long_batch_beyond_idle_threshold_is_not_stolen_and_hung_worker_is
         assert max(v["finished_at"] - v["started_at"] for v in final.values()) > 1.0  # really longer than it
         c.accepted.clear()
         b.signal(signal.SIGTERM)  # leave w-a alone with the next requests
-        assert b.wait(30) == 0
+        assert await b.wait(30) == 0
         codes = [(await c.submit(LONG)).status_code for _ in range(12)]
         assert codes == [202] * 12, codes
         await until(lambda: running(c) >= 2, every=0.01)
         a.signal(signal.SIGSTOP)  # hung: alive but silent, renews nothing
         t_fault = time.monotonic()
-        c.worker("w-c")
+        await c.worker("w-c")
         final = await c.ledger("5b hung worker (SIGSTOP) reclaimed", t_fault)
         a.signal(signal.SIGCONT)
         assert len(final) == 12 and all(v["status"] == "succeeded" for v in final.values())
@@ -119,7 +120,7 @@ async def test_long_batch_beyond_idle_threshold_is_not_stolen_and_hung_worker_is
 async def test_poison_requests(tmp_path, model_cache, prefix):
     async with cluster(tmp_path, model_cache, prefix,
                        BATCHGATE_FAULTS="raise_token=6666,kill_token=7777") as c:
-        c.worker("w-0")
+        await c.worker("w-0")
         mates = [{"input": {"input_ids": [5, 6, 7 + i]}, "params": {"max_new_tokens": 4}} for i in range(4)]
         bad = {"input": {"input_ids": [5, 6666, 7]}, "params": {"max_new_tokens": 4}}
         got = await asyncio.gather(*(c.submit(b, wait=30) for b in [*mates, bad]))
@@ -135,7 +136,7 @@ async def test_poison_requests(tmp_path, model_cache, prefix):
                 break
             if not any(w.alive for w in c.workers):
                 restarts += 1
-                c.worker(f"w-{restarts}")
+                await c.worker(f"w-{restarts}")
         final = await c.ledger("6 poison requests (raises / kills workers)", t_fault, worker_restarts=restarts)
         assert final[killer]["status"] == "failed" and final[killer]["error"]["code"] == "poison_request"
         assert c.redis.client().xlen(f"{prefix}:{{m:tiny-llama}}:dead") == 1
@@ -145,7 +146,7 @@ async def test_poison_requests(tmp_path, model_cache, prefix):
 @pytest.mark.standalone
 async def test_redis_restart_and_client_kill(tmp_path, model_cache, prefix):
     async with cluster(tmp_path, model_cache, prefix, own=OwnRedis()) as c:
-        c.worker("w-a")
+        await c.worker("w-a")
         for _ in range(12):
             await c.submit(LONG)
         await until(lambda: running(c) >= 2)
@@ -219,7 +220,7 @@ async def until_async(predicate, timeout: float) -> None:
 
 async def test_retried_submit_with_idempotency_key(tmp_path, model_cache, prefix):
     async with cluster(tmp_path, model_cache, prefix) as c:
-        c.worker("w-a")
+        await c.worker("w-a")
         t0 = time.monotonic()
         first = await c.submit(SHORT, headers={"Idempotency-Key": "order-1"})
         again = await c.submit(SHORT, headers={"Idempotency-Key": "order-1"})
@@ -238,7 +239,7 @@ async def test_retried_submit_with_idempotency_key(tmp_path, model_cache, prefix
 
 async def test_subscribe_race(tmp_path, model_cache, prefix):
     async with cluster(tmp_path, model_cache, prefix) as c:
-        c.worker("w-a")
+        await c.worker("w-a")
         t0 = time.monotonic()
         ids = [(await c.submit(SHORT, wait=30)).json()["id"] for _ in range(3)]  # finished before anyone waits
         for rid in ids:
@@ -259,7 +260,7 @@ async def test_backlog_past_the_stream_cap(tmp_path, model_cache, prefix):
         assert r.xlen(stream) == 20  # nothing unread was trimmed
         peak = r.info("memory")["used_memory"]
         t0 = time.monotonic()
-        c.worker("w-a")
+        await c.worker("w-a")
         final = await c.ledger("10 backlog past the stream cap", t0, rejected_429=codes.count(429))
         assert len(final) == 20
         await until(lambda: r.xlen(stream) == 0)
@@ -306,15 +307,15 @@ def stream_is_whole(events: list[dict]) -> dict:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 async def test_a_stream_survives_its_worker_without_a_repeated_or_changed_token(tmp_path, model_cache, prefix, sig):
     async with cluster(tmp_path, model_cache, prefix, BATCHGATE_DRAIN_BUDGET_S="0.2") as c:
-        a = c.worker("w-a")
+        a = await c.worker("w-a")
         ids = [(await c.submit(STREAMED)).json()["id"] for _ in range(3)]
         readers = [asyncio.create_task(follow_events(c, rid)) for rid in ids]
         r = c.redis.client()
         await until(lambda: all(r.xlen(f"{prefix}:{{r:{rid}}}:ev") >= 5 for rid in ids))  # mid-stream
         a.signal(sig)
         t_fault = time.monotonic()
-        a.wait(30)
-        c.worker("w-b")
+        await a.wait(30)
+        await c.worker("w-b")
         streams = await asyncio.wait_for(asyncio.gather(*readers), 240)
         final = await c.ledger(f"streaming: {signal.Signals(sig).name} mid-stream", t_fault)
         for events in streams:
@@ -335,7 +336,7 @@ async def test_a_1000_line_batch_survives_a_worker_killed_mid_way(tmp_path, mode
     from gateway.batch_runner import BatchRunner
 
     async with cluster(tmp_path, model_cache, prefix, BATCHGATE_FILES_DIR=str(tmp_path / "files")) as c:
-        a = c.worker("w-a")
+        a = await c.worker("w-a")
         stop = asyncio.Event()
         runner = asyncio.create_task(BatchRunner(c.settings, poll_s=0.05).run(stop))
         client = AsyncOpenAI(base_url=str(c.client.base_url) + "/v1", api_key="x", max_retries=0)
@@ -349,7 +350,7 @@ async def test_a_1000_line_batch_survives_a_worker_killed_mid_way(tmp_path, mode
             await asyncio.sleep(0.1)
         a.signal(signal.SIGKILL)
         t_fault = time.monotonic()
-        c.worker("w-b")
+        await c.worker("w-b")
         while (done := await client.batches.retrieve(b.id)).status not in ("completed", "failed", "cancelled"):
             await asyncio.sleep(0.2)
         stop.set()
@@ -376,7 +377,7 @@ async def test_a_master_killed_under_load_fails_over(tmp_path, model_cache, pref
     what was lost."""
     env = {"BATCHGATE_REDIS_WAIT_REPLICAS": "1", "BATCHGATE_REDIS_WAIT_MS": "2000"} if durable else {}
     async with cluster(tmp_path, model_cache, prefix, own=OwnCluster(), **env) as c:
-        c.worker("w-a")
+        await c.worker("w-a")
         stop = asyncio.Event()
         answers: list[int] = []
 

@@ -53,6 +53,8 @@ async def one(client: httpx.AsyncClient, t0: float, at: float, prompt: int, new:
     while data["status"] in ("queued", "running"):
         data = (await client.get(f"/v1/requests/{data['id']}", params={"wait": 30})).json()
     out.update(status=data["status"], latency_s=time.monotonic() - sent,
+               late_s=data["finished_at"] - data["deadline"] if data.get("finished_at") else None,
+               tokens=len((data.get("output") or {}).get("tokens") or []), new=new,
                in_deadline=data["status"] == "succeeded" and data["finished_at"] <= data["deadline"])
     return out
 
@@ -70,7 +72,8 @@ async def test_admitted_requests_finish_by_their_deadline_near_the_time_admissio
     assert {o["http"] for o in outs} <= {202, 429} and refused, "twice the capacity: admission must refuse some"
     assert all(o["status"] in ("succeeded", "expired") for o in admitted)
     # nothing admitted that then missed its deadline: it finished in time, or (a few at most) expired unstarted
-    assert all(o["in_deadline"] for o in admitted if o["status"] == "succeeded")
+    late = [o for o in admitted if o["status"] == "succeeded" and not o["in_deadline"]]
+    assert not late, [{k: o[k] for k in ("lane", "eta_s", "latency_s", "late_s", "tokens", "new")} for o in late]
     assert sum(o["status"] == "expired" for o in admitted) <= 0.03 * len(admitted)
     # the medium lane waits behind a queue that the short lane's arrivals keep cutting into: its requests finish
     # near the time admission forecast, neither much later (1.09-1.10x measured; 1.49x, and 7% expired, when the

@@ -145,7 +145,8 @@ async def test_an_invalid_line_fails_the_batch_before_anything_runs(redis_url, p
         assert done.status == "failed" and done.output_file_id is None
         codes = {(e.line, e.code) for e in done.errors.data}
         assert (4, "duplicate_custom_id") in codes and (5, "invalid_request") in codes, codes
-        assert next(e for e in done.errors.data if e.line == 5).param == "body.params.max_new_tokens"
+        # the field as the line's endpoint names it (OpenAI's parameter), not the native body's
+        assert next(e for e in done.errors.data if e.line == 5).param == "body.max_tokens"
         keys = Keys(prefix)
         queued = sum([await gw.service.redis.xlen(s) for s in keys.lane_streams("tiny-llama",
                                                                                ("short", "medium", "long"))])

@@ -65,6 +65,7 @@ def test_engine_benchmark_window_mode(tmp_path, model_cache):
 
 
 @pytest.mark.redis
+@pytest.mark.timeout(900)  # as long as its subprocess may take (pytest's default is 300 s)
 def test_batches_benchmark_smoke(tmp_path, redis_url, model_cache):
     """The Batch API benchmark on the whole stack, tiny: the keys its goals are read from."""
     proc, report = run_bench("bench_batches.py", tmp_path / "batches.json", "--items", "6", "--interactive-rps", "2",
@@ -76,6 +77,7 @@ def test_batches_benchmark_smoke(tmp_path, redis_url, model_cache):
 
 
 @pytest.mark.redis
+@pytest.mark.timeout(900)  # six stacks in turn, as long as its subprocess may take (pytest's default is 300 s)
 def test_e2e_benchmark_smoke(tmp_path, redis_url, model_cache):
     proc, report = run_bench("bench_e2e.py", tmp_path / "e2e.json", "--requests", "12", "--rounds", "2",
                              "--capacity-clients", "4", "--capacity-warm-s", "1", "--capacity-s", "6",

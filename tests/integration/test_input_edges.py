@@ -213,6 +213,9 @@ def test_lambda_direct_invocation_answers_a_surrogate_with_422(lambda_mod, monke
     for wait in (10**400, float("nan"), float("inf"), -1, "abc"):
         out = lambda_mod.direct_handler({"model": "tiny-llama", "input": {"prompt": "x"}, "wait": wait}, Context())
         assert out["statusCode"] == 400 and out["error"]["code"] == "invalid_wait", (wait, out)
+        # the message says what is wrong with it: an infinite wait is not refused for being negative
+        says = {-1: "non-negative", "abc": "a number of seconds"}.get(wait, "finite")
+        assert says in out["error"]["message"], (wait, out)
 
     def boom(*a, **k):
         raise RuntimeError("a bug")

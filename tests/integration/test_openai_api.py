@@ -26,9 +26,9 @@ pytestmark = [pytest.mark.redis]
 PROMPT_IDS = [5, 17, 300, 42, 7]
 
 
-def reference_ids(loaded: Any, prompt_ids: list[int], n: int) -> list[int]:
+def reference_ids(loaded: Any, prompt_ids: list[int], n: int, **generate: Any) -> list[int]:
     out = loaded.model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)
+                                eos_token_id=None, pad_token_id=0, **generate)
     return out[0, len(prompt_ids):].tolist()
 
 
@@ -91,6 +91,34 @@ async def test_completion_matches_the_reference_generation(stack: RunningGateway
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+async def test_penalties_reach_the_engine(stack: RunningGateway, loaded_models, clients: Clients):
+    """OpenAI's penalties and vLLM's repetition_penalty (the same formulas as `generate`'s, checked token for token
+    in tests/integration/test_penalties.py) change what is generated; out of range, they are 400s naming them."""
+    sync, client = clients(stack, max_retries=0)
+    loaded = loaded_models["tiny-llama"]
+    expected = loaded.tokenizer.decode(reference_ids(loaded, PROMPT_IDS, 12, repetition_penalty=3.0),
+                                       skip_special_tokens=True)
+    resp = await asyncio.to_thread(sync.completions.create, model="tiny-llama", prompt=PROMPT_IDS, max_tokens=12,
+                                   temperature=0, extra_body={"ignore_eos": True, "repetition_penalty": 3.0})
+    assert resp.choices[0].text == expected
+    assert expected != loaded.tokenizer.decode(reference_ids(loaded, PROMPT_IDS, 12), skip_special_tokens=True)
+    forced = 42  # +100 outweighs everything else, the penalties on its repeats included
+    resp = await client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=3, logit_bias={str(forced): 100}, frequency_penalty=2,
+                                                presence_penalty=2, extra_body={"ignore_eos": True})
+    assert resp.choices[0].message.content == loaded.tokenizer.decode([forced] * 3, skip_special_tokens=True)
+    first = reference_ids(loaded, PROMPT_IDS, 1)[0]  # banned: greedy picks another first token
+    resp = await client.completions.create(model="tiny-llama", prompt=PROMPT_IDS, max_tokens=4, temperature=0,
+                                           logit_bias={str(first): -100}, extra_body={"ignore_eos": True})
+    biased = reference_ids(loaded, PROMPT_IDS, 4, sequence_bias={(first,): -100.0})
+    assert biased[0] != first and resp.choices[0].text == loaded.tokenizer.decode(biased, skip_special_tokens=True)
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                         ("logit_bias", {"x": 1}), ("logit_bias", {"10000000": 1})):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model="tiny-llama", prompt="hi", extra_body={field: value})
+        assert info.value.param == field and f"- {field}: " in info.value.message, info.value.message
 
 
 async def test_chat_completion_streamed_and_not(stack: RunningGateway, clients: Clients):
@@ -167,8 +195,9 @@ async def test_the_deadline_header_and_body_field_reach_the_native_request(stack
 async def test_bad_requests_are_typed_openai_errors(stack: RunningGateway, clients: Clients):
     _, client = clients(stack, max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
-        await client.completions.create(model="tiny-llama", prompt="hi", n=2)
-    assert info.value.status_code == 400 and info.value.param == "n" and info.value.code == "unsupported_parameter"
+        await client.completions.create(model="tiny-llama", prompt="hi", best_of=2)
+    assert info.value.status_code == 400 and info.value.param == "best_of"
+    assert info.value.code == "unsupported_parameter"
     assert info.value.type == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as info:  # the native limit, named as OpenAI's parameter
         await client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "x"}],
@@ -203,6 +232,66 @@ async def test_a_rate_limited_call_is_retried_by_the_client(redis_url, prefix, l
         _, no_retry = clients(gw, max_retries=0)
         with pytest.raises(openai.RateLimitError):
             await no_retry.embeddings.create(model="minilm", input="hello")
+
+
+async def test_n_choices_take_the_tenants_rate_together(redis_url, prefix, monkeypatch):
+    """A call of n choices takes n of its tenant's rate tokens with its first choice: a call of 2 right after
+    another is refused before any choice is accepted, and is accepted once the bucket holds 2 again (its
+    Retry-After); a burst below n delays such a call, never refuses it for good."""
+    from gateway import openai_api
+
+    abandoned: list[str] = []
+    monkeypatch.setattr(openai_api, "_abandon", lambda svc, tenant, rid: abandoned.append(rid))
+    settings = make_settings(redis_url, prefix, tenant_rate_per_s=0.5, tenant_burst=1)  # a token per 2 s
+    body = {"model": "tiny-llama", "prompt": "hi", "n": 2, "max_tokens": 4, "stream": True}
+    async with running_gateway(settings) as gw:  # no worker: a streamed call is answered once its choices are in
+
+        async def call() -> httpx.Response:
+            async with gw.client.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                return resp
+
+        first = await call()
+        ids = first.headers["x-batchgate-request-ids"].split(",")
+        assert first.status_code == 200 and len(ids) == 2
+        refused = await call()
+        assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error", refused.text
+        assert set(abandoned) <= set(ids)  # only the first call's (its stream closed): the refused one accepted none
+        await asyncio.sleep(int(refused.headers["retry-after-ms"]) / 1000 + 0.05)
+        again = await call()
+        assert again.status_code == 200 and len(again.headers["x-batchgate-request-ids"].split(",")) == 2
+
+
+async def test_n_choices_past_the_tenants_backlog_quota(redis_url, prefix, monkeypatch):
+    """More choices than the quota can never fit: a 400 no client retries. Choices that fit the quota but meet it
+    full part-way are refused whole: those accepted before are cancelled, since a retry makes new ones, unless an
+    Idempotency-Key lets the retry find them."""
+    from gateway import openai_api
+
+    abandoned: list[str] = []
+    abandon = openai_api._abandon
+    monkeypatch.setattr(openai_api, "_abandon", lambda svc, tenant, rid: (abandoned.append(rid),
+                                                                          abandon(svc, tenant, rid)))
+    settings = make_settings(redis_url, prefix, tenant_max_backlog=2)
+    async with running_gateway(settings) as gw:  # no worker: what is queued holds its slot
+        body = {"model": "tiny-llama", "prompt": "hi", "n": 3, "max_tokens": 4}
+        never = await gw.client.post("/v1/completions", json=body)
+        assert never.status_code == 400 and never.json()["error"]["param"] == "n", never.text
+        assert never.json()["error"]["code"] == "tenant_backlog_exceeded" and not abandoned
+        long = {"input": {"prompt": "hi"}, "params": {"max_new_tokens": 256, "ignore_eos": True}}
+        held = (await gw.client.post("/v1/models/tiny-llama/requests", json=long)).json()["id"]  # one slot taken
+        refused = await gw.client.post("/v1/completions", json={**body, "n": 2, "max_tokens": 256})
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "tenant_backlog_full", refused.text
+        assert len(abandoned) == 1
+        record = (await gw.client.get(f"/v1/requests/{abandoned[0]}", params={"wait": 10})).json()
+        assert record["status"] == "cancelled", record
+        keyed = await gw.client.post("/v1/completions", json={**body, "n": 2, "max_tokens": 256},
+                                     headers={"Idempotency-Key": "n-two"})
+        assert keyed.status_code == 429 and len(abandoned) == 1  # kept for the retry to find: it holds a slot
+        full = await gw.client.post("/v1/models/tiny-llama/requests", json=long)
+        assert full.status_code == 429 and full.json()["error"]["code"] == "tenant_backlog_full", full.text
+        await gw.client.post(f"/v1/requests/{held}/cancel")
 
 
 async def test_a_deadline_its_own_compute_cannot_meet_is_not_retried_by_the_client(stack: RunningGateway):
@@ -290,6 +379,87 @@ async def test_a_stream_the_caller_leaves_is_cancelled(stack: RunningGateway, cl
         await asyncio.sleep(0.05)
     assert record["status"] == "cancelled", record
     assert record["output"] is None or record["output"]["completion_tokens"] < 256
+
+
+async def test_n_choices_streamed_and_not(stack: RunningGateway, loaded_models, clients: Clients):
+    """`n` choices, each a request of its own batched with the others: greedy ones are the reference each; seeded
+    sampled ones differ from each other and come again on the next call; streamed, each choice's chunks (by
+    index) add up to the same text, then one usage chunk for all."""
+    _, client = clients(stack)
+    loaded = loaded_models["tiny-llama"]
+    expected = loaded.tokenizer.decode(reference_ids(loaded, PROMPT_IDS, 6), skip_special_tokens=True)
+    resp = await client.completions.create(model="tiny-llama", prompt=PROMPT_IDS, max_tokens=6, temperature=0, n=3,
+                                           extra_body={"ignore_eos": True})
+    assert [(c.index, c.text, c.finish_reason) for c in resp.choices] == [(i, expected, "length") for i in range(3)]
+    assert resp.usage is not None and (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (5, 18)
+    ask: dict[str, Any] = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                           "n": 2, "seed": 11, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    first, again = [await client.chat.completions.create(**ask) for _ in range(2)]
+    texts = [c.message.content for c in first.choices]
+    assert texts == [c.message.content for c in again.choices] and texts[0] != texts[1]
+    stream = await client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    streamed = ["", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == texts and len({c.id for c in chunks}) == 1
+    ends = sorted((ch.index, ch.finish_reason) for c in chunks for ch in c.choices if ch.finish_reason)
+    assert ends == [(0, "length"), (1, "length")]
+    usages = [c.usage for c in chunks if c.usage is not None]
+    assert len(usages) == 1 and usages[0].completion_tokens == 16 and chunks[-1].choices == []
+
+
+async def test_a_stream_of_n_choices_the_caller_leaves_is_cancelled_whole(stack: RunningGateway, clients: Clients):
+    _, client = clients(stack)
+    stream = await client.completions.create(model="tiny-llama", prompt="hi", max_tokens=256, temperature=0, n=2,
+                                             stream=True, extra_body={"ignore_eos": True})
+    ids = stream.response.headers["x-batchgate-request-ids"].split(",")
+    async for _ in stream:
+        break
+    await stream.close()
+    assert len(ids) == 2 and ids[0] == stream.response.headers["x-request-id"]
+    for request_id in ids:  # a long-poll answers once the request is terminal
+        record = (await stack.client.get(f"/v1/requests/{request_id}", params={"wait": 10})).json()
+        assert record["status"] == "cancelled", record
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+async def test_a_caller_that_times_out_has_its_request_cancelled(stack: RunningGateway, clients: Clients, prefix,
+                                                                 route):
+    """OpenAI's clients retry a timeout as a new request: each try the caller left is cancelled, not computed in
+    full for nobody (a 0.4 s timeout with the client's 2 retries generated 3 x 256 tokens)."""
+    sync, _ = clients(stack, timeout=0.5, max_retries=1)
+    kw: dict[str, Any] = dict(model="tiny-llama", max_tokens=256, extra_body={"ignore_eos": True})
+    with pytest.raises(openai.APITimeoutError):
+        if route == "chat":
+            await asyncio.to_thread(sync.chat.completions.create, messages=[{"role": "user", "content": "hi"}], **kw)
+        else:
+            await asyncio.to_thread(sync.completions.create, prompt="hi", **kw)
+    records = [k async for k in stack.service.redis.scan_iter(match=Keys(prefix).record("*"))]
+    assert len(records) == 2  # the try and its retry
+    ids = [k.decode().split("{r:")[1].split("}")[0] for k in records]
+    views = [(await stack.client.get(f"/v1/requests/{rid}", params={"wait": 10})).json() for rid in ids]  # long-polls
+    assert [v["status"] for v in views] == ["cancelled", "cancelled"], views
+    assert all(v["output"] is None or v["output"]["completion_tokens"] < 256 for v in views)
+
+
+async def test_what_a_new_openai_user_meets_at_the_edges(stack: RunningGateway, clients: Clients):
+    """An OpenAI endpoint this gateway lacks, a batch parameter it has no policy for, a prompt past the model's
+    context: each an error the openai client reads, in OpenAI's shape and with OpenAI's code."""
+    sync, _ = clients(stack, max_retries=0)
+    r = await stack.client.post("/v1/responses", json={"model": "tiny-llama", "input": "hi"})
+    assert r.status_code == 404
+    assert r.json()["error"] | {"message": ""} == {"code": "not_found", "message": "", "type": "invalid_request_error",
+                                                   "param": None}
+    with pytest.raises(openai.BadRequestError) as bad:
+        await asyncio.to_thread(sync.batches.create, input_file_id="file-x", endpoint="/v1/chat/completions",
+                                completion_window="24h", output_expires_after={"anchor": "created_at", "seconds": 3600})
+    assert (bad.value.param, bad.value.code) == ("output_expires_after", "unsupported_parameter")
+    with pytest.raises(openai.BadRequestError) as long:
+        await asyncio.to_thread(sync.chat.completions.create, model="tiny-llama",
+                                messages=[{"role": "user", "content": "hello " * 3000}])
+    assert long.value.code == "context_length_exceeded"  # here the worker's count (the test gateway has no tokenizer)
 
 
 async def test_a_wait_past_the_gateways_limit_is_504_naming_the_request(redis_url, prefix):

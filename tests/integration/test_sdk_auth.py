@@ -225,6 +225,26 @@ async def test_sdk_streams_tokens_over_http_sync_async_and_direct(redis_url, pre
         assert "".join(e.text for e in events) == text and events[-1].event == "done"
 
 
+async def test_submit_many_sends_every_field_and_reports_where_a_replayed_request_is(redis_url, prefix,
+                                                                                       loaded_models):
+    settings = make_settings(redis_url, prefix)
+    params = {"max_new_tokens": 6, "ignore_eos": True}
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw, \
+            AsyncBatchgateClient(gw.base_url) as c:
+        (sub,) = await c.submit_many("tiny-llama", [{"input": {"prompt": "a"}, "params": params, "stream": True,
+                                                     "idempotency_key": "many-1"}])
+        assert isinstance(sub, Submission) and sub.status == "queued"
+        events = [e async for e in c.events(sub.id)]  # it was submitted to stream: its tokens come as deltas
+        assert sum(e.event == "delta" for e in events) >= 2 and events[-1].data["status"] == "succeeded"
+        # the same key again: the finished request, said to be finished (it was reported 'queued')
+        (again,) = await c.submit_many("tiny-llama", [{"input": {"prompt": "a"}, "params": params, "stream": True,
+                                                       "idempotency_key": "many-1"}])
+        assert isinstance(again, Submission) and (again.id, again.status) == (sub.id, "succeeded")
+        # a field the gateway does not know is named, not dropped
+        (typo,) = await c.submit_many("tiny-llama", [{"input": {"prompt": "a"}, "timeout": 5}])
+        assert isinstance(typo, InvalidRequest) and "timeout: unknown field" in str(typo)
+
+
 async def test_a_401_says_how_to_authenticate(redis_url, prefix, loaded_models):
     """Every 401 carries `WWW-Authenticate: Bearer` (RFC 6750); credentials of another scheme (Basic) are not a
     missing key but a scheme batchgate does not take, and the message says what it does take."""

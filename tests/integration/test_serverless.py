@@ -252,3 +252,52 @@ def test_lambda_serves_a_requests_events_whole(stack_env, monkeypatch):
     resp = mod.http_handler(running, FakeContext(30_000))
     datas = [json.loads(line[len("data: "):]) for line in resp["body"].splitlines() if line.startswith("data: ")]
     assert datas[-1]["status"] == "succeeded" and len(datas[-1]["output"]["token_ids"]) == 40
+
+
+def test_a_lambda_answers_a_running_requests_events_within_its_longest_wait(stack_env, monkeypatch):
+    """A Lambda answers once: a stream still going at BATCHGATE_MAX_WAIT_S ends there with an `error` event telling
+    the caller to reconnect with Last-Event-ID (it held until the request ended: past a real function's timeout, the
+    caller got a 502 and none of the events); an OpenAI stream, whose clients cannot reconnect, with an error chunk
+    saying its request was cancelled. A body flagged base64 that is not is a 400, not a crash."""
+    key = api_key(stack_env)
+    mod = load("gateway.lambda_handler", {**stack_env, "BATCHGATE_MAX_WAIT_S": "0.3"}, monkeypatch)
+    body = json.dumps({"input": {"prompt": "hi"}, "params": {"max_new_tokens": 256, "ignore_eos": True},
+                       "stream": True, "timeout_s": 60})
+    queued = apigw_v2(key, body=body, path="/v1/models/tiny-llama/requests")
+    queued["rawQueryString"], queued["queryStringParameters"] = "", {}
+    sub = mod.http_handler(queued, FakeContext(30_000))
+    assert sub["statusCode"] == 202, sub
+    rid = body_of(sub)["id"]
+    events = apigw_v2(key, body="", path=f"/v1/requests/{rid}/events", method="GET")
+    events["rawQueryString"], events["queryStringParameters"] = "", {}
+    t0 = time.monotonic()
+    resp = mod.http_handler(events, FakeContext(30_000))
+    took = time.monotonic() - t0
+    assert resp["statusCode"] == 200 and took < 10, took
+    assert "event: error" in resp["body"] and "wait_exceeded" in resp["body"] and "Last-Event-ID" in resp["body"]
+    cancel = apigw_v2(key, body="", path=f"/v1/requests/{rid}", method="DELETE")
+    cancel["rawQueryString"], cancel["queryStringParameters"] = "", {}
+    assert mod.http_handler(cancel, FakeContext(30_000))["statusCode"] == 200
+    # an OpenAI stream cut there ends with an error chunk OpenAI's clients raise, its request cancelled: they
+    # cannot reconnect
+    chat = json.dumps({"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 256,
+                       "stream": True, "ignore_eos": True, "timeout_s": 60})
+    openai_call = apigw_v2(key, body=chat, path="/v1/chat/completions")
+    openai_call["rawQueryString"], openai_call["queryStringParameters"] = "", {}
+    resp = mod.http_handler(openai_call, FakeContext(30_000))
+    assert resp["statusCode"] == 200, resp
+    datas = [json.loads(line[len("data: "):]) for line in resp["body"].splitlines() if line.startswith("data: ")]
+    error = datas[-1]["error"]
+    assert error["code"] == "wait_exceeded" and "cancelled" in error["message"], error
+    assert "Last-Event-ID" not in resp["body"]
+    record = apigw_v2(key, body="", path=f"/v1/requests/{resp['headers']['x-request-id']}", method="GET")
+    record["rawQueryString"], record["queryStringParameters"] = "wait=10", {"wait": "10"}
+    assert body_of(mod.http_handler(record, FakeContext(30_000)))["status"] == "cancelled"
+    bad = apigw_v2(key, body="%%%notbase64")
+    bad["isBase64Encoded"] = True
+    answer = mod.http_handler(bad, FakeContext(30_000))
+    assert answer["statusCode"] == 400 and "base64" in answer["body"]
+    # a function's /metrics would be one container's, on a public URL: not served there
+    metrics = apigw_v2(key, body="", path="/metrics", method="GET")
+    metrics["rawQueryString"], metrics["queryStringParameters"] = "", {}
+    assert mod.http_handler(metrics, FakeContext(30_000))["statusCode"] == 404

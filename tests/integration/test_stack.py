@@ -172,6 +172,10 @@ async def test_cancel_running_generation_stops_it(redis_url, prefix, loaded_mode
         await wait_until(running)
         d = await gw.client.delete(f"/v1/requests/{rid}")
         assert d.status_code == 200 and d.json()["status"] == "cancelled"
+        # the worker stopped it and answered with what it had generated (the prompt may still be prefilling)
+        out = d.json()["output"]
+        assert d.json()["finish_reason"] == "cancelled" and d.json()["error"]["message"] == "cancelled while running"
+        assert out is not None and out["completion_tokens"] == len(out["token_ids"]) < 256, out
 
         async def stopped() -> bool:
             return rid not in runner.running_ids() and rid not in w.worker.held

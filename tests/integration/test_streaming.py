@@ -179,6 +179,10 @@ async def test_cancel_and_deadline_end_the_stream_with_a_terminal_event(redis_ur
         events = await events_of(gw.client, rid)
         await task
         assert events[-1]["event"] == "done" and events[-1]["data"]["status"] == "cancelled"
+        # cancelled while it ran: its worker stopped it and kept what it had generated, so what the caller was
+        # sent adds up to the final output, as for any other end
+        done = check_adds_up(events)
+        assert 0 < done["output"]["completion_tokens"] < 256 and deltas(events), done
         # a request whose deadline passes while nothing computes it: the stream still ends
         async with running_gateway(make_settings(redis_url, prefix + "-idle")) as idle:
             short = {"input": {"prompt": "hi"}, "stream": True, "timeout_s": 1}

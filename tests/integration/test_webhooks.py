@@ -121,6 +121,40 @@ async def test_started_and_completed_events_from_a_real_worker(redis_url, prefix
         assert len(ids) == 2 and all(rid.removeprefix("req_") in i for i in ids)
 
 
+async def test_each_events_delivery_is_shown_and_a_dead_started_one_is_replayed(redis_url, prefix, loaded_models):
+    """A started webhook that died stays visible, and replayable, once the completed one was delivered (the view
+    showed only the latest delivery: 'delivered', with nothing to replay)."""
+    down = {"started": True}
+
+    def policy(rec: Received, n: int):
+        return (500, {}, 0.0) if down["started"] and rec.headers["batchgate-event"] == "started" else (200, {}, 0.0)
+
+    settings = settings_for(redis_url, prefix, callback_max_attempts=2)
+    async with receiver(policy) as rx, running_worker(settings, loaded_models), running_gateway(settings) as gw, \
+            dispatcher(settings):
+        rid = await submit(gw, rx.url, events=("started", "completed"))
+
+        async def settled() -> bool:
+            cb = await callback_of(gw, rid)
+            return {d["event"]: d["status"] for d in cb.get("deliveries", [])} == {"started": "dead",
+                                                                                    "completed": "delivered"}
+
+        await wait_until(settled, timeout=20)
+        view = (await gw.client.get(f"/v1/requests/{rid}")).json()
+        assert "replay_callback" in view["links"]
+        started = next(d for d in view["callback"]["deliveries"] if d["event"] == "started")
+        assert started["attempts"] == 2 and started["last_status_code"] == 500
+        down["started"] = False
+        r = await gw.client.post(f"/v1/requests/{rid}/callback:replay")
+        assert r.status_code == 202 and r.json()["callback"]["event"] == "started"
+        await wait_until(lambda: _cb_status(gw, rid, "delivered"), timeout=20)
+        cb = await callback_of(gw, rid)
+        assert {d["event"]: d["status"] for d in cb["deliveries"]} == {"started": "delivered", "completed": "delivered"}
+        events = [r.headers["batchgate-event"] for r in rx.requests]
+        assert events.count("started") == 3 and events.count("completed") == 1  # two 500s, then the replay
+        assert (await gw.client.post(f"/v1/requests/{rid}/callback:replay")).status_code == 409
+
+
 async def test_retries_on_500_and_timeout_then_delivered_once_with_backoff(redis_url, prefix):
     def flaky(rec: Received, n: int):
         if n <= 2:
@@ -196,6 +230,29 @@ async def test_410_disables_the_url_for_the_tenant(redis_url, prefix):
         r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"},
                                                                       "callback": {"url": rx.url}})
         assert r.status_code == 422 and "410" in r.json()["error"]["message"]
+
+
+async def test_a_disabled_url_refuses_new_requests_in_a_batch_too_but_not_a_replay(redis_url, prefix):
+    """A URL disabled by a 410 refuses every new request naming it (one submit or a `:batch` item, 422 naming the
+    field); a retry with the Idempotency-Key of a request accepted before gets that request back, as it is now."""
+    settings = settings_for(redis_url, prefix)
+    async with running_gateway(settings) as gw:
+        url = "http://127.0.0.1:9/gone"
+        body = {"input": {"text": "x"}, "callback": {"url": url}}
+        first = await gw.client.post("/v1/models/minilm/requests", json=body, headers={"Idempotency-Key": "k-1"})
+        assert first.status_code == 202
+        await CallbackStore(gw.service.redis, Keys(prefix)).disable("default", url)
+        again = await gw.client.post("/v1/models/minilm/requests", json=body, headers={"Idempotency-Key": "k-1"})
+        assert again.status_code in (200, 202) and again.json()["id"] == first.json()["id"], again.text
+        assert again.headers["idempotent-replayed"] == "true"
+        fresh = await gw.client.post("/v1/models/minilm/requests", json=body)
+        assert fresh.status_code == 422 and fresh.json()["error"]["field"] == "callback.url"
+        batch = await gw.client.post("/v1/models/minilm/requests:batch", json={"requests": [
+            {"input": {"text": "y"}}, body, {**body, "idempotency_key": "k-1"}]})
+        items = batch.json()["results"]
+        assert [it["status"] for it in items] == [202, 422, 202], items
+        assert items[1]["error"]["field"] == "requests[1].callback.url" and "410" in items[1]["error"]["message"]
+        assert items[2]["id"] == first.json()["id"] and items[2]["replayed"] is True
 
 
 async def test_redirects_are_not_followed(redis_url, prefix):
@@ -357,7 +414,8 @@ async def test_a_tarpit_receiver_does_not_delay_other_destinations(redis_url, pr
     def tarpit(rec: Received, n: int):
         return 200, {}, 3.0
 
-    settings = settings_for(redis_url, prefix, callback_timeout_s=6.0)
+    # a lease longer than an attempt may take (BATCHGATE_CALLBACK_LEASE_S > _TIMEOUT_S, as Settings requires)
+    settings = settings_for(redis_url, prefix, callback_timeout_s=6.0, callback_lease_s=10.0)
     async with receiver(tarpit) as slow, receiver() as fast, running_gateway(settings) as gw, \
             dispatcher(settings, per_host=4) as d:
         orig = d._post

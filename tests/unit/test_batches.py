@@ -50,6 +50,27 @@ def test_completion_embedding_and_native_lines():
     assert nat.kind == "native" and nat.model == "tiny-llama" and nat.body == {"input": {"prompt": "x"}}
 
 
+@pytest.mark.parametrize("url, body, native_field, param", [
+    ("/v1/completions", {"model": "m", "prompt": "x"}, "input.prompt", "body.prompt"),
+    ("/v1/completions", {"model": "m", "prompt": [1, 2]}, "input.input_ids[1]", "body.prompt[1]"),
+    ("/v1/completions", {"model": "m", "prompt": "x"}, "params.max_new_tokens", "body.max_tokens"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9},
+     "params.max_new_tokens", "body.max_completion_tokens"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}]}, "input.messages[0].content",
+     "body.messages[0].content"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}]}, "params.temperature", "body.temperature"),
+    ("/v1/embeddings", {"model": "e", "input": ["a", "b"]}, "input.texts[1]", "body.input[1]"),
+    ("/v1/models/m/requests", {"input": {"prompt": "x"}}, "input.prompt", "body.input.prompt"),
+    ("/v1/models/m/requests", {"input": {"prompt": "x"}}, "params.max_new_tokens", "body.params.max_new_tokens"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}]}, "", "body"),
+])
+def test_a_field_the_models_checks_refuse_is_named_as_the_lines_endpoint_names_it(url, body, native_field, param):
+    """The checks run on the native body; an error in a line of an OpenAI endpoint names OpenAI's parameter, as
+    the same route answers a single request."""
+    item = parse_line(line(url=url, body=body), 0, url)
+    assert item.param(native_field, "too long") == (param, "too long")
+
+
 @pytest.mark.parametrize("raw, code", [
     ("not json", "invalid_json_line"),
     ("[1]", "invalid_json_line"),
@@ -104,6 +125,17 @@ def test_output_and_error_lines_follow_openais_format():
     assert refused["error"] is None and refused["response"]["status_code"] == 429
     assert refused["response"]["body"]["error"]["type"] == "rate_limit_error"
     assert refused["response"]["body"]["error"]["code"] == "deadline_infeasible"
+    # cancelled with the batch before it ran: a line that never ran, as one never sent is
+    for kind_line, url in ((line(), CHAT), (line(url="/v1/models/m/requests", body={"input": {"prompt": "x"}}),
+                                            "/v1/models/m/requests")):
+        item_ref = parse_line(kind_line, 0, url).ref("req_q")
+        bad, queued = result_line(item_ref, {"id": "req_q", "status": "cancelled", "started_at": None,
+                                             "error": {"code": "cancelled", "message": "cancelled by the caller"}}, 1)
+        assert not bad and queued["response"] is None and queued["error"]["code"] == "batch_cancelled", queued
+    # cancelled while it ran: it got an answer, its error in the response
+    bad, ran = result_line(ref, {"id": "req_abc", "status": "cancelled", "started_at": 5.0,
+                                 "error": {"code": "cancelled", "message": "cancelled while running"}}, 100)
+    assert not bad and ran["error"] is None and ran["response"]["body"]["error"]["code"] == "cancelled"
 
 
 def test_the_batch_object_has_openais_fields():

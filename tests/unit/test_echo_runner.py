@@ -18,10 +18,11 @@ from gpu_worker.memory_queue import MemoryQueue
 from gpu_worker.outcomes import Outcome
 from gpu_worker.worker import Worker
 from shared.config import ModelSpec, Settings
-from shared.errors import ConfigError
+from shared.errors import ConfigError, ValidationError
 from shared.keys import Keys
 from shared.messages import InferenceRequest
 from shared.states import FinishReason, Priority, Status, Task
+from shared.submit import build_request
 from shared.token_limits import TokenLimits
 
 SPEC = ModelSpec(name="echo", task=Task.GENERATE, source="", kind="echo", max_input_tokens=64,
@@ -183,3 +184,21 @@ async def test_a_worker_serves_an_echo_model_through_its_usual_path():
 def test_the_gateway_counts_echo_tokens_as_bytes():
     limits = TokenLimits("")
     assert limits.count(SPEC, ["héllo"]) == [6] and limits.vocab_size(SPEC) is None
+
+
+def test_a_logit_bias_beyond_the_vocabulary_is_refused_as_a_model_refuses_it():
+    runner = EchoRunner(dataclasses.replace(SPEC, vocab_size=300), "w", max_rows=4)
+    req = dataclasses.replace(request("b"), params={"max_new_tokens": 3, "logit_bias": {"300": -100}})
+    out = runner.prepare(req, time.time())
+    assert isinstance(out, Outcome) and out.result.error is not None and out.result.error.code == "invalid_input"
+    assert isinstance(runner.prepare(dataclasses.replace(req, params={"logit_bias": {"299": 5}}), time.time()), Job)
+
+
+def test_the_gateway_refuses_a_logit_bias_beyond_the_vocabulary_at_submit():
+    spec = dataclasses.replace(SPEC, vocab_size=300)
+    body = {"input": {"prompt": "abc"}, "params": {"logit_bias": {"12": 1, "300": -100}}}
+    with pytest.raises(ValidationError) as err:
+        build_request(body, spec, "t", time.time(), limits=TokenLimits(""))
+    assert err.value.field == "params.logit_bias" and err.value.message.startswith("300 is not a token")
+    body["params"] = {"logit_bias": {"299": -100}}
+    assert build_request(body, spec, "t", time.time(), limits=TokenLimits("")).params["logit_bias"] == {299: -100.0}

@@ -25,9 +25,11 @@ def test_startup_objects_are_frozen_and_later_garbage_is_still_collected():
     kept = Node()
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 0
+        # A frozen object freed by reference counting (by another test's leftover thread, say) leaves the count:
+        # it can fall after the call, never rise without another freeze.
+        assert frozen >= gc.get_freeze_count() > 0
         assert before() is None
-        assert gc.is_tracked(kept) and gc.get_freeze_count() == frozen
+        assert gc.is_tracked(kept) and gc.get_freeze_count() <= frozen
         later = cycle()
         assert later() is not None
         gc.collect()

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from shared import openai_shapes as oa
-from shared.api_errors import NotFound, TooManyRequests, Unprocessable
+from shared.api_errors import Conflict, NotFound, TooManyRequests, Unprocessable
 from shared.config import BUILTIN_MODELS
 from shared.submit import build_request
 
@@ -53,6 +53,21 @@ def test_several_or_malformed_prompts_are_refused_at_prompt(prompt: Any):
     assert err.param == "prompt"
 
 
+@pytest.mark.parametrize("prompt", [[1, "a"], [True, False], ["a", [1, 2]]])
+def test_a_prompt_list_of_mixed_types_is_named_for_its_types_not_its_length(prompt: Any):
+    err = refused(oa.translate_completion, {"model": "m", "prompt": prompt})
+    assert err.param == "prompt" and err.code != "multiple_prompts" and "token ids" in err.message
+
+
+@pytest.mark.parametrize(("field", "value", "native"), [
+    ("top_p", 0, 1e-6), ("seed", -1, 2**63 - 1), ("seed", 2**63 + 5, 5), ("top_k", -1, 0),
+])
+def test_openai_and_vllm_values_the_native_params_spell_otherwise(field: str, value: Any, native: Any):
+    body = oa.translate_chat(chat(**{field: value})).body
+    assert body["params"][field] == native
+    build_request(body, BUILTIN_MODELS["tiny-llama"], "t", 0.0)  # the native checks pass
+
+
 def test_defaults_are_openai_s_temperature_and_the_model_s_max_tokens():
     tr = oa.translate_completion({"model": "m", "prompt": "x"})
     assert tr.body["params"] == {"temperature": 1.0}  # max_new_tokens left to the model's default
@@ -72,7 +87,6 @@ def test_stream_and_include_usage():
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("n", 2), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"50256": -100}),
     ("echo", True), ("best_of", 3), ("logprobs", 2), ("suffix", "end"), ("service_tier", "flex"),
 ])
 def test_completion_fields_we_cannot_honour_are_refused_by_name(field: str, value: Any):
@@ -88,6 +102,54 @@ def test_completion_fields_we_cannot_honour_are_refused_by_name(field: str, valu
 ])
 def test_harmless_defaults_are_accepted(field: str, value: Any):
     oa.translate_completion({"model": "m", "prompt": "x", field: value})
+
+
+@pytest.mark.parametrize("translate", [oa.translate_completion, oa.translate_chat])
+def test_penalties_are_passed_on_as_native_params(translate: Any):
+    body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}],
+            "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "logit_bias": {"50256": -100}}
+    body.pop("messages" if translate is oa.translate_completion else "prompt")
+    params = translate(body).body["params"]
+    assert (params["presence_penalty"], params["frequency_penalty"], params["repetition_penalty"],
+            params["logit_bias"]) == (0.5, -1, 1.2, {"50256": -100})
+    plain = translate({**body, "presence_penalty": 0, "frequency_penalty": None, "repetition_penalty": None,
+                       "logit_bias": {}})
+    assert not {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"} & set(plain.body["params"])
+
+
+@pytest.mark.parametrize("translate", [oa.translate_completion, oa.translate_chat])
+def test_n_choices_are_n_native_bodies_with_their_own_seeds(translate: Any):
+    body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}], "n": 3, "seed": 2**63 - 2}
+    body.pop("messages" if translate is oa.translate_completion else "prompt")
+    tr = translate(body)
+    assert tr.n == 3
+    bodies = tr.bodies()
+    assert [b["params"]["seed"] for b in bodies] == [2**63 - 2, 2**63 - 1, 0]  # counting up, within the native range
+    assert all({**b, "params": {**b["params"], "seed": 0}} == {**tr.body, "params": {**tr.body["params"], "seed": 0}}
+               for b in bodies)
+    assert "seed" not in translate({**body, "seed": None}).bodies()[2]["params"]  # unseeded choices stay unseeded
+    assert translate({**body, "n": None}).n == 1
+    for n in (0, 17, -1):
+        err = refused(translate, {**body, "n": n})
+        assert err.param == "n" and "between 1 and 16" in err.message
+
+
+def test_n_choices_make_one_response_with_every_choice_and_their_usage():
+    tr = oa.translate_chat(chat(n=2))
+    views = [view(text="one", reason="eos", tokens=3), view(text="two words", reason="length", tokens=5)]
+    views[1]["id"] = "req_two"
+    body = oa.completion_response(tr, views, 123)
+    assert body["id"] == "chatcmpl-" + views[0]["id"]
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "one", "stop"), (1, "two words", "length")]
+    prompt = body["usage"]["prompt_tokens"]
+    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 8, "total_tokens": prompt + 8}
+    assert [c["request_id"] for c in body["batchgate"]["choices"]] == [views[0]["id"], "req_two"]
+    chunks = oa.ChunkMaker(oa.translate_chat(chat(n=2, stream=True, stream_options={"include_usage": True})),
+                           "req_one", 123, index=1)
+    assert chunks.text("hi")["choices"][0]["index"] == 1
+    assert len(chunks.final(views[1], with_usage=False)) == 1
+    assert chunks.usage_chunk(views)["usage"]["completion_tokens"] == 8
 
 
 def test_unknown_and_mistyped_fields_are_400s_naming_them():
@@ -107,8 +169,9 @@ def test_the_deadline_comes_from_the_body_or_else_the_header():
     body = oa.translate_completion({"model": "m", "prompt": "x", "timeout_s": 4}, timeout_header="2.5").body
     assert body["timeout_s"] == 4
     assert "timeout_s" not in oa.translate_completion({"model": "m", "prompt": "x"}).body
-    err = refused(oa.translate_completion, {"model": "m", "prompt": "x"}, timeout_header="soon")
-    assert err.param == "X-Batchgate-Timeout"
+    for header in ("soon", "nan", "inf", "0", "-3", "1_0"):
+        err = refused(oa.translate_completion, {"model": "m", "prompt": "x"}, timeout_header=header)
+        assert err.param == "X-Batchgate-Timeout", header
 
 
 # ----------------------------------------------------------------------------------------------- chat
@@ -192,6 +255,21 @@ def test_a_refused_prompt_or_text_names_the_openai_parameter_and_no_native_hint(
     assert err.param == "input[1]" and err.message == "input[1]: is 602 tokens; this model takes at most 512 per text"
 
 
+def test_a_conflict_no_wait_resolves_is_not_retried_and_one_that_a_wait_does_is():
+    final = oa.from_api_error(Conflict("used with another body", code="idempotency_conflict"))
+    assert final.status == 409 and final.headers()["x-should-retry"] == "false"
+    later = oa.from_api_error(Conflict("being accepted", code="idempotency_in_progress", retry_after=1))
+    assert "x-should-retry" not in later.headers() and later.headers()["Retry-After"] == "1"
+
+
+def test_a_prompt_past_the_model_is_context_length_exceeded():
+    spec = BUILTIN_MODELS["tiny-llama"]
+    body = oa.translate_completion({"model": "tiny-llama", "prompt": list(range(spec.max_input_tokens + 1))}).body
+    with pytest.raises(Exception) as info:
+        build_request(body, spec, "t", 0.0)
+    assert getattr(info.value, "code", "") == "context_length_exceeded"
+
+
 def test_a_429_keeps_retry_after_and_adds_milliseconds():
     err = oa.from_api_error(TooManyRequests("slow down", code="rate_limited", retry_after=0.25))
     assert err.status == 429 and err.body()["error"]["type"] == "rate_limit_error"
@@ -210,6 +288,12 @@ def view(status: str = "succeeded", reason: str | None = "eos", text: str = "hel
     (view("cancelled", "cancelled", "", 0, {"code": "cancelled", "message": "m"}), 409, "cancelled"),
     (view("failed", "error", "", 0, {"code": "no_chat_template", "message": "m"}), 400, "no_chat_template"),
     (view("failed", "error", "", 0, {"code": "model_error", "message": "m"}), 500, "model_error"),
+    (view("failed", "error", "", 0, {"code": "context_length_exceeded", "message": "m"}), 400,
+     "context_length_exceeded"),
+    ({**view("failed", "error", "", 0, {"code": "input_too_long", "message": "m"}), "task": "generate"}, 400,
+     "context_length_exceeded"),
+    ({**view("failed", "error", "", 0, {"code": "input_too_long", "message": "m"}), "task": "embed"}, 400,
+     "input_too_long"),
 ])
 def test_results_without_an_answer_are_errors_that_are_not_retried(v: dict[str, Any], status: int, code: str):
     err = oa.result_error(v)
@@ -229,12 +313,12 @@ def test_finish_reasons():
 
 def test_completion_and_chat_responses():
     tr = oa.translate_completion({"model": "tiny-llama", "prompt": "x"})
-    body = oa.completion_response(tr, view(), 123)
+    body = oa.completion_response(tr, [view()], 123)
     assert body["id"] == "cmpl-req_x" and body["object"] == "text_completion" and body["created"] == 123
     assert body["choices"] == [{"index": 0, "finish_reason": "stop", "logprobs": None, "text": "hello"}]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     assert body["batchgate"] == {"request_id": "req_x", "status": "succeeded", "finish_reason": "eos"}
-    body = oa.completion_response(oa.translate_chat(chat()), view(reason="length"), 123)
+    body = oa.completion_response(oa.translate_chat(chat()), [view(reason="length")], 123)
     assert body["id"] == "chatcmpl-req_x" and body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "hello", "refusal": None}
     assert body["choices"][0]["finish_reason"] == "length"

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from shared.errors import ValidationError
@@ -35,6 +37,19 @@ def test_generate_full():
     ({"stop": ["a"] * 5}, "params.stop"),
     ({"stop": 3}, "params.stop"),
     ({"ignore_eos": "yes"}, "params.ignore_eos"),
+    ({"presence_penalty": 2.5}, "params.presence_penalty"),
+    ({"presence_penalty": float("inf")}, "params.presence_penalty"),
+    ({"frequency_penalty": -2.01}, "params.frequency_penalty"),
+    ({"frequency_penalty": "1"}, "params.frequency_penalty"),
+    ({"repetition_penalty": 0}, "params.repetition_penalty"),
+    ({"repetition_penalty": -1.2}, "params.repetition_penalty"),
+    ({"repetition_penalty": 11}, "params.repetition_penalty"),
+    ({"logit_bias": {"x": 1}}, "params.logit_bias"),
+    ({"logit_bias": {"-3": 1}}, "params.logit_bias"),
+    ({"logit_bias": {"3": 100.5}}, "params.logit_bias"),
+    ({"logit_bias": {"3": "1"}}, "params.logit_bias"),
+    ({"logit_bias": [[3, 1]]}, "params.logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "params.logit_bias"),
     ({"bogus": 1}, "params.bogus"),
     ([1, 2], "params"),
 ])
@@ -42,6 +57,35 @@ def test_generate_rejects(raw, field):
     with pytest.raises(ValidationError) as err:
         gen(raw)
     assert err.value.field == field
+
+
+def test_penalties_are_on_the_wire_only_where_set():
+    """A request that sets no penalty has the wire form of the release before them, which its workers read."""
+    assert not {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"} & set(gen({}).to_dict())
+    p = gen({"presence_penalty": -2, "frequency_penalty": 2.0, "repetition_penalty": 1.0})
+    assert p.to_dict() == {**gen({}).to_dict(), "presence_penalty": -2, "frequency_penalty": 2.0,
+                                "repetition_penalty": 1.0}  # 1.0 is said: off, overriding the model's own
+    assert GenerateParams(**p.to_dict()) == p  # what the worker builds from the wire dict
+    assert gen({"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}).to_dict() == gen({}).to_dict()
+
+
+def test_logit_bias_keys_are_token_ids_whether_the_json_spells_them_as_strings_or_not():
+    p = gen({"logit_bias": {"42": -100, "7": 2.5}})
+    assert p.logit_bias == {42: -100.0, 7: 2.5}
+    wire = json.loads(json.dumps(p.to_dict()))  # a JSON hop turns the keys back into strings
+    assert GenerateParams(**wire).logit_bias == {42: -100.0, 7: 2.5}
+
+
+@pytest.mark.parametrize(("bias", "message"), [
+    ({"x": 1}, "every key must be an integer"),
+    ({"-3": 1}, "every key must be at least 0"),
+    ({"3": 101}, "every value must be at most 100.0"),
+    ({"3": "1"}, "every value must be a number"),
+])
+def test_a_bad_logit_bias_is_explained_at_the_field(bias, message):
+    with pytest.raises(ValidationError) as err:
+        gen({"logit_bias": bias})
+    assert err.value.field == "params.logit_bias" and err.value.message.startswith(message), err.value.message
 
 
 def test_embed_params():

@@ -5,6 +5,7 @@ import pytest
 from gpu_worker.dynamic_stage import LONG_ROWS_SPILL_S
 from gpu_worker.job import Job
 from gpu_worker.lane_queue import LanePolicy
+from gpu_worker.running_deadlines import DOOM_OPTIMISM
 from gpu_worker.scheduler import BatchLimits, Scheduler
 from gpu_worker.service_model import ServiceModel
 
@@ -372,6 +373,67 @@ def test_a_running_row_that_cannot_fit_its_remaining_tokens_is_evicted_before_it
     assert [j.id for j in plan.evict] == ["r1"]
     # 40 tokens: 0.64 s of the 0.9 s left: it stays
     assert s.plan(0.1, free_rows=2, left={"r1": 40, "r2": 40}).evict == []
+
+
+def test_a_spell_of_slow_steps_does_not_condemn_a_row_the_averaged_interval_lets_finish():
+    """Admission forecast the row at the averaged token interval; the moment's moves faster. A row is evicted when
+    it cannot finish at the better of the two: not for a spell of slow steps, but once the slowdown lasts."""
+    s = sched()
+    for _ in range(60):
+        measured(s)  # 10 ms a token per row, long enough for the averaged interval to know it
+    for _ in range(20):  # a spell three times slower, as under a burst of other load
+        s.tracker.observe_step(2, 0.06)
+    fast, slow = s.tracker.step_seconds(2), s.tracker.forecast_step_seconds(2)
+    assert fast > 1.5 * slow  # the moment's interval moved, the averaged one hardly
+    n = 100
+    s.started([item(1, deadline=DOOM_OPTIMISM * n * (fast + slow) / 2), item(2, deadline=100.0)])
+    assert s.plan(0.0, free_rows=2, left={"r1": n, "r2": n}).evict == []  # it fits at the averaged interval
+    for _ in range(400):  # the slowdown lasts: the averaged interval learns it too
+        s.tracker.observe_step(2, 0.06)
+    assert [j.id for j in s.plan(0.0, free_rows=2, left={"r1": n, "r2": n}).evict] == ["r1"]
+
+
+def test_a_row_whose_next_step_would_end_past_its_deadline_leaves_before_it():
+    """The optimism factor is for the tokens after the next one: the next step is counted in full, with a margin, so a
+    row is not stepped into its deadline and written as a success past it (CI: an echo row finished past its deadline
+    by its last step)."""
+    s = sched()
+    measured(s)  # 3 rows: 30 ms a step
+    step = s.tracker.step_seconds(3)
+    # 80% of a step fits r1, not a step; a step fits r3, not with room for it to run long; r2 has two steps
+    s.started([item(1, deadline=0.9 * step), item(2, deadline=2 * step), item(3, deadline=1.2 * step)])
+    assert [j.id for j in s.plan(0.0, free_rows=2, left={"r1": 1, "r2": 1, "r3": 1}).evict] == ["r1", "r3"]
+
+
+def finishing_row(s):
+    """20 ms steps at 2 rows, 1 ms of prefill a prompt token; r1 has one token left and 45 ms to its deadline."""
+    measured(s)
+    for _ in range(8):
+        s.tracker.observe_prefill(100, 0.1)
+    s.refresh_estimates()
+    s.started([item(1, deadline=0.045), item(2, deadline=100.0)])
+
+
+@pytest.mark.parametrize("prompt, waits", [(100, True), (5, False)])
+def test_a_prefill_that_would_push_a_finishing_row_past_its_deadline_waits_a_step(prompt, waits):
+    s = sched(max_batch=4)
+    finishing_row(s)
+    s.add(item(3, arrived=-1.0, prompt=prompt, deadline=100.0))  # 100 ms of prefill before r1's token, or 5 ms
+    plan = s.plan(1e-3, free_rows=2, left={"r1": 1, "r2": 50})
+    assert plan.evict == [] and [j.id for j in plan.batch] == ([] if waits else ["r3"])
+    if waits:
+        s.finished("r1")  # the step ran, r1 finished in time: now the batch starts
+        assert [j.id for j in s.plan(0.02, free_rows=3, left={"r2": 49}).batch] == ["r3"]
+
+
+def test_a_prefill_at_its_last_chance_to_start_does_not_wait_for_a_finishing_row():
+    s = sched(max_batch=4)
+    finishing_row(s)
+    late = item(3, arrived=-1.0, prompt=100, tokens=110, new=10, deadline=0.0)
+    late.deadline = 1e-3 + 0.5 * s.tracker.step_seconds(2) - s.latest_start(late)  # its last start: in half a step
+    s.add(late)
+    plan = s.plan(1e-3, free_rows=2, left={"r1": 1, "r2": 50})
+    assert [j.id for j in plan.batch] == ["r3"]
 
 
 def test_the_fifo_baseline_evicts_nothing():

@@ -38,6 +38,20 @@ def test_parts_stop_in_order_and_cleanly(tmp_path: Path):
     assert order.read_text().split() == ["gateway", "worker", "callbacks"]
 
 
+def test_the_gateway_gets_its_shutdown_grace_to_stop(monkeypatch):
+    """A gateway finishing its waiters within BATCHGATE_SHUTDOWN_GRACE_S is not killed for it (up gave every part
+    but the worker a fixed 10 s, so a grace of 30 s was cut at 10)."""
+    from batchgate import supervisor
+
+    monkeypatch.setattr(supervisor, "STOP_MARGIN_S", 0.3)
+    slow = ("import signal, sys, time\n"
+            "def bye(*_):\n"
+            "    time.sleep(1.5); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, bye); print('ready', flush=True); time.sleep(60)")
+    assert Stack({"gateway": _proc(slow)}).stop(drain_budget_s=0.0, shutdown_grace_s=2.0) is True
+    assert Stack({"gateway": _proc(slow)}).stop(drain_budget_s=5.0, shutdown_grace_s=0.5) is False  # killed
+
+
 def test_a_second_signal_while_stopping_kills_at_once_and_the_stop_is_not_clean():
     stack = Stack({"worker": _proc(STUBBORN)})
     stack.signals = 1  # the first Ctrl+C, which started the stop
@@ -88,7 +102,7 @@ def test_up_exits_1_when_a_part_had_to_be_killed_on_the_way_out(monkeypatch, tmp
         def supervise(self) -> int:
             return 0  # stopped by a Ctrl+C
 
-        def stop(self, drain_budget_s: float) -> bool:
+        def stop(self, drain_budget_s: float, shutdown_grace_s: float = 10.0) -> bool:
             return self.clean
 
     monkeypatch.setattr(supervisor, "_banner", lambda *a: None)
@@ -230,7 +244,7 @@ def test_up_exits_1_when_the_embedded_redis_died_before_a_ctrl_c(monkeypatch, tm
         def supervise(self) -> int:
             return 0
 
-        def stop(self, drain_budget_s: float) -> bool:
+        def stop(self, drain_budget_s: float, shutdown_grace_s: float = 10.0) -> bool:
             return True
 
     assert _run_with_embedded(monkeypatch, tmp_path, FakeEmbedded(status=-9), AskedToStop()) == 1
@@ -264,7 +278,7 @@ def test_stopping_with_the_embedded_redis_says_how_many_accepted_requests_it_dis
         def supervise(self) -> int:
             return 0
 
-        def stop(self, drain_budget_s: float) -> bool:
+        def stop(self, drain_budget_s: float, shutdown_grace_s: float = 10.0) -> bool:
             return True
 
     embedded = FakeEmbedded()

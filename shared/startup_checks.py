@@ -1,0 +1,98 @@
+"""Start-up checks that look at the machine, made before a process serves anything: the port it is to listen on
+is free, the files directory is one it can write. Each failure is a ConfigError naming the setting (the
+`batchgate` command prints it as one line, exit status 2), where it used to be a traceback, a gateway that never
+listened, or 503s at request time. The settings' own ranges are checked before, by `Settings.from_environ`.
+"""
+
+from __future__ import annotations
+
+import errno
+import secrets
+import socket
+from pathlib import Path
+
+from shared.config import Settings, default_files_dir
+from shared.errors import ConfigError
+
+
+def _address(host: str, port: int) -> tuple[int, int, int, tuple[object, ...]] | str:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"{host!r} is not a host name or address this machine can listen on ({exc})"
+    return family, kind, proto, address
+
+
+def host_problem(host: str) -> str | None:
+    """Why `host` is no address to listen on (a name that does not resolve), or None."""
+    found = _address(host, 0)
+    return found if isinstance(found, str) else None
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """Why this process cannot listen on `host`:`port` (TCP), or None. Binds a socket as uvicorn and
+    prometheus_client do (SO_REUSEADDR) and closes it again at once."""
+    found = _address(host, port)
+    if isinstance(found, str):
+        return found
+    family, kind, proto, address = found
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"{host}:{port} is in use by another process"
+            return f"cannot listen on {host}:{port} ({exc.strerror or exc})"
+    return None
+
+
+def check_listen(setting: str, host: str, port: int, *, hint: str = "choose another port") -> None:
+    """A ConfigError naming `setting` when `host`:`port` cannot be listened on."""
+    problem = listen_problem(host, port)
+    if problem:
+        raise ConfigError(f"{setting}{' ' if setting.startswith('-') else '='}{port}: {problem}; {hint}")
+
+
+def start_metrics_server(setting: str, port: int, host: str = "127.0.0.1") -> None:
+    """prometheus_client's /metrics listener on `host`:`port`; a port it cannot have is a ConfigError naming
+    `setting` (BATCHGATE_WORKER_METRICS_PORT, BATCHGATE_DISPATCHER_METRICS_PORT)."""
+    from prometheus_client import start_http_server
+
+    hint = "choose another port, or 0 for no /metrics listener"
+    check_listen(setting, host, port, hint=hint)  # a clearer word than the OSError below, where it can be had
+    try:
+        start_http_server(port, addr=host)
+    except OSError as exc:  # taken between the check and now
+        raise ConfigError(f"{setting}={port}: cannot listen on {host}:{port} ({exc.strerror or exc}); {hint}") \
+            from None
+
+
+def files_dir_problem(directory: str) -> str | None:
+    """Why the local file store cannot keep files in `directory`, or None. Creates it as the store would (on its
+    first write) and writes and removes a probe file: a file in the way, a directory without write permission or
+    a read-only file system all show here."""
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".batchgate-probe-{secrets.token_hex(4)}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except FileExistsError:
+        return f"{directory} is not a directory"
+    except OSError as exc:
+        return f"cannot write in {directory} ({exc.strerror or exc})"
+    return None
+
+
+def check_file_store(settings: Settings) -> None:
+    """A ConfigError naming BATCHGATE_FILES_DIR when the Files and Batch APIs' directory is unusable (nothing to
+    check with an S3 bucket: the bucket is the store, reached at request time)."""
+    if settings.files_s3_bucket:
+        return
+    directory = settings.files_dir or default_files_dir({})  # as shared.files.file_store picks it
+    problem = files_dir_problem(directory)
+    if problem:
+        raise ConfigError(f"BATCHGATE_FILES_DIR={directory}: {problem}; name a directory this process can write, "
+                          "or a bucket with BATCHGATE_FILES_S3_BUCKET")

@@ -1,0 +1,139 @@
+"""What a part checks on the machine as it starts (shared/startup_checks.py) and how the `batchgate` command
+reports it: a port out of range or in use, a negative --drain-budget, an unusable files directory; each one line
+naming the setting, exit status 2, no traceback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from batchgate.cli import main
+from shared.config import Settings
+from shared.errors import ConfigError
+from shared.startup_checks import (
+    check_file_store,
+    files_dir_problem,
+    host_problem,
+    listen_problem,
+    start_metrics_server,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port another socket listens on (127.0.0.1 only)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+# --- ports ------------------------------------------------------------------------------------------------------
+
+def test_a_port_in_use_is_named_as_such(busy_port):
+    assert listen_problem("127.0.0.1", busy_port) == f"127.0.0.1:{busy_port} is in use by another process"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        free = sock.getsockname()[1]
+    assert listen_problem("127.0.0.1", free) is None
+
+
+def test_a_host_that_does_not_resolve_is_named(monkeypatch):
+    def unknown(*_: object, **__: object) -> None:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unknown)
+    assert "'nowhere' is not a host name or address" in (host_problem("nowhere") or "")
+
+
+def test_a_metrics_port_in_use_is_a_config_error_naming_the_variable(busy_port):
+    with pytest.raises(ConfigError) as exc:
+        start_metrics_server("BATCHGATE_WORKER_METRICS_PORT", busy_port)
+    assert str(exc.value) == (f"BATCHGATE_WORKER_METRICS_PORT={busy_port}: 127.0.0.1:{busy_port} is in use by another "
+                              "process; choose another port, or 0 for no /metrics listener")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["gateway", "--port", "83737"], "--port must be between 1 and 65535 (got 83737)"),
+    (["gateway", "--port", "-1"], "--port must be between 1 and 65535 (got -1)"),
+    (["gateway", "--port", "0"], "--port must be between 1 and 65535 (got 0)"),
+    (["up", "--port", "70000"], "--port must be between 0 and 65535 (got 70000); 0 picks a free port"),
+    (["worker", "--drain-budget", "-5"], "--drain-budget (seconds to finish the work in flight on SIGTERM) must be "
+                                         ">= 0 (got -5)"),
+    (["worker", "--drain-budget", "inf"], "must be a finite number >= 0 (got inf)"),
+])
+def test_a_bad_option_is_one_line_and_exit_2(argv, says, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("batchgate: configuration error: ") and says in err and len(err.splitlines()) == 1
+
+
+def test_the_gateway_needs_a_real_port(monkeypatch, capsys):
+    monkeypatch.setenv("BATCHGATE_PORT", "0")
+    assert main(["gateway"]) == 2
+    assert "BATCHGATE_PORT must be between 1 and 65535 for `batchgate gateway` (got 0)" in capsys.readouterr().err
+
+
+def test_a_gateway_port_in_use_is_refused_before_it_starts(busy_port, capsys):
+    assert main(["gateway", "--host", "127.0.0.1", "--port", str(busy_port)]) == 2
+    err = capsys.readouterr().err
+    assert f"--port {busy_port}: 127.0.0.1:{busy_port} is in use by another process" in err
+
+
+def _run(argv: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "BATCHGATE_REDIS_URL": "redis://127.0.0.1:1/0", **env}
+    return subprocess.run([sys.executable, "-m", "batchgate", *argv], env=full, cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_the_command_exits_2_without_a_traceback(busy_port):
+    """As a user runs it: the gateway's port and the worker's metrics port in use (an echo model: no torch)."""
+    done = _run(["gateway", "--host", "127.0.0.1", "--port", str(busy_port)])
+    assert done.returncode == 2 and "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    assert f"--port {busy_port}" in done.stderr
+    done = _run(["worker"], BATCHGATE_WORKER_METRICS_PORT=str(busy_port), BATCHGATE_MODELS="echo",
+                BATCHGATE_MODEL__ECHO__TASK="generate", BATCHGATE_MODEL__ECHO__KIND="echo")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"batchgate: configuration error: BATCHGATE_WORKER_METRICS_PORT={busy_port}: ")
+    done = _run(["gateway", "--port", "83737"])
+    assert done.returncode == 2 and done.stderr.strip() == \
+        "batchgate: configuration error: --port must be between 1 and 65535 (got 83737)"
+
+
+# --- the files directory ----------------------------------------------------------------------------------------
+
+def test_an_unusable_files_directory_is_named(tmp_path):
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    assert files_dir_problem(str(a_file)) == f"{a_file} is not a directory"
+    assert files_dir_problem(str(a_file / "sub")) == f"cannot write in {a_file / 'sub'} (Not a directory)"
+    fine = tmp_path / "new" / "files"
+    assert files_dir_problem(str(fine)) is None and fine.is_dir() and not list(fine.iterdir())
+
+
+def test_a_files_directory_without_write_permission_is_named(tmp_path, monkeypatch):
+    def refused(self: Path, data: bytes) -> int:  # root may write anywhere: stand in for a read-only directory
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "write_bytes", refused)
+    with pytest.raises(ConfigError) as exc:
+        check_file_store(Settings(files_dir=str(tmp_path)).validate())
+    assert str(exc.value) == (f"BATCHGATE_FILES_DIR={tmp_path}: cannot write in {tmp_path} (Permission denied); name "
+                              "a directory this process can write, or a bucket with BATCHGATE_FILES_S3_BUCKET")
+    check_file_store(Settings(files_dir=str(tmp_path), files_s3_bucket="b").validate())  # S3: no directory
+
+
+def test_the_gateway_and_batch_runner_refuse_an_unusable_files_directory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setenv("BATCHGATE_FILES_DIR", str(tmp_path / "f"))
+    assert main(["batches"]) == 2
+    assert f"BATCHGATE_FILES_DIR={tmp_path / 'f'}: {tmp_path / 'f'} is not a directory" in capsys.readouterr().err
