@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from gpu_worker.job import Job
-from gpu_worker.service_model import ServiceTracker
+from gpu_worker.service_model import WARM_SAMPLES, ServiceTracker
 from shared.deadlines import cannot_finish
 
 # A row's tokens after its next one are counted at this share of the interval it is judged at.
@@ -45,10 +45,15 @@ def _intervals(running: Mapping[str, Job], tracker: ServiceTracker) -> tuple[flo
 def unfinishable(running: Mapping[str, Job], left: Mapping[str, int], now: float,
                  tracker: ServiceTracker) -> list[Job]:
     """The running rows that cannot finish by their deadline (or are past it): they leave now, partial output
-    kept, instead of taking rows and steps from work that can."""
+    kept, instead of taking rows and steps from work that can.
+
+    Until the decode fit is warm, only the next step is judged: a fit of a step or two extrapolates
+    proportionally (one 200 ms step of one row read as 600 ms a token for three), and eviction is final (CI:
+    three echo rows with 40 s of work and 59 s left were evicted after two steps)."""
     step, interval = _intervals(running, tracker)
+    warm = tracker.decode.n >= WARM_SAMPLES
     return [job for rid, n in left.items() if (job := running.get(rid)) is not None
-            and cannot_finish(job.deadline, now, finish_work_s(n, step, interval))]
+            and cannot_finish(job.deadline, now, finish_work_s(n if warm else min(n, 1), step, interval))]
 
 
 def room(running: Mapping[str, Job], left: Mapping[str, int], now: float, tracker: ServiceTracker,

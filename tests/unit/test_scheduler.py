@@ -375,6 +375,26 @@ def test_a_running_row_that_cannot_fit_its_remaining_tokens_is_evicted_before_it
     assert s.plan(0.1, free_rows=2, left={"r1": 40, "r2": 40}).evict == []
 
 
+def test_a_cold_fit_judges_only_the_next_step():
+    """Two steps seen (one row, then three with two joiners' prefill in the interval): the fit extrapolates
+    proportionally and would read 200 tokens as over a minute. Rows with 40 s of work and 59 s left stay
+    until the fit is warm (CI: batchgate up evicted three such echo rows after two steps); a row whose next
+    step cannot fit its deadline still leaves before it."""
+    s = sched()
+    s.tracker.observe_step(1, 0.2)
+    s.tracker.observe_step(3, 0.4)
+    assert DOOM_OPTIMISM * 199 * s.tracker.doom_step_seconds(3) > 59.0  # what the cold fit would say
+    s.started([item(1, deadline=59.0), item(2, deadline=59.0), item(3, deadline=0.3)])
+    plan = s.plan(0.0, free_rows=2, left={"r1": 199, "r2": 199, "r3": 1})
+    assert [j.id for j in plan.evict] == ["r3"]  # its next step (0.6 s with the margin) ends past 0.3 s
+    for _ in range(8):  # warm: the steps are flat in the rows, as an echo model's and a GPU's are
+        s.tracker.observe_step(3, 0.2)
+    assert s.plan(0.0, free_rows=2, left={"r1": 199, "r2": 199}).evict == []
+    for _ in range(200):  # a lasting 0.5 s a token is judged on the whole: 80 s of work
+        s.tracker.observe_step(3, 0.5)
+    assert {j.id for j in s.plan(0.0, free_rows=2, left={"r1": 199, "r2": 199}).evict} == {"r1", "r2"}
+
+
 def test_a_spell_of_slow_steps_does_not_condemn_a_row_the_averaged_interval_lets_finish():
     """Admission forecast the row at the averaged token interval; the moment's moves faster. A row is evicted when
     it cannot finish at the better of the two: not for a spell of slow steps, but once the slowdown lasts."""
