@@ -15,7 +15,8 @@ test test-cluster test-fast lint: PIP_QUIET = -q
 
 # The fast tier: the unit tests and the in-memory half of the contract tests (the real-Redis half is
 # marked `redis`). BATCHGATE_FAST_TIER=1 makes the session fail if anything imported torch
-# (tests/unit/conftest.py); the unreachable test Redis makes any use of the real one fail loudly.
+# (tests/unit/conftest.py); the unreachable test Redis makes any use of the real one fail loudly. Two
+# processes (pytest-xdist): half its wall time is tests waiting on subprocesses and timers.
 FAST_TIERS := tests/unit $(wildcard tests/contract)
 
 .PHONY: setup up test test-cluster test-fast lint bench clean
@@ -48,7 +49,7 @@ test-cluster: setup
 
 test-fast: setup
 	BATCHGATE_FAST_TIER=1 BATCHGATE_TEST_REDIS_URL=redis://127.0.0.1:1/0 \
-		$(BIN)/python -m pytest -q -m "not redis" $(FAST_TIERS)
+		$(BIN)/python -m pytest -q -n 2 -m "not redis" $(FAST_TIERS)
 
 lint: setup
 	$(BIN)/ruff check .

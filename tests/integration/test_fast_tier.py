@@ -33,3 +33,21 @@ def test_make_test_fast_passes_in_under_30_s_without_torch():
     assert out.returncode == 0, text[-3000:]
     assert " passed" in text, text[-3000:]
     assert wall < BUDGET_S, f"make test-fast took {wall:.1f} s (budget {BUDGET_S:.0f} s)"
+
+
+@pytest.mark.parametrize("workers", [["-n", "2"], ["-p", "no:xdist"]])
+def test_the_guard_fails_a_session_that_imports_torch_with_and_without_xdist(tmp_path: Path, workers: list[str]):
+    """The guard itself: a stand-in `torch` module imported by one test fails the run, under pytest-xdist (whose
+    workers' session status never reaches the controller) as without it, and names the test."""
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "unit" / "conftest.py").read_text())
+    (tmp_path / "stand_in").mkdir()
+    (tmp_path / "stand_in" / "torch.py").write_text("")
+    (tmp_path / "test_a.py").write_text("def test_clean():\n    pass\n")
+    (tmp_path / "test_b.py").write_text("def test_imports_it():\n    import torch  # noqa: F401\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(BATCHGATE_FAST_TIER="1", PYTHONPATH=str(tmp_path / "stand_in"))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, str(tmp_path)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text[-3000:]
+    assert "the fast tier imported torch (first seen running test_b.py::test_imports_it)" in text, text[-3000:]

@@ -2,6 +2,8 @@
 
 Under `make test-fast` (`BATCHGATE_FAST_TIER=1`) the session fails if torch was imported, and names
 where it first appeared: before the session, while collecting a test module, or while running a test.
+`make test-fast` runs under pytest-xdist, where a worker's session status never reaches the controller:
+the first test to end with torch imported in its process fails at teardown with the message, in any process.
 """
 
 from __future__ import annotations
@@ -29,6 +31,21 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
     _note(f"running {nodeid}")
+
+
+_failed_one: list[bool] = []  # this process already failed a test for it
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    outcome = yield
+    if call.when != "teardown" or _failed_one:
+        return
+    _note(f"running {item.nodeid}")
+    if (message := torch_message()) is not None:
+        _failed_one.append(True)
+        report = outcome.get_result()
+        report.outcome, report.longrepr = "failed", message
 
 
 def torch_message() -> str | None:
