@@ -21,6 +21,7 @@ from gpu_worker.engine import GenerationEngine
 from gpu_worker.exactness import verify_exact
 from gpu_worker.sequences import GenSpec
 from shared.errors import ConfigError
+from tests.torch_device import DEVICE, on_device
 
 VOCAB = 512
 WINDOW = 8
@@ -55,12 +56,13 @@ def tiny(arch: str) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg).eval()
+        model = AutoModelForCausalLM.from_config(cfg).eval().to(DEVICE)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     return model
 
 
+@on_device
 def reference(model: torch.nn.Module, spec: GenSpec) -> list[int]:
     out = model.generate(torch.tensor([spec.prompt_ids]), max_new_tokens=spec.max_new_tokens,
                          min_new_tokens=spec.max_new_tokens, do_sample=False)
@@ -231,6 +233,7 @@ def _sweep_one(arch: str) -> str:
     return f"WRONG tokens for {bad}" if bad else "served"
 
 
+@on_device
 @torch.inference_mode()
 def _greedy_by_full_forward(model: torch.nn.Module, spec: GenSpec) -> list[int]:
     """Greedy tokens recomputing the whole sequence each step (no cache): the model's own function."""

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from gpu_worker.engine import EngineFull, GenerationEngine, GenSpec, group_by_length
 from gpu_worker.sampling import SamplingParams
 from shared.states import FinishReason
+from tests.torch_device import DEVICE, on_device
 
 VOCAB = 512
 
@@ -31,7 +32,7 @@ def tiny(arch: str = "llama"):
     cfg = AutoConfig.for_model(arch, **common, **kv)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg).eval()
+        model = AutoModelForCausalLM.from_config(cfg).eval().to(DEVICE)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     return model
@@ -42,6 +43,7 @@ def model():
     return tiny()
 
 
+@on_device
 def reference(model, spec: GenSpec) -> list[int]:
     out = model.generate(torch.tensor([spec.prompt_ids]), max_new_tokens=spec.max_new_tokens,
                          min_new_tokens=spec.max_new_tokens, do_sample=False)
@@ -84,6 +86,11 @@ def test_logits_match_batch_size_one_closely(model):
     reqs = specs(6, seed=5)
     engine = GenerationEngine(model, max_rows=8, max_seq_len=64)
     engine.prefill(reqs)
+    check_first_step_logits(model, engine)
+
+
+@on_device
+def check_first_step_logits(model: torch.nn.Module, engine: GenerationEngine) -> None:
     ids = torch.tensor([[r.tokens[-1]] for r in engine.rows])
     lo = min(r.start for r in engine.rows)
     starts = torch.tensor([r.start for r in engine.rows])

@@ -14,6 +14,7 @@ from gpu_worker.outcomes import Outcome
 from shared.config import ModelSpec
 from shared.messages import InferenceRequest
 from shared.states import Priority, Task
+from tests.torch_device import DEVICE, on_device
 
 NEW = 24
 PROMPTS = {"a": [5, 9, 5, 9, 5, 9, 17], "b": [30, 31, 32], "c": [40, 41, 40, 41, 40, 41, 40, 41, 40, 41, 7]}
@@ -26,7 +27,7 @@ def tiny_llama() -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(3)
-    return LlamaForCausalLM(cfg).eval(), tok
+    return LlamaForCausalLM(cfg).eval().to(DEVICE), tok
 
 
 def request(rid: str) -> InferenceRequest:
@@ -38,8 +39,8 @@ def request(rid: str) -> InferenceRequest:
 
 def served(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast) -> dict[str, list[int]]:
     """Rows a and b together, c joining after three steps: each row's tokens."""
-    spec = ModelSpec(name="m", task=Task.GENERATE, source="/nowhere", device="cpu", dtype="float32")
-    loaded = LoadedModel(spec=spec, path=None, model=model, tokenizer=tok, device=torch.device("cpu"),
+    spec = ModelSpec(name="m", task=Task.GENERATE, source="/nowhere", device=str(DEVICE), dtype="float32")
+    loaded = LoadedModel(spec=spec, path=None, model=model, tokenizer=tok, device=DEVICE,
                          dtype=torch.float32)
     runner = GenerateRunner(loaded, "w", max_rows=4, max_seq_len=128)
     done = runner.start([runner.prepare(request(r), time.time()) for r in ("a", "b")], time.time())  # type: ignore
@@ -51,6 +52,7 @@ def served(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast) -> dict[str, l
     return {o.result.id: o.result.output["token_ids"] for o in done if isinstance(o, Outcome)}
 
 
+@on_device
 def generated(model: LlamaForCausalLM) -> dict[str, list[int]]:
     out = {}
     for rid, ids in PROMPTS.items():

@@ -30,6 +30,7 @@ from gpu_worker.sequences import SamplingParams
 from shared.config import ModelSpec
 from shared.messages import InferenceRequest
 from shared.states import Priority, Task
+from tests.torch_device import DEVICE, on_device
 
 NEW = 24
 PROMPTS = {"a": [5, 9, 5, 9, 5, 9, 17], "b": [30, 31, 32], "c": [40, 41, 40, 41, 40, 41, 40, 41, 40, 41, 7]}
@@ -81,7 +82,7 @@ def tiny_llama() -> LlamaForCausalLM:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(5)
-    return LlamaForCausalLM(cfg).eval()
+    return LlamaForCausalLM(cfg).eval().to(DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +91,8 @@ def model() -> LlamaForCausalLM:
 
 
 def runner_for(model: LlamaForCausalLM) -> GenerateRunner:
-    spec = ModelSpec(name="m", task=Task.GENERATE, source="/nowhere", device="cpu", dtype="float32")
-    loaded = LoadedModel(spec=spec, path=None, model=model, tokenizer=TOKENIZER, device=torch.device("cpu"),
+    spec = ModelSpec(name="m", task=Task.GENERATE, source="/nowhere", device=str(DEVICE), dtype="float32")
+    loaded = LoadedModel(spec=spec, path=None, model=model, tokenizer=TOKENIZER, device=DEVICE,
                          dtype=torch.float32)
     return GenerateRunner(loaded, "w", max_rows=4, max_seq_len=128)
 
@@ -117,6 +118,7 @@ def served(model: LlamaForCausalLM, params: dict[str, Any]) -> dict[str, list[in
     return {o.result.id: o.result.output["token_ids"] for o in done if isinstance(o, Outcome)}
 
 
+@on_device
 def generated(model: LlamaForCausalLM, params: dict[str, Any]) -> dict[str, list[int]]:
     """`generate` on each prompt alone with the processors in vLLM's order: the bias, transformers' own repetition
     penalty, OpenAI's penalties (the model's own repetition penalty is off: the processor stands for it)."""
