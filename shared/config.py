@@ -216,6 +216,7 @@ OTHER_ENV = frozenset(ENV_PREFIX + name for name in (
     "API_KEY",  # scripts/chaos.py
     # the tests' own
     "TEST_REDIS", "TEST_REDIS_URL", "FAST_TIER", "FUZZ_EXAMPLES", "FUZZ_REPORT", "FAULTS_REPORT", "TF_PLUGIN_DIR",
+    "TEST_DEVICE",
 ))
 KNOWN_ENV = SETTINGS_ENV | OTHER_ENV
 _warned_env: set[str] = set()
