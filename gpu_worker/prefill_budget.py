@@ -26,6 +26,12 @@ BACKGROUND_IDLE_CHUNK_TOKENS = 128
 # and more when the prompt's deadline needs them.
 FUSED_MIN_CHUNK = 4
 FUSED_STEP_SHARE = 0.5  # of a bare decode step, what the chunk may add (the round's other work and noise fit the rest)
+# What a fused chunk adds is a fixed part (the chunk's own attention calls, masks, launches) plus a part per token.
+# Until the chunk sizes seen spread this far around their mean (standard deviation / mean), the two cannot be told
+# apart, and the next chunk doubles the last to find out. Read as a cost per token through zero, a fixed part
+# kept the chunks at the minimum for good: an H100 took ~4 ms a fused step whatever the chunk, against a 6 ms
+# decode step, read that as 1 ms a token, and prefilled a 2,048-token prompt 4 tokens a step.
+FUSED_SEPARABLE_SPREAD = 0.2
 FUSED_DEADLINE_MARGIN = 1.5  # the chunked prompt's remaining work, estimated, times this must fit its deadline
 
 
@@ -43,20 +49,35 @@ def step_budget(chunk_tokens: int | None, decoding: int, *, background: bool = F
     return chunk_tokens if decoding > 0 else None
 
 
-def fused_chunk(chunk_tokens: int | None, *, protect: bool, per_token_s: float, bare_step_s: float,
-                interval_s: float, chunk_left: int, deadline_left_s: float | None, new_tokens: int,
-                previous: int = 0) -> int:
-    """Prompt tokens the next fused step carries: what adds about `FUSED_STEP_SHARE` of a bare decode step
-    (`bare_step_s`) at the measured cost a fused token adds (`per_token_s`; FUSED_MIN_CHUNK until measured), so the
-    rows' gap between tokens stays under 2x a step; at most twice the `previous` fused chunk (the cost per token
-    is learned from the chunks themselves, and one cheap-looking small chunk must not make the next one huge);
-    more if the chunked prompt needs them to meet its deadline (`chunk_left` prompt tokens to go, then
-    `new_tokens` at `interval_s` each, all within `deadline_left_s`); the most allowed when no interactive row
-    decodes beside it (`protect` false). Between FUSED_MIN_CHUNK and `chunk_tokens`."""
+def fused_chunk(chunk_tokens: int | None, *, protect: bool, fixed_s: float, per_token_s: float, measured: bool,
+                separable: bool, bare_step_s: float, interval_s: float, chunk_left: int,
+                deadline_left_s: float | None, new_tokens: int, previous: int = 0) -> int:
+    """Prompt tokens the next fused step carries, between FUSED_MIN_CHUNK and `chunk_tokens`:
+    - the most whose cost (`fixed_s` a step plus `per_token_s` a token, once `separable`) adds at most
+      `FUSED_STEP_SHARE` of a bare decode step (`bare_step_s`), so the rows' gap between tokens stays under 2x a step;
+      where the fixed part alone takes that share, every fused step costs the rows it whatever its chunk, and the
+      fewest such steps are the largest chunks whose per-token part stays within the share;
+    - FUSED_MIN_CHUNK before anything is `measured`; twice the `previous` chunk while the costs are not yet
+      `separable` (the sizes seen are too alike to tell the fixed part from the per-token one);
+    - at most twice the `previous` fused chunk (the costs are learned from the chunks themselves, and one
+      cheap-looking small chunk must not make the next one huge);
+    - more if the chunked prompt needs them to meet its deadline (`chunk_left` prompt tokens to go, then
+      `new_tokens` at `interval_s` each, all within `deadline_left_s`);
+    - the most allowed when no interactive row decodes beside it (`protect` false)."""
     cap = max(chunk_tokens or FUSED_MIN_CHUNK, FUSED_MIN_CHUNK)
     if not protect:
         return cap
-    size = int(FUSED_STEP_SHARE * bare_step_s / per_token_s) if per_token_s > 0 and bare_step_s > 0 else FUSED_MIN_CHUNK
+    share_s = FUSED_STEP_SHARE * bare_step_s
+    if not measured or bare_step_s <= 0:
+        size = FUSED_MIN_CHUNK
+    elif not separable:
+        size = 2 * previous
+    elif per_token_s <= 0:
+        size = cap  # no cost per token to be seen: only the fixed part
+    elif share_s - fixed_s >= FUSED_MIN_CHUNK * per_token_s:
+        size = int((share_s - fixed_s) / per_token_s)
+    else:
+        size = int(share_s / per_token_s)
     size = min(size, max(FUSED_MIN_CHUNK, 2 * previous))
     if deadline_left_s is not None and chunk_left > 0 and bare_step_s > 0:
         time_left = deadline_left_s - FUSED_DEADLINE_MARGIN * new_tokens * interval_s

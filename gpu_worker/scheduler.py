@@ -223,7 +223,8 @@ class Scheduler(DynamicStage):
             self._fused_last = 0
         self._fused_last = prefill_budget.fused_chunk(
             self.chunk_tokens, protect=any(j.rank == 0 for j in rows),
-            per_token_s=t.fused.ratio if t.fused.n else 0.0,  # what a fused token adds: no fixed part
+            fixed_s=t.fused.intercept, per_token_s=t.fused.slope, measured=t.fused.n > 0,
+            separable=t.fused.separable(prefill_budget.FUSED_SEPARABLE_SPREAD),
             bare_step_s=t.bare.predict(len(rows)) if t.bare.n else 0.0,
             interval_s=t.step_seconds(len(self.running)), chunk_left=chunk_left,
             deadline_left_s=chunk_job.deadline - now if chunk_job is not None and self.deadline_aware else None,

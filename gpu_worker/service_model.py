@@ -82,6 +82,15 @@ class RunningFit:
     def predict(self, x: float) -> float:
         return self.intercept + self.slope * x
 
+    @property
+    def spread(self) -> float:
+        """The standard deviation of the x seen (weighted as the moments are), relative to their mean."""
+        return math.sqrt(max(0.0, self._mxx - self._mx * self._mx)) / self._mx if self._mx > 0 else 0.0
+
+    def separable(self, min_spread: float) -> bool:
+        """Whether the x seen spread enough (and over enough samples) to tell the intercept from the slope."""
+        return self.n >= 3 and self.spread >= min_spread
+
 
 # Completions per second are averaged with this time constant. Long generations finish in clumps seconds
 # apart; averaged over ~3 s (as before), a long lane on an engine of its own read as 0.05 completions per

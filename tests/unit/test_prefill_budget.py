@@ -30,8 +30,8 @@ def test_step_budget(chunk, decoding, background, yielding, want):
 
 
 def fc(**kw):
-    args = dict(protect=True, per_token_s=0.001, bare_step_s=0.04, interval_s=0.05, chunk_left=2000,
-                deadline_left_s=None, new_tokens=8, previous=1000)
+    args = dict(protect=True, fixed_s=0.0, per_token_s=0.001, measured=True, separable=True, bare_step_s=0.04,
+                interval_s=0.05, chunk_left=2000, deadline_left_s=None, new_tokens=8, previous=1000)
     args.update(kw)
     return fused_chunk(512, **args)
 
@@ -41,8 +41,23 @@ def test_a_fused_chunk_adds_under_one_bare_step():
     assert fc(bare_step_s=0.2) == 100
     assert fc(bare_step_s=5.0) == 512  # never above the configured chunk
     assert fc(bare_step_s=0.001) == FUSED_MIN_CHUNK  # nor below the minimum
-    assert fc(per_token_s=0.0) == FUSED_MIN_CHUNK  # nothing measured yet: the minimum
+    assert fc(measured=False) == FUSED_MIN_CHUNK  # nothing measured yet: the minimum
     assert fc(bare_step_s=0.0) == FUSED_MIN_CHUNK
+
+
+def test_a_fused_chunks_fixed_part_is_paid_once_a_step():
+    assert fc(fixed_s=0.01, per_token_s=0.0005) == 20  # 10 ms of the 20 ms share left, at 0.5 ms a token
+    # an H100: ~4 ms a fused step whatever its chunk, ~5 us a token, against a 6 ms decode step. The fixed part alone
+    # is over the share (3 ms): the fewest such steps are the largest chunks whose tokens stay within the share
+    assert fc(fixed_s=0.004, per_token_s=0.000005, bare_step_s=0.006) == 512
+    assert fc(fixed_s=0.004, per_token_s=0.00002, bare_step_s=0.006) == 150
+    assert fc(fixed_s=0.004, per_token_s=0.0) == 512  # no cost per token to be seen
+
+
+def test_costs_not_yet_separable_double_the_chunk_to_find_out():
+    assert fc(separable=False, previous=6) == 12
+    assert fc(separable=False, previous=0) == FUSED_MIN_CHUNK
+    assert fc(separable=False, previous=400) == 512
 
 
 def test_a_fused_chunk_grows_at_most_twofold_from_the_last():
@@ -70,7 +85,8 @@ def test_a_tight_deadline_makes_the_chunks_bigger():
 def test_the_scheduler_sizes_a_fused_chunk_from_its_measured_costs():
     s = Scheduler([LanePolicy("short", 0.0)], BatchLimits(8, 4096), chunk_tokens=512, fused=True)
     for _ in range(10):
-        s.tracker.observe_fused(32, 0.032)  # a fused token adds 1 ms
+        for tokens in (16, 32, 64):
+            s.tracker.observe_fused(tokens, tokens * 0.001)  # a fused token adds 1 ms
         s.tracker.observe_bare_step(2, 0.025)
     s.started([Job(id=f"r{i}", lane="short", rank=0, deadline=1e9, arrived=0.0, tokens=10, prompt_tokens=5,
                    new_tokens=100) for i in range(2)])
@@ -83,3 +99,35 @@ def test_the_scheduler_sizes_a_fused_chunk_from_its_measured_costs():
     unfused.started([Job(id=f"r{i}", lane="short", rank=0, deadline=1e9, arrived=0.0, tokens=10, prompt_tokens=5)
                      for i in range(2)])
     assert unfused.plan(1.0, free_rows=4, chunking=True, chunk_left=1000).chunk_tokens == 512
+
+
+def run_fused(fixed_s: float, per_token_s: float, bare_s: float, steps: int) -> list[int]:
+    """The sizes a scheduler picks step after step for a long prompt beside two interactive rows, each fused step
+    adding `fixed_s` plus `per_token_s` a token to a `bare_s` decode step."""
+    s = Scheduler([LanePolicy("short", 0.0)], BatchLimits(8, 4096), chunk_tokens=512, fused=True)
+    s.started([Job(id=f"r{i}", lane="short", rank=0, deadline=1e9, arrived=0.0, tokens=10, prompt_tokens=5,
+                   new_tokens=100) for i in range(2)])
+    for _ in range(10):
+        s.tracker.observe_bare_step(2, bare_s)
+    sizes = []
+    for _ in range(steps):
+        size = s.plan(1.0, free_rows=4, chunking=True, chunk_left=100_000).chunk_tokens
+        s.tracker.observe_fused(size, fixed_s + per_token_s * size)
+        sizes.append(size)
+    return sizes
+
+
+def test_a_gpus_fixed_fused_cost_does_not_pin_the_chunks_to_the_minimum():
+    """As measured on an H100 (fixed ~4 ms, ~5 us a token, 6 ms decode steps): the chunks reach the configured 512
+    within a few steps. Read as a cost per token through zero, the 4-token chunk's 1 ms a token kept them at 4."""
+    sizes = run_fused(0.004, 0.000005, 0.006, 40)
+    assert sizes[:8] == [4, 8, 16, 32, 64, 128, 256, 512]
+    assert sizes[8:] == [512] * 32
+
+
+def test_a_cpus_per_token_cost_keeps_the_chunks_small():
+    """A small CPU (fixed ~5 ms, 0.7 ms a token, 21 ms decode steps): after finding the two parts, the chunks add
+    about the share (10.5 ms: 7 tokens), and every chunk keeps the rows' gap under twice a step."""
+    sizes = run_fused(0.005, 0.0007, 0.021, 200)
+    assert max(sizes) <= 16 and all(0.005 + 0.0007 * n < 0.021 for n in sizes)
+    assert sorted(sizes)[len(sizes) // 2] == 7  # the median chunk: (10.5 - 5) / 0.7
