@@ -20,7 +20,7 @@ from gpu_worker.attention import AttentionLayout
 from gpu_worker.chunked_prefill import ChunkedPrefill
 from gpu_worker.kv_cache import SlotKVCache, cache_kwarg, kv_shape, text_config
 from gpu_worker.parked_rows import ParkedRows
-from gpu_worker.sampling import make_generator, select_tokens
+from gpu_worker.sampling import Penalties, make_generator, select_tokens
 from gpu_worker.sequences import EngineFull, EngineStats, GenResult, GenSpec, Row, finish_reason, group_by_length
 from gpu_worker.window_kv import Rings
 from shared.states import FinishReason
@@ -129,14 +129,16 @@ class GenerationEngine:
         self._keep([s.id for s in specs], logits)
         params = [s.sampling for s in specs]
         gens = [make_generator(p, self.device) for p in params]
-        tokens = select_tokens(logits, params, gens, lambda i: specs[i].history())
+        states = [Penalties(p, *s.history(), logits.shape[-1], logits.device) if p.penalized else None
+                  for s, p in zip(specs, params, strict=True)]
+        tokens = select_tokens(logits, params, gens, states.__getitem__)
         now = self._clock()
         self.stats.prefill_s += now - t0
         first = len(self.rows)
-        for spec, token, gen in zip(specs, tokens, gens, strict=True):
+        for spec, token, gen, state in zip(specs, tokens, gens, states, strict=True):
             self.rows.append(Row(
                 spec=spec, start=self.end - len(spec.prompt_ids), tokens=[token], generator=gen,
-                admitted_at=t0, prefill_s=now - t0, first_token_at=now,
+                admitted_at=t0, prefill_s=now - t0, first_token_at=now, penalties=state,
             ))
         return self._retire([r for r in range(first, len(self.rows)) if self._finish_reason(self.rows[r]) is not None],
                             now)
@@ -203,7 +205,7 @@ class GenerationEngine:
         self._keep([r.spec.id for r in self.rows], logits)
         rows = self.rows
         tokens = select_tokens(logits, [r.spec.sampling for r in rows], [r.generator for r in rows],
-                               lambda i: rows[i].spec.history(rows[i].tokens))
+                               lambda i: rows[i].penalties and rows[i].penalties.caught_up(rows[i].tokens))
         n = len(self.rows)
         self.stats.forward_s += forward_s
         self.stats.kv_padded += n * (self.end + 1 - read_lo)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import secrets
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -40,12 +39,13 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 
 def select_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                  history: Callable[[int], tuple[Sequence[int], Sequence[int]]] | None = None) -> list[int]:
-    """Tokens for every row of `logits` [rows, vocab]: one vectorised argmax, then the sampled rows. `history(i)`:
-    row i's (prompt, output so far), read only for a row with a penalty."""
+                  penalties: Callable[[int], Penalties | None] | None = None) -> list[int]:
+    """Tokens for every row of `logits` [rows, vocab]: one vectorised argmax, then the sampled rows. `penalties(i)`:
+    row i's `Penalties`, asked only for a row with a bias or a penalty."""
     penalized = [i for i, p in enumerate(params) if p.penalized]
-    if penalized and history is not None:
-        logits = penalize(logits, [(i, params[i], history(i)) for i in penalized])
+    if penalized and penalties is not None:
+        rows = [(i, params[i], state) for i in penalized if (state := penalties(i)) is not None]
+        logits = penalize(logits, rows)
     chosen = torch.argmax(logits, dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
@@ -55,25 +55,56 @@ def select_tokens(logits: torch.Tensor, params: list[SamplingParams], generators
     return chosen.tolist()
 
 
-def penalize(logits: torch.Tensor,
-             rows: list[tuple[int, SamplingParams, tuple[Sequence[int], Sequence[int]]]]) -> torch.Tensor:
-    """`logits` (a float32 copy) with each listed row's (index, params, (prompt, output)) bias and penalties
-    applied, in vLLM's order: OpenAI's `logit_bias` added; the repetition penalty as transformers'
-    `RepetitionPenaltyLogitsProcessor` applies it (every token of prompt and output: a positive logit divided by
-    it, a negative one multiplied); OpenAI's frequency and presence penalties over the output's tokens
-    (`logit - count * frequency - presence`)."""
+class Penalties:
+    """A penalized row's tokens as its bias and penalties read them, held on the logits' device and kept up to date
+    a token at a time: which tokens the sequence holds, prompt and output (the repetition penalty), and how often
+    each occurs in the output (presence and frequency); the bias as tensors. Re-reading the whole prompt and output
+    every step cost a step O(prompt) Python and several host-to-device copies per row (a model whose own
+    `generation_config` sets a repetition penalty penalizes every row)."""
+
+    __slots__ = ("bias_ids", "bias_values", "counts", "seen", "taken")
+
+    def __init__(self, params: SamplingParams, prompt: Sequence[int], output: Sequence[int], vocab: int,
+                 device: torch.device) -> None:
+        self.seen = self.counts = self.bias_ids = self.bias_values = None
+        self.taken = 0  # of the row's generated tokens, those counted in already
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            if prompt or output:
+                self.seen[torch.tensor([*prompt, *output], dtype=torch.long, device=device)] = True
+        if params.presence_penalty or params.frequency_penalty:
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            if output:
+                ids = torch.tensor(list(output), dtype=torch.long, device=device)
+                self.counts.index_add_(0, ids, torch.ones(len(output), dtype=torch.float32, device=device))
+        if params.logit_bias:
+            self.bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=device)
+            self.bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=device)
+
+    def caught_up(self, tokens: Sequence[int]) -> Penalties:
+        """Count in the row's generated `tokens` not yet counted (one or two a step)."""
+        for t in tokens[self.taken:]:
+            if self.seen is not None:
+                self.seen[t] = True
+            if self.counts is not None:
+                self.counts[t] += 1.0
+        self.taken = len(tokens)
+        return self
+
+
+def penalize(logits: torch.Tensor, rows: list[tuple[int, SamplingParams, Penalties]]) -> torch.Tensor:
+    """`logits` (a float32 copy) with each listed row's (index, params, state) bias and penalties applied, in vLLM's
+    order: OpenAI's `logit_bias` added; the repetition penalty as transformers' `RepetitionPenaltyLogitsProcessor`
+    applies it (every token of prompt and output: a positive logit divided by it, a negative one multiplied);
+    OpenAI's frequency and presence penalties over the output's tokens (`logit - count * frequency - presence`)."""
     out = logits.float().clone()
-    for i, p, (prompt, output) in rows:
-        if p.logit_bias:
-            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=logits.device)
-            out[i, ids] += torch.tensor([b for _, b in p.logit_bias], dtype=out.dtype, device=logits.device)
-        if p.repetition_penalty != 1.0:
-            ids = torch.tensor(sorted({*prompt, *output}), dtype=torch.long, device=logits.device)
-            scores = out[i, ids]
-            out[i, ids] = torch.where(scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty)
-        if output and (p.presence_penalty or p.frequency_penalty):
-            counts = Counter(output)
-            ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
-            times = torch.tensor(list(counts.values()), dtype=out.dtype, device=logits.device)
-            out[i, ids] -= times * p.frequency_penalty + p.presence_penalty
+    for i, p, state in rows:
+        row = out[i]
+        if state.bias_ids is not None:
+            row.index_add_(0, state.bias_ids, state.bias_values)
+        if state.seen is not None:
+            penalized = torch.where(row < 0, row * p.repetition_penalty, row / p.repetition_penalty)
+            row.copy_(torch.where(state.seen, penalized, row))
+        if state.counts is not None:
+            row.sub_(state.counts * p.frequency_penalty + (state.counts > 0) * p.presence_penalty)
     return out

@@ -129,6 +129,7 @@ class Row:
     admitted_at: float
     prefill_s: float
     first_token_at: float
+    penalties: Any = None  # its `sampling.Penalties` when it has a bias or a penalty
 
 
 def stop_tail_tokens(stop: tuple[str, ...]) -> int:

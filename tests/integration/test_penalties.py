@@ -25,7 +25,7 @@ from transformers import (
 from gpu_worker.generate_runner import GenerateRunner
 from gpu_worker.models import LoadedModel, build_bpe_tokenizer
 from gpu_worker.outcomes import Outcome
-from gpu_worker.sampling import penalize
+from gpu_worker.sampling import Penalties, penalize
 from gpu_worker.sequences import SamplingParams
 from shared.config import ModelSpec
 from shared.messages import InferenceRequest
@@ -194,7 +194,14 @@ def test_penalize_matches_the_formulas_on_random_rows():
         prompt = [rng.randrange(50) for _ in range(rng.randint(1, 12))]
         output = [rng.randrange(50) for _ in range(rng.randint(0, 12))]
         rows.append((i, p, (prompt, output)))
-    out = penalize(logits, rows)
+    # the state as a row builds it: the prompt at once, then its output a token or two at a time
+    states = [Penalties(p, prompt, [], 50, logits.device) for _, p, (prompt, _) in rows]
+    for state, (_, _, (_, output)) in zip(states, rows, strict=True):
+        for end in range(0, len(output) + 2, 2):
+            state.caught_up(output[:end])
+    out = penalize(logits, [(i, p, state) for (i, p, _), state in zip(rows, states, strict=True)])
+    at_once = [Penalties(p, prompt, output, 50, logits.device) for _, p, (prompt, output) in rows]
+    assert torch.equal(out, penalize(logits, [(i, p, st) for (i, p, _), st in zip(rows, at_once, strict=True)]))
     expected = logits.clone()
     for i, p, (prompt, output) in rows:
         for tok, bias in p.logit_bias:
