@@ -17,25 +17,18 @@ forward; a model that does not match keeps its chunks as forwards of their own.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import Cache
 
 from gpu_worker.kv_cache import ring_read, ring_update
 from gpu_worker.sequences import GenResult
 
 _LOCAL = threading.local()  # the fused step in progress on this thread, if any
-# The chunk's attention on CUDA runs on any kernel but cuDNN's: torch picks cuDNN for a masked grouped-query
-# attention on Hopper, and cuDNN builds a graph for every new shape (~45 ms on an H100). A chunk's keys grow with
-# every step, so every fused step paid it: 51 ms against a 6 ms decode step, whatever the chunk's size, and the
-# chunk sizing, learning ~20 ms a token, kept chunks at 4 tokens (a 2,048-token prompt's first token after 30 s).
-CHUNK_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _SDPA: Any = None  # transformers' own sdpa attention function
 
 
@@ -118,15 +111,9 @@ def _chunk_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None or kwargs.get("dropout"):
         return _SDPA(module, query, key, value, mask, **kwargs)[0]
     groups = getattr(module, "num_key_value_groups", 1)
-    with chunk_kernels(query.device):
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
-                                                               scale=kwargs.get("scaling"), enable_gqa=groups > 1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                           scale=kwargs.get("scaling"), enable_gqa=groups > 1)
     return out.transpose(1, 2)
-
-
-def chunk_kernels(device: torch.device) -> contextlib.AbstractContextManager[None]:
-    """The attention kernels a chunk may run on (`CHUNK_BACKENDS` on CUDA; on other devices, torch's choice)."""
-    return sdpa_kernel(CHUNK_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class PackedWindow(Cache):

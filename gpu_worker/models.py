@@ -185,6 +185,19 @@ class LoadedModel:
     dtype: Any
 
 
+def attention_kernels(device: Any) -> None:
+    """On CUDA, attention never runs on cuDNN's kernel in this process: torch picks it for a masked grouped-query
+    attention on Hopper, and it builds a graph for every new shape, ~45 ms on an H100. A chunk of a long prompt
+    fused into a decode step meets a new shape every step (its keys grow): 51 ms a fused step against a 6 ms
+    decode step, whatever the chunk (measured), and 12 ms with cuDNN's kernel off. The other kernels take any
+    shape. Process-wide on purpose: `torch.nn.attention.sdpa_kernel` sets the same global flags, so toggling them
+    per call from the engines' threads could leave them either way."""
+    if device.type == "cuda":
+        import torch
+
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def load(spec: ModelSpec, cache_dir: str | Path) -> LoadedModel:
     """Load a model and its tokenizer from a local directory, on CUDA when present."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -194,6 +207,7 @@ def load(spec: ModelSpec, cache_dir: str | Path) -> LoadedModel:
     path = resolve_source(spec, cache_dir)
     device = pick_device(spec.device)
     dtype = pick_dtype(spec.dtype, device)
+    attention_kernels(device)
     cls = AutoModelForCausalLM if spec.task is Task.GENERATE else AutoModel
     try:  # the engine is fastest on SDPA (and correct on any implementation)
         model = cls.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="sdpa")

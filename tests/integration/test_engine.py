@@ -389,16 +389,18 @@ def test_a_parked_row_can_be_removed(model):
         assert rest[spec.id].token_ids == reference(model, spec)
 
 
-def test_a_fused_chunk_never_runs_on_cudnn_attention():
-    """On CUDA a chunk's attention runs on any kernel but cuDNN's, which builds a graph for every new shape: ~45 ms
-    on an H100 for each fused step (a chunk's keys grow every step), measured against a 6 ms decode step. On other
-    devices torch chooses as usual."""
-    from gpu_worker.fused_step import chunk_kernels
+def test_a_model_on_cuda_never_runs_attention_on_cudnn():
+    """cuDNN's attention builds a graph for every new shape: ~45 ms on an H100 for each fused step (a chunk's keys
+    grow every step), measured against a 6 ms decode step. A model loaded on CUDA turns it off for the process; on
+    other devices torch chooses as usual."""
+    from gpu_worker.models import attention_kernels
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    with chunk_kernels(torch.device("cuda")):
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
-        assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
-    assert torch.backends.cuda.cudnn_sdp_enabled() == before
-    with chunk_kernels(torch.device("cpu")):
+    try:
+        attention_kernels(torch.device("cpu"))
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
+        attention_kernels(torch.device("cuda"))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
