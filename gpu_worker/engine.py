@@ -35,8 +35,7 @@ class GenerationEngine:
                  keep_logits: bool = False, fused: bool = False) -> None:
         self.model = model
         self.device = next(model.parameters()).device
-        self.max_rows = max_rows
-        self.max_seq_len = max_seq_len
+        self.max_rows, self.max_seq_len = max_rows, max_seq_len
         self.layout = AttentionLayout.of(model)  # which keys each layer type may see (windows, chunks)
         self.layer_types: list[str] | None = getattr(text_config(model), "layer_types", None)
         self.rings = Rings.of(self.layout, self.layer_types, kv_shape(model)[0], max_seq_len)  # windowed layers' KV
@@ -129,8 +128,7 @@ class GenerationEngine:
         self._keep([s.id for s in specs], logits)
         params = [s.sampling for s in specs]
         gens = [make_generator(p, self.device) for p in params]
-        states = [Penalties(p, *s.history(), logits.shape[-1], logits.device) if p.penalized else None
-                  for s, p in zip(specs, params, strict=True)]
+        states = [Penalties.of(s, logits) for s in specs]
         tokens = select_tokens(logits, params, gens, states.__getitem__)
         now = self._clock()
         self.stats.prefill_s += now - t0

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gpu_worker.sequences import SamplingParams
+from gpu_worker.sequences import GenSpec, SamplingParams
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -80,6 +80,12 @@ class Penalties:
         if params.logit_bias:
             self.bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=device)
             self.bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=device)
+
+    @classmethod
+    def of(cls, spec: GenSpec, logits: torch.Tensor) -> Penalties | None:
+        """A joining row's state (its prompt and any output a resumed stream already sent), if it needs one."""
+        p = spec.sampling
+        return cls(p, *spec.history(), logits.shape[-1], logits.device) if p.penalized else None
 
     def caught_up(self, tokens: Sequence[int]) -> Penalties:
         """Count in the row's generated `tokens` not yet counted (one or two a step)."""

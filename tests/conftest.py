@@ -11,6 +11,12 @@ import pytest
 import redis
 
 from tests.redis_cluster import delete_prefix, start_cluster, sync_client
+from tests.torch_guard import (  # noqa: F401  (the fast tier's torch guard: every test under tests/)
+    pytest_collectreport,
+    pytest_runtest_makereport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 
 TEST_REDIS_URL = os.environ.get("BATCHGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 # "cluster": the suites that use `redis_url` run against a Redis Cluster of 3 masters and 3 replicas on loopback,

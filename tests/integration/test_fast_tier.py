@@ -1,5 +1,5 @@
 """`make test-fast`, run as a developer runs it: the pure and in-memory tiers pass in under 30 s and
-import no torch (tests/unit/conftest.py fails the session under BATCHGATE_FAST_TIER=1 if they do)."""
+import no torch (tests/torch_guard.py fails the run under BATCHGATE_FAST_TIER=1 if they do)."""
 
 from __future__ import annotations
 
@@ -36,18 +36,24 @@ def test_make_test_fast_passes_in_under_30_s_without_torch():
 
 
 @pytest.mark.parametrize("workers", [["-n", "2"], ["-p", "no:xdist"]])
-def test_the_guard_fails_a_session_that_imports_torch_with_and_without_xdist(tmp_path: Path, workers: list[str]):
-    """The guard itself: a stand-in `torch` module imported by one test fails the run, under pytest-xdist (whose
-    workers' session status never reaches the controller) as without it, and names the test."""
-    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "unit" / "conftest.py").read_text())
+@pytest.mark.parametrize("folder", ["unit", "contract"])
+def test_the_guard_fails_a_run_that_imports_torch_with_and_without_xdist(tmp_path: Path, workers: list[str],
+                                                                         folder: str):
+    """The guard itself (`tests/torch_guard.py`): a stand-in `torch` module imported by one test, in either folder of
+    the tier, fails the run, under pytest-xdist (whose workers' session status never reaches the controller) as
+    without it, and names the test."""
     (tmp_path / "stand_in").mkdir()
     (tmp_path / "stand_in" / "torch.py").write_text("")
-    (tmp_path / "test_a.py").write_text("def test_clean():\n    pass\n")
-    (tmp_path / "test_b.py").write_text("def test_imports_it():\n    import torch  # noqa: F401\n")
+    for name in ("unit", "contract"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"test_clean_{name}.py").write_text("def test_clean():\n    pass\n")
+    (tmp_path / folder / "test_b.py").write_text("def test_imports_it():\n    import torch  # noqa: F401\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env.update(BATCHGATE_FAST_TIER="1", PYTHONPATH=str(tmp_path / "stand_in"))
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, str(tmp_path)],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    env.update(BATCHGATE_FAST_TIER="1", PYTHONPATH=os.pathsep.join([str(tmp_path / "stand_in"), str(ROOT)]))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.torch_guard",
+                          *workers, "unit", "contract"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
     text = out.stdout + out.stderr
     assert out.returncode == 1, text[-3000:]
-    assert "the fast tier imported torch (first seen running test_b.py::test_imports_it)" in text, text[-3000:]
+    assert f"the fast tier imported torch (first seen running {folder}/test_b.py::test_imports_it)" in text, \
+        text[-3000:]
