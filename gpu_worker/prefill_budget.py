@@ -50,13 +50,17 @@ def step_budget(chunk_tokens: int | None, decoding: int, *, background: bool = F
 
 
 def fused_chunk(chunk_tokens: int | None, *, protect: bool, fixed_s: float, per_token_s: float, measured: bool,
-                separable: bool, bare_step_s: float, interval_s: float, chunk_left: int,
-                deadline_left_s: float | None, new_tokens: int, previous: int = 0) -> int:
+                separable: bool, warm: bool, last: tuple[int, float], bare_step_s: float, interval_s: float,
+                chunk_left: int, deadline_left_s: float | None, new_tokens: int, previous: int = 0) -> int:
     """Prompt tokens the next fused step carries, between FUSED_MIN_CHUNK and `chunk_tokens`:
     - the most whose cost (`fixed_s` a step plus `per_token_s` a token, once `separable`) adds at most
       `FUSED_STEP_SHARE` of a bare decode step (`bare_step_s`), so the rows' gap between tokens stays under 2x a step;
-      where the fixed part alone takes that share, every fused step costs the rows it whatever its chunk, and the
-      fewest such steps are the largest chunks whose per-token part stays within the share;
+    - where the fixed part alone takes that share (or no cost per token shows), every fused step costs the rows it
+      whatever its chunk, and the fewest such steps are the largest chunks whose tokens fill the share. Such a
+      size rests on the slope alone, which noise reads low: it is taken only once the fit is `warm` (the chunk holds
+      its size before), and the chunk halves when the `last` fused chunk's tokens (what it added, less the fixed
+      part) overran the share. Below it, the cost per token is never read under what the last chunk's tokens
+      cost (noise reads the fit's slope low, down to none);
     - FUSED_MIN_CHUNK before anything is `measured`; twice the `previous` chunk while the costs are not yet
       `separable` (the sizes seen are too alike to tell the fixed part from the per-token one);
     - at most twice the `previous` fused chunk (the costs are learned from the chunks themselves, and one
@@ -68,19 +72,27 @@ def fused_chunk(chunk_tokens: int | None, *, protect: bool, fixed_s: float, per_
     if not protect:
         return cap
     share_s = FUSED_STEP_SHARE * bare_step_s
+    last_tokens, last_extra_s = last
     if not measured or bare_step_s <= 0:
         size = FUSED_MIN_CHUNK
     elif not separable:
         size = 2 * previous
-    elif per_token_s <= 0:
-        size = cap  # no cost per token to be seen: only the fixed part
-    elif share_s - fixed_s >= FUSED_MIN_CHUNK * per_token_s:
-        size = int((share_s - fixed_s) / per_token_s)
+    elif fixed_s < share_s and (per_token := max(per_token_s, _last_per_token(last_extra_s, fixed_s, last_tokens))) > 0:
+        size = int((share_s - fixed_s) / per_token)
+    elif last_extra_s - fixed_s > share_s:
+        size = previous // 2
+    elif not warm:
+        size = previous
     else:
-        size = int(share_s / per_token_s)
+        size = int(share_s / per_token_s) if per_token_s > 0 else cap
     size = min(size, max(FUSED_MIN_CHUNK, 2 * previous))
     if deadline_left_s is not None and chunk_left > 0 and bare_step_s > 0:
         time_left = deadline_left_s - FUSED_DEADLINE_MARGIN * new_tokens * interval_s
         steps = int(time_left / (FUSED_DEADLINE_MARGIN * 2 * bare_step_s))  # a fused step costs about two bare ones
         size = max(size, cap if steps < 1 else -(-chunk_left // steps))
     return max(FUSED_MIN_CHUNK, min(cap, size))
+
+
+def _last_per_token(last_extra_s: float, fixed_s: float, last_tokens: int) -> float:
+    """What each of the last fused chunk's tokens cost, its fixed part aside (0 when unknown)."""
+    return max(0.0, last_extra_s - fixed_s) / last_tokens if last_tokens > 0 else 0.0

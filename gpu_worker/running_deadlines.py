@@ -6,7 +6,8 @@ the step has room to run long), and `n - 1` more after it, counted at `DOOM_OPTI
 judged at (the better of the moment's and the averaged one: `ServiceTracker.doom_step_seconds`), so that an
 estimate's noise over many steps does not condemn a row that would finish. Counting the last step at 80% too
 let a row with one token left and 25 ms to go take a 28 ms step and finish past its deadline, as a success:
-compute past the deadline.
+compute past the deadline. Until the decode fit has seen `WARM_SAMPLES` steps, only the next step is judged
+(`_judged`): a fit of a step or two extrapolates proportionally, and eviction is final.
 
 New rows slow every step (`room`), and a turn that starts new work prefills it before the running rows' next
 step, so they wait that prefill out (up to a chunked prefill's budget, 512 prompt tokens by default: a few decode
@@ -51,9 +52,13 @@ def unfinishable(running: Mapping[str, Job], left: Mapping[str, int], now: float
     proportionally (one 200 ms step of one row read as 600 ms a token for three), and eviction is final (CI:
     three echo rows with 40 s of work and 59 s left were evicted after two steps)."""
     step, interval = _intervals(running, tracker)
-    warm = tracker.decode.n >= WARM_SAMPLES
     return [job for rid, n in left.items() if (job := running.get(rid)) is not None
-            and cannot_finish(job.deadline, now, finish_work_s(n if warm else min(n, 1), step, interval))]
+            and cannot_finish(job.deadline, now, finish_work_s(_judged(n, tracker), step, interval))]
+
+
+def _judged(tokens_left: int, tracker: ServiceTracker) -> int:
+    """The tokens of a row's remaining work that are judged: all once the decode fit is warm, else the next one."""
+    return tokens_left if tracker.decode.n >= WARM_SAMPLES else min(tokens_left, 1)
 
 
 def room(running: Mapping[str, Job], left: Mapping[str, int], now: float, tracker: ServiceTracker,
@@ -78,7 +83,7 @@ def stalled(running: Mapping[str, Job], left: Mapping[str, int], now: float, tra
         return False
     stall = tracker.prefill.predict(sum(j.size for j in batch) * max(j.prompt_tokens for j in batch))
     for rid, n in left.items():
-        job, work = running.get(rid), finish_work_s(n, step, interval)
+        job, work = running.get(rid), finish_work_s(_judged(n, tracker), step, interval)
         if job is not None and work > 0 and not cannot_finish(job.deadline, now, work) \
                 and cannot_finish(job.deadline, now, work + stall):
             return True

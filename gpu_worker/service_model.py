@@ -10,6 +10,7 @@ worker publishes for the gateway's admission control.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ class ServiceModel:
 # second per token and expired or evicted long requests that finished in a quarter of their deadline. A
 # real, lasting slowdown still shows: each sample can raise the estimate by a factor, and it keeps rising.
 CLIP_FACTOR = 4.0
+RECENT_FUSED = 16  # fused chunks whose cost bounds the fixed part (`ServiceTracker.fused_fixed_s`)
 WARM_SAMPLES = 8  # samples before a fit clips outliers or is trusted to bound the rows
 
 
@@ -123,6 +125,8 @@ class ServiceTracker:
     # what a chunk fused into a decode step adds to it, by the chunk's tokens (its cost per token grows as the
     # chunk moves along the prompt and attends to more of it, so recent steps count most)
     fused: RunningFit = field(default_factory=lambda: RunningFit(alpha=0.2))
+    # the last fused chunks, newest last: (prompt tokens, what the chunk added to its step)
+    recent_fused: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=RECENT_FUSED))
     counters: dict[str, LaneCounters] = field(default_factory=dict)
     rate_tau_s: float = RATE_TAU_S
 
@@ -140,7 +144,22 @@ class ServiceTracker:
         self.bare.add(rows, seconds)
 
     def observe_fused(self, tokens: int, extra_seconds: float) -> None:
+        self.recent_fused.append((tokens, max(0.0, extra_seconds)))
         self.fused.add(tokens, max(0.0, extra_seconds))
+
+    @property
+    def last_fused(self) -> tuple[int, float]:
+        """The last fused chunk: (its prompt tokens, what it added to its step); (0, 0.0) before any."""
+        return self.recent_fused[-1] if self.recent_fused else (0, 0.0)
+
+    @property
+    def fused_fixed_s(self) -> float:
+        """A fused chunk's fixed part: the fit's intercept, but never more than the lower quartile of what the last
+        chunks cost whole. One slow step (a hiccup three times a step) lifted the intercept of a CPU's fit past half
+        a step, as if every chunk cost that much before its first token; the cheapest alone reads noise low."""
+        if not self.recent_fused:
+            return self.fused.intercept
+        return min(self.fused.intercept, sorted(s for _, s in self.recent_fused)[len(self.recent_fused) // 4])
 
     def observe_round(self, rows: int, step_s: float, interval_s: float, chunk: int, chunk_s: float, *,
                       fused: bool, chunking: bool) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
+
 import pytest
 
 from gpu_worker.job import Job
@@ -30,7 +33,8 @@ def test_step_budget(chunk, decoding, background, yielding, want):
 
 
 def fc(**kw):
-    args = dict(protect=True, fixed_s=0.0, per_token_s=0.001, measured=True, separable=True, bare_step_s=0.04,
+    args = dict(protect=True, fixed_s=0.0, per_token_s=0.001, measured=True, separable=True, warm=True,
+                last=(0, 0.0), bare_step_s=0.04,
                 interval_s=0.05, chunk_left=2000, deadline_left_s=None, new_tokens=8, previous=1000)
     args.update(kw)
     return fused_chunk(512, **args)
@@ -52,6 +56,20 @@ def test_a_fused_chunks_fixed_part_is_paid_once_a_step():
     assert fc(fixed_s=0.004, per_token_s=0.000005, bare_step_s=0.006) == 512
     assert fc(fixed_s=0.004, per_token_s=0.00002, bare_step_s=0.006) == 150
     assert fc(fixed_s=0.004, per_token_s=0.0) == 512  # no cost per token to be seen
+
+
+def test_a_size_on_the_slope_alone_waits_for_a_warm_fit_and_halves_when_the_tokens_overran():
+    gpu = dict(fixed_s=0.004, per_token_s=0.000005, bare_step_s=0.006, previous=64)
+    assert fc(**gpu, warm=False) == 64  # held until the fit is warm
+    assert fc(**gpu, last=(64, 0.0045)) == 128  # the tokens added 0.5 ms of the 3 ms share: grow
+    assert fc(**gpu, last=(64, 0.008)) == 32  # they added 4 ms: the slope was read low
+
+
+def test_below_the_share_a_token_never_costs_less_than_the_last_chunks_did():
+    # the fit's slope reads 0.1 ms a token (noise), the last 16-token chunk's tokens cost 0.5 ms each
+    assert fc(fixed_s=0.005, per_token_s=0.0001, last=(16, 0.013)) == 30  # 15 ms of room at 0.5 ms
+    assert fc(fixed_s=0.005, per_token_s=0.0, last=(16, 0.013)) == 30  # no slope at all: the same
+    assert fc(fixed_s=0.005, per_token_s=0.0, previous=8) == 16  # nothing to go on: doubling, as far as it may
 
 
 def test_costs_not_yet_separable_double_the_chunk_to_find_out():
@@ -101,9 +119,10 @@ def test_the_scheduler_sizes_a_fused_chunk_from_its_measured_costs():
     assert unfused.plan(1.0, free_rows=4, chunking=True, chunk_left=1000).chunk_tokens == 512
 
 
-def run_fused(fixed_s: float, per_token_s: float, bare_s: float, steps: int) -> list[int]:
+def run_fused(fixed_s: float, per_token_s: float, bare_s: float, steps: int,
+              noise: Callable[[], float] = lambda: 1.0) -> list[int]:
     """The sizes a scheduler picks step after step for a long prompt beside two interactive rows, each fused step
-    adding `fixed_s` plus `per_token_s` a token to a `bare_s` decode step."""
+    adding `fixed_s` plus `per_token_s` a token to a `bare_s` decode step (times `noise()` as measured)."""
     s = Scheduler([LanePolicy("short", 0.0)], BatchLimits(8, 4096), chunk_tokens=512, fused=True)
     s.started([Job(id=f"r{i}", lane="short", rank=0, deadline=1e9, arrived=0.0, tokens=10, prompt_tokens=5,
                    new_tokens=100) for i in range(2)])
@@ -112,7 +131,7 @@ def run_fused(fixed_s: float, per_token_s: float, bare_s: float, steps: int) -> 
     sizes = []
     for _ in range(steps):
         size = s.plan(1.0, free_rows=4, chunking=True, chunk_left=100_000).chunk_tokens
-        s.tracker.observe_fused(size, fixed_s + per_token_s * size)
+        s.tracker.observe_fused(size, (fixed_s + per_token_s * size) * noise())
         sizes.append(size)
     return sizes
 
@@ -121,8 +140,9 @@ def test_a_gpus_fixed_fused_cost_does_not_pin_the_chunks_to_the_minimum():
     """As measured on an H100 (fixed ~4 ms, ~5 us a token, 6 ms decode steps): the chunks reach the configured 512
     within a few steps. Read as a cost per token through zero, the 4-token chunk's 1 ms a token kept them at 4."""
     sizes = run_fused(0.004, 0.000005, 0.006, 40)
-    assert sizes[:8] == [4, 8, 16, 32, 64, 128, 256, 512]
-    assert sizes[8:] == [512] * 32
+    # doubling to tell the parts apart, holding until the fit is warm (8 chunks), then doubling to the configured 512
+    assert sizes[:13] == [4, 8, 16, 16, 16, 16, 16, 16, 32, 64, 128, 256, 512]
+    assert sizes[13:] == [512] * 27
 
 
 def test_a_cpus_per_token_cost_keeps_the_chunks_small():
@@ -131,3 +151,20 @@ def test_a_cpus_per_token_cost_keeps_the_chunks_small():
     sizes = run_fused(0.005, 0.0007, 0.021, 200)
     assert max(sizes) <= 16 and all(0.005 + 0.0007 * n < 0.021 for n in sizes)
     assert sorted(sizes)[len(sizes) // 2] == 7  # the median chunk: (10.5 - 5) / 0.7
+
+
+def test_a_noisy_cpu_does_not_grow_the_chunks_past_the_rows_gap():
+    """The same CPU measured through noise (+-30% lognormal, and one step in twenty three times as slow): noise reads
+    the fixed part high and the slope low, which alone would size chunks by the slope and double them toward ~100
+    tokens (review: 52-96 tokens, a gap over 2x a step in 3-13% of steps). Such sizes wait for a warm fit and halve
+    when the last chunk's tokens overran the share."""
+    rng = random.Random(7)
+
+    def noise() -> float:
+        return rng.lognormvariate(0.0, 0.3) * (3.0 if rng.random() < 0.05 else 1.0)
+
+    for _ in range(5):
+        sizes = run_fused(0.005, 0.0007, 0.021, 300, noise)
+        over = [n for n in sizes if 0.005 + 0.0007 * n > 0.021]  # the chunk's true cost past a whole bare step
+        assert len(over) <= 0.01 * len(sizes), sorted(over)
+        assert sorted(sizes)[int(0.95 * len(sizes))] <= 16
