@@ -15,7 +15,7 @@ test test-cluster test-fast lint: PIP_QUIET = -q
 
 # The fast tier: the unit tests and the in-memory half of the contract tests (the real-Redis half is
 # marked `redis`). BATCHGATE_FAST_TIER=1 makes the session fail if anything imported torch
-# (tests/unit/conftest.py); the unreachable test Redis makes any use of the real one fail loudly. Two
+# (tests/torch_guard.py); the unreachable test Redis makes any use of the real one fail loudly. Two
 # processes (pytest-xdist): half its wall time is tests waiting on subprocesses and timers.
 FAST_TIERS := tests/unit $(wildcard tests/contract)
 

@@ -129,7 +129,7 @@ class GenerationEngine:
         params = [s.sampling for s in specs]
         gens = [make_generator(p, self.device) for p in params]
         states = [Penalties.of(s, logits) for s in specs]
-        tokens = select_tokens(logits, params, gens, states.__getitem__)
+        tokens = select_tokens(logits, params, gens, states.__getitem__)  # type: ignore[arg-type]
         now = self._clock()
         self.stats.prefill_s += now - t0
         first = len(self.rows)
@@ -203,7 +203,7 @@ class GenerationEngine:
         self._keep([r.spec.id for r in self.rows], logits)
         rows = self.rows
         tokens = select_tokens(logits, [r.spec.sampling for r in rows], [r.generator for r in rows],
-                               lambda i: rows[i].penalties and rows[i].penalties.caught_up(rows[i].tokens))
+                               lambda i: rows[i].penalties.caught_up(rows[i].tokens))
         n = len(self.rows)
         self.stats.forward_s += forward_s
         self.stats.kv_padded += n * (self.end + 1 - read_lo)

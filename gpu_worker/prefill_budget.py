@@ -55,7 +55,8 @@ def fused_chunk(chunk_tokens: int | None, *, protect: bool, fixed_s: float, per_
     """Prompt tokens the next fused step carries, between FUSED_MIN_CHUNK and `chunk_tokens`:
     - the most whose cost (`fixed_s` a step plus `per_token_s` a token, once `separable`) adds at most
       `FUSED_STEP_SHARE` of a bare decode step (`bare_step_s`), so the rows' gap between tokens stays under 2x a step;
-    - where the fixed part alone takes that share (or no cost per token shows), every fused step costs the rows it
+    - where the fixed part alone takes that share (or all but a minimum chunk of it, or no cost per token shows),
+      every fused step costs the rows it
       whatever its chunk, and the fewest such steps are the largest chunks whose tokens fill the share. Such a
       size rests on the slope alone, which noise reads low: it is taken only once the fit is `warm` (the chunk holds
       its size before), and the chunk halves when the `last` fused chunk's tokens (what it added, less the fixed
@@ -77,7 +78,8 @@ def fused_chunk(chunk_tokens: int | None, *, protect: bool, fixed_s: float, per_
         size = FUSED_MIN_CHUNK
     elif not separable:
         size = 2 * previous
-    elif fixed_s < share_s and (per_token := max(per_token_s, _last_per_token(last_extra_s, fixed_s, last_tokens))) > 0:
+    elif (per_token := max(per_token_s, _last_per_token(last_extra_s, fixed_s, last_tokens))) > 0 \
+            and share_s - fixed_s >= FUSED_MIN_CHUNK * per_token:
         size = int((share_s - fixed_s) / per_token)
     elif last_extra_s - fixed_s > share_s:
         size = previous // 2

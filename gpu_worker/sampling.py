@@ -39,13 +39,12 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 
 def select_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                  penalties: Callable[[int], Penalties | None] | None = None) -> list[int]:
+                  penalties: Callable[[int], Penalties] | None = None) -> list[int]:
     """Tokens for every row of `logits` [rows, vocab]: one vectorised argmax, then the sampled rows. `penalties(i)`:
     row i's `Penalties`, asked only for a row with a bias or a penalty."""
     penalized = [i for i, p in enumerate(params) if p.penalized]
     if penalized and penalties is not None:
-        rows = [(i, params[i], state) for i in penalized if (state := penalties(i)) is not None]
-        logits = penalize(logits, rows)
+        logits = penalize(logits, [(i, params[i], penalties(i)) for i in penalized])
     chosen = torch.argmax(logits, dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
@@ -88,7 +87,9 @@ class Penalties:
         return cls(p, *spec.history(), logits.shape[-1], logits.device) if p.penalized else None
 
     def caught_up(self, tokens: Sequence[int]) -> Penalties:
-        """Count in the row's generated `tokens` not yet counted (one or two a step)."""
+        """Count in the row's generated `tokens` not yet counted (one a step); they only ever grow."""
+        if len(tokens) < self.taken:
+            raise RuntimeError(f"a row's tokens shrank from {self.taken} to {len(tokens)}: its penalties would drift")
         for t in tokens[self.taken:]:
             if self.seen is not None:
                 self.seen[t] = True

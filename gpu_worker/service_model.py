@@ -144,8 +144,11 @@ class ServiceTracker:
         self.bare.add(rows, seconds)
 
     def observe_fused(self, tokens: int, extra_seconds: float) -> None:
-        self.recent_fused.append((tokens, max(0.0, extra_seconds)))
-        self.fused.add(tokens, max(0.0, extra_seconds))
+        extra = max(0.0, extra_seconds)
+        if self.fused.n >= WARM_SAMPLES and (bound := self.fused.predict(tokens)) > 0:
+            extra = min(extra, CLIP_FACTOR * bound)  # as the fit clips it
+        self.recent_fused.append((tokens, extra))
+        self.fused.add(tokens, extra)
 
     @property
     def last_fused(self) -> tuple[int, float]:

@@ -13,6 +13,7 @@ import redis
 from tests.redis_cluster import delete_prefix, start_cluster, sync_client
 from tests.torch_guard import (  # noqa: F401  (the fast tier's torch guard: every test under tests/)
     pytest_collectreport,
+    pytest_runtest_logfinish,
     pytest_runtest_makereport,
     pytest_sessionfinish,
     pytest_terminal_summary,

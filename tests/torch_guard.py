@@ -24,7 +24,7 @@ def _note(where: str) -> None:
         _first_torch.append(where)
 
 
-_note("before the unit tier was collected (a plugin or a conftest)")
+_note("before the tests were collected (a plugin or a conftest)")
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:

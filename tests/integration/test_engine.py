@@ -404,3 +404,13 @@ def test_a_model_on_cuda_never_runs_attention_on_cudnn():
         assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_loading_a_model_sets_the_attention_kernels_for_its_device(model_cache, monkeypatch):
+    from gpu_worker import models
+    from shared.config import BUILTIN_MODELS
+
+    seen = []
+    monkeypatch.setattr(models, "attention_kernels", seen.append)
+    loaded = models.load(BUILTIN_MODELS["tiny-llama"], model_cache)
+    assert seen == [loaded.device]

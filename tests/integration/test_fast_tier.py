@@ -57,3 +57,12 @@ def test_the_guard_fails_a_run_that_imports_torch_with_and_without_xdist(tmp_pat
     assert out.returncode == 1, text[-3000:]
     assert f"the fast tier imported torch (first seen running {folder}/test_b.py::test_imports_it)" in text, \
         text[-3000:]
+
+
+def test_the_test_tree_takes_in_every_hook_of_the_guard():
+    """The guard above is tested as a plugin; tests/conftest.py is what wires it into every run."""
+    import tests.conftest as wiring
+    import tests.torch_guard as guard
+
+    hooks = [name for name in vars(guard) if name.startswith("pytest_")]
+    assert hooks and all(getattr(wiring, name, None) is getattr(guard, name) for name in hooks), hooks

@@ -72,6 +72,14 @@ def test_below_the_share_a_token_never_costs_less_than_the_last_chunks_did():
     assert fc(fixed_s=0.005, per_token_s=0.0, previous=8) == 16  # nothing to go on: doubling, as far as it may
 
 
+def test_a_fixed_part_just_under_the_share_does_not_pin_the_chunks_to_the_minimum():
+    """More fixed cost never means smaller chunks (review: at 2.99 ms of a 3 ms share, 4 tokens for good)."""
+    gpu = dict(per_token_s=0.000005, bare_step_s=0.006, previous=64, last=(64, 0.0))
+    sizes = [fc(**gpu, fixed_s=f) for f in (0.0028, 0.00299, 0.003, 0.0035)]
+    assert sizes == [40, 128, 128, 128]
+    assert sizes == sorted(sizes)
+
+
 def test_costs_not_yet_separable_double_the_chunk_to_find_out():
     assert fc(separable=False, previous=6) == 12
     assert fc(separable=False, previous=0) == FUSED_MIN_CHUNK

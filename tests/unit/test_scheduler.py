@@ -5,7 +5,7 @@ import pytest
 from gpu_worker.dynamic_stage import LONG_ROWS_SPILL_S
 from gpu_worker.job import Job
 from gpu_worker.lane_queue import LanePolicy
-from gpu_worker.running_deadlines import DOOM_OPTIMISM
+from gpu_worker.running_deadlines import DOOM_OPTIMISM, finish_work_s, stalled
 from gpu_worker.scheduler import BatchLimits, Scheduler
 from gpu_worker.service_model import ServiceModel
 
@@ -423,6 +423,27 @@ def test_a_row_whose_next_step_would_end_past_its_deadline_leaves_before_it():
     # 80% of a step fits r1, not a step; a step fits r3, not with room for it to run long; r2 has two steps
     s.started([item(1, deadline=0.9 * step), item(2, deadline=2 * step), item(3, deadline=1.2 * step)])
     assert [j.id for j in s.plan(0.0, free_rows=2, left={"r1": 1, "r2": 1, "r3": 1}).evict] == ["r1", "r3"]
+
+
+def test_a_cold_fit_does_not_hold_back_a_prefill_for_a_row_it_misjudges():
+    """Two steps seen, the fit reads a row's 199 tokens as ~24 s of work; with its deadline just past that, judging
+    the whole work said a 100 ms prefill would push it past, and held the new work back. Cold, only the row's next
+    step is judged, so the prefill goes ahead; warm, the same judgement holds it back."""
+    s = sched()
+    s.tracker.observe_step(1, 0.2)
+    s.tracker.observe_step(3, 0.4)
+    for _ in range(8):
+        s.tracker.observe_prefill(100, 0.1)
+    whole = finish_work_s(199, s.tracker.step_seconds(1), s.tracker.doom_step_seconds(1))
+    running_rows, new = {"r1": item(1, deadline=whole + 0.05)}, [item(3, prompt=100, deadline=100.0)]
+    assert not stalled(running_rows, {"r1": 199}, 0.0, s.tracker, new, lambda j: 50.0)
+    warm = sched()
+    for _ in range(8):
+        warm.tracker.observe_step(1, 0.15)  # warm, at the interval the cold fit read
+        warm.tracker.observe_prefill(100, 0.1)
+    whole = finish_work_s(199, warm.tracker.step_seconds(1), warm.tracker.doom_step_seconds(1))
+    running_rows = {"r1": item(1, deadline=whole + 0.05)}
+    assert stalled(running_rows, {"r1": 199}, 0.0, warm.tracker, new, lambda j: 50.0)
 
 
 def finishing_row(s):
