@@ -131,9 +131,10 @@ class ApiResponse:
     # bytes instead of a body (a file's content): the app streams them; `collect_events` joins them
     stream: AsyncIterator[bytes] | None = None
     media_type: str | None = None  # of `stream` or `raw`; None: the events' text/event-stream
-    # the event a transport that answers once ends `events` with when it cuts them at its longest wait (None: an
-    # `error` event telling the caller to reconnect with its Last-Event-ID, as the native events can)
-    cut: ServerEvent | None = None
+    # makes the event a transport that answers once ends `events` with when it cuts them at its longest wait (None:
+    # an `error` event telling the caller to reconnect with its Last-Event-ID, as the native events can); built only
+    # when a stream is cut
+    cut: Callable[[], ServerEvent] | None = None
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         if self.raw is not None:
@@ -161,11 +162,11 @@ async def collect_events(resp: ApiResponse, limit_s: float | None = None) -> Api
 
 
 async def answered_once(events: AsyncIterator[ServerEvent], limit_s: float,
-                        cut: ServerEvent | None = None) -> AsyncIterator[ServerEvent]:
+                        cut: Callable[[], ServerEvent] | None = None) -> AsyncIterator[ServerEvent]:
     """An event stream held to `limit_s` seconds, for a transport that answers once (Lambda, Cloud Functions: the
     caller gets nothing until the answer is whole, and nothing at all past the function's own timeout): past it,
-    `cut` ends it, or an `error` event telling the caller to reconnect with its Last-Event-ID for the rest, which
-    loses nothing."""
+    the event `cut` makes ends it, or an `error` event telling the caller to reconnect with its Last-Event-ID for
+    the rest, which loses nothing."""
     loop = asyncio.get_running_loop()
     end = loop.time() + limit_s
     try:
@@ -176,7 +177,7 @@ async def answered_once(events: AsyncIterator[ServerEvent], limit_s: float,
                 return
             except TimeoutError:
                 if cut is not None:
-                    yield cut
+                    yield cut()
                     return
                 yield ServerEvent("error", {"error": {
                     "code": "wait_exceeded", "message": f"this gateway answers once, with the events of its longest "

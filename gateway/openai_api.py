@@ -215,7 +215,7 @@ async def _generate(svc: GatewayService, req: ApiRequest, translate: Callable[..
                 raise
             makers = [oa.ChunkMaker(tr, ids[0], created, i) for i in range(len(ids))]
             return ApiResponse(200, headers=headers, events=_stream(svc, req.tenant, recs, makers),
-                               cut=_data(_cut(svc, ids).body()))
+                               cut=lambda: _data(_cut(svc, ids).body()))
         return ApiResponse(200, oa.completion_response(tr, await _answers(svc, req, answers), created), headers)
 
     return await _answer(work, lambda: state["tr"].aliases if "tr" in state else {})

@@ -31,10 +31,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE  # tiny temperatures overflow the softmax: greedy is the limit
 
-    @property
-    def penalized(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or bool(self.logit_bias))
+    # whether any bias or penalty applies: read for every row at every step, so worked out once
+    penalized: bool = field(init=False, compare=False, repr=False, default=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "penalized", self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                           or self.frequency_penalty != 0.0 or bool(self.logit_bias))
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import difflib
 import itertools
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,34 +148,30 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPES_TEXT = "auto (bf16/fp16 on CUDA, fp32 on CPU), float32, float16 or bfloat16"
 
 
-def as_whole(value: Any) -> int | None:
-    """`value` as an integer when it is one (3, 3.0, "3"), else None (3.7, True, "three")."""
+def _parsed(value: Any, parse: Callable[[str], int | float]) -> int | float | None:
+    """`value` if it is a number (a bool is not), a string `parse` reads, else None."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return int(value) if value.is_integer() else None
     if isinstance(value, str):
         try:
-            return int(value.strip())
+            return parse(value.strip())
         except ValueError:
             return None
-    return None
+    return value if isinstance(value, int | float) else None
+
+
+def as_whole(value: Any) -> int | None:
+    """`value` as an integer when it is one (3, 3.0, "3"), else None (3.7, True, "three")."""
+    number = _parsed(value, int)
+    if isinstance(number, float):
+        return int(number) if number.is_integer() else None
+    return number
 
 
 def as_number(value: Any) -> float | None:
     """`value` as a float when it is a number (3, 0.5, "0.5"), else None (True, "fast", a list)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            return None
-    return None
+    number = _parsed(value, float)
+    return None if number is None else float(number)
 
 
 def coerce_number(where: str, field: str, value: Any, rule: Rule) -> int | float:
