@@ -24,6 +24,7 @@ from gateway.service import GatewayService
 from shared import openai_shapes as oa
 from shared import operations as ops
 from shared.events import ServerEvent, follow
+from shared.idempotency_keys import derived_key
 from shared.records import StoredRecord
 from shared.redis_io import UNAVAILABLE
 from shared.states import Task
@@ -94,7 +95,7 @@ async def _submit_choices(svc: GatewayService, req: ApiRequest, tr: oa.Translate
     """One native request per choice (`n`), batched together on the worker like any others. The first takes the
     whole call's share of the tenant's rate (a call that does not fit is refused before any choice is accepted);
     more choices than the tenant's backlog quota can never fit, and are refused for good. An Idempotency-Key keys
-    the first choice as it is and the next ones as `<key>#<i>`. If a choice is refused all the same (the quota,
+    the first choice as it is and the next ones with `derived_key(key, i)`. If a choice is refused all the same (the quota,
     admission), the call is: the choices accepted before it are cancelled, unless a key lets a retry find them."""
     spec = _spec_for(svc, tr, Task.GENERATE)
     key = parse_idempotency_key(req)
@@ -105,7 +106,7 @@ async def _submit_choices(svc: GatewayService, req: ApiRequest, tr: oa.Translate
     try:
         for i, body in enumerate(tr.bodies()):
             answers.append(await ops.submit(svc, body, spec, req.tenant, rate_tokens=tr.n if i == 0 else 0,
-                                            idempotency_key=key if key is None or i == 0 else f"{key}#{i}"))
+                                            idempotency_key=key if key is None or i == 0 else derived_key(key, i)))
     except BaseException:
         if key is None:
             for answer in answers:

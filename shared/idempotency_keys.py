@@ -10,3 +10,10 @@ KEY_RULE = f"Idempotency-Key must be 1-{MAX_KEY_CHARS} printable characters"
 
 def valid_idempotency_key(key: str) -> bool:
     return 1 <= len(key) <= MAX_KEY_CHARS and key.isprintable()
+
+
+def derived_key(key: str, index: int) -> str:
+    """The key of the `index`-th request a keyed call creates (an OpenAI choice, a batch item without its own key):
+    the call's key and the index joined by a control character, which no valid key holds, so a derived key never
+    equals one a caller sends (`<key>#<index>` did: a caller's own `abc#1` found the second choice of `abc`)."""
+    return f"{key}\x1f{index}"

@@ -23,7 +23,7 @@ from shared.api_errors import ApiError, BadRequest, Conflict, Gone, NotFound, To
 from shared.config import ModelSpec
 from shared.errors import ValidationError
 from shared.idempotency import IdempotencyClaim, body_hash
-from shared.idempotency_keys import KEY_RULE, MAX_KEY_CHARS, valid_idempotency_key
+from shared.idempotency_keys import KEY_RULE, MAX_KEY_CHARS, derived_key, valid_idempotency_key
 from shared.ids import created_ms, is_request_id
 from shared.messages import InferenceRequest
 from shared.params import finite_number
@@ -180,7 +180,7 @@ async def submit_batch(q: QueueClient, body: Any, spec: ModelSpec, tenant: str,
 
     Body: {"requests": [<submit body>, ...]}; an item may carry `idempotency_key` (an SQS message id,
     say) so a redelivered batch does not create its accepted items twice. `idempotency_key` (the call's
-    `Idempotency-Key` header) keys each item that carries none as `<key>#<index>`: the same call sent again
+    `Idempotency-Key` header) keys each item that carries none with `derived_key(key, index)`: the same call sent again
     answers with the same requests."""
     items = body.get("requests") if isinstance(body, dict) else None
     if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
@@ -198,7 +198,7 @@ async def submit_batch(q: QueueClient, body: Any, spec: ModelSpec, tenant: str,
         for i, item in enumerate(items):
             try:
                 results.append(await _batch_item(q, spec, tenant, i, item, to_store,
-                                                 None if idempotency_key is None else f"{idempotency_key}#{i}"))
+                                                 None if idempotency_key is None else derived_key(idempotency_key, i)))
             except ApiError as exc:
                 err: dict[str, Any] = {"code": exc.code, "message": exc.message, **exc.extra}
                 if exc.retry_after is not None:

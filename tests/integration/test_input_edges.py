@@ -174,6 +174,10 @@ async def test_a_batch_call_retried_with_its_idempotency_key_creates_nothing_twi
         assert conflict["status"] == 409 and conflict["error"]["code"] == "idempotency_conflict", conflict
         bad = await gw.client.post(url, json=body, headers={"Idempotency-Key": ""})
         assert bad.status_code in (400, 422), bad.text  # as a single submit's header is checked
+        # an item's derived key is no key a caller can send: a submit keyed `call-1#0` is a request of its own
+        single = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "a"}},
+                                      headers={"Idempotency-Key": "call-1#0"})
+        assert single.status_code == 202 and single.json()["id"] != first["results"][0]["id"], single.text
 
 
 async def test_cancel_of_a_cancelled_request_is_a_conflict(redis_url, prefix):

@@ -1,5 +1,9 @@
 import re
 
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.idempotency_keys import MAX_KEY_CHARS, derived_key, valid_idempotency_key
 from shared.ids import created_ms, is_request_id, new_request_id
 from shared.keys import Keys
 
@@ -23,6 +27,15 @@ def test_idempotency_key_is_hashed_and_tenant_scoped():
     k = Keys()
     assert k.idempotency("t1", "key") != k.idempotency("t2", "key")
     assert "key with spaces" not in k.idempotency("t1", "key with spaces")
+
+
+@given(st.text(min_size=1, max_size=MAX_KEY_CHARS), st.integers(min_value=1, max_value=9999))
+def test_a_derived_key_is_never_a_key_a_caller_can_send(key, index):
+    """A keyed call's later requests (OpenAI choices, batch items) get derived keys: distinct per index, and none
+    equal to a caller's own key, whatever the caller sends (`<key>#<i>` was: `abc#1` found `abc`'s second choice)."""
+    assert not valid_idempotency_key(derived_key(key, index))
+    assert derived_key(key, index) != derived_key(key, index + 1) and derived_key(key, index) != key
+    assert Keys().idempotency("t", derived_key(key, index)) != Keys().idempotency("t", f"{key}#{index}")
 
 
 def test_request_ids_are_random_and_validated():
