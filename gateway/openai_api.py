@@ -95,8 +95,9 @@ async def _submit_choices(svc: GatewayService, req: ApiRequest, tr: oa.Translate
     """One native request per choice (`n`), batched together on the worker like any others. The first takes the
     whole call's share of the tenant's rate (a call that does not fit is refused before any choice is accepted);
     more choices than the tenant's backlog quota can never fit, and are refused for good. An Idempotency-Key keys
-    the first choice as it is and the next ones with `derived_key(key, i)`. If a choice is refused all the same (the quota,
-    admission), the call is: the choices accepted before it are cancelled, unless a key lets a retry find them."""
+    the first choice as it is and the next ones with `derived_key(key, i)`. If a choice is refused all the same
+    (the quota, admission), the call is: the choices accepted before it are cancelled, unless a key lets a retry
+    find them."""
     spec = _spec_for(svc, tr, Task.GENERATE)
     key = parse_idempotency_key(req)
     if tr.n > 1 and (quota := await svc.limits.max_backlog(req.tenant)) is not None and tr.n > quota:
