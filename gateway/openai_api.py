@@ -249,8 +249,8 @@ async def _stream(svc: GatewayService, tenant: str, recs: list[StoredRecord],
                 yield _data(first)
         async with contextlib.aclosing(_merged(svc, recs)) as merged:
             async for i, event in merged:
-                if event.event == "delta" and event.data.get("text"):
-                    yield _data(makers[i].text(str(event.data["text"])))
+                if event.event == "delta" and (event.data.get("text") or event.data.get("logprobs")):
+                    yield _data(makers[i].text(str(event.data["text"]), event.data.get("logprobs")))
                 elif event.event == "done":
                     finished[i] = event.data
                     if (error := oa.result_error(event.data)) is not None:

@@ -27,6 +27,7 @@ from gpu_worker.outcomes import Delta, Outcome, failed_outcome
 from gpu_worker.runner import count_calls
 from gpu_worker.sequences import EngineStats, GenResult
 from gpu_worker.stream_release import Release, next_delta
+from gpu_worker.token_logprobs import asked, certain, with_logprobs
 from shared.config import ModelSpec
 from shared.faults import Faults
 from shared.lanes import assign_lane
@@ -185,6 +186,7 @@ class EchoRunner:
             if job.stream is not None:
                 delta = next_delta(job.stream, job.stream.output(row.tokens), decode_tokens)
                 if delta is not None:
+                    delta = with_logprobs(delta, job, certain(row.tokens, asked(job)), decode_tokens)
                     out.append(Delta(job.req, delta, first=job.stream.first))
                     job.stream.first = False
         return out
@@ -213,5 +215,5 @@ class EchoRunner:
         r = GenResult(id=row.job.id, token_ids=list(row.tokens), finish_reason=reason,
                       prompt_tokens=len(row.prompt) + row.offset, prefill_s=row.prefill_s,
                       ttft_s=row.prefill_s, decode_s=max(0.0, now - row.first_token_at),
-                      admitted_at=row.admitted_at, owner=row.job)
+                      admitted_at=row.admitted_at, owner=row.job, logprobs=certain(row.tokens, asked(row.job)))
         return Outcome(row.job.req, generation_result(row.job, r, now, worker=self.worker, decode=decode_tokens))

@@ -20,7 +20,7 @@ from gpu_worker.attention import AttentionLayout
 from gpu_worker.chunked_prefill import ChunkedPrefill
 from gpu_worker.kv_cache import SlotKVCache, cache_kwarg, kv_shape, text_config
 from gpu_worker.parked_rows import ParkedRows
-from gpu_worker.sampling import Penalties, make_generator, select_tokens
+from gpu_worker.sampling import Penalties, keep_logprobs, make_generator, select_tokens
 from gpu_worker.sequences import EngineFull, EngineStats, GenResult, GenSpec, Row, finish_reason, group_by_length
 from gpu_worker.window_kv import Rings
 from shared.states import FinishReason
@@ -138,6 +138,7 @@ class GenerationEngine:
                 spec=spec, start=self.end - len(spec.prompt_ids), tokens=[token], generator=gen,
                 admitted_at=t0, prefill_s=now - t0, first_token_at=now, penalties=state,
             ))
+        keep_logprobs(logits, tokens, self.rows[first:])
         return self._retire([r for r in range(first, len(self.rows)) if self._finish_reason(self.rows[r]) is not None],
                             now)
 
@@ -204,16 +205,15 @@ class GenerationEngine:
         rows = self.rows
         tokens = select_tokens(logits, [r.spec.sampling for r in rows], [r.generator for r in rows],
                                lambda i: rows[i].penalties.caught_up(rows[i].tokens))
+        keep_logprobs(logits, tokens, rows)
         n = len(self.rows)
         self.stats.forward_s += forward_s
         self.stats.kv_padded += n * (self.end + 1 - read_lo)
         self.stats.kv_real += sum(self.end + 1 - r.start for r in self.rows)
         self.end += 1
-        finished = []
-        for i, (row, tok) in enumerate(zip(self.rows, tokens, strict=True)):
+        for row, tok in zip(self.rows, tokens, strict=True):
             row.tokens.append(tok)
-            if self._finish_reason(row) is not None:
-                finished.append(i)
+        finished = [i for i, row in enumerate(self.rows) if self._finish_reason(row) is not None]
         now = self._clock()
         self.stats.decode_s += now - t0
         self.stats.steps += 1
@@ -221,8 +221,8 @@ class GenerationEngine:
         return finished, now
 
     def _make_room_right(self) -> None:
-        """Ensure column `end` exists by compacting left. A row is at most `max_seq_len` long and the
-        cache is twice that wide, so a compaction always frees at least `max_seq_len` columns."""
+        """Ensure column `end` exists by compacting left (a row is at most `max_seq_len` long, the cache twice
+        that wide: a compaction always frees at least `max_seq_len` columns)."""
         if self.end < self.cache.width:
             return
         lo = min(r.start for r in self.rows)
@@ -245,8 +245,7 @@ class GenerationEngine:
                 id=row.spec.id, token_ids=row.tokens, finish_reason=why,
                 prompt_tokens=len(row.spec.prompt_ids), prefill_s=row.prefill_s,
                 ttft_s=row.first_token_at - row.admitted_at, decode_s=now - row.first_token_at,
-                admitted_at=row.admitted_at, owner=row.spec.owner,
-            ))
+                admitted_at=row.admitted_at, owner=row.spec.owner, logprobs=row.logprobs))
             last = len(self.rows) - 1
             if i != last:
                 moved = self.rows[last]

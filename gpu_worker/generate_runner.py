@@ -23,6 +23,7 @@ from gpu_worker.outcomes import Delta, Outcome, failed_outcome
 from gpu_worker.runner import count_calls
 from gpu_worker.sequences import EngineStats, GenResult, GenSpec, SamplingParams
 from gpu_worker.stream_release import Release, next_delta
+from gpu_worker.token_logprobs import with_logprobs
 from shared.faults import Faults
 from shared.lanes import assign_lane
 from shared.messages import InferenceRequest, RequestResult
@@ -127,7 +128,8 @@ class GenerateRunner:
                        sampling=SamplingParams(
                            params.temperature, params.top_p, params.top_k, params.seed,
                            self.repetition_penalty if params.repetition_penalty is None else params.repetition_penalty,
-                           params.presence_penalty, params.frequency_penalty, tuple(params.logit_bias.items())),
+                           params.presence_penalty, params.frequency_penalty, tuple(params.logit_bias.items()),
+                           params.logprobs),
                        stop=tuple(params.stop), eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
                        owner=job, resumed=len(prefix))
 
@@ -194,6 +196,7 @@ class GenerateRunner:
             if isinstance(job, Job) and job.stream is not None:
                 delta = next_delta(job.stream, job.stream.output(row.tokens), self._decode)
                 if delta is not None:
+                    delta = with_logprobs(delta, job, row.logprobs, self._decode)
                     out.append(Delta(job.req, delta, first=job.stream.first))
                     job.stream.first = False
         return out

@@ -14,6 +14,7 @@ from gpu_worker.job import Job
 from gpu_worker.outcomes import Outcome, result_for
 from gpu_worker.sequences import GenResult
 from gpu_worker.stop_strings import cut_at_stop
+from gpu_worker.token_logprobs import output_logprobs
 from shared.deadlines import cannot_finish
 from shared.messages import ErrorInfo, RequestResult
 from shared.params import GenerateParams
@@ -32,6 +33,8 @@ def generation_result(job: Job, r: GenResult, now: float, *, worker: str, decode
         text = decode(token_ids)
     output = {"text": text, "token_ids": token_ids, "prompt_tokens": prompt_tokens,
               "completion_tokens": len(token_ids)}
+    if (logprobs := output_logprobs(job, token_ids, r.logprobs, decode)) is not None:
+        output["logprobs"] = logprobs
     timings = {"ttft_ms": round(r.ttft_s * 1000, 3), "decode_ms": round(r.decode_s * 1000, 3),
                "prefill_ms": round(r.prefill_s * 1000, 3),
                "compute_ms": round((now - r.admitted_at) * 1000, 3)}

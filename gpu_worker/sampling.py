@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gpu_worker.sequences import GenSpec, SamplingParams
+from gpu_worker.sequences import GenSpec, Row, SamplingParams
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -52,6 +52,27 @@ def select_tokens(logits: torch.Tensor, params: list[SamplingParams], generators
         for i in sampled:
             chosen[i] = sample_row(logits[i], params[i], generators[i])
     return chosen.tolist()
+
+
+def keep_logprobs(logits: torch.Tensor, tokens: Sequence[int], rows: Sequence[Row]) -> None:
+    """Each row that asks (`sampling.logprobs`) keeps its new token's log probability under `logits` ([rows,
+    vocab], the model's own: before temperature, penalties and bias, as vLLM's raw logprobs) and its likeliest
+    alternatives. One log-softmax and one top-k over the asking rows, one copy to the host."""
+    asking = [i for i, r in enumerate(rows) if r.spec.sampling.logprobs is not None]
+    if not asking:
+        return
+    index = torch.tensor(asking, dtype=torch.long, device=logits.device)
+    scores = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    chosen = torch.tensor([tokens[i] for i in asking], dtype=torch.long, device=logits.device)
+    picked = scores.gather(1, chosen[:, None])[:, 0].tolist()
+    k = min(max(rows[i].spec.sampling.logprobs or 0 for i in asking), scores.shape[-1])
+    top_values, top_ids = scores.topk(k, dim=-1) if k else (scores[:, :0], chosen[:, None][:, :0])
+    for j, (values, ids) in enumerate(zip(top_values.tolist(), top_ids.tolist(), strict=True)):
+        row = rows[asking[j]]
+        if row.logprobs is None:
+            row.logprobs = []
+        want = row.spec.sampling.logprobs or 0
+        row.logprobs.append((picked[j], tuple(zip(ids[:want], values[:want], strict=True))))
 
 
 class Penalties:

@@ -11,6 +11,9 @@ from shared.states import FinishReason
 
 MIN_TEMPERATURE = 1e-4
 
+# a token's log probability and the likeliest alternatives' (token id, log probability), likeliest first
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -26,6 +29,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
+    logprobs: int | None = None  # each token's log probability and this many likeliest alternatives; None: none
 
     @property
     def greedy(self) -> bool:
@@ -79,6 +83,7 @@ class GenResult:
     decode_s: float = 0.0  # from the first token to the last
     admitted_at: float = 0.0
     owner: Any = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, when asked for
 
 
 @dataclass(slots=True)
@@ -132,6 +137,7 @@ class Row:
     prefill_s: float
     first_token_at: float
     penalties: Any = None  # its `sampling.Penalties` when it has a bias or a penalty
+    logprobs: list[TokenLogprob] | None = None  # one per token of `tokens`, when its sampling asks for them
 
 
 def stop_tail_tokens(stop: tuple[str, ...]) -> int:

@@ -6,7 +6,8 @@ step for all its streaming rows. `follow` turns that, and the request's record, 
 gateway serves as Server-Sent Events (`GET /v1/requests/{id}/events`) and the OpenAI routes as chunks:
 
 - `status` `{id, status}`: on connecting, and whenever the status changes (queued -> running);
-- `delta` `{index, text, token_ids}`: the output's tokens from `index` on and the text they add;
+- `delta` `{index, text, token_ids}`: the output's tokens from `index` on and the text they add (and, with
+  `params.logprobs`, `logprobs`: an entry per token, as the result's `output.logprobs`);
 - `done`: the request's record view (as GET answers), always the last event. Cancelled, expired and
   failed requests end with it too; a worker crash does not (the request runs again and continues).
 
@@ -85,8 +86,10 @@ class _Cursor:
         self.tokens, self.chars = end, self.chars + len(delta.text)
         if end <= self.skip_to:
             return None
-        return ServerEvent("delta", {"index": delta.start, "text": delta.text, "token_ids": list(delta.token_ids)},
-                           str(end))
+        data: dict[str, Any] = {"index": delta.start, "text": delta.text, "token_ids": list(delta.token_ids)}
+        if delta.logprobs is not None:
+            data["logprobs"] = list(delta.logprobs)
+        return ServerEvent("delta", data, str(end))
 
     def tail(self, output: dict[str, Any] | None) -> ServerEvent | None:
         """What of the final output was not sent as a delta (all of it for a request that did not stream)."""
@@ -100,7 +103,10 @@ class _Cursor:
         # even with no token in it: text held back and then cut inside the first token is all the output there is
         if (not rest_text and not rest_ids) or (self.skip_to and len(ids) <= self.skip_to):
             return None
-        return ServerEvent("delta", {"index": start, "text": rest_text, "token_ids": rest_ids}, str(len(ids)))
+        data = {"index": start, "text": rest_text, "token_ids": rest_ids}
+        if isinstance(output.get("logprobs"), list):
+            data["logprobs"] = output["logprobs"][start:]
+        return ServerEvent("delta", data, str(len(ids)))
 
 
 async def _read(q: QueueClient, request_id: str, cursor: _Cursor,

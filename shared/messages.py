@@ -95,6 +95,8 @@ class StreamDelta:
     start: int
     token_ids: tuple[int, ...]
     text: str
+    # with `params.logprobs`: one entry per token, as the result's `output.logprobs` holds them
+    logprobs: tuple[dict[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

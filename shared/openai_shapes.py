@@ -24,7 +24,8 @@ from msgspec import Meta
 from shared.api_errors import ApiError
 from shared.errors import ValidationError
 from shared.model_context import CONTEXT_EXCEEDED
-from shared.params import MAX_SEED, MIN_TOP_P
+from shared.openai_logprobs import openai_logprobs
+from shared.params import MAX_SEED, MAX_TOP_LOGPROBS, MIN_TOP_P
 from shared.validation import check_text, convert
 
 OWNED_BY = "batchgate"
@@ -232,6 +233,7 @@ class Translated:
     encoding_format: str = "float"
     aliases: dict[str, str] = field(default_factory=dict)  # native field -> OpenAI parameter
     n: int = 1  # choices asked for: each its own native request
+    logprobs: int | None = None  # alternatives asked for with each token's log probability; None: none
 
     def bodies(self) -> list[dict[str, Any]]:
         """The native submit body of each choice: a given seed is the first choice's, the next ones count up from
@@ -279,12 +281,9 @@ _COMMON_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 _COMPLETION_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("echo", _none_or(False), "not supported (only false)"),
     ("best_of", _none_or(1), "only best_of=1 is supported (n choices are n samples)"),
-    ("logprobs", _none_or(), "log probabilities are not returned (only null)"),
     ("suffix", _empty, "not supported (only empty)"),
 )
 _CHAT_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("logprobs", _none_or(False), "log probabilities are not returned (only false)"),
-    ("top_logprobs", _none_or(0), "log probabilities are not returned (only 0)"),
     ("response_format", lambda v: v is None or v.type == "text", "only {'type': 'text'}: no JSON mode"),
     ("tools", _empty, "tool calling is not supported"),
     ("tool_choice", _none_or("none"), "tool calling is not supported (only 'none')"),
@@ -384,15 +383,27 @@ def _token_ids(value: Any) -> bool:
                                                            for t in value)
 
 
+def _top(param: str, value: int) -> int:
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise invalid(param, f"must be between 0 and {MAX_TOP_LOGPROBS}, got {value}")
+    return value
+
+
 def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Translated:
     req: CompletionRequest = _parse(raw, CompletionRequest)
     _refuse_non_defaults(req, (*_COMMON_CHECKS, *_COMPLETION_CHECKS))
     stream, usage = _stream_flags(req)
-    body = {"input": _prompt_input(req.prompt), "params": _params(req, req.max_tokens),
+    logprobs = None if req.logprobs is None else _top("logprobs", req.logprobs)
+    body = {"input": _prompt_input(req.prompt), "params": _with_logprobs(_params(req, req.max_tokens), logprobs),
             "stream": stream, **_deadline(req, timeout_header)}
     aliases = {"input.prompt": "prompt", "input.input_ids": "prompt", "input": "prompt",
-               "params.max_new_tokens": "max_tokens"}
-    return Translated("completion", req.model, body, stream, usage, aliases=aliases, n=_choices(req))
+               "params.max_new_tokens": "max_tokens", "params.logprobs": "logprobs"}
+    return Translated("completion", req.model, body, stream, usage, aliases=aliases, n=_choices(req),
+                      logprobs=logprobs)
+
+
+def _with_logprobs(params: dict[str, Any], logprobs: int | None) -> dict[str, Any]:
+    return params if logprobs is None else {**params, "logprobs": logprobs}
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -430,11 +441,16 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None) -> Translated
             raise invalid("max_completion_tokens", "differs from max_tokens: give one of them")
         limit, max_param = req.max_completion_tokens, "max_completion_tokens"
     stream, usage = _stream_flags(req)
+    top = None if req.top_logprobs is None else _top("top_logprobs", req.top_logprobs)
+    if top and not req.logprobs:  # as OpenAI answers
+        raise invalid("top_logprobs", "requires logprobs: true")
+    logprobs = (top or 0) if req.logprobs else None
     messages = [_message(i, m) for i, m in enumerate(req.messages)]
-    body = {"input": {"messages": messages}, "params": _params(req, limit), "stream": stream,
-            **_deadline(req, timeout_header)}
-    aliases = {"input": "messages", "input.messages": "messages", "params.max_new_tokens": max_param}
-    return Translated("chat", req.model, body, stream, usage, aliases=aliases, n=_choices(req))
+    body = {"input": {"messages": messages}, "params": _with_logprobs(_params(req, limit), logprobs),
+            "stream": stream, **_deadline(req, timeout_header)}
+    aliases = {"input": "messages", "input.messages": "messages", "params.max_new_tokens": max_param,
+               "params.logprobs": "top_logprobs"}
+    return Translated("chat", req.model, body, stream, usage, aliases=aliases, n=_choices(req), logprobs=logprobs)
 
 
 def translate_embeddings(raw: Any, *, timeout_header: str | None = None) -> Translated:
@@ -511,8 +527,11 @@ def completion_response(tr: Translated, views: list[dict[str, Any]], created: in
     request of its own; the first names the response."""
     choices = []
     for i, view in enumerate(views):
-        text = str((view.get("output") or {}).get("text", ""))
+        output = view.get("output") or {}
+        text = str(output.get("text", ""))
         choice: dict[str, Any] = {"index": i, "finish_reason": finish_reason(view), "logprobs": None}
+        if tr.logprobs is not None:
+            choice["logprobs"] = openai_logprobs(tr.kind, output.get("logprobs"))
         if tr.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text, "refusal": None}
         else:
@@ -530,7 +549,7 @@ def extensions(views: list[dict[str, Any]]) -> dict[str, Any]:
     return first if len(views) == 1 else {**first, "choices": [extension(v) for v in views]}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChunkMaker:
     """The chunks of one streamed generation (all share its id, `created` and model)."""
 
@@ -538,6 +557,7 @@ class ChunkMaker:
     request_id: str
     created: int
     index: int = 0  # the choice the chunks are of
+    chars: int = 0  # of the text, those sent so far (a completion's `text_offset` goes on from them)
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         out = {"id": completion_id(self.tr.kind, self.request_id),
@@ -562,8 +582,13 @@ class ChunkMaker:
         """Chat streams open with the assistant's role and empty content; completions have no such chunk."""
         return self._chunk([self._choice("", role=True)]) if self.tr.kind == "chat" else None
 
-    def text(self, text: str) -> dict[str, Any]:
-        return self._chunk([self._choice(text)])
+    def text(self, text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+        """A delta's chunk; with `logprobs` asked for, its tokens' (`logprobs`: the delta's entries)."""
+        choice = self._choice(text)
+        if self.tr.logprobs is not None:
+            choice["logprobs"] = openai_logprobs(self.tr.kind, logprobs, self.chars)
+        self.chars += len(text)
+        return self._chunk([choice])
 
     def final(self, view: dict[str, Any], *, with_usage: bool = True) -> list[dict[str, Any]]:
         """The chunk with the finish_reason, then (with stream_options.include_usage, unless other choices are still

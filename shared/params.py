@@ -29,6 +29,7 @@ MIN_REPETITION_PENALTY = 0.01  # below, a float32 logit divided by it overflows
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 1024  # tokens a request may bias
 MAX_BIAS = 100.0  # OpenAI's range, [-100, 100]: -100 bans a token, 100 all but forces it
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat top_logprobs range, [0, 20]
 # the sampling fields a request sets only to change them: on the wire only where set (a worker of the release
 # before them serves every request that leaves them out)
 PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
@@ -75,6 +76,9 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         description="token id -> added to its logit before the penalties and sampling "
                                                "(OpenAI's logit_bias; -100 bans a token)")] = msgspec.field(
         default_factory=dict)
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "return each output token's log probability under the model (its raw logits: before temperature, "
+        "penalties and bias) and this many likeliest alternatives; null: none"))] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.stop, tuple):  # one string, or a list from the wire dict
@@ -100,6 +104,8 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in PENALTY_FIELDS:
             if not out[name]:  # None, 0 or {}: the default (a repetition penalty is at least 0.01)
                 del out[name]
+        if out["logprobs"] is None:  # left out as the penalties are: a worker of before reads what it knows
+            del out["logprobs"]
         return out
 
     def within(self, *, given: bool, limit: int, default_max_new_tokens: int) -> GenerateParams:

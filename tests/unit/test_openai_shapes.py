@@ -87,7 +87,7 @@ def test_stream_and_include_usage():
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("echo", True), ("best_of", 3), ("logprobs", 2), ("suffix", "end"), ("service_tier", "flex"),
+    ("echo", True), ("best_of", 3), ("suffix", "end"), ("service_tier", "flex"),
 ])
 def test_completion_fields_we_cannot_honour_are_refused_by_name(field: str, value: Any):
     err = refused(oa.translate_completion, {"model": "m", "prompt": "x", field: value})
@@ -203,8 +203,8 @@ def test_chat_refusals():
     err = refused(oa.translate_chat, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]))
     assert err.param == "messages[0].content[0].text" and err.code == "invalid_request" and "required" in err.message
     assert refused(oa.translate_chat, chat(max_tokens=3, max_completion_tokens=4)).param == "max_completion_tokens"
-    for field, value in [("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("logprobs", True),
-                         ("top_logprobs", 2), ("response_format", {"type": "json_object"}), ("store", True),
+    for field, value in [("tools", [{"type": "function"}]), ("tool_choice", "auto"),
+                         ("response_format", {"type": "json_object"}), ("store", True),
                          ("reasoning_effort", "low"), ("modalities", ["text", "audio"])]:
         assert refused(oa.translate_chat, chat(**{field: value})).param == field
 
@@ -369,3 +369,62 @@ def test_embedding_refusals():
 
 def test_model_entries():
     assert oa.model_list(["a"]) == [{"id": "a", "object": "model", "created": 0, "owned_by": "batchgate"}]
+
+
+# ------------------------------------------------------------------------------------------- log probabilities
+
+ENTRIES = [{"token_id": 7, "token": "he", "logprob": -0.5,
+            "top_logprobs": [{"token_id": 7, "token": "he", "logprob": -0.5},
+                             {"token_id": 9, "token": "é", "logprob": -1.25}]},
+           {"token_id": 8, "token": "llo", "logprob": -0.1, "top_logprobs": [{"token_id": 3, "token": "x",
+                                                                              "logprob": -0.05}]}]
+
+
+def test_logprobs_are_asked_for_as_native_params():
+    tr = oa.translate_chat(chat(logprobs=True, top_logprobs=3))
+    assert tr.logprobs == 3 and tr.body["params"]["logprobs"] == 3
+    assert oa.translate_chat(chat(logprobs=True)).body["params"]["logprobs"] == 0
+    for off in (chat(), chat(logprobs=False), chat(logprobs=False, top_logprobs=0)):
+        tr = oa.translate_chat(off)
+        assert tr.logprobs is None and "logprobs" not in tr.body["params"]
+    assert refused(oa.translate_chat, chat(top_logprobs=2)).param == "top_logprobs"  # without logprobs: true
+    assert refused(oa.translate_chat, chat(logprobs=True, top_logprobs=21)).param == "top_logprobs"
+    tr = oa.translate_completion({"model": "m", "prompt": "x", "logprobs": 2})
+    assert tr.logprobs == 2 and tr.body["params"]["logprobs"] == 2
+    assert oa.translate_completion({"model": "m", "prompt": "x", "logprobs": 0}).body["params"]["logprobs"] == 0
+    assert refused(oa.translate_completion, {"model": "m", "prompt": "x", "logprobs": -1}).param == "logprobs"
+    req = build_request(oa.translate_chat(chat(logprobs=True, top_logprobs=20)).body, BUILTIN_MODELS["tiny-llama"],
+                        "t", 1_000.0)
+    assert req.params["logprobs"] == 20
+    plain = build_request(oa.translate_chat(chat()).body, BUILTIN_MODELS["tiny-llama"], "t", 1_000.0)
+    assert "logprobs" not in plain.params  # as the penalties: a worker of before reads what it knows
+
+
+def test_chat_logprobs_in_the_response_and_the_chunks():
+    tr = oa.translate_chat(chat(logprobs=True, top_logprobs=2))
+    v = {**view(), "output": {**view()["output"], "logprobs": ENTRIES}}
+    (choice,) = oa.completion_response(tr, [v], 1)["choices"]
+    assert choice["logprobs"] == {"refusal": None, "content": [
+        {"token": "he", "logprob": -0.5, "bytes": [104, 101], "top_logprobs": [
+            {"token": "he", "logprob": -0.5, "bytes": [104, 101]},
+            {"token": "é", "logprob": -1.25, "bytes": [195, 169]}]},
+        {"token": "llo", "logprob": -0.1, "bytes": [108, 108, 111], "top_logprobs": [
+            {"token": "x", "logprob": -0.05, "bytes": [120]}]}]}
+    maker = oa.ChunkMaker(tr, "req_x", 7)
+    chunk = maker.text("hello", [None, *ENTRIES[1:]])  # a resumed stream's record: what was sent holds null
+    assert [e["token"] for e in chunk["choices"][0]["logprobs"]["content"]] == ["llo"]
+    assert oa.ChunkMaker(oa.translate_chat(chat()), "req_x", 7).text("he", ENTRIES)["choices"][0]["logprobs"] is None
+
+
+def test_completion_logprobs_with_text_offsets_that_go_on_across_chunks():
+    tr = oa.translate_completion({"model": "m", "prompt": "x", "logprobs": 1, "stream": True})
+    v = {**view(), "output": {**view()["output"], "logprobs": ENTRIES}}
+    (choice,) = oa.completion_response(tr, [v], 1)["choices"]
+    assert choice["logprobs"] == {"tokens": ["he", "llo"], "token_logprobs": [-0.5, -0.1],
+                                  "top_logprobs": [{"he": -0.5, "é": -1.25}, {"x": -0.05, "llo": -0.1}],
+                                  "text_offset": [0, 2]}
+    maker = oa.ChunkMaker(tr, "req_x", 7)
+    assert maker.text("he", ENTRIES[:1])["choices"][0]["logprobs"]["text_offset"] == [0]
+    assert maker.text("llo", ENTRIES[1:])["choices"][0]["logprobs"]["text_offset"] == [2]
+    assert oa.completion_response(oa.translate_completion({"model": "m", "prompt": "x"}), [v], 1)[
+        "choices"][0]["logprobs"] is None

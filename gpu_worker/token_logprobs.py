@@ -1,0 +1,64 @@
+"""Output tokens' log probabilities as callers see them (pure: the tokenizer comes in as a function).
+
+The engine keeps, for a row whose request asks (`params.logprobs`), one `TokenLogprob` per token: the token's log
+probability under the model's own logits and its likeliest alternatives, as ids (`gpu_worker.sampling.
+keep_logprobs`). Here they become the result's `output.logprobs` and each stream delta's `logprobs`: one entry per
+output token, aligned with `token_ids`, `{token_id, token, logprob, top_logprobs: [{token_id, token, logprob}]}`.
+A streaming request run again (a crash, a hand-back) starts after the tokens its caller was sent; their entries
+went out in its deltas, and its record holds `null` for them (this attempt did not compute them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gpu_worker.job import Job
+from gpu_worker.sequences import TokenLogprob
+from shared.messages import StreamDelta
+from shared.params import GenerateParams
+
+Decode = Callable[[list[int]], str]
+
+
+def asked(job: Job) -> int | None:
+    """How many alternatives `job` asks for with each token's log probability (None: no log probabilities)."""
+    return job.params.logprobs if isinstance(job.params, GenerateParams) else None
+
+
+def entries(token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None], decode: Decode) -> list[Any]:
+    """One entry per token (None where its log probability is not known)."""
+    return [None if lp is None else
+            {"token_id": tid, "token": decode([tid]), "logprob": lp[0],
+             "top_logprobs": [{"token_id": i, "token": decode([i]), "logprob": v} for i, v in lp[1]]}
+            for tid, lp in zip(token_ids, logprobs, strict=True)]
+
+
+def output_logprobs(job: Job, token_ids: Sequence[int], computed: Sequence[TokenLogprob] | None,
+                    decode: Decode) -> list[Any] | None:
+    """The result's `output.logprobs` for its `token_ids` (cut at a stop string): the tokens a resumed stream was
+    started after unknown, then this attempt's; None when the request does not ask for them."""
+    if asked(job) is None:
+        return None
+    base = job.stream.base if job.stream is not None else 0
+    known: list[TokenLogprob | None] = [None] * base + list(computed or ())
+    known += [None] * (len(token_ids) - len(known))
+    return entries(token_ids, known[:len(token_ids)], decode)
+
+
+def with_logprobs(delta: StreamDelta, job: Job, computed: Sequence[TokenLogprob] | None,
+                  decode: Decode) -> StreamDelta:
+    """`delta` carrying its tokens' entries, if its request asks for them (`computed`: the running row's, from
+    the output token `job.stream.base` on)."""
+    if asked(job) is None or job.stream is None:
+        return delta
+    lo = delta.start - job.stream.base
+    own: list[TokenLogprob | None] = list(computed[lo:lo + len(delta.token_ids)]) if computed else []
+    own += [None] * (len(delta.token_ids) - len(own))
+    return dataclasses.replace(delta, logprobs=tuple(entries(delta.token_ids, own, decode)))
+
+
+def certain(tokens: Sequence[int], k: int | None) -> list[TokenLogprob] | None:
+    """The echo model's: every token is the only one it could be (log probability 0)."""
+    return None if k is None else [(0.0, ((t, 0.0),)[:k]) for t in tokens]

@@ -1,0 +1,45 @@
+"""Log probabilities in OpenAI's shapes, from the native output's entries (`output.logprobs`, a stream delta's
+`logprobs`: `{token_id, token, logprob, top_logprobs: [{token_id, token, logprob}]}` per output token).
+
+- chat completions: `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}],
+  "refusal": null}`, `bytes` the token's UTF-8;
+- completions: `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`, each token's
+  alternatives with the token itself among them (as vLLM answers), `text_offset` each token's place in the text
+  (from `chars`, the characters before the first: a stream's chunks go on from the text already sent).
+
+An entry that is null (a streamed request run again after a crash holds no entry for the tokens its caller was
+already sent: they went out in the stream's earlier chunks) is left out.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8"))
+
+
+def chat_logprobs(entries: list[Any] | None) -> dict[str, Any]:
+    content = [{"token": e["token"], "logprob": e["logprob"], "bytes": _bytes(e["token"]),
+                "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": _bytes(t["token"])}
+                                 for t in e["top_logprobs"]]}
+               for e in entries or () if e is not None]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries: list[Any] | None, chars: int = 0) -> dict[str, Any]:
+    known = [e for e in entries or () if e is not None]
+    offsets, at = [], chars
+    for e in known:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in known], "token_logprobs": [e["logprob"] for e in known],
+            "top_logprobs": [{**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]}
+                             for e in known],
+            "text_offset": offsets}
+
+
+def openai_logprobs(kind: Literal["chat", "completion"], entries: list[Any] | None,
+                    chars: int = 0) -> dict[str, Any]:
+    return chat_logprobs(entries) if kind == "chat" else completion_logprobs(entries, chars)
