@@ -485,3 +485,51 @@ async def test_a_model_on_the_wrong_route_is_named_in_plain_words(redis_url, pre
         assert err["message"] == "model: 'minilm' is an embedding model: use /v1/embeddings", err
         r = await gw.client.post("/v1/embeddings", json={"model": "tiny-llama", "input": "hi"})
         assert r.json()["error"]["message"].startswith("model: 'tiny-llama' is a generation model: use /v1/completions")
+
+
+def model_logprobs(loaded: Any, prompt_ids: list[int], output_ids: list[int]) -> list[float]:
+    """Each output token's log probability under the model: one uncached forward of prompt and output."""
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=torch.tensor([prompt_ids + output_ids])).logits[0].float()
+    scores = torch.log_softmax(logits, dim=-1)
+    return [scores[len(prompt_ids) - 1 + j, t].item() for j, t in enumerate(output_ids)]
+
+
+async def test_log_probabilities_streamed_and_not(stack: RunningGateway, loaded_models, clients: Clients):
+    """OpenAI's logprobs as its client reads them: chat's `content` entries with `top_logprobs`, completions' four
+    lists; the model's own log probabilities of the tokens generated, the same streamed or not."""
+    _, client = clients(stack)
+    loaded = loaded_models["tiny-llama"]
+    ref = reference_ids(loaded, PROMPT_IDS, 8)
+    want = model_logprobs(loaded, PROMPT_IDS, ref)
+    tokens = [loaded.tokenizer.decode([t], skip_special_tokens=True) for t in ref]
+    kw: dict[str, Any] = dict(model="tiny-llama", prompt=PROMPT_IDS, max_tokens=8, temperature=0,
+                              extra_body={"ignore_eos": True})
+    whole = (await client.completions.create(**kw, logprobs=3)).choices[0].logprobs
+    assert whole is not None and whole.tokens == tokens and whole.token_logprobs == pytest.approx(want, abs=2e-4)
+    assert whole.top_logprobs is not None and all(len(top) >= 3 and top[t] == lp for top, t, lp in zip(
+        whole.top_logprobs, whole.tokens, whole.token_logprobs, strict=True))
+    assert whole.text_offset == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    chunks = [c async for c in await client.completions.create(**kw, logprobs=3, stream=True)]
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs is not None]
+    assert [t for lp in streamed for t in lp.tokens or ()] == tokens
+    assert [o for lp in streamed for o in lp.text_offset or ()] == whole.text_offset
+    assert [x for lp in streamed for x in lp.token_logprobs or ()] == whole.token_logprobs
+
+    messages: list[Any] = [{"role": "user", "content": "hello"}]
+    chat_kw: dict[str, Any] = dict(model="tiny-llama", messages=messages, max_tokens=6, temperature=0,
+                                   extra_body={"ignore_eos": True}, logprobs=True, top_logprobs=2)
+    resp = await client.chat.completions.create(**chat_kw)
+    content = resp.choices[0].logprobs.content if resp.choices[0].logprobs else None
+    assert content is not None and len(content) == 6
+    assert "".join(e.token for e in content) == resp.choices[0].message.content
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob - 1e-6
+               and e.bytes == list(e.token.encode()) for e in content)
+    chunks = [c async for c in await client.chat.completions.create(**chat_kw, stream=True)]
+    sent = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or ()]
+    assert [(e.token, e.logprob) for e in sent] == [(e.token, e.logprob) for e in content]
+    plain = await client.chat.completions.create(**{**chat_kw, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(**{**chat_kw, "top_logprobs": 21})
+    assert info.value.param == "top_logprobs"
