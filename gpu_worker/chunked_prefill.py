@@ -57,6 +57,7 @@ class ChunkedPrefill:
         if cur is None or cur.spec.id not in ids:
             return []
         self.current = None
+        self.engine.prompt_logprobs.take(cur.spec.id)  # what its chunks kept
         return [GenResult(id=cur.spec.id, token_ids=[], finish_reason=reason, prompt_tokens=len(cur.spec.prompt_ids),
                           admitted_at=cur.admitted_at, owner=cur.spec.owner)]
 
@@ -78,7 +79,8 @@ class ChunkedPrefill:
         out = e.model(input_ids=torch.tensor([prompt[lo:hi]], dtype=torch.long, device=e.device),
                       attention_mask=e.rings.tail(e._mask(allowed, q_pos, k_pos), lo, hi), position_ids=q_pos,
                       **{e.cache_arg: e.cache.window(slice(self.slot, self.slot + 1), lo, hi, 0)},
-                      use_cache=True, logits_to_keep=1)
+                      use_cache=True, logits_to_keep=0 if e.prompt_logprobs.wanted([cur.spec]) else 1)
+        e.prompt_logprobs.chunk(cur.spec, out.logits[0], lo)
         self.last = (hi - lo, time.perf_counter() - f0)
         e.stats.forward_s += self.last[1]
         e.stats.prefill_tokens += hi - lo

@@ -27,7 +27,7 @@ from gpu_worker.outcomes import Delta, Outcome, failed_outcome
 from gpu_worker.runner import count_calls
 from gpu_worker.sequences import EngineStats, GenResult
 from gpu_worker.stream_release import Release, next_delta
-from gpu_worker.token_logprobs import asked, certain, with_logprobs
+from gpu_worker.token_logprobs import asked, certain, certain_prompt, with_logprobs
 from shared.config import ModelSpec
 from shared.faults import Faults
 from shared.lanes import assign_lane
@@ -215,5 +215,6 @@ class EchoRunner:
         r = GenResult(id=row.job.id, token_ids=list(row.tokens), finish_reason=reason,
                       prompt_tokens=len(row.prompt) + row.offset, prefill_s=row.prefill_s,
                       ttft_s=row.prefill_s, decode_s=max(0.0, now - row.first_token_at),
-                      admitted_at=row.admitted_at, owner=row.job, logprobs=certain(row.tokens, asked(row.job)))
+                      admitted_at=row.admitted_at, owner=row.job, logprobs=certain(row.tokens, asked(row.job)),
+                      prompt_logprobs=certain_prompt(row.job))
         return Outcome(row.job.req, generation_result(row.job, r, now, worker=self.worker, decode=decode_tokens))

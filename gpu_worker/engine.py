@@ -20,6 +20,7 @@ from gpu_worker.attention import AttentionLayout
 from gpu_worker.chunked_prefill import ChunkedPrefill
 from gpu_worker.kv_cache import SlotKVCache, cache_kwarg, kv_shape, text_config
 from gpu_worker.parked_rows import ParkedRows
+from gpu_worker.prompt_logprobs import PromptLogprobs
 from gpu_worker.sampling import Penalties, keep_logprobs, make_generator, select_tokens
 from gpu_worker.sequences import EngineFull, EngineStats, GenResult, GenSpec, Row, finish_reason, group_by_length
 from gpu_worker.window_kv import Rings
@@ -43,16 +44,16 @@ class GenerationEngine:
         self.cache = SlotKVCache.for_model(model, max_rows=max_rows, max_width=2 * max_seq_len,
                                            rings=self.rings.per_layer)
         self.cache.allocate()
-        self._decode_tail = decode_tail
         self._bool_mask = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
         self.cache_arg = cache_kwarg(model)
-        self._clock = clock
+        self._decode_tail, self._clock = decode_tail, clock
         self.rows: list[Row] = []
         self.end = 0  # the column after every row's last cached token
         self.stats = EngineStats()
         self.last_logits: dict[str, torch.Tensor] | None = {} if keep_logits else None  # by row, last forward
         self.chunked = ChunkedPrefill(self)  # at most one long prompt prefilled a chunk per step
         self.parked = ParkedRows(self)  # running rows sitting out the steps (`hold_back`)
+        self.prompt_logprobs = PromptLogprobs()  # kept from the prefill for the rows that ask, until they leave
         self.fused = fused  # a chunk rides in the decode step's forward (see gpu_worker.fused_step)
         if fused:
             fusion.install()
@@ -97,8 +98,7 @@ class GenerationEngine:
     def _prefill_group(self, specs: list[GenSpec]) -> list[GenResult]:
         t0 = self._clock()
         lens = [len(s.prompt_ids) for s in specs]
-        width = max(lens)
-        n = len(specs)
+        width, n = max(lens), len(specs)
         self._make_room_left(width)
         first = len(self.rows)
 
@@ -116,7 +116,9 @@ class GenerationEngine:
         window = self.cache.window(slice(first, first + n), self.end - width, self.end, self.end - width)
         f0 = time.perf_counter()
         out = self.model(input_ids=ids.to(self.device), attention_mask=self._mask(mask[:, None], seq_pos, seq_pos),
-                         position_ids=positions, **{self.cache_arg: window}, use_cache=True, logits_to_keep=1)
+                         position_ids=positions, **{self.cache_arg: window}, use_cache=True,
+                         logits_to_keep=0 if PromptLogprobs.wanted(specs) else 1)  # 0: every position's
+        self.prompt_logprobs.whole(specs, out.logits, pads)
         self.stats.forward_s += time.perf_counter() - f0
         self.stats.prefill_tokens += sum(lens)
         self.stats.prefill_padded_tokens += n * width
@@ -139,7 +141,8 @@ class GenerationEngine:
                 admitted_at=t0, prefill_s=now - t0, first_token_at=now, penalties=state,
             ))
         keep_logprobs(logits, tokens, self.rows[first:])
-        return self._retire([r for r in range(first, len(self.rows)) if self._finish_reason(self.rows[r]) is not None],
+        return self._retire([r for r in range(first, len(self.rows))
+                             if finish_reason(self.rows[r], self._decode_tail) is not None],
                             now)
 
     def _mask(self, allowed: torch.Tensor, q_pos: torch.Tensor,
@@ -154,7 +157,6 @@ class GenerationEngine:
         """Ensure `width` free columns left of `end` for a right-aligned prefill."""
         if not self.rows:
             self.end = width
-            return
         if self.end >= width:
             return
         shift = width - self.end
@@ -213,7 +215,7 @@ class GenerationEngine:
         self.end += 1
         for row, tok in zip(self.rows, tokens, strict=True):
             row.tokens.append(tok)
-        finished = [i for i, row in enumerate(self.rows) if self._finish_reason(row) is not None]
+        finished = [i for i, row in enumerate(self.rows) if finish_reason(row, self._decode_tail) is not None]
         now = self._clock()
         self.stats.decode_s += now - t0
         self.stats.steps += 1
@@ -232,20 +234,18 @@ class GenerationEngine:
         self.end -= lo
 
     # --- leaving the batch ---------------------------------------------------------------------
-    def _finish_reason(self, row: Row) -> FinishReason | None:
-        return finish_reason(row, self._decode_tail)
-
     def _retire(self, indices: list[int], now: float,
                 reason: FinishReason | None = None) -> list[GenResult]:
         results = []
         for i in sorted(indices, reverse=True):
             row = self.rows[i]
-            why = reason or self._finish_reason(row) or FinishReason.LENGTH
+            why = reason or finish_reason(row, self._decode_tail) or FinishReason.LENGTH
             results.append(GenResult(
                 id=row.spec.id, token_ids=row.tokens, finish_reason=why,
                 prompt_tokens=len(row.spec.prompt_ids), prefill_s=row.prefill_s,
                 ttft_s=row.first_token_at - row.admitted_at, decode_s=now - row.first_token_at,
-                admitted_at=row.admitted_at, owner=row.spec.owner, logprobs=row.logprobs))
+                admitted_at=row.admitted_at, owner=row.spec.owner, logprobs=row.logprobs,
+                prompt_logprobs=self.prompt_logprobs.take(row.spec.id)))
             last = len(self.rows) - 1
             if i != last:
                 moved = self.rows[last]

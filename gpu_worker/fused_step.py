@@ -170,19 +170,24 @@ def fused_step(engine: Any, budget: int) -> list[GenResult]:
     ids = torch.tensor([[r.tokens[-1] for r in e.rows] + list(prompt[lo:hi])], dtype=torch.long, device=dev)
     positions = torch.cat([row_pos[:, 0], q_pos[0]])[None]
     done_prompt = hi == len(prompt)
-    keep = torch.tensor(list(range(n)) + ([ids.shape[1] - 1] if done_prompt else []), device=dev)
+    keep = list(range(n))  # the rows' logits; the chunk's: every position's when scored, else the prompt's last
+    if e.prompt_logprobs.wanted([cur.spec]):
+        keep += range(n, ids.shape[1])
+    elif done_prompt:
+        keep.append(ids.shape[1] - 1)
     dummy = e._mask(torch.ones((1, 1, 1, 1), dtype=torch.bool, device=dev), q_pos[:, :1], q_pos[:, :1])
     f0 = time.perf_counter()
     _LOCAL.pack = pack
     try:
         out = e.model(input_ids=ids, attention_mask=dummy, position_ids=positions, **{e.cache_arg: PackedWindow(pack)},
-                      use_cache=True, logits_to_keep=keep)
+                      use_cache=True, logits_to_keep=torch.tensor(keep, device=dev))
     finally:
         _LOCAL.pack = None
     if len(pack.seen) != e.cache.layers:
         raise RuntimeError(f"a fused step reached {len(pack.seen)} of {e.cache.layers} attention layers")
     forward_s = time.perf_counter() - f0
     logits = out.logits[0]
+    e.prompt_logprobs.chunk(cur.spec, logits[n:], lo)
     finished, now = e._advance(logits[:n], read_lo, forward_s, t0)
     e.stats.prefill_tokens += hi - lo
     e.stats.prefill_padded_tokens += hi - lo
@@ -191,5 +196,5 @@ def fused_step(engine: Any, budget: int) -> list[GenResult]:
     cur.done = hi
     out_rows = e._retire(finished, now)
     if done_prompt:
-        out_rows += chunked.join(logits[n:n + 1])
+        out_rows += chunked.join(logits[-1:])
     return out_rows

@@ -129,7 +129,7 @@ class GenerateRunner:
                            params.temperature, params.top_p, params.top_k, params.seed,
                            self.repetition_penalty if params.repetition_penalty is None else params.repetition_penalty,
                            params.presence_penalty, params.frequency_penalty, tuple(params.logit_bias.items()),
-                           params.logprobs),
+                           params.logprobs, params.prompt_logprobs),
                        stop=tuple(params.stop), eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
                        owner=job, resumed=len(prefix))
 

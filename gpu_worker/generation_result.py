@@ -14,7 +14,7 @@ from gpu_worker.job import Job
 from gpu_worker.outcomes import Outcome, result_for
 from gpu_worker.sequences import GenResult
 from gpu_worker.stop_strings import cut_at_stop
-from gpu_worker.token_logprobs import output_logprobs
+from gpu_worker.token_logprobs import output_logprobs, prompt_output
 from shared.deadlines import cannot_finish
 from shared.messages import ErrorInfo, RequestResult
 from shared.params import GenerateParams
@@ -35,6 +35,7 @@ def generation_result(job: Job, r: GenResult, now: float, *, worker: str, decode
               "completion_tokens": len(token_ids)}
     if (logprobs := output_logprobs(job, token_ids, r.logprobs, decode)) is not None:
         output["logprobs"] = logprobs
+    output.update(prompt_output(job, r.prompt_logprobs, decode))
     timings = {"ttft_ms": round(r.ttft_s * 1000, 3), "decode_ms": round(r.decode_s * 1000, 3),
                "prefill_ms": round(r.prefill_s * 1000, 3),
                "compute_ms": round((now - r.admitted_at) * 1000, 3)}

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gpu_worker.sequences import GenSpec, Row, SamplingParams
+from gpu_worker.sequences import GenSpec, Row, SamplingParams, TokenLogprob
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -54,25 +54,35 @@ def select_tokens(logits: torch.Tensor, params: list[SamplingParams], generators
     return chosen.tolist()
 
 
+def token_logprobs(logits: torch.Tensor, targets: Sequence[int], ks: Sequence[int]) -> list[TokenLogprob]:
+    """Each row of `logits` ([rows, vocab]): its target token's log probability and its `ks[i]` likeliest tokens'.
+    One log-softmax and one top-k for all rows, one copy to the host."""
+    scores = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.tensor(list(targets), dtype=torch.long, device=logits.device)
+    picked = scores.gather(1, chosen[:, None])[:, 0].tolist()
+    k = min(max(ks, default=0), scores.shape[-1])
+    if not k:
+        return [(lp, ()) for lp in picked]
+    values, ids = (t.tolist() for t in scores.topk(k, dim=-1))
+    return [(lp, tuple(zip(i[:want], v[:want], strict=True)))
+            for lp, i, v, want in zip(picked, ids, values, ks, strict=True)]
+
+
 def keep_logprobs(logits: torch.Tensor, tokens: Sequence[int], rows: Sequence[Row]) -> None:
     """Each row that asks (`sampling.logprobs`) keeps its new token's log probability under `logits` ([rows,
     vocab], the model's own: before temperature, penalties and bias, as vLLM's raw logprobs) and its likeliest
-    alternatives. One log-softmax and one top-k over the asking rows, one copy to the host."""
+    alternatives."""
     asking = [i for i, r in enumerate(rows) if r.spec.sampling.logprobs is not None]
     if not asking:
         return
     index = torch.tensor(asking, dtype=torch.long, device=logits.device)
-    scores = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-    chosen = torch.tensor([tokens[i] for i in asking], dtype=torch.long, device=logits.device)
-    picked = scores.gather(1, chosen[:, None])[:, 0].tolist()
-    k = min(max(rows[i].spec.sampling.logprobs or 0 for i in asking), scores.shape[-1])
-    top_values, top_ids = scores.topk(k, dim=-1) if k else (scores[:, :0], chosen[:, None][:, :0])
-    for j, (values, ids) in enumerate(zip(top_values.tolist(), top_ids.tolist(), strict=True)):
-        row = rows[asking[j]]
+    scored = token_logprobs(logits.index_select(0, index), [tokens[i] for i in asking],
+                           [rows[i].spec.sampling.logprobs or 0 for i in asking])
+    for i, entry in zip(asking, scored, strict=True):
+        row = rows[i]
         if row.logprobs is None:
             row.logprobs = []
-        want = row.spec.sampling.logprobs or 0
-        row.logprobs.append((picked[j], tuple(zip(ids[:want], values[:want], strict=True))))
+        row.logprobs.append(entry)
 
 
 class Penalties:

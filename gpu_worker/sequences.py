@@ -30,6 +30,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
     logprobs: int | None = None  # each token's log probability and this many likeliest alternatives; None: none
+    prompt_logprobs: int | None = None  # the same for each prompt token (the first: None); None: none
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +85,7 @@ class GenResult:
     admitted_at: float = 0.0
     owner: Any = None
     logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first None), when asked
 
 
 @dataclass(slots=True)

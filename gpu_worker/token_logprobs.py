@@ -59,6 +59,25 @@ def with_logprobs(delta: StreamDelta, job: Job, computed: Sequence[TokenLogprob]
     return dataclasses.replace(delta, logprobs=tuple(entries(delta.token_ids, own, decode)))
 
 
+def prompt_output(job: Job, computed: Sequence[TokenLogprob | None] | None, decode: Decode) -> dict[str, Any]:
+    """With `params.prompt_logprobs`: the prompt's `prompt_token_ids`, `prompt_text` and `prompt_logprobs` (the
+    first token's null). A streamed request run again has the tokens its caller was sent in its prompt: they are
+    output, not prompt, and left out."""
+    if not isinstance(job.params, GenerateParams) or job.params.prompt_logprobs is None:
+        return {}
+    prompt = list(job.inputs[0])
+    known = list(computed or ())[:len(prompt)]
+    known += [None] * (len(prompt) - len(known))
+    return {"prompt_token_ids": prompt, "prompt_text": decode(prompt),
+            "prompt_logprobs": entries(prompt, known, decode)}
+
+
 def certain(tokens: Sequence[int], k: int | None) -> list[TokenLogprob] | None:
     """The echo model's: every token is the only one it could be (log probability 0)."""
     return None if k is None else [(0.0, ((t, 0.0),)[:k]) for t in tokens]
+
+
+def certain_prompt(job: Job) -> list[TokenLogprob | None] | None:
+    """The echo model's prompt log probabilities: after the first token, each is certain."""
+    k = job.params.prompt_logprobs if isinstance(job.params, GenerateParams) else None
+    return None if k is None else [None, *(certain(job.inputs[0][1:], k) or ())]

@@ -79,6 +79,9 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS, description=(
         "return each output token's log probability under the model (its raw logits: before temperature, "
         "penalties and bias) and this many likeliest alternatives; null: none"))] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "return each prompt token's log probability given the tokens before it (the first: null) and this many "
+        "likeliest alternatives, with the prompt's token ids and text; null: none"))] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.stop, tuple):  # one string, or a list from the wire dict
@@ -104,8 +107,9 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in PENALTY_FIELDS:
             if not out[name]:  # None, 0 or {}: the default (a repetition penalty is at least 0.01)
                 del out[name]
-        if out["logprobs"] is None:  # left out as the penalties are: a worker of before reads what it knows
-            del out["logprobs"]
+        for name in ("logprobs", "prompt_logprobs"):
+            if out[name] is None:  # left out as the penalties are: a worker of before reads what it knows
+                del out[name]
         return out
 
     def within(self, *, given: bool, limit: int, default_max_new_tokens: int) -> GenerateParams:

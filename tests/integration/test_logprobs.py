@@ -14,6 +14,7 @@ import torch
 from gpu_worker.engine import GenerationEngine
 from gpu_worker.outcomes import Delta, Outcome
 from gpu_worker.sequences import GenSpec, SamplingParams
+from shared.states import FinishReason
 from tests.integration.test_penalties import PROMPTS, TOKENIZER, request, runner_for, tiny_llama
 from tests.torch_device import on_device
 
@@ -140,3 +141,56 @@ def test_a_prompt_prefilled_in_chunks_fused_into_decode_steps(model):
                                                                                got.token_ids, 3), strict=True):
             assert lp == pytest.approx(want, abs=TOL) and [t for t, _ in top] == top_ids
             assert [v for _, v in top] == pytest.approx(top_values, abs=TOL)
+
+
+# --- the prompt's own (`prompt_logprobs`, OpenAI's completions `echo` with `logprobs`) --------------------------
+
+def check_prompt(model, prompt: list[int], got: list[Any], k: int) -> None:
+    """`got` (engine tuples or output dicts): None for the first token, then each token given the ones before."""
+    assert len(got) == len(prompt) and got[0] is None
+    want = expected(model, prompt[:1], prompt[1:], k)
+    for entry, (lp, top_ids, top_values) in zip(got[1:], want, strict=True):
+        if isinstance(entry, dict):
+            entry = (entry["logprob"], [(t["token_id"], t["logprob"]) for t in entry["top_logprobs"]])
+        assert entry[0] == pytest.approx(lp, abs=TOL) and [t for t, _ in entry[1]] == top_ids
+        assert [v for _, v in entry[1]] == pytest.approx(top_values, abs=TOL)
+
+
+def test_prompt_log_probabilities_from_a_batched_prefill(model):
+    outputs, _ = served(model, {"prompt_logprobs": 2, "max_new_tokens": 3})
+    for rid, output in outputs.items():
+        assert output["prompt_token_ids"] == PROMPTS[rid]
+        assert output["prompt_text"] == TOKENIZER.decode(PROMPTS[rid], skip_special_tokens=True)
+        check_prompt(model, PROMPTS[rid], output["prompt_logprobs"], 2)
+        assert "logprobs" not in output  # the output's own were not asked for
+    plain, _ = served(model, {"max_new_tokens": 3})
+    assert all("prompt_logprobs" not in o and "prompt_token_ids" not in o for o in plain.values())
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "chunks-of-their-own"])
+def test_prompt_log_probabilities_of_a_prompt_prefilled_in_chunks(model, fused):
+    """Each chunk's last position scores the next chunk's first token; rows without the param keep the last
+    position's logits alone."""
+    engine = GenerationEngine(model, max_rows=4, max_seq_len=200, fused=fused)
+    running = [GenSpec(id=f"s{i}", prompt_ids=tuple(PROMPTS[r]), max_new_tokens=30,
+                       sampling=SamplingParams(prompt_logprobs=1 if i else None)) for i, r in enumerate(("a", "b"))]
+    long = GenSpec(id="long", prompt_ids=tuple((7 * i) % 400 + 3 for i in range(90)), max_new_tokens=4,
+                   sampling=SamplingParams(prompt_logprobs=3, logprobs=1))
+    results = {r.id: r for r in engine.prefill(running)}
+    engine.prefill_in_chunks(long)
+    while engine.running:
+        results.update({r.id: r for r in engine.step(chunk_tokens=16)})
+    assert results["s0"].prompt_logprobs is None
+    check_prompt(model, PROMPTS["b"], results["s1"].prompt_logprobs, 1)
+    check_prompt(model, list(long.prompt_ids), results["long"].prompt_logprobs, 3)
+    assert len(results["long"].logprobs) == 4 and not engine.prompt_logprobs.kept  # nothing left behind
+
+
+def test_a_chunked_prompt_cancelled_midway_leaves_nothing_kept(model):
+    engine = GenerationEngine(model, max_rows=4, max_seq_len=200)
+    engine.prefill_in_chunks(GenSpec(id="long", prompt_ids=tuple(range(3, 93)), max_new_tokens=4,
+                                     sampling=SamplingParams(prompt_logprobs=0)))
+    engine.step(chunk_tokens=16)
+    assert engine.prompt_logprobs.kept
+    engine.remove({"long"}, FinishReason.CANCELLED)
+    assert not engine.prompt_logprobs.kept
