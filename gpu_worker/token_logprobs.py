@@ -5,7 +5,7 @@ probability under the model's own logits and its likeliest alternatives, as ids 
 keep_logprobs`). Here they become the result's `output.logprobs` and each stream delta's `logprobs`: one entry per
 output token, aligned with `token_ids`, `{token_id, token, logprob, top_logprobs: [{token_id, token, logprob}]}`.
 A streaming request run again (a crash, a hand-back) starts after the tokens its caller was sent; their entries
-went out in its deltas, and its record holds `null` for them (this attempt did not compute them).
+went out in its deltas, and its record's hold `logprob: null` (this attempt did not compute them).
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ def asked(job: Job) -> int | None:
 
 
 def entries(token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None], decode: Decode) -> list[Any]:
-    """One entry per token (None where its log probability is not known)."""
-    return [None if lp is None else
-            {"token_id": tid, "token": decode([tid]), "logprob": lp[0],
-             "top_logprobs": [{"token_id": i, "token": decode([i]), "logprob": v} for i, v in lp[1]]}
+    """One entry per token; where its log probability is not known (a prompt's first token, say), `logprob` is
+    null and `top_logprobs` empty."""
+    return [{"token_id": tid, "token": decode([tid]), "logprob": None if lp is None else lp[0],
+             "top_logprobs": [] if lp is None else [{"token_id": i, "token": decode([i]), "logprob": v}
+                                                    for i, v in lp[1]]}
             for tid, lp in zip(token_ids, logprobs, strict=True)]
 
 
@@ -61,8 +62,8 @@ def with_logprobs(delta: StreamDelta, job: Job, computed: Sequence[TokenLogprob]
 
 def prompt_output(job: Job, computed: Sequence[TokenLogprob | None] | None, decode: Decode) -> dict[str, Any]:
     """With `params.prompt_logprobs`: the prompt's `prompt_token_ids`, `prompt_text` and `prompt_logprobs` (the
-    first token's null). A streamed request run again has the tokens its caller was sent in its prompt: they are
-    output, not prompt, and left out."""
+    first token's `logprob` null: nothing comes before it). A streamed request run again has the tokens its caller
+    was sent in its prompt: they are output, not prompt, and left out."""
     if not isinstance(job.params, GenerateParams) or job.params.prompt_logprobs is None:
         return {}
     prompt = list(job.inputs[0])

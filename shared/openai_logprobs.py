@@ -7,8 +7,9 @@
   alternatives with the token itself among them (as vLLM answers), `text_offset` each token's place in the text
   (from `chars`, the characters before the first: a stream's chunks go on from the text already sent).
 
-An entry that is null (a streamed request run again after a crash holds no entry for the tokens its caller was
-already sent: they went out in the stream's earlier chunks) is left out.
+An entry whose `logprob` is null is a prompt's first token (completions' `echo`: its `token_logprobs` and
+`top_logprobs` are null, as OpenAI's), or, in chat, a token of a streamed request run again after a crash that its
+caller was sent before (its entry went out in an earlier chunk): left out.
 """
 
 from __future__ import annotations
@@ -24,18 +25,19 @@ def chat_logprobs(entries: list[Any] | None) -> dict[str, Any]:
     content = [{"token": e["token"], "logprob": e["logprob"], "bytes": _bytes(e["token"]),
                 "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": _bytes(t["token"])}
                                  for t in e["top_logprobs"]]}
-               for e in entries or () if e is not None]
+               for e in entries or () if e["logprob"] is not None]
     return {"content": content, "refusal": None}
 
 
 def completion_logprobs(entries: list[Any] | None, chars: int = 0) -> dict[str, Any]:
-    known = [e for e in entries or () if e is not None]
+    known = list(entries or ())
     offsets, at = [], chars
     for e in known:
         offsets.append(at)
         at += len(e["token"])
     return {"tokens": [e["token"] for e in known], "token_logprobs": [e["logprob"] for e in known],
-            "top_logprobs": [{**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]}
+            "top_logprobs": [None if e["logprob"] is None else
+                             {**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]}
                              for e in known],
             "text_offset": offsets}
 

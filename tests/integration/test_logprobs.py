@@ -108,7 +108,7 @@ def test_stream_deltas_carry_their_tokens_entries(model):
         assert sent == output["logprobs"][:len(sent)]
 
 
-def test_a_streamed_request_run_again_has_null_for_what_its_caller_was_sent(model):
+def test_a_streamed_request_run_again_has_null_logprobs_for_what_its_caller_was_sent(model):
     whole, _ = served(model, {"logprobs": 2})
     sent = whole["c"]["token_ids"][:4]
     runner = runner_for(model)
@@ -118,7 +118,8 @@ def test_a_streamed_request_run_again_has_null_for_what_its_caller_was_sent(mode
     (out,) = [o for o in done if isinstance(o, Outcome)]
     entries = out.result.output["logprobs"]
     assert out.result.output["token_ids"] == whole["c"]["token_ids"]
-    assert entries[:4] == [None] * 4 and len(entries) == len(whole["c"]["token_ids"])
+    assert [(e["token_id"], e["logprob"], e["top_logprobs"]) for e in entries[:4]] == [(t, None, []) for t in sent]
+    assert len(entries) == len(whole["c"]["token_ids"])
     assert all(a["token_id"] == b["token_id"] and a["logprob"] == pytest.approx(b["logprob"], abs=TOL)
                for a, b in zip(entries[4:], whole["c"]["logprobs"][4:], strict=True))
 
@@ -146,8 +147,8 @@ def test_a_prompt_prefilled_in_chunks_fused_into_decode_steps(model):
 # --- the prompt's own (`prompt_logprobs`, OpenAI's completions `echo` with `logprobs`) --------------------------
 
 def check_prompt(model, prompt: list[int], got: list[Any], k: int) -> None:
-    """`got` (engine tuples or output dicts): None for the first token, then each token given the ones before."""
-    assert len(got) == len(prompt) and got[0] is None
+    """`got` (engine tuples or output dicts): none for the first token, then each token given the ones before."""
+    assert len(got) == len(prompt) and (got[0] is None or (got[0]["logprob"], got[0]["top_logprobs"]) == (None, []))
     want = expected(model, prompt[:1], prompt[1:], k)
     for entry, (lp, top_ids, top_values) in zip(got[1:], want, strict=True):
         if isinstance(entry, dict):

@@ -411,7 +411,8 @@ def test_chat_logprobs_in_the_response_and_the_chunks():
         {"token": "llo", "logprob": -0.1, "bytes": [108, 108, 111], "top_logprobs": [
             {"token": "x", "logprob": -0.05, "bytes": [120]}]}]}
     maker = oa.ChunkMaker(tr, "req_x", 7)
-    chunk = maker.text("hello", [None, *ENTRIES[1:]])  # a resumed stream's record: what was sent holds null
+    sent_before = {**ENTRIES[0], "logprob": None, "top_logprobs": []}  # a resumed stream's record: what was sent
+    chunk = maker.text("hello", [sent_before, *ENTRIES[1:]])
     assert [e["token"] for e in chunk["choices"][0]["logprobs"]["content"]] == ["llo"]
     assert oa.ChunkMaker(oa.translate_chat(chat()), "req_x", 7).text("he", ENTRIES)["choices"][0]["logprobs"] is None
 
