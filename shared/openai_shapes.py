@@ -234,6 +234,9 @@ class Translated:
     aliases: dict[str, str] = field(default_factory=dict)  # native field -> OpenAI parameter
     n: int = 1  # choices asked for: each its own native request
     logprobs: int | None = None  # alternatives asked for with each token's log probability; None: none
+    echo: bool = False  # completions: the prompt before the completion (its tokens' log probabilities too)
+    prompt: str | None = None  # the prompt as sent, when a string (echoed as it is)
+    score_only: bool = False  # `echo` with `max_tokens` 0: the prompt alone (the one token generated is dropped)
 
     def bodies(self) -> list[dict[str, Any]]:
         """The native submit body of each choice: a given seed is the first choice's, the next ones count up from
@@ -279,7 +282,6 @@ _COMMON_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("service_tier", _none_or("auto", "default"), "only 'auto' or 'default'"),
 )
 _COMPLETION_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("echo", _none_or(False), "not supported (only false)"),
     ("best_of", _none_or(1), "only best_of=1 is supported (n choices are n samples)"),
     ("suffix", _empty, "not supported (only empty)"),
 )
@@ -394,12 +396,19 @@ def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Tran
     _refuse_non_defaults(req, (*_COMMON_CHECKS, *_COMPLETION_CHECKS))
     stream, usage = _stream_flags(req)
     logprobs = None if req.logprobs is None else _top("logprobs", req.logprobs)
-    body = {"input": _prompt_input(req.prompt), "params": _with_logprobs(_params(req, req.max_tokens), logprobs),
-            "stream": stream, **_deadline(req, timeout_header)}
+    prompt = _prompt_input(req.prompt)
+    echo, score_only = bool(req.echo), bool(req.echo) and req.max_tokens == 0
+    if echo and stream:
+        raise unsupported("echo", "not with stream: true (ask for the echo without streaming)")
+    params = _with_logprobs(_params(req, 1 if score_only else req.max_tokens), logprobs)
+    if echo and (logprobs is not None or "input_ids" in prompt):  # the prompt's tokens (and their text) are needed
+        params["prompt_logprobs"] = logprobs or 0
+    body = {"input": prompt, "params": params, "stream": stream, **_deadline(req, timeout_header)}
     aliases = {"input.prompt": "prompt", "input.input_ids": "prompt", "input": "prompt",
-               "params.max_new_tokens": "max_tokens", "params.logprobs": "logprobs"}
+               "params.max_new_tokens": "max_tokens", "params.logprobs": "logprobs",
+               "params.prompt_logprobs": "logprobs"}
     return Translated("completion", req.model, body, stream, usage, aliases=aliases, n=_choices(req),
-                      logprobs=logprobs)
+                      logprobs=logprobs, echo=echo, prompt=prompt.get("prompt"), score_only=score_only)
 
 
 def _with_logprobs(params: dict[str, Any], logprobs: int | None) -> dict[str, Any]:
@@ -528,10 +537,11 @@ def completion_response(tr: Translated, views: list[dict[str, Any]], created: in
     choices = []
     for i, view in enumerate(views):
         output = view.get("output") or {}
-        text = str(output.get("text", ""))
-        choice: dict[str, Any] = {"index": i, "finish_reason": finish_reason(view), "logprobs": None}
+        text, entries = _echoed(tr, output) if tr.echo else (str(output.get("text", "")), output.get("logprobs"))
+        reason = "length" if tr.score_only else finish_reason(view)  # max_tokens 0: nothing generated is kept
+        choice: dict[str, Any] = {"index": i, "finish_reason": reason, "logprobs": None}
         if tr.logprobs is not None:
-            choice["logprobs"] = openai_logprobs(tr.kind, output.get("logprobs"))
+            choice["logprobs"] = openai_logprobs(tr.kind, entries)
         if tr.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text, "refusal": None}
         else:
@@ -539,8 +549,23 @@ def completion_response(tr: Translated, views: list[dict[str, Any]], created: in
         choices.append(choice)
     return {"id": completion_id(tr.kind, str(views[0]["id"])),
             "object": "chat.completion" if tr.kind == "chat" else "text_completion",
-            "created": created, "model": tr.model, "choices": choices, "usage": usage(*views),
+            "created": created, "model": tr.model, "choices": choices,
+            "usage": usage(*views) if not tr.score_only else usage(*[_prompt_only(v) for v in views]),
             "system_fingerprint": None, EXTENSION: extensions(views)}
+
+
+def _prompt_only(view: dict[str, Any]) -> dict[str, Any]:
+    return {**view, "output": {**(view.get("output") or {}), "completion_tokens": 0, "token_ids": []}}
+
+
+def _echoed(tr: Translated, output: dict[str, Any]) -> tuple[str, list[Any]]:
+    """A completion with `echo`: the prompt (as sent, or as the worker decoded its token ids), then the completion
+    (none when only the prompt was asked for, `max_tokens` 0); the log probabilities of both."""
+    prompt = tr.prompt if tr.prompt is not None else str(output.get("prompt_text", ""))
+    before = list(output.get("prompt_logprobs") or ())
+    if tr.score_only:
+        return prompt, before
+    return prompt + str(output.get("text", "")), before + list(output.get("logprobs") or ())
 
 
 def extensions(views: list[dict[str, Any]]) -> dict[str, Any]:

@@ -533,3 +533,33 @@ async def test_log_probabilities_streamed_and_not(stack: RunningGateway, loaded_
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(**{**chat_kw, "top_logprobs": 21})
     assert info.value.param == "top_logprobs"
+
+
+async def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(stack: RunningGateway, loaded_models,
+                                                                   clients: Clients):
+    """`echo` with `logprobs` and `max_tokens` 0 (or 1), as lm-evaluation-harness scores a continuation: the
+    prompt's tokens with their log probabilities (the first null), the model's own."""
+    _, client = clients(stack)
+    loaded = loaded_models["tiny-llama"]
+    tokens = [loaded.tokenizer.decode([t], skip_special_tokens=True) for t in PROMPT_IDS]
+    want = model_logprobs(loaded, PROMPT_IDS[:1], PROMPT_IDS[1:])
+    scored = await client.completions.create(model="tiny-llama", prompt=PROMPT_IDS, max_tokens=0, echo=True,
+                                             logprobs=1, temperature=0)
+    (choice,) = scored.choices
+    assert choice.text == loaded.tokenizer.decode(PROMPT_IDS, skip_special_tokens=True)
+    assert choice.logprobs is not None and choice.logprobs.tokens == tokens
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want, abs=2e-4)
+    assert scored.usage is not None and scored.usage.completion_tokens == 0
+    # echo, then the continuation: the prompt's entries, then the completion's
+    ref = reference_ids(loaded, PROMPT_IDS, 3)
+    both = (await client.completions.create(model="tiny-llama", prompt=PROMPT_IDS, max_tokens=3, echo=True,
+                                            logprobs=2, temperature=0, extra_body={"ignore_eos": True})).choices[0]
+    assert both.text == loaded.tokenizer.decode(PROMPT_IDS, skip_special_tokens=True) + loaded.tokenizer.decode(
+        ref, skip_special_tokens=True)
+    assert both.logprobs is not None and len(both.logprobs.tokens) == len(PROMPT_IDS) + 3
+    assert both.logprobs.token_logprobs[len(PROMPT_IDS):] == pytest.approx(
+        model_logprobs(loaded, PROMPT_IDS, ref), abs=2e-4)
+    said = (await client.completions.create(model="tiny-llama", prompt="once upon", max_tokens=2, echo=True,
+                                            temperature=0)).choices[0]
+    assert said.text.startswith("once upon") and said.logprobs is None

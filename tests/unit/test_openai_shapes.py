@@ -87,7 +87,7 @@ def test_stream_and_include_usage():
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("echo", True), ("best_of", 3), ("suffix", "end"), ("service_tier", "flex"),
+    ("best_of", 3), ("suffix", "end"), ("service_tier", "flex"),
 ])
 def test_completion_fields_we_cannot_honour_are_refused_by_name(field: str, value: Any):
     err = refused(oa.translate_completion, {"model": "m", "prompt": "x", field: value})
@@ -429,3 +429,44 @@ def test_completion_logprobs_with_text_offsets_that_go_on_across_chunks():
     assert maker.text("llo", ENTRIES[1:])["choices"][0]["logprobs"]["text_offset"] == [2]
     assert oa.completion_response(oa.translate_completion({"model": "m", "prompt": "x"}), [v], 1)[
         "choices"][0]["logprobs"] is None
+
+
+PROMPT_ENTRIES = [{"token_id": 1, "token": "", "logprob": None, "top_logprobs": []},
+                  {"token_id": 5, "token": "hi", "logprob": -2.0, "top_logprobs": [{"token_id": 6, "token": "yo",
+                                                                                   "logprob": -1.0}]}]
+
+
+def test_echo_puts_the_prompt_and_its_log_probabilities_first():
+    echoed = {**view(), "output": {**view()["output"], "logprobs": ENTRIES, "prompt_logprobs": PROMPT_ENTRIES,
+                                   "prompt_text": "hi", "prompt_token_ids": [1, 5]}}
+    tr = oa.translate_completion({"model": "m", "prompt": "hi", "echo": True, "logprobs": 1})
+    assert tr.body["params"]["prompt_logprobs"] == 1 and tr.body["params"]["logprobs"] == 1
+    (choice,) = oa.completion_response(tr, [echoed], 1)["choices"]
+    assert choice["text"] == "hihello"
+    assert choice["logprobs"]["tokens"] == ["", "hi", "he", "llo"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -2.0, -0.5, -0.1]
+    assert choice["logprobs"]["top_logprobs"][:2] == [None, {"yo": -1.0, "hi": -2.0}]
+    assert choice["logprobs"]["text_offset"] == [0, 0, 2, 4]
+    # a string prompt echoed without log probabilities needs nothing from the worker; token ids need their text
+    tr = oa.translate_completion({"model": "m", "prompt": "hi", "echo": True})
+    assert "prompt_logprobs" not in tr.body["params"]
+    assert oa.completion_response(tr, [echoed], 1)["choices"][0] == {
+        "index": 0, "finish_reason": "stop", "logprobs": None, "text": "hihello"}
+    tr = oa.translate_completion({"model": "m", "prompt": [1, 5], "echo": True})
+    assert tr.body["params"]["prompt_logprobs"] == 0
+    assert oa.completion_response(tr, [echoed], 1)["choices"][0]["text"] == "hihello"
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone():
+    echoed = {**view(), "output": {**view()["output"], "logprobs": ENTRIES, "prompt_logprobs": PROMPT_ENTRIES,
+                                   "prompt_text": "hi", "prompt_token_ids": [1, 5]}}
+    tr = oa.translate_completion({"model": "m", "prompt": [1, 5], "echo": True, "logprobs": 0, "max_tokens": 0})
+    assert tr.body["params"]["max_new_tokens"] == 1 and tr.score_only
+    body = oa.completion_response(tr, [echoed], 1)
+    (choice,) = body["choices"]
+    assert choice["text"] == "hi" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"] == [None, -2.0]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+    assert refused(oa.translate_completion, {"model": "m", "prompt": "x", "echo": True, "stream": True}).param == "echo"
+    assert oa.translate_completion({"model": "m", "prompt": "x", "max_tokens": 0}).body["params"][
+        "max_new_tokens"] == 0  # without echo, the native check refuses it (a 400 naming max_tokens)
