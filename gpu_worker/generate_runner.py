@@ -23,7 +23,7 @@ from gpu_worker.outcomes import Delta, Outcome, failed_outcome
 from gpu_worker.runner import count_calls
 from gpu_worker.sequences import EngineStats, GenResult, GenSpec, SamplingParams
 from gpu_worker.stream_release import Release, next_delta
-from gpu_worker.token_logprobs import with_logprobs
+from gpu_worker.token_logprobs import scored_prompt, with_logprobs
 from shared.faults import Faults
 from shared.lanes import assign_lane
 from shared.messages import InferenceRequest, RequestResult
@@ -129,7 +129,7 @@ class GenerateRunner:
                            params.temperature, params.top_p, params.top_k, params.seed,
                            self.repetition_penalty if params.repetition_penalty is None else params.repetition_penalty,
                            params.presence_penalty, params.frequency_penalty, tuple(params.logit_bias.items()),
-                           params.logprobs, params.prompt_logprobs),
+                           params.logprobs, scored_prompt(params, len(prefix))),
                        stop=tuple(params.stop), eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
                        owner=job, resumed=len(prefix))
 

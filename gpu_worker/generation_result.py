@@ -33,7 +33,7 @@ def generation_result(job: Job, r: GenResult, now: float, *, worker: str, decode
         text = decode(token_ids)
     output = {"text": text, "token_ids": token_ids, "prompt_tokens": prompt_tokens,
               "completion_tokens": len(token_ids)}
-    if (logprobs := output_logprobs(job, token_ids, r.logprobs, decode)) is not None:
+    if (logprobs := output_logprobs(job, token_ids, r.logprobs, decode, r.prompt_logprobs)) is not None:
         output["logprobs"] = logprobs
     output.update(prompt_output(job, r.prompt_logprobs, decode))
     timings = {"ttft_ms": round(r.ttft_s * 1000, 3), "decode_ms": round(r.decode_s * 1000, 3),

@@ -4,8 +4,9 @@ The engine keeps, for a row whose request asks (`params.logprobs`), one `TokenLo
 probability under the model's own logits and its likeliest alternatives, as ids (`gpu_worker.sampling.
 keep_logprobs`). Here they become the result's `output.logprobs` and each stream delta's `logprobs`: one entry per
 output token, aligned with `token_ids`, `{token_id, token, logprob, top_logprobs: [{token_id, token, logprob}]}`.
-A streaming request run again (a crash, a hand-back) starts after the tokens its caller was sent; their entries
-went out in its deltas, and its record's hold `logprob: null` (this attempt did not compute them).
+A streaming request run again (a crash, a hand-back) starts after the tokens its caller was sent, which join its
+prompt; their entries went out in its deltas, and its record gets them again from the prefill, which scores its
+prompt's tokens for it (`scored_prompt`), so the record's entries are whole.
 """
 
 from __future__ import annotations
@@ -36,14 +37,28 @@ def entries(token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None], d
             for tid, lp in zip(token_ids, logprobs, strict=True)]
 
 
+def scored_prompt(params: GenerateParams, resumed: int) -> int | None:
+    """The alternatives the prefill scores the prompt's tokens with: those asked for the prompt, and for a stream
+    run again with log probabilities, those of the output it was started after (in its prompt now)."""
+    if resumed and params.logprobs is not None:
+        return max(params.logprobs, params.prompt_logprobs or 0)
+    return params.prompt_logprobs
+
+
+def _cut(entry: TokenLogprob | None, k: int) -> TokenLogprob | None:
+    return None if entry is None else (entry[0], entry[1][:k])
+
+
 def output_logprobs(job: Job, token_ids: Sequence[int], computed: Sequence[TokenLogprob] | None,
-                    decode: Decode) -> list[Any] | None:
+                    decode: Decode, prompt: Sequence[TokenLogprob | None] | None = None) -> list[Any] | None:
     """The result's `output.logprobs` for its `token_ids` (cut at a stop string): the tokens a resumed stream was
-    started after unknown, then this attempt's; None when the request does not ask for them."""
-    if asked(job) is None:
+    started after (scored with its prompt, `prompt`), then this attempt's; None when the request does not ask."""
+    if (k := asked(job)) is None:
         return None
     base = job.stream.base if job.stream is not None else 0
-    known: list[TokenLogprob | None] = [None] * base + list(computed or ())
+    sent = list(prompt or ())[len(job.inputs[0]):len(job.inputs[0]) + base]
+    known: list[TokenLogprob | None] = [_cut(e, k) for e in sent] + [None] * (base - len(sent))
+    known += list(computed or ())
     known += [None] * (len(token_ids) - len(known))
     return entries(token_ids, known[:len(token_ids)], decode)
 
@@ -67,7 +82,7 @@ def prompt_output(job: Job, computed: Sequence[TokenLogprob | None] | None, deco
     if not isinstance(job.params, GenerateParams) or job.params.prompt_logprobs is None:
         return {}
     prompt = list(job.inputs[0])
-    known = list(computed or ())[:len(prompt)]
+    known = [_cut(e, job.params.prompt_logprobs) for e in list(computed or ())[:len(prompt)]]
     known += [None] * (len(prompt) - len(known))
     return {"prompt_token_ids": prompt, "prompt_text": decode(prompt),
             "prompt_logprobs": entries(prompt, known, decode)}

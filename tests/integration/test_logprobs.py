@@ -108,20 +108,30 @@ def test_stream_deltas_carry_their_tokens_entries(model):
         assert sent == output["logprobs"][:len(sent)]
 
 
-def test_a_streamed_request_run_again_has_null_logprobs_for_what_its_caller_was_sent(model):
-    whole, _ = served(model, {"logprobs": 2})
+@pytest.mark.parametrize("prompt_k", [None, 0, 4])
+def test_a_streamed_request_run_again_has_whole_logprobs_what_its_caller_was_sent_scored_with_its_prompt(model,
+                                                                                                       prompt_k):
+    """The tokens its caller was sent join the prompt; the prefill scores them with the alternatives the output
+    asks for, and the prompt's own entries (if asked) keep theirs."""
+    params = {"logprobs": 2} | ({} if prompt_k is None else {"prompt_logprobs": prompt_k})
+    whole, _ = served(model, params)
     sent = whole["c"]["token_ids"][:4]
     runner = runner_for(model)
-    done = runner.start([runner.prepare(request("c", {"logprobs": 2}, streamed=sent), time.time())], time.time())
+    done = runner.start([runner.prepare(request("c", params, streamed=sent), time.time())], time.time())
     while runner.busy:
         done += runner.step()
     (out,) = [o for o in done if isinstance(o, Outcome)]
     entries = out.result.output["logprobs"]
     assert out.result.output["token_ids"] == whole["c"]["token_ids"]
-    assert [(e["token_id"], e["logprob"], e["top_logprobs"]) for e in entries[:4]] == [(t, None, []) for t in sent]
     assert len(entries) == len(whole["c"]["token_ids"])
-    assert all(a["token_id"] == b["token_id"] and a["logprob"] == pytest.approx(b["logprob"], abs=TOL)
-               for a, b in zip(entries[4:], whole["c"]["logprobs"][4:], strict=True))
+    got, want = out.result.output.get("prompt_logprobs"), whole["c"].get("prompt_logprobs")
+    assert (got is None) == (want is None) == (prompt_k is None)
+    for a, b in zip(got or (), want or (), strict=True):
+        assert a["token_id"] == b["token_id"] and len(a["top_logprobs"]) == len(b["top_logprobs"])
+        assert a["logprob"] == pytest.approx(b["logprob"], abs=TOL)
+    for a, b in zip(entries, whole["c"]["logprobs"], strict=True):
+        assert a["token_id"] == b["token_id"] and a["logprob"] == pytest.approx(b["logprob"], abs=TOL)
+        assert [t["token_id"] for t in a["top_logprobs"]] == [t["token_id"] for t in b["top_logprobs"]]
 
 
 def test_a_prompt_prefilled_in_chunks_fused_into_decode_steps(model):
