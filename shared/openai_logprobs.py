@@ -8,8 +8,7 @@
   (from `chars`, the characters before the first: a stream's chunks go on from the text already sent).
 
 An entry whose `logprob` is null is a prompt's first token (completions' `echo`: its `token_logprobs` and
-`top_logprobs` are null, as OpenAI's), or, in chat, a token of a streamed request run again after a crash that its
-caller was sent before (its entry went out in an earlier chunk): left out.
+`top_logprobs` are null, as OpenAI's); chat's shape has no place for one, and leaves it out.
 """
 
 from __future__ import annotations
