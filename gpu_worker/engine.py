@@ -74,9 +74,8 @@ class GenerationEngine:
     def _check(self, specs: list[GenSpec]) -> None:
         if len(specs) > self.free_rows:
             raise EngineFull(f"{len(specs)} new rows but {self.free_rows} free")
-        for spec in specs:
-            if not self.fits(spec):
-                raise EngineFull(f"{spec.id}: {spec.total_tokens} tokens exceed max_seq_len {self.max_seq_len}")
+        if (spec := next((s for s in specs if not self.fits(s)), None)) is not None:
+            raise EngineFull(f"{spec.id}: {spec.total_tokens} tokens exceed max_seq_len {self.max_seq_len}")
 
     def prefill_in_chunks(self, spec: GenSpec) -> None:
         """Start prefilling a long prompt a chunk per `step` (see `gpu_worker.chunked_prefill`)."""
@@ -92,7 +91,8 @@ class GenerationEngine:
         self._check(specs)
         if self.last_logits is not None:
             self.last_logits.clear()
-        groups = group_by_length([len(s.prompt_ids) for s in specs], PREFILL_PAD_TOLERANCE)
+        groups = group_by_length([len(s.prompt_ids) for s in specs], PREFILL_PAD_TOLERANCE,  # a row whose every
+                                 [PromptLogprobs.wanted([s]) for s in specs])  # position's logits are kept: alone
         return [r for group in groups for r in self._prefill_group([specs[i] for i in group])]
 
     def _prefill_group(self, specs: list[GenSpec]) -> list[GenResult]:

@@ -110,11 +110,14 @@ class EngineFull(RuntimeError):
     """Raised when asked to prefill beyond the engine's row or width capacity (a scheduler bug)."""
 
 
-def group_by_length(lengths: list[int], tolerance: float) -> list[list[int]]:
-    """Indices grouped (longest first) so each group's padding stays within `tolerance` of its width."""
+def group_by_length(lengths: list[int], tolerance: float, alone: Sequence[bool] = ()) -> list[list[int]]:
+    """Indices grouped (longest first) so each group's padding stays within `tolerance` of its width; an index
+    flagged `alone` is a group of its own."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     for i in order:
+        if alone and alone[i]:
+            continue
         if groups:
             g = groups[-1]
             width = lengths[g[0]]
@@ -124,7 +127,7 @@ def group_by_length(lengths: list[int], tolerance: float) -> list[list[int]]:
                 g.append(i)
                 continue
         groups.append([i])
-    return groups
+    return groups + [[i] for i in order if alone and alone[i]]
 
 
 @dataclass(slots=True)

@@ -213,6 +213,11 @@ def test_group_by_length_bounds_padding():
     for g in groups:
         width = max(lengths[i] for i in g)
         assert width * len(g) - sum(lengths[i] for i in g) <= 0.25 * width * len(g)
+    alone = [False, False, True, False, False, True, False]  # rows whose every position's logits are kept
+    grouped = group_by_length(lengths, 0.25, alone)
+    assert sorted(i for g in grouped for i in g) == list(range(len(lengths)))
+    assert [2] in grouped and [5] in grouped and len(grouped) == len(groups) + 2  # 250 and 60 were with others
+    assert [g for g in grouped if g not in ([2], [5])] == [[0], [4, 3], [6, 1]]
 
 
 def test_a_long_prompt_joining_short_rows_reads_only_finite_cache(model):
