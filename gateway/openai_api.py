@@ -100,13 +100,14 @@ async def _submit_choices(svc: GatewayService, req: ApiRequest, tr: oa.Translate
     find them."""
     spec = _spec_for(svc, tr, Task.GENERATE)
     key = parse_idempotency_key(req)
-    if tr.n > 1 and (quota := await svc.limits.max_backlog(req.tenant)) is not None and tr.n > quota:
-        raise oa.invalid("n", f"{tr.n} choices are more requests than this tenant may have queued or running at "
-                              f"once ({quota})", code="tenant_backlog_exceeded")
+    if tr.requests > 1 and (quota := await svc.limits.max_backlog(req.tenant)) is not None and tr.requests > quota:
+        raise oa.invalid("n" if tr.best_of <= tr.n else "best_of",
+                         f"{tr.requests} choices are more requests than this tenant may have queued or running at "
+                         f"once ({quota})", code="tenant_backlog_exceeded")
     answers: list[ops.Answer] = []
     try:
         for i, body in enumerate(tr.bodies()):
-            answers.append(await ops.submit(svc, body, spec, req.tenant, rate_tokens=tr.n if i == 0 else 0,
+            answers.append(await ops.submit(svc, body, spec, req.tenant, rate_tokens=tr.requests if i == 0 else 0,
                                             idempotency_key=key if key is None or i == 0 else derived_key(key, i)))
     except BaseException:
         if key is None:

@@ -177,9 +177,9 @@ def parse_line(raw: bytes | str, line: int, endpoint: str) -> Item:
     except oa.OpenAIError as err:
         raise BatchError(err.message, code=err.code or "invalid_request",
                          param=f"body.{err.param}" if err.param else "body", line=line) from None
-    if tr.n > 1:  # a line is one request, with one result line
-        raise BatchError("a batch item has one choice (n=1): write a line per choice", code="unsupported_parameter",
-                         param="body.n", line=line)
+    if tr.requests > 1:  # a line is one request, with one result line
+        raise BatchError("a batch item has one choice (n=1, best_of=1): write a line per choice",
+                         code="unsupported_parameter", param="body.n" if tr.n > 1 else "body.best_of", line=line)
     inner = {k: v for k, v in tr.body.items() if k not in ("timeout_s", "deadline", "priority", "stream")}
     return Item(line, custom_id, tr.model, inner, tr.kind, tr.encoding_format, tr.aliases)
 

@@ -237,15 +237,23 @@ class Translated:
     echo: bool = False  # completions: the prompt before the completion (its tokens' log probabilities too)
     prompt: str | None = None  # the prompt as sent, when a string (echoed as it is)
     score_only: bool = False  # `echo` with `max_tokens` 0: the prompt alone (the one token generated is dropped)
+    best_of: int = 1  # completions: candidates generated, the `n` likeliest per token returned
+
+    @property
+    def requests(self) -> int:
+        """Native requests the call makes: one per choice, or per candidate with `best_of`."""
+        return max(self.n, self.best_of)
 
     def bodies(self) -> list[dict[str, Any]]:
         """The native submit body of each choice: a given seed is the first choice's, the next ones count up from
         it (OpenAI's choices of one seeded request differ from each other, and are the same on every call)."""
         out = []
-        for i in range(self.n):
+        for i in range(self.requests):
             params = dict(self.body["params"])
             if isinstance(params.get("seed"), int):
                 params["seed"] = (params["seed"] + i) % (MAX_SEED + 1)
+            if self.best_of > self.n:  # the candidates are ranked by their tokens' log probabilities
+                params["logprobs"] = params.get("logprobs") or 0
             out.append({**self.body, "params": params})
         return out
 
@@ -282,7 +290,6 @@ _COMMON_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("service_tier", _none_or("auto", "default"), "only 'auto' or 'default'"),
 )
 _COMPLETION_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("best_of", _none_or(1), "only best_of=1 is supported (n choices are n samples)"),
     ("suffix", _empty, "not supported (only empty)"),
 )
 _CHAT_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
@@ -407,8 +414,14 @@ def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Tran
     aliases = {"input.prompt": "prompt", "input.input_ids": "prompt", "input": "prompt",
                "params.max_new_tokens": "max_tokens", "params.logprobs": "logprobs",
                "params.prompt_logprobs": "logprobs"}
-    return Translated("completion", req.model, body, stream, usage, aliases=aliases, n=_choices(req),
-                      logprobs=logprobs, echo=echo, prompt=prompt.get("prompt"), score_only=score_only)
+    n = _choices(req)
+    best_of = n if req.best_of is None else req.best_of
+    if not n <= best_of <= MAX_CHOICES:
+        raise invalid("best_of", f"must be between n ({n}) and {MAX_CHOICES}, got {best_of}")
+    if best_of > 1 and stream:  # as OpenAI answers: the best is known only once every candidate is done
+        raise invalid("best_of", "best_of above 1 cannot be streamed")
+    return Translated("completion", req.model, body, stream, usage, aliases=aliases, n=n, logprobs=logprobs,
+                      echo=echo, prompt=prompt.get("prompt"), score_only=score_only, best_of=best_of)
 
 
 def _with_logprobs(params: dict[str, Any], logprobs: int | None) -> dict[str, Any]:
@@ -533,7 +546,11 @@ def completion_id(kind: Kind, request_id: str) -> str:
 
 def completion_response(tr: Translated, views: list[dict[str, Any]], created: int) -> dict[str, Any]:
     """A finished generation as a `text_completion` or a `chat.completion`: one choice per view (`n`), each a
-    request of its own; the first names the response."""
+    request of its own; the first names the response. With `best_of`, the `n` candidates whose tokens are likeliest
+    on average are the choices, best first (`usage` counts every candidate's tokens, as OpenAI bills them)."""
+    every = views
+    if tr.best_of > tr.n:
+        views = sorted(views, key=_mean_logprob, reverse=True)[:tr.n]
     choices = []
     for i, view in enumerate(views):
         output = view.get("output") or {}
@@ -547,11 +564,16 @@ def completion_response(tr: Translated, views: list[dict[str, Any]], created: in
         else:
             choice["text"] = text
         choices.append(choice)
-    return {"id": completion_id(tr.kind, str(views[0]["id"])),
+    return {"id": completion_id(tr.kind, str(every[0]["id"])),
             "object": "chat.completion" if tr.kind == "chat" else "text_completion",
             "created": created, "model": tr.model, "choices": choices,
-            "usage": usage(*views) if not tr.score_only else usage(*[_prompt_only(v) for v in views]),
+            "usage": usage(*every) if not tr.score_only else usage(*[_prompt_only(v) for v in every]),
             "system_fingerprint": None, EXTENSION: extensions(views)}
+
+
+def _mean_logprob(view: dict[str, Any]) -> float:
+    scores = [e["logprob"] for e in (view.get("output") or {}).get("logprobs") or () if e["logprob"] is not None]
+    return sum(scores) / len(scores) if scores else -math.inf
 
 
 def _prompt_only(view: dict[str, Any]) -> dict[str, Any]:

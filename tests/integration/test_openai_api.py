@@ -563,3 +563,23 @@ async def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(stack: Running
     said = (await client.completions.create(model="tiny-llama", prompt="once upon", max_tokens=2, echo=True,
                                             temperature=0)).choices[0]
     assert said.text.startswith("once upon") and said.logprobs is None
+
+
+async def test_best_of_answers_the_candidate_likeliest_per_token(stack: RunningGateway, clients: Clients):
+    """`best_of` candidates are requests of their own (named by X-Batchgate-Request-Ids); the answer is the one
+    whose tokens have the highest mean log probability, and usage counts every candidate."""
+    _, client = clients(stack)
+    raw = await client.completions.with_raw_response.create(model="tiny-llama", prompt=PROMPT_IDS, max_tokens=6,
+                                                            best_of=3, temperature=1.5, seed=11,
+                                                            extra_body={"ignore_eos": True})
+    resp = raw.parse()
+    ids = raw.headers["x-batchgate-request-ids"].split(",")
+    assert len(ids) == 3 and len(resp.choices) == 1 and resp.choices[0].logprobs is None
+    records = [(await stack.client.get(f"/v1/requests/{rid}")).json() for rid in ids]
+    means = [sum(e["logprob"] for e in r["output"]["logprobs"]) / 6 for r in records]
+    assert len({r["output"]["text"] for r in records}) > 1  # sampled apart: the choice is a real one
+    assert resp.choices[0].text == records[means.index(max(means))]["output"]["text"]
+    assert resp.usage is not None and resp.usage.completion_tokens == 18
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(model="tiny-llama", prompt="hi", best_of=2, stream=True)
+    assert info.value.param == "best_of"

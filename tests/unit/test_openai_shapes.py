@@ -87,7 +87,7 @@ def test_stream_and_include_usage():
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("best_of", 3), ("suffix", "end"), ("service_tier", "flex"),
+    ("suffix", "end"), ("service_tier", "flex"),
 ])
 def test_completion_fields_we_cannot_honour_are_refused_by_name(field: str, value: Any):
     err = refused(oa.translate_completion, {"model": "m", "prompt": "x", field: value})
@@ -470,3 +470,29 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone():
     assert refused(oa.translate_completion, {"model": "m", "prompt": "x", "echo": True, "stream": True}).param == "echo"
     assert oa.translate_completion({"model": "m", "prompt": "x", "max_tokens": 0}).body["params"][
         "max_new_tokens"] == 0  # without echo, the native check refuses it (a 400 naming max_tokens)
+
+
+def test_best_of_generates_candidates_and_answers_the_likeliest_per_token():
+    tr = oa.translate_completion({"model": "m", "prompt": "x", "best_of": 3, "n": 2, "seed": 5})
+    assert (tr.n, tr.best_of, tr.requests) == (2, 3, 3)
+    bodies = tr.bodies()
+    assert len(bodies) == 3 and all(b["params"]["logprobs"] == 0 for b in bodies)  # asked for the ranking
+    assert [b["params"]["seed"] for b in bodies] == [5, 6, 7]
+
+    def candidate(rid: str, scores: list[float], text: str) -> dict[str, Any]:
+        entries = [{"token_id": 1, "token": "t", "logprob": s, "top_logprobs": []} for s in scores]
+        return {**view(text=text, tokens=len(scores)), "id": rid,
+                "output": {**view(text=text, tokens=len(scores))["output"], "logprobs": entries}}
+
+    views = [candidate("req_a", [-1.0, -3.0], "a"), candidate("req_b", [-0.5], "b"),
+             candidate("req_c", [-1.5, -1.5, -0.5], "c")]
+    body = oa.completion_response(tr, views, 1)
+    assert [c["text"] for c in body["choices"]] == ["b", "c"] and [c["index"] for c in body["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in body["choices"])  # not asked for: used for the ranking alone
+    assert body["id"] == "cmpl-req_a" and body["usage"]["completion_tokens"] == 6  # every candidate's tokens
+    asked = oa.translate_completion({"model": "m", "prompt": "x", "best_of": 2, "logprobs": 1})
+    assert all(b["params"]["logprobs"] == 1 for b in asked.bodies())
+    assert oa.completion_response(asked, views[:2], 1)["choices"][0]["logprobs"]["token_logprobs"] == [-0.5]
+    assert oa.translate_completion({"model": "m", "prompt": "x", "best_of": 1}).requests == 1
+    for bad in ({"best_of": 2, "n": 3}, {"best_of": 17}, {"best_of": 0}, {"best_of": 2, "stream": True}):
+        assert refused(oa.translate_completion, {"model": "m", "prompt": "x", **bad}).param == "best_of"
