@@ -112,6 +112,7 @@ class Item:
     kind: str  # "completion" | "chat" | "embedding" | "native"
     encoding_format: str = "float"
     aliases: dict[str, str] = field(default_factory=dict)  # native field -> the endpoint's parameter (OpenAI's)
+    answer: Answer | None = None  # what its OpenAI answer shows beyond the output (log probabilities, echo)
 
     def param(self, native_field: str | None, message: str) -> tuple[str, str]:
         """A field of the native body the checks refused, and their message, as the line names them
@@ -124,7 +125,18 @@ class Item:
         return f"body.{param or native_field}", message
 
     def ref(self, request_id: str) -> ItemRef:
-        return ItemRef(self.line, self.custom_id, request_id, self.kind, self.model, self.encoding_format)
+        return ItemRef(self.line, self.custom_id, request_id, self.kind, self.model, self.encoding_format,
+                       self.answer)
+
+
+class Answer(msgspec.Struct, frozen=True, array_like=True):
+    """Of an OpenAI generation line, what its answer shows beyond the output (`Translated`'s fields of the same
+    names): log probabilities, the echoed prompt."""
+
+    logprobs: int | None = None
+    echo: bool = False
+    prompt: str | None = None
+    score_only: bool = False
 
 
 class ItemRef(msgspec.Struct, frozen=True, array_like=True):
@@ -136,6 +148,7 @@ class ItemRef(msgspec.Struct, frozen=True, array_like=True):
     kind: str
     model: str
     encoding_format: str = "float"
+    answer: Answer | None = None  # a ref kept by a gateway of before has none (it refused what needs one)
 
 
 _TRANSLATE = {"/v1/completions": oa.translate_completion, "/v1/chat/completions": oa.translate_chat,
@@ -181,7 +194,9 @@ def parse_line(raw: bytes | str, line: int, endpoint: str) -> Item:
         raise BatchError("a batch item has one choice (n=1, best_of=1): write a line per choice",
                          code="unsupported_parameter", param="body.n" if tr.n > 1 else "body.best_of", line=line)
     inner = {k: v for k, v in tr.body.items() if k not in ("timeout_s", "deadline", "priority", "stream")}
-    return Item(line, custom_id, tr.model, inner, tr.kind, tr.encoding_format, tr.aliases)
+    answer = Answer(tr.logprobs, tr.echo, tr.prompt, tr.score_only)
+    return Item(line, custom_id, tr.model, inner, tr.kind, tr.encoding_format, tr.aliases,
+                answer if answer != Answer() else None)
 
 
 def submit_body(item: Item, deadline_s: float) -> dict[str, Any]:
@@ -192,7 +207,9 @@ def submit_body(item: Item, deadline_s: float) -> dict[str, Any]:
 def _response_body(ref: ItemRef, view: dict[str, Any], created: int) -> dict[str, Any]:
     if ref.kind == "native":
         return view
-    tr = oa.Translated(kind=ref.kind, model=ref.model, body={}, encoding_format=ref.encoding_format)  # type: ignore[arg-type]
+    a = ref.answer or Answer()
+    tr = oa.Translated(kind=ref.kind, model=ref.model, body={}, encoding_format=ref.encoding_format,  # type: ignore[arg-type]
+                       logprobs=a.logprobs, echo=a.echo, prompt=a.prompt, score_only=a.score_only)
     if ref.kind == "embedding":
         return oa.embedding_response(tr, view)
     return oa.completion_response(tr, [view], created)

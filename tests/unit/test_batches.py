@@ -213,3 +213,34 @@ async def test_a_hold_whose_lease_renewal_swallows_the_cancellation_still_ends_a
     hold.cancel()
     done, _ = await asyncio.wait([hold], timeout=2.0)
     assert done and work_ended.is_set()
+
+
+def test_a_lines_log_probabilities_and_echo_reach_its_output_line_through_the_kept_ref():
+    """What the answer shows beyond the output (logprobs, echo, max_tokens 0) is kept with the item in flight (as
+    the batch's record stores it, msgpack), not only in the body sent to the worker."""
+    import msgspec
+
+    from shared.batches import ItemRef
+
+    comp = "/v1/completions"
+    item = parse_line(line(url=comp, body={"model": "m", "prompt": "hi", "echo": True, "logprobs": 1,
+                                           "max_tokens": 0}), 0, comp)
+    ref = msgspec.msgpack.decode(msgspec.msgpack.encode(item.ref("req_abc")), type=ItemRef)
+    entry = {"token_id": 5, "token": "hi", "logprob": -2.0, "top_logprobs": []}
+    view = {"id": "req_abc", "status": "succeeded", "finish_reason": "eos",
+            "output": {"text": "yo", "token_ids": [6], "prompt_tokens": 2, "completion_tokens": 1,
+                       "logprobs": [{**entry, "token_id": 6, "token": "yo"}], "prompt_text": "hi",
+                       "prompt_logprobs": [{**entry, "logprob": None}, entry]}}
+    ok, out = result_line(ref, view, 100)
+    (choice,) = out["response"]["body"]["choices"]
+    assert ok and choice["text"] == "hi" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"] == [None, -2.0]
+    assert out["response"]["body"]["usage"]["completion_tokens"] == 0
+    chat = parse_line(line(body={"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}),
+                      0, CHAT)
+    _, out = result_line(chat.ref("req_c"), view, 100)
+    assert out["response"]["body"]["choices"][0]["logprobs"]["content"][0]["token"] == "yo"
+    old = ItemRef(0, "a", "req_o", "chat", "m")  # kept by a gateway of before: no answer fields
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=ItemRef).answer is None
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode([0, "a", "req_o", "chat", "m", "float"]),
+                                  type=ItemRef).answer is None
