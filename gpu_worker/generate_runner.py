@@ -23,7 +23,7 @@ from gpu_worker.outcomes import Delta, Outcome, failed_outcome
 from gpu_worker.runner import count_calls
 from gpu_worker.sequences import EngineStats, GenResult, GenSpec, SamplingParams
 from gpu_worker.stream_release import Release, next_delta
-from gpu_worker.token_logprobs import scored_prompt, with_logprobs
+from gpu_worker.token_logprobs import PROMPT_LOGITS_MAX, prompt_scorable, scored_prompt, with_logprobs
 from shared.faults import Faults
 from shared.lanes import assign_lane
 from shared.messages import InferenceRequest, RequestResult
@@ -106,6 +106,11 @@ class GenerateRunner:
                                   f"{self.spec.max_input_tokens}")
         if not ids:
             return failed_outcome(req, self.worker, now, "invalid_input", "the prompt has no tokens")
+        if params.prompt_logprobs is not None and not prompt_scorable(len(ids), self.vocab):
+            return failed_outcome(req, self.worker, now, "invalid_input",
+                                  f"prompt_logprobs: a prompt of {len(ids)} tokens would hold {len(ids)} x "
+                                  f"{self.vocab} logits at once; at most {PROMPT_LOGITS_MAX:,} (a shorter prompt, "
+                                  "or no prompt_logprobs)")
         total = len(ids) + params.max_new_tokens
         # the model's limit, not this engine's: a request it reads may belong to another engine of the model
         if total > self.spec.max_seq_len:
@@ -129,7 +134,8 @@ class GenerateRunner:
                            params.temperature, params.top_p, params.top_k, params.seed,
                            self.repetition_penalty if params.repetition_penalty is None else params.repetition_penalty,
                            params.presence_penalty, params.frequency_penalty, tuple(params.logit_bias.items()),
-                           params.logprobs, scored_prompt(params, len(prefix))),
+                           params.logprobs, scored_prompt(params, len(prefix), len(job.inputs[0] + prefix),
+                                                          self.vocab)),
                        stop=tuple(params.stop), eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
                        owner=job, resumed=len(prefix))
 

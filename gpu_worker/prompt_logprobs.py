@@ -38,7 +38,9 @@ class PromptLogprobs:
         if spec.sampling.prompt_logprobs is None:
             return
         prompt = spec.prompt_ids
-        kept = self.kept.setdefault(spec.id, [None] if lo == 0 else [])
+        if lo == 0:  # a prompt's first chunk (a prefill tried again starts over)
+            self.kept[spec.id] = [None]
+        kept = self.kept.setdefault(spec.id, [])
         targets = prompt[lo + 1:lo + len(logits) + 1]  # the last position of the prompt scores nothing
         if targets:
             kept += token_logprobs(logits[:len(targets)], targets, [spec.sampling.prompt_logprobs] * len(targets))

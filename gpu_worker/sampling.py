@@ -54,9 +54,15 @@ def select_tokens(logits: torch.Tensor, params: list[SamplingParams], generators
     return chosen.tolist()
 
 
+SCORED_ROWS = 256  # rows of logits scored at once: a prompt's every position in slices, not one float32 copy
+
+
 def token_logprobs(logits: torch.Tensor, targets: Sequence[int], ks: Sequence[int]) -> list[TokenLogprob]:
     """Each row of `logits` ([rows, vocab]): its target token's log probability and its `ks[i]` likeliest tokens'.
-    One log-softmax and one top-k for all rows, one copy to the host."""
+    One log-softmax and one top-k per `SCORED_ROWS` rows, one copy to the host each."""
+    if len(targets) > SCORED_ROWS:
+        return [entry for lo in range(0, len(targets), SCORED_ROWS) for entry in token_logprobs(
+            logits[lo:lo + SCORED_ROWS], targets[lo:lo + SCORED_ROWS], ks[lo:lo + SCORED_ROWS])]
     scores = torch.log_softmax(logits.float(), dim=-1)
     chosen = torch.tensor(list(targets), dtype=torch.long, device=logits.device)
     picked = scores.gather(1, chosen[:, None])[:, 0].tolist()

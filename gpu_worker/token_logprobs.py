@@ -22,6 +22,14 @@ from shared.params import GenerateParams
 
 Decode = Callable[[list[int]], str]
 
+# the logits a prompt's scoring holds at once (its tokens x the vocabulary: every position's, from its prefill's
+# forward): 2^28, 1 GiB of float32; a 2,048-token prompt of a 128k vocabulary, 32k tokens of an 8k one
+PROMPT_LOGITS_MAX = 2**28
+
+
+def prompt_scorable(tokens: int, vocab: int) -> bool:
+    return tokens * vocab <= PROMPT_LOGITS_MAX
+
 
 def asked(job: Job) -> int | None:
     """How many alternatives `job` asks for with each token's log probability (None: no log probabilities)."""
@@ -37,10 +45,11 @@ def entries(token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None], d
             for tid, lp in zip(token_ids, logprobs, strict=True)]
 
 
-def scored_prompt(params: GenerateParams, resumed: int) -> int | None:
-    """The alternatives the prefill scores the prompt's tokens with: those asked for the prompt, and for a stream
-    run again with log probabilities, those of the output it was started after (in its prompt now)."""
-    if resumed and params.logprobs is not None:
+def scored_prompt(params: GenerateParams, resumed: int, tokens: int, vocab: int) -> int | None:
+    """The alternatives the prefill scores the prompt's `tokens` with: those asked for the prompt, and for a stream
+    run again with log probabilities, those of the output it was started after (in its prompt now), unless that
+    would hold more logits than a prompt's scoring may (its entries then have `logprob` null)."""
+    if resumed and params.logprobs is not None and prompt_scorable(tokens, vocab):
         return max(params.logprobs, params.prompt_logprobs or 0)
     return params.prompt_logprobs
 
@@ -76,16 +85,19 @@ def with_logprobs(delta: StreamDelta, job: Job, computed: Sequence[TokenLogprob]
 
 
 def prompt_output(job: Job, computed: Sequence[TokenLogprob | None] | None, decode: Decode) -> dict[str, Any]:
-    """With `params.prompt_logprobs`: the prompt's `prompt_token_ids`, `prompt_text` and `prompt_logprobs` (the
-    first token's `logprob` null: nothing comes before it). A streamed request run again has the tokens its caller
-    was sent in its prompt: they are output, not prompt, and left out."""
-    if not isinstance(job.params, GenerateParams) or job.params.prompt_logprobs is None:
+    """With `params.echo` or `params.prompt_logprobs`: the prompt's `prompt_token_ids` and `prompt_text`, and with
+    the latter its `prompt_logprobs` (the first token's `logprob` null: nothing comes before it). A streamed
+    request run again has the tokens its caller was sent in its prompt: they are output, not prompt, and left out."""
+    params = job.params
+    if not isinstance(params, GenerateParams) or (params.prompt_logprobs is None and not params.echo):
         return {}
     prompt = list(job.inputs[0])
-    known = [_cut(e, job.params.prompt_logprobs) for e in list(computed or ())[:len(prompt)]]
-    known += [None] * (len(prompt) - len(known))
-    return {"prompt_token_ids": prompt, "prompt_text": decode(prompt),
-            "prompt_logprobs": entries(prompt, known, decode)}
+    out: dict[str, Any] = {"prompt_token_ids": prompt, "prompt_text": decode(prompt)}
+    if params.prompt_logprobs is not None:
+        known = [_cut(e, params.prompt_logprobs) for e in list(computed or ())[:len(prompt)]]
+        known += [None] * (len(prompt) - len(known))
+        out["prompt_logprobs"] = entries(prompt, known, decode)
+    return out
 
 
 def certain(tokens: Sequence[int], k: int | None) -> list[TokenLogprob] | None:
@@ -94,6 +106,10 @@ def certain(tokens: Sequence[int], k: int | None) -> list[TokenLogprob] | None:
 
 
 def certain_prompt(job: Job) -> list[TokenLogprob | None] | None:
-    """The echo model's prompt log probabilities: after the first token, each is certain."""
-    k = job.params.prompt_logprobs if isinstance(job.params, GenerateParams) else None
-    return None if k is None else [None, *(certain(job.inputs[0][1:], k) or ())]
+    """The echo model's prompt log probabilities (what a stream run again was sent included, as the engine scores
+    it): after the first token, each is certain."""
+    if not isinstance(job.params, GenerateParams):
+        return None
+    sent = job.stream.released[:job.stream.base] if job.stream is not None else []
+    k = scored_prompt(job.params, len(sent), 0, 0)
+    return None if k is None else [None, *(certain([*job.inputs[0], *sent][1:], k) or ())]

@@ -408,8 +408,10 @@ def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Tran
     if echo and stream:
         raise unsupported("echo", "not with stream: true (ask for the echo without streaming)")
     params = _with_logprobs(_params(req, 1 if score_only else req.max_tokens), logprobs)
-    if echo and (logprobs is not None or "input_ids" in prompt):  # the prompt's tokens (and their text) are needed
-        params["prompt_logprobs"] = logprobs or 0
+    if echo and logprobs is not None:  # the prompt's tokens scored (and their text)
+        params["prompt_logprobs"] = logprobs
+    elif echo and "input_ids" in prompt:  # the text of the prompt's tokens
+        params["echo"] = True
     body = {"input": prompt, "params": params, "stream": stream, **_deadline(req, timeout_header)}
     aliases = {"input.prompt": "prompt", "input.input_ids": "prompt", "input": "prompt",
                "params.max_new_tokens": "max_tokens", "params.logprobs": "logprobs",

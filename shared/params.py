@@ -82,6 +82,7 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS, description=(
         "return each prompt token's log probability given the tokens before it (the first: null) and this many "
         "likeliest alternatives, with the prompt's token ids and text; null: none"))] | None = None
+    echo: Annotated[bool, Meta(description="return the prompt's token ids and text with the output")] = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.stop, tuple):  # one string, or a list from the wire dict
@@ -107,8 +108,8 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in PENALTY_FIELDS:
             if not out[name]:  # None, 0 or {}: the default (a repetition penalty is at least 0.01)
                 del out[name]
-        for name in ("logprobs", "prompt_logprobs"):
-            if out[name] is None:  # left out as the penalties are: a worker of before reads what it knows
+        for name in ("logprobs", "prompt_logprobs", "echo"):
+            if out[name] in (None, False):  # left out as the penalties are: a worker of before reads what it knows
                 del out[name]
         return out
 

@@ -205,3 +205,35 @@ def test_a_chunked_prompt_cancelled_midway_leaves_nothing_kept(model):
     assert engine.prompt_logprobs.kept
     engine.remove({"long"}, FinishReason.CANCELLED)
     assert not engine.prompt_logprobs.kept
+
+
+def test_echo_returns_the_prompt_without_scoring_it(model):
+    outputs, _ = served(model, {"echo": True, "max_new_tokens": 2})
+    for rid, output in outputs.items():
+        assert output["prompt_token_ids"] == PROMPTS[rid] and "prompt_logprobs" not in output
+        assert output["prompt_text"] == TOKENIZER.decode(PROMPTS[rid], skip_special_tokens=True)
+
+
+def test_a_prompt_too_long_to_score_fails_alone_and_says_why(model, monkeypatch):
+    from gpu_worker import token_logprobs
+
+    monkeypatch.setattr(token_logprobs, "PROMPT_LOGITS_MAX", len(PROMPTS["a"]) * len(TOKENIZER) - 1)
+    runner = runner_for(model)
+    out = runner.prepare(request("a", {"prompt_logprobs": 0}), time.time())
+    assert isinstance(out, Outcome) and out.result.error is not None and out.result.error.code == "invalid_input"
+    assert "prompt_logprobs" in out.result.error.message and "logits" in out.result.error.message
+    assert not isinstance(runner.prepare(request("b", {"prompt_logprobs": 0}), time.time()), Outcome)  # shorter
+
+
+def test_scoring_in_slices_of_positions_gives_the_same_entries(model, monkeypatch):
+    from gpu_worker import sampling
+
+    whole, _ = served(model, {"prompt_logprobs": 3, "logprobs": 2, "max_new_tokens": 4})
+    monkeypatch.setattr(sampling, "SCORED_ROWS", 3)
+    sliced, _ = served(model, {"prompt_logprobs": 3, "logprobs": 2, "max_new_tokens": 4})
+    for rid in PROMPTS:
+        for key in ("prompt_logprobs", "logprobs"):
+            for a, b in zip(sliced[rid][key], whole[rid][key], strict=True):
+                assert a["token_id"] == b["token_id"] and (a["logprob"] is None) == (b["logprob"] is None)
+                assert a["logprob"] is None or a["logprob"] == pytest.approx(b["logprob"], abs=TOL)
+                assert [t["token_id"] for t in a["top_logprobs"]] == [t["token_id"] for t in b["top_logprobs"]]

@@ -202,3 +202,21 @@ def test_the_gateway_refuses_a_logit_bias_beyond_the_vocabulary_at_submit():
     assert err.value.field == "params.logit_bias" and err.value.message.startswith("300 is not a token")
     body["params"] = {"logit_bias": {"299": -100}}
     assert build_request(body, spec, "t", time.time(), limits=TokenLimits("")).params["logit_bias"] == {299: -100.0}
+
+
+def test_log_probabilities_of_the_echo_model_are_certain():
+    """The echo model has one possible token at each step: log probability 0, itself the only alternative; its
+    prompt's too (the first token's none), and the prompt echoed with `echo`."""
+    runner = EchoRunner(SPEC, "w", max_rows=4)
+    req = request(prompt="abc", max_new_tokens=3)
+    req = dataclasses.replace(req, params={**req.params, "logprobs": 2, "prompt_logprobs": 1})
+    (out,) = run_to_end(runner, [job(runner, req)]).values()
+    output = out.result.output
+    assert [(e["token_id"], e["logprob"], e["top_logprobs"]) for e in output["logprobs"]] == [
+        (t, 0.0, [{"token_id": t, "token": chr(t), "logprob": 0.0}]) for t in b"abc"]
+    assert output["prompt_token_ids"] == list(b"abc") and output["prompt_text"] == "abc"
+    assert [e["logprob"] for e in output["prompt_logprobs"]] == [None, 0.0, 0.0]
+    plain = dataclasses.replace(req, id="p", params={"max_new_tokens": 2, "echo": True})
+    (out,) = run_to_end(runner, [job(runner, plain)]).values()
+    assert out.result.output["prompt_text"] == "abc" and "prompt_logprobs" not in out.result.output
+    assert "logprobs" not in out.result.output
