@@ -27,7 +27,7 @@ from gpu_worker.outcomes import Delta, Outcome, failed_outcome
 from gpu_worker.runner import count_calls
 from gpu_worker.sequences import EngineStats, GenResult
 from gpu_worker.stream_release import Release, next_delta
-from gpu_worker.token_logprobs import asked, certain, certain_prompt, with_logprobs
+from gpu_worker.token_logprobs import asked, certain, certain_prompt, plain, with_logprobs
 from shared.config import ModelSpec
 from shared.faults import Faults
 from shared.lanes import assign_lane
@@ -186,7 +186,7 @@ class EchoRunner:
             if job.stream is not None:
                 delta = next_delta(job.stream, job.stream.output(row.tokens), decode_tokens)
                 if delta is not None:
-                    delta = with_logprobs(delta, job, certain(row.tokens, asked(job)), decode_tokens)
+                    delta = with_logprobs(delta, job, certain(row.tokens, asked(job)), plain(decode_tokens))
                     out.append(Delta(job.req, delta, first=job.stream.first))
                     job.stream.first = False
         return out

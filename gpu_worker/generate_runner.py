@@ -24,6 +24,7 @@ from gpu_worker.runner import count_calls
 from gpu_worker.sequences import EngineStats, GenResult, GenSpec, SamplingParams
 from gpu_worker.stream_release import Release, next_delta
 from gpu_worker.token_logprobs import PROMPT_LOGITS_MAX, prompt_scorable, scored_prompt, with_logprobs
+from gpu_worker.token_text import TokenText
 from shared.faults import Faults
 from shared.lanes import assign_lane
 from shared.messages import InferenceRequest, RequestResult
@@ -43,6 +44,7 @@ class GenerateRunner:
         self.worker = worker
         self.clock = clock
         self.tokenizer = loaded.tokenizer
+        self._token = TokenText(self.tokenizer)  # a token's text alone, for log probabilities
         self.vocab = loaded.model.config.vocab_size
         eos = loaded.model.generation_config.eos_token_id
         if eos is None:
@@ -202,7 +204,7 @@ class GenerateRunner:
             if isinstance(job, Job) and job.stream is not None:
                 delta = next_delta(job.stream, job.stream.output(row.tokens), self._decode)
                 if delta is not None:
-                    delta = with_logprobs(delta, job, row.logprobs, self._decode)
+                    delta = with_logprobs(delta, job, row.logprobs, self._token)
                     out.append(Delta(job.req, delta, first=job.stream.first))
                     job.stream.first = False
         return out
@@ -219,7 +221,7 @@ class GenerateRunner:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _result(self, job: Job, r: GenResult, now: float) -> RequestResult:
-        return generation_result(job, r, now, worker=self.worker, decode=self._decode)
+        return generation_result(job, r, now, worker=self.worker, decode=self._decode, token=self._token)
 
 
 def model_context(model: Any) -> int | None:

@@ -14,7 +14,7 @@ from gpu_worker.job import Job
 from gpu_worker.outcomes import Outcome, result_for
 from gpu_worker.sequences import GenResult
 from gpu_worker.stop_strings import cut_at_stop
-from gpu_worker.token_logprobs import output_logprobs, prompt_output
+from gpu_worker.token_logprobs import TokenFn, output_logprobs, plain, prompt_output
 from shared.deadlines import cannot_finish
 from shared.messages import ErrorInfo, RequestResult
 from shared.params import GenerateParams
@@ -23,7 +23,10 @@ from shared.states import FinishReason, Status
 Decode = Callable[[list[int]], str]
 
 
-def generation_result(job: Job, r: GenResult, now: float, *, worker: str, decode: Decode) -> RequestResult:
+def generation_result(job: Job, r: GenResult, now: float, *, worker: str, decode: Decode,
+                      token: TokenFn | None = None) -> RequestResult:
+    """`token`: a token's text alone, for log probabilities (default: `decode` of it)."""
+    token = token or plain(decode)
     token_ids = job.stream.output(r.token_ids) if job.stream is not None else r.token_ids
     prompt_tokens = r.prompt_tokens - (job.stream.base if job.stream is not None else 0)
     stop = job.params.stop if isinstance(job.params, GenerateParams) else ()
@@ -33,9 +36,9 @@ def generation_result(job: Job, r: GenResult, now: float, *, worker: str, decode
         text = decode(token_ids)
     output = {"text": text, "token_ids": token_ids, "prompt_tokens": prompt_tokens,
               "completion_tokens": len(token_ids)}
-    if (logprobs := output_logprobs(job, token_ids, r.logprobs, decode, r.prompt_logprobs)) is not None:
+    if (logprobs := output_logprobs(job, token_ids, r.logprobs, token, r.prompt_logprobs)) is not None:
         output["logprobs"] = logprobs
-    output.update(prompt_output(job, r.prompt_logprobs, decode))
+    output.update(prompt_output(job, r.prompt_logprobs, decode, token))
     timings = {"ttft_ms": round(r.ttft_s * 1000, 3), "decode_ms": round(r.decode_s * 1000, 3),
                "prefill_ms": round(r.prefill_s * 1000, 3),
                "compute_ms": round((now - r.admitted_at) * 1000, 3)}

@@ -3,7 +3,8 @@
 The engine keeps, for a row whose request asks (`params.logprobs`), one `TokenLogprob` per token: the token's log
 probability under the model's own logits and its likeliest alternatives, as ids (`gpu_worker.sampling.
 keep_logprobs`). Here they become the result's `output.logprobs` and each stream delta's `logprobs`: one entry per
-output token, aligned with `token_ids`, `{token_id, token, logprob, top_logprobs: [{token_id, token, logprob}]}`.
+output token, aligned with `token_ids`, `{token_id, token, logprob, top_logprobs: [{token_id, token, logprob}]}`,
+and `bytes` where a token is part of a character (its `token` then holds U+FFFD).
 A streaming request run again (a crash, a hand-back) starts after the tokens its caller was sent, which join its
 prompt; their entries went out in its deltas, and its record gets them again from the prefill, which scores its
 prompt's tokens for it (`scored_prompt`), so the record's entries are whole.
@@ -21,6 +22,13 @@ from shared.messages import StreamDelta
 from shared.params import GenerateParams
 
 Decode = Callable[[list[int]], str]
+# a token's text alone, and its bytes where the text cannot hold them (`gpu_worker.token_text`)
+TokenFn = Callable[[int], tuple[str, list[int] | None]]
+
+
+def plain(decode: Decode) -> TokenFn:
+    """A token's text as `decode` spells it alone (a tokenizer with nothing better: the echo model's)."""
+    return lambda token_id: (decode([token_id]), None)
 
 # the logits a prompt's scoring holds at once (its tokens x the vocabulary: every position's, from its prefill's
 # forward): 2^28, 1 GiB of float32; a 2,048-token prompt of a 128k vocabulary, 32k tokens of an 8k one
@@ -36,12 +44,19 @@ def asked(job: Job) -> int | None:
     return job.params.logprobs if isinstance(job.params, GenerateParams) else None
 
 
-def entries(token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None], decode: Decode) -> list[Any]:
+def _named(token_id: int, logprob: float | None, token: TokenFn) -> dict[str, Any]:
+    text, raw = token(token_id)
+    out: dict[str, Any] = {"token_id": token_id, "token": text, "logprob": logprob}
+    if raw is not None:
+        out["bytes"] = raw
+    return out
+
+
+def entries(token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None], token: TokenFn) -> list[Any]:
     """One entry per token; where its log probability is not known (a prompt's first token, say), `logprob` is
     null and `top_logprobs` empty."""
-    return [{"token_id": tid, "token": decode([tid]), "logprob": None if lp is None else lp[0],
-             "top_logprobs": [] if lp is None else [{"token_id": i, "token": decode([i]), "logprob": v}
-                                                    for i, v in lp[1]]}
+    return [{**_named(tid, None if lp is None else lp[0], token),
+             "top_logprobs": [] if lp is None else [_named(i, v, token) for i, v in lp[1]]}
             for tid, lp in zip(token_ids, logprobs, strict=True)]
 
 
@@ -59,7 +74,7 @@ def _cut(entry: TokenLogprob | None, k: int) -> TokenLogprob | None:
 
 
 def output_logprobs(job: Job, token_ids: Sequence[int], computed: Sequence[TokenLogprob] | None,
-                    decode: Decode, prompt: Sequence[TokenLogprob | None] | None = None) -> list[Any] | None:
+                    token: TokenFn, prompt: Sequence[TokenLogprob | None] | None = None) -> list[Any] | None:
     """The result's `output.logprobs` for its `token_ids` (cut at a stop string): the tokens a resumed stream was
     started after (scored with its prompt, `prompt`), then this attempt's; None when the request does not ask."""
     if (k := asked(job)) is None:
@@ -69,11 +84,11 @@ def output_logprobs(job: Job, token_ids: Sequence[int], computed: Sequence[Token
     known: list[TokenLogprob | None] = [_cut(e, k) for e in sent] + [None] * (base - len(sent))
     known += list(computed or ())
     known += [None] * (len(token_ids) - len(known))
-    return entries(token_ids, known[:len(token_ids)], decode)
+    return entries(token_ids, known[:len(token_ids)], token)
 
 
 def with_logprobs(delta: StreamDelta, job: Job, computed: Sequence[TokenLogprob] | None,
-                  decode: Decode) -> StreamDelta:
+                  token: TokenFn) -> StreamDelta:
     """`delta` carrying its tokens' entries, if its request asks for them (`computed`: the running row's, from
     the output token `job.stream.base` on)."""
     if asked(job) is None or job.stream is None:
@@ -81,10 +96,11 @@ def with_logprobs(delta: StreamDelta, job: Job, computed: Sequence[TokenLogprob]
     lo = delta.start - job.stream.base
     own: list[TokenLogprob | None] = list(computed[lo:lo + len(delta.token_ids)]) if computed else []
     own += [None] * (len(delta.token_ids) - len(own))
-    return dataclasses.replace(delta, logprobs=tuple(entries(delta.token_ids, own, decode)))
+    return dataclasses.replace(delta, logprobs=tuple(entries(delta.token_ids, own, token)))
 
 
-def prompt_output(job: Job, computed: Sequence[TokenLogprob | None] | None, decode: Decode) -> dict[str, Any]:
+def prompt_output(job: Job, computed: Sequence[TokenLogprob | None] | None, decode: Decode,
+                  token: TokenFn) -> dict[str, Any]:
     """With `params.echo` or `params.prompt_logprobs`: the prompt's `prompt_token_ids` and `prompt_text`, and with
     the latter its `prompt_logprobs` (the first token's `logprob` null: nothing comes before it). A streamed
     request run again has the tokens its caller was sent in its prompt: they are output, not prompt, and left out."""
@@ -96,7 +112,7 @@ def prompt_output(job: Job, computed: Sequence[TokenLogprob | None] | None, deco
     if params.prompt_logprobs is not None:
         known = [_cut(e, params.prompt_logprobs) for e in list(computed or ())[:len(prompt)]]
         known += [None] * (len(prompt) - len(known))
-        out["prompt_logprobs"] = entries(prompt, known, decode)
+        out["prompt_logprobs"] = entries(prompt, known, token)
     return out
 
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 from typing import Any, Literal
 
 
-def _bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8"))
+def _bytes(entry: dict[str, Any]) -> list[int]:
+    """The token's UTF-8: the entry's own `bytes` where its text cannot hold them (part of a character)."""
+    return list(entry["bytes"]) if entry.get("bytes") is not None else list(str(entry["token"]).encode("utf-8"))
 
 
 def chat_logprobs(entries: list[Any] | None) -> dict[str, Any]:
-    content = [{"token": e["token"], "logprob": e["logprob"], "bytes": _bytes(e["token"]),
-                "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": _bytes(t["token"])}
+    content = [{"token": e["token"], "logprob": e["logprob"], "bytes": _bytes(e),
+                "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": _bytes(t)}
                                  for t in e["top_logprobs"]]}
                for e in entries or () if e["logprob"] is not None]
     return {"content": content, "refusal": None}

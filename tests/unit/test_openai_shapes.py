@@ -496,3 +496,12 @@ def test_best_of_generates_candidates_and_answers_the_likeliest_per_token():
     assert oa.translate_completion({"model": "m", "prompt": "x", "best_of": 1}).requests == 1
     for bad in ({"best_of": 2, "n": 3}, {"best_of": 17}, {"best_of": 0}, {"best_of": 2, "stream": True}):
         assert refused(oa.translate_completion, {"model": "m", "prompt": "x", **bad}).param == "best_of"
+
+
+def test_a_token_that_is_part_of_a_character_keeps_its_own_bytes():
+    half = {"token_id": 9, "token": "\ufffd", "logprob": -0.2, "bytes": [0xC3], "top_logprobs": [
+        {"token_id": 9, "token": "\ufffd", "logprob": -0.2, "bytes": [0xC3]}, {"token_id": 4, "token": "a",
+                                                                             "logprob": -3.0}]}
+    (entry,) = oa.openai_logprobs("chat", [half])["content"]
+    assert entry["bytes"] == [0xC3] and entry["token"] == "\ufffd"
+    assert [t["bytes"] for t in entry["top_logprobs"]] == [[0xC3], [97]]
