@@ -5,11 +5,15 @@ These costs bound what any scheduling can do for a short request: its latency is
 one token interval per new token, and a token interval is at least one decode step of the batch it
 runs in. Median of --reps timings per point.
 
-    python scripts/step_costs.py --json docs/bench/step_costs.json [--profile] [--threads-check]
+    python scripts/step_costs.py --json docs/bench/step_costs.json [--profile] [--threads-check] [--logprobs]
 
 `--threads-check` times a 1-row decode step on a helper thread (where the worker's engines run):
 on one torch thread, on all cores, and on all cores while a second thread holds an OpenMP pool of
 its own (the case `gpu_worker.cpu_threads.CpuShare` exists to avoid).
+
+`--logprobs` times what log probabilities add (`params.logprobs`, `params.prompt_logprobs`): an 8-row decode step
+with none, with each token's alone and with 20 alternatives each, the variants' steps taking turns; a 256-token
+prefill with and without its prompt scored (5 alternatives).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from gpu_worker import models
 from gpu_worker.engine import GenerationEngine, GenSpec
 from shared.config import BUILTIN_MODELS
+from shared.states import FinishReason
 
 DECODE_ROWS = (1, 2, 4, 8, 16, 24, 32)
 PREFILLS = ((16, 1), (32, 1), (64, 1), (64, 4), (256, 1), (256, 2), (256, 4))
@@ -40,6 +45,7 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "batchgate" / "models"))
     ap.add_argument("--json")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops of 1-row decode steps")
+    ap.add_argument("--logprobs", action="store_true", help="only time what log probabilities add")
     ap.add_argument("--threads-check", action="store_true",
                     help="also time a 1-row step on helper threads: 1 thread, all cores, beside a second pool")
     args = ap.parse_args()
@@ -56,33 +62,15 @@ def main() -> None:
     def engine(rows: int) -> GenerationEngine:
         return GenerationEngine(model, max_rows=rows, max_seq_len=512)
 
+    if args.logprobs:
+        write(args.json, {"logprobs": logprobs_cost(model, args.reps)})
+        return
     report: dict[str, dict[str, float]] = {"decode_step_ms": {}, "prefill_ms": {}}
     if args.threads_check:
         report["helper_thread_step_ms"] = threads_check(engine(1), spec, args.reps, cores)
         torch.set_num_threads(cores)
     print(f"torch threads: {torch.get_num_threads()}")
-    print(f"{'decode step':<24}{'ms':>8}")
-    for rows in DECODE_ROWS:
-        eng = engine(rows)
-        eng.prefill([spec(i, CONTEXT) for i in range(rows)])
-        eng.step()  # first-call paths
-        times = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            eng.step()
-            times.append((time.perf_counter() - t0) * 1000)
-        report["decode_step_ms"][str(rows)] = ms = statistics.median(times)
-        print(f"{f'{rows} rows, {CONTEXT} cached':<24}{ms:>8.1f}", flush=True)
-    print(f"{'prefill':<24}{'ms':>8}")
-    for prompt, rows in PREFILLS:
-        times = []
-        for _ in range(args.reps + 1):
-            eng = engine(rows)
-            t0 = time.perf_counter()
-            eng.prefill([spec(i, prompt) for i in range(rows)])
-            times.append((time.perf_counter() - t0) * 1000)
-        report["prefill_ms"][f"{rows}x{prompt}"] = ms = statistics.median(times[1:])
-        print(f"{f'{rows} x {prompt} tokens':<24}{ms:>8.1f}", flush=True)
+    forward_costs(report, engine, spec, args.reps)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -93,9 +81,78 @@ def main() -> None:
             for _ in range(10):
                 eng.step()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    write(args.json, report)
+
+
+def write(path: str | None, report: dict[str, dict[str, float]]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2))
+
+
+def forward_costs(report: dict[str, dict[str, float]], engine: Callable[[int], GenerationEngine],
+                  spec: Callable[[int, int], GenSpec], reps: int) -> None:
+    """Decode steps by rows and prefills by prompt and rows, into `report` (medians of `reps`)."""
+    print(f"{'decode step':<24}{'ms':>8}")
+    for rows in DECODE_ROWS:
+        eng = engine(rows)
+        eng.prefill([spec(i, CONTEXT) for i in range(rows)])
+        eng.step()  # first-call paths
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            eng.step()
+            times.append((time.perf_counter() - t0) * 1000)
+        report["decode_step_ms"][str(rows)] = ms = statistics.median(times)
+        print(f"{f'{rows} rows, {CONTEXT} cached':<24}{ms:>8.1f}", flush=True)
+    print(f"{'prefill':<24}{'ms':>8}")
+    for prompt, rows in PREFILLS:
+        times = []
+        for _ in range(reps + 1):
+            eng = engine(rows)
+            t0 = time.perf_counter()
+            eng.prefill([spec(i, prompt) for i in range(rows)])
+            times.append((time.perf_counter() - t0) * 1000)
+        report["prefill_ms"][f"{rows}x{prompt}"] = ms = statistics.median(times[1:])
+        print(f"{f'{rows} x {prompt} tokens':<24}{ms:>8.1f}", flush=True)
+
+
+def logprobs_cost(model: torch.nn.Module, reps: int, rows: int = 8) -> dict[str, float]:
+    """Medians (ms) of decode steps at `rows` rows, variants taking turns step by step, and of prefills."""
+    from gpu_worker.sampling import SamplingParams
+
+    rng = random.Random(1)
+    prompts = [tuple(rng.randrange(3, 8192) for _ in range(CONTEXT)) for _ in range(rows)]
+    variants = {"none": None, "chosen_only": 0, "top_20": 20}
+    engines = {}
+    for name, k in variants.items():
+        eng = GenerationEngine(model, max_rows=rows, max_seq_len=512)
+        eng.prefill([GenSpec(id=str(i), prompt_ids=p, max_new_tokens=250, sampling=SamplingParams(logprobs=k))
+                     for i, p in enumerate(prompts)])
+        eng.step()
+        engines[name] = eng
+    steps: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(20 * reps):
+        for name, eng in engines.items():
+            t0 = time.perf_counter()
+            eng.step()
+            steps[name].append((time.perf_counter() - t0) * 1000)
+    out = {f"decode_{rows}_rows_{name}_ms": statistics.median(v) for name, v in steps.items()}
+    prefills: dict[str, list[float]] = {"plain": [], "scored": []}
+    for _ in range(reps + 1):
+        for name, k in (("plain", None), ("scored", 5)):
+            eng = GenerationEngine(model, max_rows=1, max_seq_len=512)
+            t0 = time.perf_counter()
+            eng.prefill([GenSpec(id="p", prompt_ids=prompts[0], max_new_tokens=4,
+                                 sampling=SamplingParams(prompt_logprobs=k))])
+            prefills[name].append((time.perf_counter() - t0) * 1000)
+    out |= {f"prefill_{CONTEXT}_{name}_ms": statistics.median(v[1:]) for name, v in prefills.items()}
+    for key, ms in out.items():
+        print(f"{key:<36}{ms:>8.1f}")
+    base = out[f"decode_{rows}_rows_none_ms"]
+    print(f"decode step with top-20 log probabilities: {out[f'decode_{rows}_rows_top_20_ms'] / base:.2f}x; prefill "
+          f"with its prompt scored: {out[f'prefill_{CONTEXT}_scored_ms'] / out[f'prefill_{CONTEXT}_plain_ms']:.2f}x")
+    return out
 
 
 def threads_check(eng: GenerationEngine, spec: Callable[[int, int], GenSpec], reps: int,
@@ -113,7 +170,7 @@ def threads_check(eng: GenerationEngine, spec: Callable[[int, int], GenSpec], re
             t0 = time.perf_counter()
             eng.step()
             times.append((time.perf_counter() - t0) * 1000)
-        eng.cancel(eng.running_ids())
+        eng.remove(eng.running_ids(), FinishReason.CANCELLED)
         out[name] = statistics.median(times[5:])
 
     def on_thread(name: str, threads: int) -> None:
