@@ -420,7 +420,7 @@ def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Tran
     best_of = n if req.best_of is None else req.best_of
     if not n <= best_of <= MAX_CHOICES:
         raise invalid("best_of", f"must be between n ({n}) and {MAX_CHOICES}, got {best_of}")
-    if best_of > 1 and stream:  # as OpenAI answers: the best is known only once every candidate is done
+    if best_of > n and stream:  # as OpenAI answers: the best is known only once every candidate is done
         raise invalid("best_of", "best_of above 1 cannot be streamed")
     return Translated("completion", req.model, body, stream, usage, aliases=aliases, n=n, logprobs=logprobs,
                       echo=echo, prompt=prompt.get("prompt"), score_only=score_only, best_of=best_of)

@@ -109,7 +109,7 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if not out[name]:  # None, 0 or {}: the default (a repetition penalty is at least 0.01)
                 del out[name]
         for name in ("logprobs", "prompt_logprobs", "echo"):
-            if out[name] in (None, False):  # left out as the penalties are: a worker of before reads what it knows
+            if out[name] is None or out[name] is False:  # left out as the penalties are (0 is a count: kept)
                 del out[name]
         return out
 

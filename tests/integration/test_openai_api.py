@@ -195,8 +195,8 @@ async def test_the_deadline_header_and_body_field_reach_the_native_request(stack
 async def test_bad_requests_are_typed_openai_errors(stack: RunningGateway, clients: Clients):
     _, client = clients(stack, max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
-        await client.completions.create(model="tiny-llama", prompt="hi", best_of=2)
-    assert info.value.status_code == 400 and info.value.param == "best_of"
+        await client.completions.create(model="tiny-llama", prompt="hi", suffix="after")
+    assert info.value.status_code == 400 and info.value.param == "suffix"
     assert info.value.code == "unsupported_parameter"
     assert info.value.type == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as info:  # the native limit, named as OpenAI's parameter

@@ -396,6 +396,11 @@ def test_logprobs_are_asked_for_as_native_params():
     req = build_request(oa.translate_chat(chat(logprobs=True, top_logprobs=20)).body, BUILTIN_MODELS["tiny-llama"],
                         "t", 1_000.0)
     assert req.params["logprobs"] == 20
+    for ask in (chat(logprobs=True), chat(logprobs=True, top_logprobs=0)):  # 0 alternatives: still asked for
+        req = build_request(oa.translate_chat(ask).body, BUILTIN_MODELS["tiny-llama"], "t", 1_000.0)
+        assert req.params["logprobs"] == 0
+    echo = oa.translate_completion({"model": "tiny-llama", "prompt": [1, 2], "echo": True, "logprobs": 0})
+    assert build_request(echo.body, BUILTIN_MODELS["tiny-llama"], "t", 1_000.0).params["prompt_logprobs"] == 0
     plain = build_request(oa.translate_chat(chat()).body, BUILTIN_MODELS["tiny-llama"], "t", 1_000.0)
     assert "logprobs" not in plain.params  # as the penalties: a worker of before reads what it knows
 
@@ -496,6 +501,9 @@ def test_best_of_generates_candidates_and_answers_the_likeliest_per_token():
     assert oa.translate_completion({"model": "m", "prompt": "x", "best_of": 1}).requests == 1
     for bad in ({"best_of": 2, "n": 3}, {"best_of": 17}, {"best_of": 0}, {"best_of": 2, "stream": True}):
         assert refused(oa.translate_completion, {"model": "m", "prompt": "x", **bad}).param == "best_of"
+    for n in (1, 2):  # n choices streamed (best_of left out, or equal to n: no ranking) are not candidates
+        for best_of in ({}, {"best_of": n}):
+            assert oa.translate_completion({"model": "m", "prompt": "x", "n": n, "stream": True, **best_of}).stream
 
 
 def test_a_token_that_is_part_of_a_character_keeps_its_own_bytes():
