@@ -80,7 +80,7 @@ def output_logprobs(job: Job, token_ids: Sequence[int], computed: Sequence[Token
     if (k := asked(job)) is None:
         return None
     base = job.stream.base if job.stream is not None else 0
-    sent = list(prompt or ())[len(job.inputs[0]):len(job.inputs[0]) + base]
+    sent = prompt[len(job.inputs[0]):len(job.inputs[0]) + base] if prompt else []
     known: list[TokenLogprob | None] = [_cut(e, k) for e in sent] + [None] * (base - len(sent))
     known += list(computed or ())
     known += [None] * (len(token_ids) - len(known))
@@ -110,7 +110,7 @@ def prompt_output(job: Job, computed: Sequence[TokenLogprob | None] | None, deco
     prompt = list(job.inputs[0])
     out: dict[str, Any] = {"prompt_token_ids": prompt, "prompt_text": decode(prompt)}
     if params.prompt_logprobs is not None:
-        known = [_cut(e, params.prompt_logprobs) for e in list(computed or ())[:len(prompt)]]
+        known = [_cut(e, params.prompt_logprobs) for e in (computed or [])[:len(prompt)]]
         known += [None] * (len(prompt) - len(known))
         out["prompt_logprobs"] = entries(prompt, known, token)
     return out
