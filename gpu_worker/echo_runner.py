@@ -109,6 +109,10 @@ class EchoRunner:
         if params.bias_beyond(vocab) is not None:  # as a model's runner refuses it
             return failed_outcome(req, self.worker, now, "invalid_input",
                                   f"logit_bias: token ids must be below the vocabulary size {vocab}")
+        if params.response_format is not None:  # its output is its prompt: nothing it could be held to
+            return failed_outcome(req, self.worker, now, "invalid_input",
+                                  f"response_format: model {self.spec.name} echoes its prompt; it cannot follow a "
+                                  "format")
         if "input_ids" in req.input:
             ids = list(req.input["input_ids"])
             if vocab is not None and any(i >= vocab for i in ids):

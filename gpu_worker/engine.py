@@ -128,10 +128,10 @@ class GenerationEngine:
         """Prompts whose last prefill forward gave `logits` (their caches already in rows `len(rows)` on, right-
         aligned at `end`) join the running batch with their first token; those already done leave at once."""
         self._keep([s.id for s in specs], logits)
-        params = [s.sampling for s in specs]
-        gens = [make_generator(p, self.device) for p in params]
+        gens = [make_generator(s.sampling, self.device) for s in specs]
         states = [Penalties.of(s, logits) for s in specs]
-        tokens = select_tokens(logits, params, gens, states.__getitem__)  # type: ignore[arg-type]
+        tokens = select_tokens(logits, [s.sampling for s in specs], gens, states.__getitem__,  # type: ignore[arg-type]
+                               [s.constraint for s in specs])
         now = self._clock()
         self.stats.prefill_s += now - t0
         first = len(self.rows)
@@ -149,8 +149,10 @@ class GenerationEngine:
               k_pos: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         return self.layout.attention_mask(allowed, q_pos, k_pos, boolean=self._bool_mask, dtype=self.cache.dtype)
 
-    def _keep(self, ids: list[str], logits: torch.Tensor) -> None:
+    def _keep(self, ids: list[str], logits: torch.Tensor, fresh: bool = False) -> None:
         if self.last_logits is not None:
+            if fresh:
+                self.last_logits.clear()
             self.last_logits.update(zip(ids, logits, strict=True))
 
     def _make_room_left(self, width: int) -> None:
@@ -201,12 +203,10 @@ class GenerationEngine:
     def _advance(self, logits: torch.Tensor, read_lo: int, forward_s: float, t0: float) -> tuple[list[int], float]:
         """Every running row takes its next token from `logits` ([rows, vocab]: the step's forward, which read
         columns from `read_lo`); the step's accounting. Returns the rows now finished, and the time."""
-        if self.last_logits is not None:
-            self.last_logits.clear()
-        self._keep([r.spec.id for r in self.rows], logits)
+        self._keep([r.spec.id for r in self.rows], logits, fresh=True)
         rows = self.rows
         tokens = select_tokens(logits, [r.spec.sampling for r in rows], [r.generator for r in rows],
-                               lambda i: rows[i].penalties.caught_up(rows[i].tokens))
+                               lambda i: rows[i].penalties.caught_up(rows[i].tokens), [r.spec.constraint for r in rows])
         keep_logprobs(logits, tokens, rows)
         n = len(self.rows)
         self.stats.forward_s += forward_s

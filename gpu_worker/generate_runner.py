@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import structlog
 
+from gpu_worker.constraints import Grammars
 from gpu_worker.engine import GenerationEngine
 from gpu_worker.generation_result import generation_result, resumed_whole
 from gpu_worker.job import Job
@@ -50,6 +51,7 @@ class GenerateRunner:
         if eos is None:
             eos = loaded.model.config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.grammars = Grammars(self.tokenizer, self.vocab, sorted(self.eos_ids))  # structured output
         self.repetition_penalty = float(loaded.model.generation_config.repetition_penalty or 1.0)
         if ignored := ignored_generation_settings(loaded.model.generation_config):
             log.warning("the model's generation_config asks for what the engine does not apply: its output will "
@@ -121,12 +123,15 @@ class GenerateRunner:
         if self.context is not None and total > self.context:  # before it is computed: alone, not its batch
             return failed_outcome(req, self.worker, now, CONTEXT_EXCEEDED,
                                   context_message(self.context, len(ids), params.max_new_tokens))
+        grammar = self.grammars.compile(params.response_format) if params.response_format is not None else None
+        if isinstance(grammar, str):
+            return failed_outcome(req, self.worker, now, "invalid_input", grammar)
         # a streaming request run again (a crash, a hand-back) continues after what its caller was sent
         stream = Release(params.stop, released=list(req.streamed)) if req.stream else None
         return Job(id=req.id, lane=assign_lane(total, self.spec.lanes).name, rank=Priority(req.priority).rank,
                    deadline=req.deadline_ms / 1000, arrived=now, tokens=total,
                    prompt_tokens=len(ids) + len(req.streamed), new_tokens=params.max_new_tokens, request=req,
-                   params=params, inputs=(tuple(ids),), stream=stream)
+                   params=params, inputs=(tuple(ids),), stream=stream, grammar=grammar)
 
     def _spec(self, job: Job) -> GenSpec:
         params = cast(GenerateParams, job.params)  # prepare builds a generation job's params so
@@ -139,7 +144,8 @@ class GenerateRunner:
                            params.logprobs, scored_prompt(params, len(prefix), len(job.inputs[0] + prefix),
                                                           self.vocab)),
                        stop=tuple(params.stop), eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
-                       owner=job, resumed=len(prefix))
+                       owner=job, resumed=len(prefix),
+                       constraint=None if job.grammar is None else Grammars.start(job.grammar, prefix))
 
     def start(self, batch: list[Job], now: float) -> list[Outcome]:
         count_calls(self.model_calls, batch)

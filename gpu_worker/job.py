@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gpu_worker.stream_release import Release
@@ -41,6 +41,7 @@ class Job:
     state: JobState = JobState.QUEUED
     attempts: int = 0  # times this worker started it on the model (a preempted row is started again)
     stream: Release | None = None  # a streaming generation: what its caller was sent
+    grammar: Any = None  # a structured output's matcher, compiled at prepare, before any token (gpu_worker.constraints)
 
     @property
     def due(self) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -39,19 +40,28 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
 
 def select_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                  penalties: Callable[[int], Penalties] | None = None) -> list[int]:
+                  penalties: Callable[[int], Penalties] | None = None, constraints: Sequence[Any] = ()) -> list[int]:
     """Tokens for every row of `logits` [rows, vocab]: one vectorised argmax, then the sampled rows. `penalties(i)`:
-    row i's `Penalties`, asked only for a row with a bias or a penalty."""
+    row i's `Penalties`, asked only for a row with a bias or a penalty; `constraints[i]`: row i's structured-output
+    `gpu_worker.constraints.Constraint` or None, which masks its logits last and takes its token."""
     penalized = [i for i, p in enumerate(params) if p.penalized]
     if penalized and penalties is not None:
         logits = penalize(logits, [(i, params[i], penalties(i)) for i in penalized])
+    bound = [i for i, c in enumerate(constraints) if c is not None]
+    if bound:
+        logits = logits if penalized and penalties is not None else logits.float().clone()
+        for i in bound:
+            constraints[i].mask(logits[i])
     chosen = torch.argmax(logits, dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
         chosen = chosen.clone()
         for i in sampled:
             chosen[i] = sample_row(logits[i], params[i], generators[i])
-    return chosen.tolist()
+    tokens: list[int] = chosen.tolist()
+    for i in bound:
+        constraints[i].accept(tokens[i])
+    return tokens
 
 
 SCORED_ROWS = 256  # rows of logits scored at once: a prompt's every position in slices, not one float32 copy

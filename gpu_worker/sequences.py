@@ -58,6 +58,8 @@ class GenSpec:
     # the last `resumed` of `prompt_ids` are output already (a streamed request run again continues after what
     # its caller was sent): output for the presence and frequency penalties
     resumed: int = 0
+    # its structured output's grammar state (`gpu_worker.constraints.Constraint`): a spec is built per admission
+    constraint: Any = None
     stop_tail: int = field(init=False, default=0)  # the last tokens to decode to see a stop string whole
 
     def __post_init__(self) -> None:
@@ -154,11 +156,13 @@ def stop_tail_tokens(stop: tuple[str, ...]) -> int:
 
 
 def finish_reason(row: Row, decode_tail: Callable[[list[int]], str] | None) -> FinishReason | None:
-    """Why `row` is done after its latest token (None: not done): EOS, a stop string in the decoded tail,
-    or its length."""
+    """Why `row` is done after its latest token (None: not done): EOS, its structured output complete, a stop
+    string in the decoded tail, or its length."""
     spec = row.spec
     if row.tokens[-1] in spec.eos_ids:
         return FinishReason.EOS
+    if spec.constraint is not None and spec.constraint.done:  # its grammar takes no more tokens: complete
+        return FinishReason.STOP
     if spec.stop and decode_tail is not None:
         tail = decode_tail(row.tokens[-spec.stop_tail:])
         if any(s in tail for s in spec.stop):

@@ -6,6 +6,7 @@ one token interval per new token, and a token interval is at least one decode st
 runs in. Median of --reps timings per point.
 
     python scripts/step_costs.py --json docs/bench/step_costs.json [--profile] [--threads-check] [--logprobs]
+        [--structured]
 
 `--threads-check` times a 1-row decode step on a helper thread (where the worker's engines run):
 on one torch thread, on all cores, and on all cores while a second thread holds an OpenMP pool of
@@ -14,6 +15,10 @@ its own (the case `gpu_worker.cpu_threads.CpuShare` exists to avoid).
 `--logprobs` times what log probabilities add (`params.logprobs`, `params.prompt_logprobs`): an 8-row decode step
 with none, with each token's alone and with 20 alternatives each, the variants' steps taking turns; a 256-token
 prefill with and without its prompt scored (5 alternatives).
+
+`--structured` times what structured output adds (`params.response_format`): an 8-row decode step with no row
+constrained and with every row inside a JSON Schema's string (most of the vocabulary allowed: the mask's usual
+case), the variants' steps taking turns; and compiling a schema against the model's tokenizer (once a request).
 """
 
 from __future__ import annotations
@@ -46,13 +51,15 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops of 1-row decode steps")
     ap.add_argument("--logprobs", action="store_true", help="only time what log probabilities add")
+    ap.add_argument("--structured", action="store_true", help="only time what structured output adds")
     ap.add_argument("--threads-check", action="store_true",
                     help="also time a 1-row step on helper threads: 1 thread, all cores, beside a second pool")
     args = ap.parse_args()
     cores = torch.get_num_threads()
     if args.threads_check:  # before the main thread grows an OpenMP pool of its own
         torch.set_num_threads(1)
-    model = models.load(BUILTIN_MODELS["bench-llama"], Path(args.cache_dir)).model
+    loaded = models.load(BUILTIN_MODELS["bench-llama"], Path(args.cache_dir))
+    model = loaded.model
     rng = random.Random(0)
 
     def spec(i: int, prompt: int) -> GenSpec:
@@ -64,6 +71,9 @@ def main() -> None:
 
     if args.logprobs:
         write(args.json, {"logprobs": logprobs_cost(model, args.reps)})
+        return
+    if args.structured:
+        write(args.json, {"structured": structured_cost(loaded, args.reps)})
         return
     report: dict[str, dict[str, float]] = {"decode_step_ms": {}, "prefill_ms": {}}
     if args.threads_check:
@@ -152,6 +162,61 @@ def logprobs_cost(model: torch.nn.Module, reps: int, rows: int = 8) -> dict[str,
     base = out[f"decode_{rows}_rows_none_ms"]
     print(f"decode step with top-20 log probabilities: {out[f'decode_{rows}_rows_top_20_ms'] / base:.2f}x; prefill "
           f"with its prompt scored: {out[f'prefill_{CONTEXT}_scored_ms'] / out[f'prefill_{CONTEXT}_plain_ms']:.2f}x")
+    return out
+
+
+# a schema whose string keeps every row constrained (and most of the vocabulary allowed) for the whole timing
+LONG_STRING = {"type": "object", "properties": {"text": {"type": "string", "minLength": 2000}}, "required": ["text"]}
+TYPICAL = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                            "email": {"type": "string", "pattern": "^[a-z.]+@[a-z]+\\.[a-z]{2,4}$"},
+                                            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}},
+                                            "address": {"type": "object", "properties": {
+                                                "street": {"type": "string"}, "zip": {"type": "string"}}}},
+           "required": ["name", "age", "email"], "additionalProperties": False}
+
+
+def structured_cost(loaded: models.LoadedModel, reps: int, rows: int = 8) -> dict[str, float]:
+    """Medians (ms) of decode steps at `rows` rows with no row and every row constrained, taking turns step by
+    step; and of compiling a typical schema (the first compile also reads the tokenizer: timed apart)."""
+    from gpu_worker.constraints import Grammars
+    from gpu_worker.generate_runner import GenerateRunner
+    from shared.structured_output import JsonSchema
+
+    runner = GenerateRunner(loaded, "bench", max_rows=1, max_seq_len=64)  # its Grammars, as a worker builds them
+    t0 = time.perf_counter()
+    runner.grammars.compile(JsonSchema(TYPICAL))
+    first = (time.perf_counter() - t0) * 1000
+    compiles = []
+    for _ in range(20 * reps):
+        t0 = time.perf_counter()
+        runner.grammars.compile(JsonSchema(TYPICAL))
+        compiles.append((time.perf_counter() - t0) * 1000)
+    compiled = runner.grammars.compile(JsonSchema(LONG_STRING))
+    assert not isinstance(compiled, str), compiled
+    rng = random.Random(2)
+    prompts = [tuple(rng.randrange(3, 8192) for _ in range(CONTEXT)) for _ in range(rows)]
+    engines = {}
+    for name in ("none", "json"):
+        eng = GenerationEngine(loaded.model, max_rows=rows, max_seq_len=512)
+        eng.prefill([GenSpec(id=str(i), prompt_ids=p, max_new_tokens=250,
+                             constraint=Grammars.start(compiled, ()) if name == "json" else None)
+                     for i, p in enumerate(prompts)])
+        eng.step()
+        engines[name] = eng
+    steps: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(20 * reps):
+        for name, eng in engines.items():
+            t0 = time.perf_counter()
+            eng.step()
+            steps[name].append((time.perf_counter() - t0) * 1000)
+    assert all(len(eng.rows) == rows for eng in engines.values()), "a row left during the timing"
+    out = {f"decode_{rows}_rows_{name}_ms": statistics.median(v) for name, v in steps.items()}
+    out |= {"compile_first_ms": first, "compile_typical_schema_ms": statistics.median(compiles)}
+    for key, ms in out.items():
+        print(f"{key:<36}{ms:>8.2f}")
+    ratio = out[f"decode_{rows}_rows_json_ms"] / out[f"decode_{rows}_rows_none_ms"]
+    print(f"decode step with every row constrained: {ratio:.2f}x")
     return out
 
 

@@ -11,6 +11,7 @@ either honoured or harmless at the value given; anything else is a 400 naming th
 from __future__ import annotations
 
 import base64
+import json
 import math
 import re
 import struct
@@ -133,6 +134,18 @@ class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     include_obfuscation: bool | None = None  # accepted; chunks are never padded
 
 
+class JsonSchemaFormat(msgspec.Struct, frozen=True):
+    name: str | None = None  # accepted; a name is for the caller's own bookkeeping
+    schema: dict[str, Any] | None = None  # none: any JSON object
+    strict: bool | None = None  # accepted; the output always follows the schema
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The fields completions and chat completions share (OpenAI's, then our extensions)."""
 
@@ -156,6 +169,15 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     top_k: int | None = None
     ignore_eos: bool | None = None
     repetition_penalty: float | None = None
+    # structured output: OpenAI's response_format (completions too, as vLLM takes it), vLLM's guided decoding
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_decoding_backend: str | None = None  # accepted; there is one backend (llguidance)
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -184,16 +206,11 @@ class MessageIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     audio: Any | None = None
 
 
-class ResponseFormat(msgspec.Struct, frozen=True):
-    type: str
-
-
 class ChatRequest(_Sampling, frozen=True, kw_only=True, forbid_unknown_fields=True):
     messages: Annotated[list[MessageIn], Meta(min_length=1)]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -288,12 +305,13 @@ def _empty(v: Any) -> bool:
 
 _COMMON_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("service_tier", _none_or("auto", "default"), "only 'auto' or 'default'"),
+    ("guided_whitespace_pattern", _none_or(), "not supported: JSON comes out with json.dumps' separators (a "
+                                              "schema's own x-guidance options set others)"),
 )
 _COMPLETION_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("suffix", _empty, "not supported (only empty)"),
 )
 _CHAT_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("response_format", lambda v: v is None or v.type == "text", "only {'type': 'text'}: no JSON mode"),
     ("tools", _empty, "tool calling is not supported"),
     ("tool_choice", _none_or("none"), "tool calling is not supported (only 'none')"),
     ("functions", _empty, "function calling is not supported"),
@@ -327,7 +345,7 @@ def _deadline(req: Any, timeout_header: str | None) -> dict[str, Any]:
     return out
 
 
-def _params(req: _Sampling, max_tokens: int | None) -> dict[str, Any]:
+def _params(req: _Sampling, max_tokens: int | None, fmt: dict[str, Any] | None) -> dict[str, Any]:
     params: dict[str, Any] = {"temperature": DEFAULT_TEMPERATURE if req.temperature is None else req.temperature}
     if max_tokens is not None:
         params["max_new_tokens"] = max_tokens
@@ -347,7 +365,77 @@ def _params(req: _Sampling, max_tokens: int | None) -> dict[str, Any]:
         params["top_k"] = 0
     if req.stop is not None and req.stop != []:
         params["stop"] = req.stop
+    if fmt is not None:
+        params["response_format"] = fmt
     return params
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _constraint(req: _Sampling) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """The native `params.response_format` of OpenAI's `response_format`, vLLM's `guided_*` or its
+    `structured_outputs` (at most one of them), and the aliases naming it in errors."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        given.append(("response_format", _response_format(fmt)))
+    given += [(name, _structured(name, kind, value)) for name, kind in _GUIDED.items()
+              if (value := getattr(req, name)) is not None]
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", _structured_outputs(req.structured_outputs)))
+    if len(given) > 1:
+        raise invalid(given[1][0], f"give one of {given[0][0]} and {given[1][0]}: one format per request")
+    if not given:
+        return None, {}
+    name, native = given[0]
+    schema_at = "response_format.json_schema.schema" if name == "response_format" else name
+    return native, {"params.response_format": name, "params.response_format.schema": schema_at}
+
+
+def _response_format(fmt: ResponseFormat) -> dict[str, Any]:
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.type != "json_schema":
+        raise unsupported("response_format.type", f"only 'text', 'json_object' or 'json_schema' (got {fmt.type!r})")
+    if fmt.json_schema is None:
+        raise invalid("response_format.json_schema", "required with type 'json_schema'")
+    schema = fmt.json_schema.schema
+    return {"type": "json_object"} if schema is None else {"type": "json_schema", "schema": schema}
+
+
+def _structured(param: str, kind: str, value: Any) -> dict[str, Any]:
+    """One of vLLM's guided decoding fields (`kind`: json, regex, choice, grammar) as a native format."""
+    if kind == "json":
+        if isinstance(value, str):  # vLLM takes the schema as a JSON string too
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise invalid(param, "must be a JSON Schema: an object, or a string holding one") from None
+        if not isinstance(value, dict):
+            raise invalid(param, "must be a JSON Schema: an object, or a string holding one")
+        return {"type": "json_schema", "schema": value}
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise invalid(param, "must be a list of strings")
+        return {"type": "choice", "choices": value}
+    if not isinstance(value, str):
+        raise invalid(param, "must be a string")
+    return {"type": kind, "pattern": value} if kind == "regex" else {"type": "grammar", "grammar": value}
+
+
+def _structured_outputs(value: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar or json_object (true)."""
+    kinds = {k: v for k, v in value.items() if k in ("json", "regex", "choice", "grammar", "json_object")
+             and v is not None and v is not False}
+    if other := sorted(k for k, v in value.items() if k not in kinds and v not in (None, False)):
+        raise unsupported(f"structured_outputs.{other[0]}", "only json, regex, choice, grammar or json_object")
+    if len(kinds) != 1:
+        raise invalid("structured_outputs", "give exactly one of json, regex, choice, grammar or json_object")
+    ((kind, v),) = kinds.items()
+    if kind == "json_object":
+        return {"type": "json_object"}
+    return _structured(f"structured_outputs.{kind}", kind, v)
 
 
 def _choices(req: _Sampling) -> int:
@@ -407,7 +495,8 @@ def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Tran
     echo, score_only = bool(req.echo), bool(req.echo) and req.max_tokens == 0
     if echo and stream:
         raise unsupported("echo", "not with stream: true (ask for the echo without streaming)")
-    params = _with_logprobs(_params(req, 1 if score_only else req.max_tokens), logprobs)
+    fmt, fmt_aliases = _constraint(req)
+    params = _with_logprobs(_params(req, 1 if score_only else req.max_tokens, fmt), logprobs)
     if echo and logprobs is not None:  # the prompt's tokens scored (and their text)
         params["prompt_logprobs"] = logprobs
     elif echo and "input_ids" in prompt:  # the text of the prompt's tokens
@@ -415,7 +504,7 @@ def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Tran
     body = {"input": prompt, "params": params, "stream": stream, **_deadline(req, timeout_header)}
     aliases = {"input.prompt": "prompt", "input.input_ids": "prompt", "input": "prompt",
                "params.max_new_tokens": "max_tokens", "params.logprobs": "logprobs",
-               "params.prompt_logprobs": "logprobs"}
+               "params.prompt_logprobs": "logprobs", **fmt_aliases}
     n = _choices(req)
     best_of = n if req.best_of is None else req.best_of
     if not n <= best_of <= MAX_CHOICES:
@@ -470,10 +559,11 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None) -> Translated
         raise invalid("top_logprobs", "requires logprobs: true")
     logprobs = (top or 0) if req.logprobs else None
     messages = [_message(i, m) for i, m in enumerate(req.messages)]
-    body = {"input": {"messages": messages}, "params": _with_logprobs(_params(req, limit), logprobs),
+    fmt, fmt_aliases = _constraint(req)
+    body = {"input": {"messages": messages}, "params": _with_logprobs(_params(req, limit, fmt), logprobs),
             "stream": stream, **_deadline(req, timeout_header)}
     aliases = {"input": "messages", "input.messages": "messages", "params.max_new_tokens": max_param,
-               "params.logprobs": "top_logprobs"}
+               "params.logprobs": "top_logprobs", **fmt_aliases}
     return Translated("chat", req.model, body, stream, usage, aliases=aliases, n=_choices(req), logprobs=logprobs)
 
 

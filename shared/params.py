@@ -17,6 +17,7 @@ from msgspec import UNSET, Meta, UnsetType
 
 from shared.errors import ValidationError
 from shared.model_context import CONTEXT_EXCEEDED
+from shared.structured_output import ResponseFormat, checked, from_wire
 from shared.validation import convert
 
 MAX_STOP_STRINGS = 4
@@ -83,6 +84,10 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         "return each prompt token's log probability given the tokens before it (the first: null) and this many "
         "likeliest alternatives, with the prompt's token ids and text; null: none"))] | None = None
     echo: Annotated[bool, Meta(description="return the prompt's token ids and text with the output")] = False
+    response_format: Annotated[ResponseFormat, Meta(description=(
+        "constrain the output to a JSON Schema, any JSON object, a regular expression, one of a list of strings or "
+        "a grammar (Lark or GBNF); the output stops when it is complete (finish_reason stop); null: free text"))
+    ] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.stop, tuple):  # one string, or a list from the wire dict
@@ -92,6 +97,8 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             msgspec.structs.force_setattr(self, "top_k", 0)
         if any(isinstance(k, str) for k in self.logit_bias):  # the wire's JSON spells the ids as strings
             msgspec.structs.force_setattr(self, "logit_bias", {int(k): v for k, v in self.logit_bias.items()})
+        if isinstance(self.response_format, dict):  # the wire's dict
+            msgspec.structs.force_setattr(self, "response_format", from_wire(self.response_format))
 
     def bias_beyond(self, vocab: int | None) -> int | None:
         """The smallest `logit_bias` token id that is not in a vocabulary of `vocab` tokens (None: all are, or the
@@ -108,9 +115,11 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in PENALTY_FIELDS:
             if not out[name]:  # None, 0 or {}: the default (a repetition penalty is at least 0.01)
                 del out[name]
-        for name in ("logprobs", "prompt_logprobs", "echo"):
+        for name in ("logprobs", "prompt_logprobs", "echo", "response_format"):
             if out[name] is None or out[name] is False:  # left out as the penalties are (0 is a count: kept)
                 del out[name]
+        if self.response_format is not None:
+            out["response_format"] = msgspec.to_builtins(self.response_format)
         return out
 
     def within(self, *, given: bool, limit: int, default_max_new_tokens: int) -> GenerateParams:
@@ -122,10 +131,17 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                   f"must be between 1 and {limit} for this model, got {self.max_new_tokens}")
         return self
 
+    def check_format(self) -> None:
+        """A `response_format` that cannot constrain anything (a schema or pattern llguidance cannot compile) is
+        refused now, where llguidance is installed (else the worker refuses it)."""
+        if self.response_format is not None:
+            checked(self.response_format)
+
     @classmethod
     def parse(cls, raw: Any, *, limit: int, default_max_new_tokens: int) -> GenerateParams:
         raw = {} if raw is None else raw
         params = convert(raw, cls, "params", item_lists=ITEM_LISTS)
+        params.check_format()
         return params.within(given="max_new_tokens" in raw, limit=limit, default_max_new_tokens=default_max_new_tokens)
 
 

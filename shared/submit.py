@@ -183,6 +183,7 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
         given = isinstance(raw_params, dict) and "max_new_tokens" in raw_params
         params = (sub.params or GenerateParams()).within(
             given=given, limit=spec.max_new_tokens, default_max_new_tokens=spec.default_max_new_tokens)
+        params.check_format()
         inp = sub.input.normalised(max_prompt_chars=spec.max_input_tokens * 16,
                                    max_input_tokens=spec.max_input_tokens)
         if limits is not None:

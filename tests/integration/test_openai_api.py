@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -583,3 +584,44 @@ async def test_best_of_answers_the_candidate_likeliest_per_token(stack: RunningG
     with pytest.raises(openai.BadRequestError) as info:
         await client.completions.create(model="tiny-llama", prompt="hi", best_of=2, stream=True)
     assert info.value.param == "best_of"
+
+
+async def test_structured_output_from_the_clients_own_helpers(stack: RunningGateway, clients: Clients):
+    """`chat.completions.parse` with a pydantic model (the client sends a strict json_schema and parses the
+    answer into the model), JSON mode streamed, vLLM's guided_choice and guided_regex through `extra_body`, and a
+    schema that cannot be compiled refused as a typed 400 naming `response_format`."""
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=6)
+        age: int = Field(ge=0, le=120)
+        pet: Literal["cat", "dog"]
+
+    sync, client = clients(stack, max_retries=0)
+    messages = [{"role": "user", "content": "Who are you?"}]
+    parsed = await asyncio.to_thread(sync.chat.completions.parse, model="tiny-llama", messages=messages,
+                                     response_format=Person, max_tokens=80, temperature=0)
+    choice = parsed.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Person), choice
+    assert Person.model_validate_json(choice.message.content) == choice.message.parsed
+
+    stream = await client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=30, stream=True, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": {
+            "type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}}, "required": ["pet"],
+            "additionalProperties": False}}})
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert json.loads(text)["pet"] in ("cat", "dog") and chunks[-1].choices[0].finish_reason == "stop"
+
+    picked = await client.completions.create(model="tiny-llama", prompt="Colour:", max_tokens=10, temperature=1.0,
+                                             n=3, seed=4, extra_body={"guided_choice": ["red", "dark blue"]})
+    assert {c.text for c in picked.choices} <= {"red", "dark blue"} and len(picked.choices) == 3
+    code = await client.completions.create(model="tiny-llama", prompt="Code:", max_tokens=10,
+                                           extra_body={"guided_regex": "[A-Z]{2}-[0-9]{2}"})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{2}", code.choices[0].text), code.choices[0].text
+
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model="tiny-llama", messages=messages, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}})
+    assert info.value.param == "response_format" and "objectx" in info.value.message

@@ -13,24 +13,15 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    LogitsProcessor,
-    LogitsProcessorList,
-    PreTrainedTokenizerFast,
-    RepetitionPenaltyLogitsProcessor,
-)
+from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from gpu_worker.generate_runner import GenerateRunner
-from gpu_worker.models import LoadedModel, build_bpe_tokenizer
 from gpu_worker.outcomes import Outcome
 from gpu_worker.sampling import Penalties, penalize
 from gpu_worker.sequences import SamplingParams
-from shared.config import ModelSpec
 from shared.messages import InferenceRequest
-from shared.states import Priority, Task
-from tests.torch_device import DEVICE, on_device
+from tests import tiny_runner
+from tests.tiny_runner import TOKENIZER, run_alone, runner_for
+from tests.torch_device import on_device
 
 NEW = 24
 PROMPTS = {"a": [5, 9, 5, 9, 5, 9, 17], "b": [30, 31, 32], "c": [40, 41, 40, 41, 40, 41, 40, 41, 40, 41, 7]}
@@ -73,49 +64,19 @@ class OpenAIPenalties(LogitsProcessor):
         return scores
 
 
-TOKENIZER = PreTrainedTokenizerFast(tokenizer_object=build_bpe_tokenizer(), pad_token="<pad>", bos_token="<s>",
-                                    eos_token="</s>", unk_token="<unk>")
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    cfg = LlamaConfig(vocab_size=len(TOKENIZER), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    torch.manual_seed(5)
-    return LlamaForCausalLM(cfg).eval().to(DEVICE)
-
-
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    return tiny_llama()
-
-
-def runner_for(model: LlamaForCausalLM) -> GenerateRunner:
-    spec = ModelSpec(name="m", task=Task.GENERATE, source="/nowhere", device=str(DEVICE), dtype="float32")
-    loaded = LoadedModel(spec=spec, path=None, model=model, tokenizer=TOKENIZER, device=DEVICE,
-                         dtype=torch.float32)
-    return GenerateRunner(loaded, "w", max_rows=4, max_seq_len=128)
+    return tiny_runner.tiny_llama(seed=5)
 
 
 def request(rid: str, params: dict[str, Any], streamed: list[int] | None = None) -> InferenceRequest:
-    now = int(time.time() * 1000)
-    return InferenceRequest(id=rid, tenant="t", model="m", task=Task.GENERATE, input={"input_ids": PROMPTS[rid]},
-                            params={"max_new_tokens": NEW, **params}, lane="short", priority=Priority.INTERACTIVE,
-                            created_ms=now, deadline_ms=now + 600_000, est_tokens=len(PROMPTS[rid]) + NEW,
-                            stream=streamed is not None, streamed=streamed or [])
+    return tiny_runner.request(rid, PROMPTS[rid], params, NEW, streamed)
 
 
 def served(model: LlamaForCausalLM, params: dict[str, Any]) -> dict[str, list[int]]:
     """Rows a and b together, c joining after three steps: each row's tokens."""
-    runner = runner_for(model)
-    done = runner.start([runner.prepare(request(r, params), time.time()) for r in ("a", "b")],  # type: ignore
-                        time.time())
-    for _ in range(3):
-        done += runner.step()
-    done += runner.start([runner.prepare(request("c", params), time.time())], time.time())  # type: ignore
-    while runner.busy:
-        done += runner.step()
-    return {o.result.id: o.result.output["token_ids"] for o in done if isinstance(o, Outcome)}
+    results = tiny_runner.served(model, PROMPTS, dict.fromkeys(PROMPTS, params), NEW)
+    return {rid: result.output["token_ids"] for rid, result in results.items()}
 
 
 @on_device
@@ -157,13 +118,8 @@ def test_a_streamed_request_run_again_counts_what_was_sent_as_output(model, sent
     they are still output, so the rest of the output is what an unbroken run gives."""
     params = {"frequency_penalty": 1.5, "presence_penalty": 0.5}
     whole = served(model, params)["c"]  # unpenalized, c's output repeats a token at once
-    runner = runner_for(model)
-    done = runner.start([runner.prepare(request("c", params, streamed=whole[:sent]), time.time())],  # type: ignore
-                        time.time())
-    while runner.busy:
-        done += runner.step()
-    (out,) = [o for o in done if isinstance(o, Outcome)]
-    assert out.result.output["token_ids"] == whole
+    result = run_alone(runner_for(model), request("c", params, streamed=whole[:sent]))
+    assert result.output["token_ids"] == whole
 
 
 def test_sampled_rows_never_draw_a_banned_token(model):

@@ -203,10 +203,11 @@ def test_chat_refusals():
     err = refused(oa.translate_chat, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]))
     assert err.param == "messages[0].content[0].text" and err.code == "invalid_request" and "required" in err.message
     assert refused(oa.translate_chat, chat(max_tokens=3, max_completion_tokens=4)).param == "max_completion_tokens"
-    for field, value in [("tools", [{"type": "function"}]), ("tool_choice", "auto"),
-                         ("response_format", {"type": "json_object"}), ("store", True),
+    for field, value in [("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("store", True),
                          ("reasoning_effort", "low"), ("modalities", ["text", "audio"])]:
         assert refused(oa.translate_chat, chat(**{field: value})).param == field
+    err = refused(oa.translate_chat, chat(response_format={"type": "grammar", "grammar": "start: 'a'"}))
+    assert err.param == "response_format.type" and "json_schema" in err.message
 
 
 def test_chat_harmless_fields():
