@@ -245,13 +245,13 @@ async def _stream(svc: GatewayService, tenant: str, recs: list[StoredRecord],
     the stream with `{"error": ...}`, which OpenAI's clients raise."""
     finished: dict[int, dict[str, Any]] = {}
     try:
-        for maker in makers:
-            if (first := maker.first()) is not None:
-                yield _data(first)
+        for first in [chunk for maker in makers if (chunk := maker.first()) is not None]:
+            yield _data(first)
         async with contextlib.aclosing(_merged(svc, recs)) as merged:
             async for i, event in merged:
-                if event.event == "delta" and (event.data.get("text") or event.data.get("logprobs")):
-                    yield _data(makers[i].text(str(event.data["text"]), event.data.get("logprobs")))
+                if event.event == "delta":
+                    for chunk in makers[i].delta(event.data):
+                        yield _data(chunk)
                 elif event.event == "done":
                     finished[i] = event.data
                     if (error := oa.result_error(event.data)) is not None:

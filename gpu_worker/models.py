@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from shared.config import ModelSpec
+from shared.config import SIMPLE_CHAT_TEMPLATE, ModelSpec
 from shared.errors import ConfigError
 
 log = structlog.get_logger(__name__)
@@ -127,14 +127,6 @@ def llama_config(shape: LlamaShape) -> Any:
     )
 
 
-# The built-in models' chat template (set at load too, for caches built before it existed): each message on
-# its own turn, then the assistant's turn to speak.
-SIMPLE_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-
 def _write_llama(shape: LlamaShape, out: Path) -> None:
     import torch
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
@@ -215,7 +207,7 @@ def load(spec: ModelSpec, cache_dir: str | Path) -> LoadedModel:
         model = cls.from_pretrained(path, dtype=dtype, local_files_only=True)
     model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if spec.task is Task.GENERATE and spec.source.startswith("builtin:") and not tokenizer.chat_template:
+    if spec.task is Task.GENERATE and spec.source.startswith("builtin:"):
         tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
     log.info("model loaded", model=spec.name, path=str(path), device=str(device), dtype=str(dtype),
              params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 1))

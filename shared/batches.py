@@ -23,6 +23,7 @@ import msgspec
 
 from shared import openai_shapes as oa
 from shared.ids import new_request_id
+from shared.openai_tools import Calls
 
 OPENAI_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 NATIVE_ENDPOINT = re.compile(r"^/v1/models/([^/]+)/requests$")
@@ -131,12 +132,15 @@ class Item:
 
 class Answer(msgspec.Struct, frozen=True, array_like=True):
     """Of an OpenAI generation line, what its answer shows beyond the output (`Translated`'s fields of the same
-    names): log probabilities, the echoed prompt."""
+    names): log probabilities, the echoed prompt, tool calls (`calls`: the answer is tool calls; `forced`: the
+    function a named `tool_choice` forced)."""
 
     logprobs: int | None = None
     echo: bool = False
     prompt: str | None = None
     score_only: bool = False
+    calls: bool = False
+    forced: str | None = None
 
 
 class ItemRef(msgspec.Struct, frozen=True, array_like=True):
@@ -194,7 +198,8 @@ def parse_line(raw: bytes | str, line: int, endpoint: str) -> Item:
         raise BatchError("a batch item has one choice (n=1, best_of=1): write a line per choice",
                          code="unsupported_parameter", param="body.n" if tr.n > 1 else "body.best_of", line=line)
     inner = {k: v for k, v in tr.body.items() if k not in ("timeout_s", "deadline", "priority", "stream")}
-    answer = Answer(tr.logprobs, tr.echo, tr.prompt, tr.score_only)
+    answer = Answer(tr.logprobs, tr.echo, tr.prompt, tr.score_only, tr.calls is not None,
+                    tr.calls.forced if tr.calls is not None else None)
     return Item(line, custom_id, tr.model, inner, tr.kind, tr.encoding_format, tr.aliases,
                 answer if answer != Answer() else None)
 
@@ -209,7 +214,8 @@ def _response_body(ref: ItemRef, view: dict[str, Any], created: int) -> dict[str
         return view
     a = ref.answer or Answer()
     tr = oa.Translated(kind=ref.kind, model=ref.model, body={}, encoding_format=ref.encoding_format,  # type: ignore[arg-type]
-                       logprobs=a.logprobs, echo=a.echo, prompt=a.prompt, score_only=a.score_only)
+                       logprobs=a.logprobs, echo=a.echo, prompt=a.prompt, score_only=a.score_only,
+                       calls=Calls(a.forced) if a.calls else None)
     if ref.kind == "embedding":
         return oa.embedding_response(tr, view)
     return oa.completion_response(tr, [view], created)

@@ -599,3 +599,14 @@ def load_models(env: Mapping[str, str]) -> tuple[ModelSpec, ...]:
     if missing:
         raise ConfigError(f"unknown model(s) {missing}; known: {sorted(known)}")
     return tuple(known[n].validate() for n in selected)
+
+
+# The built-in models' chat template (set at load too, over the one a cache built before it holds): the tools
+# the model may call as JSON, then each message on its own turn (with the calls an assistant's made), then the
+# assistant's turn to speak.
+SIMPLE_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% if m['tool_calls'] %}{{ m['tool_calls'] | tojson }}{% endif %}{{ '\\n' }}{% endfor %}"  # not trimmed
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)

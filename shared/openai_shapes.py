@@ -26,6 +26,7 @@ from shared.api_errors import ApiError
 from shared.errors import ValidationError
 from shared.model_context import CONTEXT_EXCEEDED
 from shared.openai_logprobs import openai_logprobs
+from shared.openai_tools import Calls, ToolChoice, ToolDefs, ToolError, call_id, finish, message_calls, plan, tool_calls
 from shared.params import MAX_SEED, MAX_TOP_LOGPROBS, MIN_TOP_P
 from shared.validation import check_text, convert
 
@@ -211,8 +212,8 @@ class ChatRequest(_Sampling, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: ToolDefs | None = None
+    tool_choice: str | ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -255,6 +256,7 @@ class Translated:
     prompt: str | None = None  # the prompt as sent, when a string (echoed as it is)
     score_only: bool = False  # `echo` with `max_tokens` 0: the prompt alone (the one token generated is dropped)
     best_of: int = 1  # completions: candidates generated, the `n` likeliest per token returned
+    calls: Calls | None = None  # chat with tool_choice "required" or a named function: the answer is tool calls
 
     @property
     def requests(self) -> int:
@@ -312,8 +314,6 @@ _COMPLETION_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("suffix", _empty, "not supported (only empty)"),
 )
 _CHAT_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("tools", _empty, "tool calling is not supported"),
-    ("tool_choice", _none_or("none"), "tool calling is not supported (only 'none')"),
     ("functions", _empty, "function calling is not supported"),
     ("function_call", _none_or("none"), "function calling is not supported (only 'none')"),
     ("store", _none_or(False), "completions are not stored (only false)"),
@@ -522,16 +522,19 @@ def _with_logprobs(params: dict[str, Any], logprobs: int | None) -> dict[str, An
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _message(i: int, m: MessageIn) -> dict[str, str]:
+def _message(i: int, m: MessageIn) -> dict[str, Any]:
     at = f"messages[{i}]"
     if m.role not in _ROLES:
         raise invalid(f"{at}.role", f"must be one of: {', '.join(_ROLES)} (got {m.role!r})")
-    if m.tool_calls or m.function_call is not None:
-        raise unsupported(f"{at}.tool_calls", "tool calling is not supported")
+    if m.function_call is not None:
+        raise unsupported(f"{at}.function_call", "the deprecated function_call is not served: use tool_calls")
     if m.audio is not None:
         raise unsupported(f"{at}.audio", "audio is not supported")
+    extra = _call_fields(at, m)
+    if m.content is None and "tool_calls" in extra:
+        return {"role": m.role, "content": "", **extra}
     if isinstance(m.content, str):
-        return {"role": m.role, "content": m.content}
+        return {"role": m.role, "content": m.content, **extra}
     if m.content is None:
         raise invalid(f"{at}.content", "required (a string or a list of text parts)")
     texts = []
@@ -541,7 +544,26 @@ def _message(i: int, m: MessageIn) -> dict[str, str]:
         if part.text is None:
             raise invalid(f"{at}.content[{j}].text", "required: a text part's string")
         texts.append(part.text)
-    return {"role": m.role, "content": "\n".join(texts)}
+    return {"role": m.role, "content": "\n".join(texts), **extra}
+
+
+def _call_fields(at: str, m: MessageIn) -> dict[str, Any]:
+    """A message's `tool_calls` (an assistant's) and `tool_call_id` (a tool's), as the native message takes them."""
+    extra: dict[str, Any] = {}
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise invalid(f"{at}.tool_calls", "only an assistant's message makes tool calls")
+        extra["tool_calls"] = _tools(lambda: message_calls(at, m.tool_calls or []))
+    if m.tool_call_id is not None:
+        extra["tool_call_id"] = m.tool_call_id
+    return extra
+
+
+def _tools(build: Callable[[], Any]) -> Any:
+    try:
+        return build()
+    except ToolError as exc:
+        raise (unsupported if exc.unsupported else invalid)(exc.param, exc.message) from None
 
 
 def translate_chat(raw: Any, *, timeout_header: str | None = None) -> Translated:
@@ -560,11 +582,18 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None) -> Translated
     logprobs = (top or 0) if req.logprobs else None
     messages = [_message(i, m) for i, m in enumerate(req.messages)]
     fmt, fmt_aliases = _constraint(req)
-    body = {"input": {"messages": messages}, "params": _with_logprobs(_params(req, limit, fmt), logprobs),
+    tools, call_format, calls = _tools(lambda: plan(req.tools, req.tool_choice, req.parallel_tool_calls))
+    if call_format is not None:
+        if fmt is not None:
+            raise invalid("tool_choice", f"a call is asked for: give no {next(iter(fmt_aliases.values()))} with it")
+        fmt, fmt_aliases = call_format, {"params.response_format": "tools", "params.response_format.schema": "tools"}
+    inp: dict[str, Any] = {"messages": messages, **({"tools": tools} if tools else {})}
+    body = {"input": inp, "params": _with_logprobs(_params(req, limit, fmt), logprobs),
             "stream": stream, **_deadline(req, timeout_header)}
     aliases = {"input": "messages", "input.messages": "messages", "params.max_new_tokens": max_param,
-               "params.logprobs": "top_logprobs", **fmt_aliases}
-    return Translated("chat", req.model, body, stream, usage, aliases=aliases, n=_choices(req), logprobs=logprobs)
+               "params.logprobs": "top_logprobs", "input.tools": "tools", **fmt_aliases}
+    return Translated("chat", req.model, body, stream, usage, aliases=aliases, n=_choices(req), logprobs=logprobs,
+                      calls=calls)
 
 
 def translate_embeddings(raw: Any, *, timeout_header: str | None = None) -> Translated:
@@ -651,7 +680,11 @@ def completion_response(tr: Translated, views: list[dict[str, Any]], created: in
         choice: dict[str, Any] = {"index": i, "finish_reason": reason, "logprobs": None}
         if tr.logprobs is not None:
             choice["logprobs"] = openai_logprobs(tr.kind, entries)
-        if tr.kind == "chat":
+        made = tool_calls(tr.calls, text, str(view.get("id"))) if tr.calls is not None else None
+        if made is not None and tr.calls is not None:
+            choice["message"] = {"role": "assistant", "content": None, "refusal": None, "tool_calls": made}
+            choice["finish_reason"] = finish(tr.calls, reason)
+        elif tr.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text, "refusal": None}
         else:
             choice["text"] = text
@@ -697,6 +730,7 @@ class ChunkMaker:
     created: int
     index: int = 0  # the choice the chunks are of
     chars: int = 0  # of the text, those sent so far (a completion's `text_offset` goes on from them)
+    held: str = ""  # a list of tool calls ("required") is sent whole at the end: its text so far
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         out = {"id": completion_id(self.tr.kind, self.request_id),
@@ -721,8 +755,28 @@ class ChunkMaker:
         """Chat streams open with the assistant's role and empty content; completions have no such chunk."""
         return self._chunk([self._choice("", role=True)]) if self.tr.kind == "chat" else None
 
-    def text(self, text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
-        """A delta's chunk; with `logprobs` asked for, its tokens' (`logprobs`: the delta's entries)."""
+    def delta(self, data: dict[str, Any]) -> list[dict[str, Any]]:
+        """A native delta event's chunks: none for one with no text nor log probabilities, or held back."""
+        if not (data.get("text") or data.get("logprobs")):
+            return []
+        chunk = self.text(str(data["text"]), data.get("logprobs"))
+        return [] if chunk is None else [chunk]
+
+    def text(self, text: str, logprobs: list[Any] | None = None) -> dict[str, Any] | None:
+        """A delta's chunk; with `logprobs` asked for, its tokens' (`logprobs`: the delta's entries). A forced tool
+        call streams its arguments as they come (the first chunk names the call); a list of calls is held back to
+        the end (None), where it can be read whole."""
+        if self.tr.calls is not None:
+            if self.tr.calls.forced is None:
+                self.held += text
+                return None
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if not self.chars:
+                call |= {"id": call_id(self.request_id, self.index), "type": "function"}
+                call["function"] = {"name": self.tr.calls.forced, "arguments": text}
+            self.chars += len(text) or 1
+            return self._chunk([{"index": self.index, "finish_reason": None, "logprobs": None,
+                                 "delta": {"tool_calls": [call]}}])
         choice = self._choice(text)
         if self.tr.logprobs is not None:
             choice["logprobs"] = openai_logprobs(self.tr.kind, logprobs, self.chars)
@@ -732,11 +786,22 @@ class ChunkMaker:
     def final(self, view: dict[str, Any], *, with_usage: bool = True) -> list[dict[str, Any]]:
         """The chunk with the finish_reason, then (with stream_options.include_usage, unless other choices are still
         to finish: `with_usage` false) the usage chunk."""
-        last = self._chunk([self._choice(None if self.tr.kind == "chat" else "", reason=finish_reason(view))],
+        reason, out = finish_reason(view), []
+        if self.tr.calls is not None:
+            made = tool_calls(self.tr.calls, self.held, str(view.get("id"))) if self.tr.calls.forced is None else []
+            if made:
+                calls = [{"index": i, **call} for i, call in enumerate(made)]
+                out.append(self._chunk([{"index": self.index, "finish_reason": None, "logprobs": None,
+                                         "delta": {"tool_calls": calls}}]))
+            elif made is None:  # a list of calls cut short: its text, as a plain answer's
+                out.append(self._chunk([self._choice(self.held)]))
+            if made is not None:
+                reason = finish(self.tr.calls, reason)
+        last = self._chunk([self._choice(None if self.tr.kind == "chat" else "", reason=reason)],
                            **{EXTENSION: extension(view)})
         if not (self.tr.include_usage and with_usage):
-            return [last]
-        return [last, self.usage_chunk([view])]
+            return [*out, last]
+        return [*out, last, self.usage_chunk([view])]
 
     def usage_chunk(self, views: list[dict[str, Any]]) -> dict[str, Any]:
         """The last chunk with stream_options.include_usage: no choices, the usage of every choice."""

@@ -9,6 +9,7 @@ typed params once from them: `GenerateParams(**req.params)` (a list `stop` becom
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Annotated, Any, Literal
 
@@ -164,24 +165,69 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 MAX_MESSAGES = 256
 
 
+MAX_TOOLS = 128
+FunctionName = Annotated[str, Meta(pattern="^[a-zA-Z0-9_-]{1,64}$", description="OpenAI's function names")]
+
+
+class CalledFunction(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: FunctionName
+    arguments: dict[str, Any]
+
+
+class ToolCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A call an assistant message made (the chat template renders it, as transformers' templates take it)."""
+
+    function: CalledFunction
+    id: str = ""
+    type: Literal["function"] = "function"
+
+
+class FunctionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: FunctionName
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)  # a JSON Schema of its arguments
+
+
+class ToolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A function the model is told it may call (rendered by the chat template: its `tools`)."""
+
+    function: FunctionSpec
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One message of a conversation; the worker renders the list with the model's chat template."""
+    """One message of a conversation; the worker renders the list with the model's chat template. An assistant's
+    message may carry the `tool_calls` it made, a tool's the `tool_call_id` it answers."""
 
     role: ChatRole
     content: str
+    tool_calls: Annotated[list[ToolCall], Meta(min_length=1)] | UnsetType = UNSET
+    tool_call_id: str | UnsetType = UNSET
+
+    def wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if isinstance(self.tool_calls, list):
+            out["tool_calls"] = [msgspec.to_builtins(c) for c in self.tool_calls]
+        if isinstance(self.tool_call_id, str):
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Exactly one of `prompt` (text), `input_ids` (token ids) or `messages` (a conversation, rendered with
-    the model's chat template, ending with the assistant's turn to speak)."""
+    the model's chat template, ending with the assistant's turn to speak; with it, `tools`: the functions the
+    template tells the model of)."""
 
     prompt: NonEmptyStr | UnsetType = UNSET
     input_ids: Annotated[list[TokenId], Meta(min_length=1)] | UnsetType = UNSET
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)] | UnsetType = UNSET
+    tools: Annotated[list[ToolSpec], Meta(max_length=MAX_TOOLS)] | UnsetType = UNSET
 
     def normalised(self, *, max_prompt_chars: int, max_input_tokens: int) -> dict[str, Any]:
         """The wire form, {"prompt"}, {"input_ids"} or {"messages"}, under a model's limits."""
         given = [name for name in ("prompt", "input_ids", "messages") if getattr(self, name) is not UNSET]
+        if self.tools is not UNSET and given != ["messages"]:
+            raise ValidationError("input.tools", "only with `messages` (the chat template renders them)")
         if given == ["prompt"] and isinstance(self.prompt, str):
             if len(self.prompt) > max_prompt_chars:
                 raise ValidationError("input.prompt", f"longer than {max_prompt_chars} characters")
@@ -192,9 +238,14 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                       code=CONTEXT_EXCEEDED)
             return {"input_ids": self.input_ids}
         if given == ["messages"] and isinstance(self.messages, list):
-            if sum(len(m.content) for m in self.messages) > max_prompt_chars:
+            out: dict[str, Any] = {"messages": [m.wire() for m in self.messages]}
+            if isinstance(self.tools, list) and self.tools:
+                out["tools"] = [msgspec.to_builtins(t) for t in self.tools]
+            extra = [out.get("tools"), *(m.get("tool_calls") for m in out["messages"])]
+            chars = sum(len(m.content) for m in self.messages) + sum(len(json.dumps(x)) for x in extra if x)
+            if chars > max_prompt_chars:
                 raise ValidationError("input.messages", f"longer than {max_prompt_chars} characters in all")
-            return {"messages": [{"role": m.role, "content": m.content} for m in self.messages]}
+            return out
         raise ValidationError("input", "give exactly one of `prompt`, `input_ids` or `messages`")
 
 

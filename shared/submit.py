@@ -130,7 +130,7 @@ def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, t
             counts = limits.count(spec, [inp["prompt"]])
             n, where = (counts[0] if counts is not None else None), "input.prompt"
         else:
-            n, where = limits.count_chat(spec, inp["messages"]), "input.messages"
+            n, where = limits.count_chat(spec, inp["messages"], inp.get("tools")), "input.messages"
         if n is not None and n > spec.max_input_tokens:
             raise ValidationError(where, f"is {n} tokens; this model takes at most {spec.max_input_tokens}",
                                   code=CONTEXT_EXCEEDED)

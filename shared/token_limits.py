@@ -28,7 +28,7 @@ from typing import Any
 
 import structlog
 
-from shared.config import ModelSpec
+from shared.config import SIMPLE_CHAT_TEMPLATE, ModelSpec
 from shared.model_context import exact_context
 
 log = structlog.get_logger(__name__)
@@ -63,16 +63,21 @@ def _raise_exception(message: str) -> None:
     raise ValueError(message)
 
 
-def load_chat_template(directory: Path) -> tuple[Any, dict[str, str]] | None:
-    """The compiled chat template in `directory` and the special tokens it is rendered with; None where there
-    is none, or jinja2 is not installed."""
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def load_chat_template(directory: Path, source: str | None = None) -> tuple[Any, dict[str, str]] | None:
+    """The compiled chat template in `directory` (or `source`, a built-in model's) and the special tokens it is
+    rendered with; None where there is none, or jinja2 is not installed."""
     try:
         config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         config = {}
     config = config if isinstance(config, dict) else {}
     try:
-        source: Any = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+        source = source or (directory / "chat_template.jinja").read_text(encoding="utf-8")
     except OSError:
         source = config.get("chat_template")
     if isinstance(source, list):  # named templates: the default one
@@ -86,6 +91,7 @@ def load_chat_template(directory: Path) -> tuple[Any, dict[str, str]] | None:
         return None
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.globals["raise_exception"] = _raise_exception
+    env.filters["tojson"] = _tojson  # transformers' own: not HTML-escaped, keys in their order
     template = env.from_string(source)
     special = {}
     for name in SPECIAL_TOKENS:
@@ -152,7 +158,8 @@ class TokenLimits:
             return None
         return [len(enc.ids) for enc in tok.encode_batch(texts, add_special_tokens=True)]
 
-    def count_chat(self, spec: ModelSpec, messages: list[dict[str, Any]]) -> int | None:
+    def count_chat(self, spec: ModelSpec, messages: list[dict[str, Any]],
+                   tools: list[dict[str, Any]] | None = None) -> int | None:
         """Tokens of a conversation as the worker will count them: the chat template rendered with the
         generation prompt, then tokenized without special tokens added again (the contents joined where the
         template cannot be rendered here); None if unknown."""
@@ -161,7 +168,8 @@ class TokenLimits:
         if spec.name not in self._templates:
             path = None if tok is None else tokenizer_path(spec, self.cache_dir)
             try:
-                self._templates[spec.name] = None if path is None else load_chat_template(path.parent)
+                builtin = SIMPLE_CHAT_TEMPLATE if spec.source.startswith("builtin:") else None  # as the worker's
+                self._templates[spec.name] = None if path is None else load_chat_template(path.parent, builtin)
             except Exception as exc:  # a template jinja2 cannot compile here: the worker's check stays
                 log.info("chat template not usable by the gateway", model=spec.name, error=repr(exc))
                 self._templates[spec.name] = None
@@ -169,7 +177,7 @@ class TokenLimits:
         if tok is not None and found is not None:
             template, special = found
             try:
-                text = template.render(messages=messages, add_generation_prompt=True, **special)
+                text = template.render(messages=messages, tools=tools, add_generation_prompt=True, **special)
             except Exception:  # e.g. a template that refuses this conversation: the worker answers it
                 text = None
             if text is not None:

@@ -625,3 +625,59 @@ async def test_structured_output_from_the_clients_own_helpers(stack: RunningGate
         await client.chat.completions.create(model="tiny-llama", messages=messages, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}})
     assert info.value.param == "response_format" and "objectx" in info.value.message
+
+
+async def test_tool_calls_forced_or_required_come_back_as_calls_the_client_reads(stack: RunningGateway,
+                                                                                 clients: Clients):
+    """A named function (the client's `pydantic_function_tool` and `parse`, which reads the call's arguments into
+    the model), `required` over two tools, streamed calls, and a conversation that carries earlier calls and
+    their results; `auto`, which needs a model's own call format parsed, is a typed 400."""
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        city: str = Field(max_length=8)
+        unit: Literal["c", "f"]
+
+    sync, client = clients(stack, max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Oslo?"}]
+    tool = openai.pydantic_function_tool(GetWeather)
+    parsed = await asyncio.to_thread(sync.chat.completions.parse, model="tiny-llama", messages=messages,
+                                     tools=[tool], tool_choice={"type": "function", "function": {"name": "GetWeather"}},
+                                     max_tokens=60, temperature=0)
+    (call,) = parsed.choices[0].message.tool_calls
+    assert call.function.name == "GetWeather" and isinstance(call.function.parsed_arguments, GetWeather)
+    assert parsed.choices[0].finish_reason == "stop"
+
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}}}
+    answer = await client.chat.completions.create(model="tiny-llama", messages=messages, tools=[tool, clock],
+                                                  tool_choice="required", max_tokens=80, temperature=0)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None and choice.message.tool_calls
+    plain = await client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=1)
+    assert answer.usage.prompt_tokens > plain.usage.prompt_tokens + 40  # the chat template told the model the tools
+    for made in choice.message.tool_calls:
+        arguments = json.loads(made.function.arguments)
+        assert made.function.name in ("GetWeather", "get_time") and made.id.startswith("call_")
+        if made.function.name == "get_time":
+            assert arguments["tz"] in ("UTC", "CET")
+        else:
+            GetWeather.model_validate(arguments)
+
+    stream = await client.chat.completions.create(model="tiny-llama", messages=messages, tools=[clock], stream=True,
+                                                  tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                                  max_tokens=30, temperature=0)
+    deltas = [c.choices[0].delta for c in [c async for c in stream] if c.choices and c.choices[0].delta.tool_calls]
+    assert deltas[0].tool_calls[0].function.name == "get_time" and deltas[0].tool_calls[0].id
+    assert json.loads("".join(d.tool_calls[0].function.arguments or "" for d in deltas))["tz"] in ("UTC", "CET")
+
+    turn = [*messages, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "GetWeather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12 degrees, rain"}]
+    reply = await client.chat.completions.create(model="tiny-llama", messages=turn, tools=[tool], tool_choice="none",
+                                                 max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model="tiny-llama", messages=messages, tools=[tool])
+    assert info.value.param == "tool_choice" and info.value.code == "unsupported_parameter"

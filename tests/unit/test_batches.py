@@ -244,3 +244,24 @@ def test_a_lines_log_probabilities_and_echo_reach_its_output_line_through_the_ke
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=ItemRef).answer is None
     assert msgspec.msgpack.decode(msgspec.msgpack.encode([0, "a", "req_o", "chat", "m", "float"]),
                                   type=ItemRef).answer is None
+
+
+def test_a_lines_tool_calls_reach_its_output_line_through_the_kept_ref():
+    """A chat line with a forced function answers `tool_calls`, as the route does; a ref kept before the tool
+    fields existed reads back without them."""
+    import msgspec
+
+    from shared.batches import Answer, ItemRef
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [tool],
+            "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    item = parse_line(line(body=body), 0, CHAT)
+    ref = msgspec.msgpack.decode(msgspec.msgpack.encode(item.ref("req_t")), type=ItemRef)
+    view = {"id": "req_t", "status": "succeeded", "finish_reason": "stop",
+            "output": {"text": '{"a": 1}', "token_ids": [6], "prompt_tokens": 2, "completion_tokens": 1}}
+    ok, out = result_line(ref, view, 100)
+    (choice,) = out["response"]["body"]["choices"]
+    assert ok and choice["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    older = msgspec.msgpack.encode([1, False, None, False])  # an Answer of before: logprobs 1, nothing else
+    assert msgspec.msgpack.decode(older, type=Answer) == Answer(logprobs=1)

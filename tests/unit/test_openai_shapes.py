@@ -198,14 +198,15 @@ def test_chat_refusals():
     assert refused(oa.translate_chat, chat(messages=[{"role": "assistant", "content": None}])).param == \
         "messages[0].content"
     assert refused(oa.translate_chat, chat(messages=[{"role": "assistant", "tool_calls": [{"id": "1"}]}])).param \
-        == "messages[0].tool_calls"
+        == "messages[0].tool_calls[0]"  # a call without its function
     assert refused(oa.translate_chat, chat(messages=[])).param == "messages"
     err = refused(oa.translate_chat, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]))
     assert err.param == "messages[0].content[0].text" and err.code == "invalid_request" and "required" in err.message
     assert refused(oa.translate_chat, chat(max_tokens=3, max_completion_tokens=4)).param == "max_completion_tokens"
-    for field, value in [("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("store", True),
-                         ("reasoning_effort", "low"), ("modalities", ["text", "audio"])]:
+    for field, value in [("tool_choice", "auto"), ("store", True), ("reasoning_effort", "low"),
+                         ("modalities", ["text", "audio"])]:
         assert refused(oa.translate_chat, chat(**{field: value})).param == field
+    assert refused(oa.translate_chat, chat(tools=[{"type": "function"}])).param == "tools[0].function"
     err = refused(oa.translate_chat, chat(response_format={"type": "grammar", "grammar": "start: 'a'"}))
     assert err.param == "response_format.type" and "json_schema" in err.message
 

@@ -1,0 +1,156 @@
+"""OpenAI's function calling (`tools`, `tool_choice`) on the chat route, where the answer can be guaranteed.
+
+`tool_choice` "required" or a named function holds the output to the call's JSON with structured output
+(`shared.structured_output`): a named function's arguments (its `parameters` schema), or for "required" a list of
+calls `[{"name", "arguments"}]` to the tools given. Any model then answers a call the client can parse. The tools
+reach the model through its chat template (`input.tools`), as do the calls and tool results of earlier turns.
+"none" answers text. "auto", the default with tools, needs each model family's own tool-call format parsed from
+free text (Hermes' <tool_call> tags, Llama's JSON, Mistral's [TOOL_CALLS]): not served, a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from shared.params import MAX_TOOLS, FunctionName
+
+
+class FunctionDef(msgspec.Struct, frozen=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted; a forced call always follows its parameters
+
+
+class ToolDef(msgspec.Struct, frozen=True):
+    type: str
+    function: FunctionDef
+
+
+ToolDefs = Annotated[list[ToolDef], Meta(max_length=MAX_TOOLS)]
+
+
+class ChosenFunction(msgspec.Struct, frozen=True):
+    name: str
+
+
+class ToolChoice(msgspec.Struct, frozen=True):
+    type: str
+    function: ChosenFunction
+
+
+class ToolError(ValueError):
+    """A tools request that cannot be served: (OpenAI parameter, message, unsupported or merely invalid)."""
+
+    def __init__(self, param: str, message: str, unsupported: bool = False) -> None:
+        super().__init__(message)
+        self.param, self.message, self.unsupported = param, message, unsupported
+
+
+@dataclass(frozen=True, slots=True)
+class Calls:
+    """How a chat answer becomes tool calls: one forced function's arguments, or a list of calls ("required")."""
+
+    forced: str | None  # the named function; None: "required"
+
+
+def plan(tools: list[ToolDef] | None, choice: str | ToolChoice | None,
+         parallel: bool | None) -> tuple[list[dict[str, Any]] | None, dict[str, Any] | None, Calls | None]:
+    """The native `input.tools` (for the chat template), the `params.response_format` that holds the output to the
+    call, and how to read the answer back; (None, None, None) without tools or with `tool_choice` "none"."""
+    tools = tools or []
+    for i, tool in enumerate(tools):
+        if tool.type != "function":
+            raise ToolError(f"tools[{i}].type", f"only 'function' tools are served (got {tool.type!r})", True)
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ToolError("tools", "function names must differ from each other")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return None, None, None
+    if not tools:
+        raise ToolError("tool_choice", "there are no tools to choose from")
+    native = [{"type": "function", "function": {"name": t.function.name, "description": t.function.description or "",
+                                                "parameters": t.function.parameters or {}}} for t in tools]
+    if isinstance(choice, ToolChoice):
+        return native, {"type": "json_schema", "schema": _forced(tools, choice)}, Calls(forced=choice.function.name)
+    if choice == "required":
+        return native, {"type": "json_schema", "schema": _calls(tools, parallel)}, Calls(forced=None)
+    if choice == "auto":
+        raise ToolError("tool_choice", "'auto' is not served: a model's own tool-call format is not parsed here. "
+                                       "Give 'required' or {'type': 'function', 'function': {'name': ...}}: the "
+                                       "answer is then a call that follows the function's parameters", True)
+    raise ToolError("tool_choice", f"must be 'none', 'auto', 'required' or a named function (got {choice!r})")
+
+
+def _forced(tools: list[ToolDef], choice: ToolChoice) -> dict[str, Any]:
+    """The schema of a named function's arguments."""
+    if choice.type != "function":
+        raise ToolError("tool_choice.type", f"only 'function' (got {choice.type!r})", True)
+    named = [t for t in tools if t.function.name == choice.function.name]
+    if not named:
+        raise ToolError("tool_choice.function.name", f"no tool is named {choice.function.name!r}")
+    return _arguments(named[0])
+
+
+def _calls(tools: list[ToolDef], parallel: bool | None) -> dict[str, Any]:
+    """The schema of a list of calls to the tools (one call at most without `parallel_tool_calls`)."""
+    calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "properties": {"name": {"enum": [t.function.name]}, "arguments": _arguments(t)},
+         "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}}
+    if parallel is False:
+        calls["maxItems"] = 1
+    return calls
+
+
+def _arguments(tool: ToolDef) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object"}
+
+
+def call_id(request_id: str, index: int) -> str:
+    return f"call_{request_id.removeprefix('req_')}_{index}"
+
+
+def tool_calls(calls: Calls, text: str, request_id: str) -> list[dict[str, Any]] | None:
+    """The answer's `tool_calls` (None where a list of calls was cut short and cannot be read: its text stands)."""
+    if calls.forced is not None:  # the arguments as the model wrote them, whole or cut by max_tokens (as OpenAI's)
+        made = [(calls.forced, text)]
+    else:
+        try:
+            made = [(str(c["name"]), json.dumps(c["arguments"])) for c in json.loads(text)]
+        except (ValueError, TypeError, KeyError):
+            return None
+    return [{"id": call_id(request_id, i), "type": "function", "function": {"name": name, "arguments": args}}
+            for i, (name, args) in enumerate(made)]
+
+
+def finish(calls: Calls, reason: str) -> str:
+    """OpenAI's finish_reason with tools: `tool_calls` for calls the model chose, `stop` for a forced function (as
+    OpenAI answers), `length` when cut short."""
+    return "tool_calls" if reason == "stop" and calls.forced is None else reason
+
+
+def message_calls(at: str, raw: list[Any]) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` as the native message takes them: arguments parsed from their JSON
+    text (chat templates render them as objects)."""
+    out = []
+    for j, call in enumerate(raw):
+        where = f"{at}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ToolError(where, "must be {'id', 'type': 'function', 'function': {'name', 'arguments'}}")
+        try:
+            arguments = json.loads(fn.get("arguments") or "{}")
+        except (ValueError, TypeError):
+            raise ToolError(f"{where}.function.arguments", "must be a JSON object, as text") from None
+        if not isinstance(arguments, dict):
+            raise ToolError(f"{where}.function.arguments", "must be a JSON object, as text")
+        out.append({"id": str(call.get("id") or ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
+    return out

@@ -1,0 +1,139 @@
+"""Function calling on the chat route: `tools` and `tool_choice` translated into the chat template's tools and a
+structured output that holds the answer to the call; the answer read back as `tool_calls`, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from shared import openai_shapes as oa
+from shared.config import BUILTIN_MODELS
+from shared.params import GenerateParams
+from shared.submit import build_request
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters: any object
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"model": "tiny-llama", "messages": [{"role": "user", "content": "Weather in Paris?"}], **kw}
+
+
+def test_a_named_function_holds_the_answer_to_its_parameters():
+    tr = oa.translate_chat(chat(tools=[WEATHER, TIME], tool_choice={"type": "function",
+                                                                     "function": {"name": "get_weather"}}))
+    assert tr.body["input"]["tools"][0]["function"]["name"] == "get_weather"  # the template tells the model of both
+    assert len(tr.body["input"]["tools"]) == 2
+    assert tr.body["params"]["response_format"] == {"type": "json_schema",
+                                                    "schema": WEATHER["function"]["parameters"]}
+    req = build_request(tr.body, BUILTIN_MODELS["tiny-llama"], "t", 1_000.0)  # the native checks take it
+    assert req.input["tools"] == tr.body["input"]["tools"]
+    view = {"id": "req_abc", "status": "succeeded", "finish_reason": "stop",
+            "output": {"text": '{"city": "Paris"}', "token_ids": [1, 2], "prompt_tokens": 3, "completion_tokens": 2}}
+    choice = oa.completion_response(tr, [view], 0)["choices"][0]
+    assert choice["finish_reason"] == "stop"  # OpenAI's, for a forced function
+    assert choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"] == [{"id": "call_abc_0", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+
+
+def test_required_is_a_list_of_calls_to_the_tools_given():
+    tr = oa.translate_chat(chat(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False))
+    schema = tr.body["params"]["response_format"]["schema"]
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert [b["properties"]["name"] for b in schema["items"]["anyOf"]] == [{"enum": ["get_weather"]},
+                                                                          {"enum": ["get_time"]}]
+    GenerateParams.parse(tr.body["params"], limit=100, default_max_new_tokens=10)  # llguidance compiles it
+    text = json.dumps([{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}])
+    view = {"id": "req_x", "status": "succeeded", "finish_reason": "eos",
+            "output": {"text": text, "token_ids": [1], "prompt_tokens": 3, "completion_tokens": 1}}
+    choice = oa.completion_response(tr, [view], 0)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in choice["message"]["tool_calls"]] == [("call_x_0", "get_weather", {"city": "Oslo"}),
+                                                          ("call_x_1", "get_time", {})]
+    cut = {**view, "finish_reason": "length", "output": {**view["output"], "text": '[{"name": "get_w'}}
+    choice = oa.completion_response(tr, [cut], 0)["choices"][0]  # cut short: its text, as a plain answer's
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == '[{"name": "get_w'
+    assert "tool_calls" not in choice["message"]
+
+
+def test_a_forced_call_streams_its_arguments_and_a_list_comes_whole_at_the_end():
+    tr = oa.translate_chat(chat(stream=True, tools=[WEATHER], tool_choice={"type": "function",
+                                                                            "function": {"name": "get_weather"}}))
+    maker = oa.ChunkMaker(tr, "req_s", 0)
+    chunks = [c for text in ('{"city', '": "Rome"}') for c in maker.delta({"text": text})]
+    calls = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks]
+    assert calls[0]["id"] == "call_s_0" and calls[0]["function"]["name"] == "get_weather"
+    assert "id" not in calls[1] and "".join(c["function"]["arguments"] for c in calls) == '{"city": "Rome"}'
+    view = {"id": "req_s", "status": "succeeded", "finish_reason": "stop", "output": {}}
+    assert maker.final(view)[-1]["choices"][0]["finish_reason"] == "stop"
+
+    tr = oa.translate_chat(chat(stream=True, tools=[TIME], tool_choice="required"))
+    maker = oa.ChunkMaker(tr, "req_r", 0)
+    assert maker.delta({"text": '[{"name": "get_time", '}) == [] and maker.delta({"text": '"arguments": {}}]'}) == []
+    first, last = maker.final({**view, "id": "req_r"})
+    assert first["choices"][0]["delta"]["tool_calls"] == [
+        {"index": 0, "id": "call_r_0", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_earlier_calls_and_tool_results_reach_the_chat_template():
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    tr = oa.translate_chat(chat(messages=messages, tools=[WEATHER], tool_choice="none"))
+    assert tr.body["input"]["messages"][1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert tr.body["input"]["messages"][2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    assert "tools" not in tr.body["input"] and "response_format" not in tr.body["params"]  # "none": free text
+    build_request(tr.body, BUILTIN_MODELS["tiny-llama"], "t", 1_000.0)
+
+
+def test_the_built_in_chat_template_renders_tools_and_calls_as_the_gateway_counts_them(tmp_path):
+    from shared.config import SIMPLE_CHAT_TEMPLATE
+    from shared.token_limits import load_chat_template
+
+    found = load_chat_template(tmp_path, SIMPLE_CHAT_TEMPLATE)
+    assert found is not None
+    template, _ = found
+    tr = oa.translate_chat(chat(tools=[WEATHER], tool_choice="required"))
+    text = template.render(**tr.body["input"], add_generation_prompt=True, bos_token="<s>")
+    assert text.startswith('<s><|tools|>\n[{"type": "function", "function": {"name": "get_weather"')
+    assert text.endswith("<|user|>\nWeather in Paris?\n<|assistant|>\n")
+    called = [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
+                                                                   "function": {"name": "f", "arguments": {"a": 1}}}]}]
+    assert '<|assistant|>\n[{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]' in \
+        template.render(messages=called, bos_token="")
+
+
+def refused(**kw: Any) -> oa.OpenAIError:
+    with pytest.raises(oa.OpenAIError) as err:
+        oa.translate_chat(chat(**kw))
+    assert err.value.status == 400
+    return err.value
+
+
+def test_what_is_not_served_is_a_400_naming_it():
+    err = refused(tools=[WEATHER])  # tool_choice defaults to "auto" with tools
+    assert err.param == "tool_choice" and err.code == "unsupported_parameter" and "required" in err.message
+    assert refused(tools=[WEATHER], tool_choice="auto").param == "tool_choice"
+    assert refused(tool_choice="required").param == "tool_choice"  # no tools
+    assert refused(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}).param == \
+        "tool_choice.function.name"
+    assert refused(tools=[{"type": "code_interpreter", "function": {"name": "x"}}], tool_choice="required").param \
+        == "tools[0].type"
+    assert refused(tools=[WEATHER, WEATHER], tool_choice="required").param == "tools"
+    assert refused(tools=[{"type": "function", "function": {"name": "bad name!"}}]).param.startswith("tools[0]")
+    assert refused(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}).param == \
+        "tool_choice"
+    bad_args = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]
+    assert refused(messages=bad_args).param == "messages[0].tool_calls[0].function.arguments"
+    assert refused(messages=[{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}]).param == \
+        "messages[0].tool_calls"
