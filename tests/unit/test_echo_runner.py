@@ -117,6 +117,14 @@ def test_refusals_cancel_hold_back_and_a_step_sleep():
     assert runner.running_ids() == ["b"]
 
 
+def test_a_format_is_refused_by_a_model_that_only_echoes():
+    req = request()
+    req = dataclasses.replace(req, params={**req.params, "response_format": {"type": "json_object"}})
+    out = EchoRunner(SPEC, "w", max_rows=4).prepare(req, time.time())
+    assert isinstance(out, Outcome) and out.result.error is not None
+    assert out.result.error.code == "invalid_input" and "response_format" in out.result.error.message
+
+
 def test_a_cost_curve_sleeps_per_row_stepped_and_per_prompt_token_prefilled():
     slept: list[float] = []
     spec = dataclasses.replace(SPEC, step_ms=10.0, step_ms_per_row=2.0, prefill_ms_per_token=0.5).validate()
