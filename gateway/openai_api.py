@@ -216,7 +216,7 @@ async def _generate(svc: GatewayService, req: ApiRequest, translate: Callable[..
             except BaseException:  # no stream will follow them
                 _abandon_all(svc, req.tenant, answers)
                 raise
-            makers = [oa.ChunkMaker(tr, ids[0], created, i) for i in range(len(ids))]
+            makers = [oa.ChunkMaker(tr, ids[0], created, i, own_id=ids[i]) for i in range(len(ids))]
             return ApiResponse(200, headers=headers, events=_stream(svc, req.tenant, recs, makers),
                                cut=lambda: _data(_cut(svc, ids).body()))
         return ApiResponse(200, oa.completion_response(tr, await _answers(svc, req, answers), created), headers)

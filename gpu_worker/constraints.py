@@ -13,35 +13,63 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from shared.structured_output import ResponseFormat, grammar_of, one_line
 
+# llguidance's limits, tighter than its defaults where they bound a step: a mask that would take more lexer work
+# than this fails its row (about 10 ms of it) instead of stalling every row's step
+LIMITS = LLParserLimits(step_lexer_fuel=150_000, initial_lexer_fuel=500_000)  # worst mask seen: ~0.3 s
+
 
 class Constraint:
-    """One row's grammar state."""
+    """One row's grammar state. A grammar llguidance cannot follow after all (a limit of its lexer or parser met
+    with this tokenizer, where the gateway's check had none) leaves the row `failed`: it ends at once, and its
+    request fails with llguidance's reason, never passing for a complete answer."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("failed", "matcher")
 
-    def __init__(self, matcher: LLMatcher) -> None:
-        self.matcher = matcher
+    def __init__(self, matcher: LLMatcher, failed: str | None = None) -> None:
+        self.matcher, self.failed = matcher, failed
 
     def mask(self, row: torch.Tensor) -> None:
         """Every token the grammar does not allow next gets -inf in `row` (one row of float logits, in place).
         Ids beyond the tokenizer's (a padded embedding) are never allowed."""
-        allowed = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8)
+        try:
+            bias = self.matcher.compute_logit_bias()
+        except BaseException as exc:  # a panic in llguidance's Rust is no Exception: the row fails, not the step
+            self._fail(exc)
+            return
+        if self._check():
+            return
+        allowed = torch.frombuffer(bytearray(bias), dtype=torch.uint8)
         keep = torch.zeros(row.shape[-1], dtype=torch.bool)
         n = min(len(allowed), row.shape[-1])
         keep[:n] = allowed[:n] > 0
         row.masked_fill_(~keep.to(row.device, non_blocking=True), float("-inf"))
 
     def accept(self, token: int) -> None:
-        self.matcher.consume_token(token)
+        if self.failed is None:
+            try:
+                self.matcher.consume_token(token)
+            except BaseException as exc:
+                self._fail(exc)
+            self._check()
 
     @property
     def done(self) -> bool:
-        """The grammar takes no more tokens: complete (or, never expected, in an error state)."""
-        return bool(self.matcher.is_stopped())
+        """The grammar takes no more tokens: complete, or failed."""
+        return self.failed is not None or bool(self.matcher.is_stopped())
+
+    def _check(self) -> bool:
+        if self.failed is None and self.matcher.is_error():
+            self.failed = one_line(self.matcher.get_error())
+        return self.failed is not None
+
+    def _fail(self, exc: BaseException) -> None:
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise exc
+        self.failed = one_line(str(exc)) or type(exc).__name__
 
 
 class Grammars:
@@ -67,17 +95,27 @@ class Grammars:
             return ("response_format: this model's tokenizer is not a fast (Rust `tokenizers`) one, which structured "
                     "output needs")
         try:
-            matcher = LLMatcher(self._llg(), grammar_of(fmt), log_level=0)
-        except ValueError as exc:  # the tokenizer or the grammar, refused by llguidance
+            matcher = LLMatcher(self._llg(), grammar_of(fmt), log_level=0, limits=LIMITS)
+        except BaseException as exc:  # the tokenizer or the grammar refused (a Rust panic is no Exception)
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
             return f"response_format: cannot be compiled: {one_line(str(exc))}"
         if matcher.is_error():
             return f"response_format: cannot be compiled: {one_line(matcher.get_error())}"
         return matcher
 
+    def warm(self) -> None:
+        """Read the tokenizer now (at load; up to a second for a large vocabulary), not on a first request."""
+        from transformers import PreTrainedTokenizerFast
+
+        if isinstance(self._hf, PreTrainedTokenizerFast):
+            self._llg()
+
     @staticmethod
     def start(compiled: LLMatcher, output: Sequence[int]) -> Constraint:
         """A row's own constraint: the compiled matcher copied, advanced over the `output` already sent."""
         matcher = compiled.deep_copy()
-        if output:
-            matcher.consume_tokens(list(output))
+        if output and not matcher.consume_tokens(list(output)):
+            return Constraint(matcher, f"the output already sent does not follow the format: "
+                                       f"{one_line(matcher.get_error())}")
         return Constraint(matcher)

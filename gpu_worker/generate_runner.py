@@ -81,6 +81,7 @@ class GenerateRunner:
 
     def warm_up(self) -> None:
         """A short generation before serving: first-call imports and kernels happen now, not on a request."""
+        self.grammars.warm()
         self.engine.prefill([GenSpec(id="warm-up", prompt_ids=(1, 2, 3, 4), max_new_tokens=3)])
         while self.engine.running:
             self.engine.step()
@@ -136,6 +137,7 @@ class GenerateRunner:
     def _spec(self, job: Job) -> GenSpec:
         params = cast(GenerateParams, job.params)  # prepare builds a generation job's params so
         prefix = job.stream.restart() if job.stream is not None else ()
+        job.constraint = None if job.grammar is None else Grammars.start(job.grammar, prefix)
         return GenSpec(id=job.id, prompt_ids=job.inputs[0] + prefix, max_new_tokens=job.new_tokens - len(prefix),
                        sampling=SamplingParams(
                            params.temperature, params.top_p, params.top_k, params.seed,
@@ -144,8 +146,7 @@ class GenerateRunner:
                            params.logprobs, scored_prompt(params, len(prefix), len(job.inputs[0] + prefix),
                                                           self.vocab)),
                        stop=tuple(params.stop), eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
-                       owner=job, resumed=len(prefix),
-                       constraint=None if job.grammar is None else Grammars.start(job.grammar, prefix))
+                       owner=job, resumed=len(prefix), constraint=job.constraint)
 
     def start(self, batch: list[Job], now: float) -> list[Outcome]:
         count_calls(self.model_calls, batch)
@@ -220,7 +221,13 @@ class GenerateRunner:
 
     def _outcomes(self, results: list[GenResult]) -> list[Outcome]:
         now = self.clock()
-        return [Outcome(r.owner.req, self._result(r.owner, r, now)) for r in results if isinstance(r.owner, Job)]
+        return [self._outcome(r.owner, r, now) for r in results if isinstance(r.owner, Job)]
+
+    def _outcome(self, job: Job, r: GenResult, now: float) -> Outcome:
+        if r.finish_reason is FinishReason.ERROR and job.constraint is not None and job.constraint.failed:
+            return failed_outcome(job.req, self.worker, now, "invalid_input", "response_format: the output could "
+                                  f"not be held to the format: {job.constraint.failed}", computed=True)
+        return Outcome(job.req, self._result(job, r, now))
 
     def _decode(self, ids: list[int]) -> str:
         """Token ids to text, as callers see it (the engine's stop-string check reads the same)."""

@@ -42,6 +42,7 @@ class Job:
     attempts: int = 0  # times this worker started it on the model (a preempted row is started again)
     stream: Release | None = None  # a streaming generation: what its caller was sent
     grammar: Any = None  # a structured output's matcher, compiled at prepare, before any token (gpu_worker.constraints)
+    constraint: Any = None  # its row's grammar state, this admission (`Constraint`): failed or not
 
     @property
     def due(self) -> float:

@@ -162,7 +162,7 @@ def finish_reason(row: Row, decode_tail: Callable[[list[int]], str] | None) -> F
     if row.tokens[-1] in spec.eos_ids:
         return FinishReason.EOS
     if spec.constraint is not None and spec.constraint.done:  # its grammar takes no more tokens: complete
-        return FinishReason.STOP
+        return FinishReason.ERROR if spec.constraint.failed else FinishReason.STOP
     if spec.stop and decode_tail is not None:
         tail = decode_tail(row.tokens[-spec.stop_tail:])
         if any(s in tail for s in spec.stop):

@@ -731,6 +731,7 @@ class ChunkMaker:
     index: int = 0  # the choice the chunks are of
     chars: int = 0  # of the text, those sent so far (a completion's `text_offset` goes on from them)
     held: str = ""  # a list of tool calls ("required") is sent whole at the end: its text so far
+    own_id: str = ""  # the choice's own request (its tool calls' ids name it); "": `request_id`
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         out = {"id": completion_id(self.tr.kind, self.request_id),
@@ -772,7 +773,7 @@ class ChunkMaker:
                 return None
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             if not self.chars:
-                call |= {"id": call_id(self.request_id, self.index), "type": "function"}
+                call |= {"id": call_id(self.own_id or self.request_id, 0), "type": "function"}
                 call["function"] = {"name": self.tr.calls.forced, "arguments": text}
             self.chars += len(text) or 1
             return self._chunk([{"index": self.index, "finish_reason": None, "logprobs": None,

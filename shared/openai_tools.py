@@ -100,13 +100,27 @@ def _forced(tools: list[ToolDef], choice: ToolChoice) -> dict[str, Any]:
 
 
 def _calls(tools: list[ToolDef], parallel: bool | None) -> dict[str, Any]:
-    """The schema of a list of calls to the tools (one call at most without `parallel_tool_calls`)."""
-    calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"enum": [t.function.name]}, "arguments": _arguments(t)},
-         "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}}
+    """The schema of a list of calls to the tools (one call at most without `parallel_tool_calls`). Each tool's
+    parameters sit in the root's `$defs` (their own `$ref`s rebased there: pydantic's nested models refer to
+    `#/$defs/...` of their own root)."""
+    defs = {f"tool_{i}": _rebased(_arguments(t), f"#/$defs/tool_{i}") for i, t in enumerate(tools)}
+    calls: dict[str, Any] = {"type": "array", "minItems": 1, "$defs": defs, "items": {"anyOf": [
+        {"type": "object", "properties": {"name": {"enum": [t.function.name]},
+                                          "arguments": {"$ref": f"#/$defs/tool_{i}"}},
+         "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(tools)]}}
     if parallel is False:
         calls["maxItems"] = 1
     return calls
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with its local `$ref`s ("#", "#/...") pointing into it again once it sits at `base`."""
+    if isinstance(schema, dict):
+        return {k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base)
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    return schema
 
 
 def _arguments(tool: ToolDef) -> dict[str, Any]:

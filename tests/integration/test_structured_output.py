@@ -18,6 +18,7 @@ from llguidance import LLMatcher
 from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from gpu_worker.constraints import Grammars
+from gpu_worker.job import Job
 from gpu_worker.outcomes import Outcome
 from shared.messages import InferenceRequest, RequestResult
 from shared.structured_output import from_wire, grammar_of
@@ -153,6 +154,7 @@ def test_any_json_object_ends_as_soon_as_it_is_complete(model):
 
 
 def test_sampled_outputs_follow_their_format_every_time(model):
+    completed = 0
     for seed in range(6):
         params = {r: {"response_format": FORMATS[kind], "temperature": 1.5, "seed": seed}
                   for r, kind in zip(("a", "b", "free", "c"), ("json_schema", "regex", "choice", "grammar"),
@@ -164,6 +166,8 @@ def test_sampled_outputs_follow_their_format_every_time(model):
                 assert len(result.output["token_ids"]) == NEW
                 continue
             assert follows(p["response_format"], text_of(result)), (seed, rid, text_of(result))
+            completed += 1
+    assert completed >= 18  # of 24: the bounded formats end within NEW tokens
 
 
 @pytest.mark.parametrize("sent", [1, 5])
@@ -180,9 +184,34 @@ def test_ignore_eos_still_ends_where_the_format_is_complete(model):
         assert result[rid].finish_reason == "stop" and text_of(result[rid]) in CHOICES
 
 
-def test_a_tokenizer_llguidance_cannot_read_fails_the_request_alone():
-    why = Grammars(object(), 100, [2]).compile(from_wire(FORMATS["json_object"]))
-    assert isinstance(why, str) and "fast" in why
+def test_a_tokenizer_llguidance_cannot_read_fails_the_request_alone(model):
+    runner = runner_for(model)
+    runner.grammars = Grammars(object(), 100, [2])  # a slow (Python) tokenizer stands in
+    out = runner.prepare(request("a", {"response_format": FORMATS["json_object"]}), time.time())
+    assert isinstance(out, Outcome) and out.result.error is not None
+    assert out.result.error.code == "invalid_input" and "fast" in out.result.error.message
+    assert isinstance(runner.prepare(request("b", {}), time.time()), Job)  # the rest are served
+
+
+def test_a_grammar_llguidance_gives_up_on_fails_its_request_not_as_an_answer(model):
+    """A pattern past llguidance's lexer limits passes the gateway's check (no tokenizer there) and fails at its
+    first mask: the request fails with llguidance's reason, its batch-mates are unharmed."""
+    params = {"a": {"response_format": {"type": "regex", "pattern": "a{1000}{1000}"}}, "b": {}, "free": {}, "c": {}}
+    results = served(model, params)
+    failed = results["a"]
+    assert failed.status == "failed" and failed.error is not None and failed.error.code == "invalid_input"
+    assert "too many expressions" in failed.error.message
+    plain = served(model, {r: {} for r in PROMPTS})
+    assert all(results[r].output["token_ids"] == plain[r].output["token_ids"] for r in ("b", "free", "c"))
+
+
+def test_ids_beyond_the_tokenizer_are_never_allowed(model):
+    """A model whose embedding is padded past its tokenizer's vocabulary: those logits are masked too."""
+    compiled = Grammars(TOKENIZER, len(TOKENIZER) + 64, [EOS]).compile(from_wire(FORMATS["json_object"]))
+    assert not isinstance(compiled, str)
+    row = torch.zeros(len(TOKENIZER) + 64)
+    Grammars.start(compiled, ()).mask(row)
+    assert torch.isinf(row[len(TOKENIZER):]).all() and (row == 0).sum() == 1  # "{" alone opens an object
 
 
 def test_a_format_the_gateway_could_not_check_fails_with_invalid_input(model):

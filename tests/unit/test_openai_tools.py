@@ -62,6 +62,40 @@ def test_required_is_a_list_of_calls_to_the_tools_given():
     assert "tool_calls" not in choice["message"]
 
 
+def test_required_takes_tools_whose_parameters_refer_to_their_own_defs():
+    """pydantic's nested (and recursive) models refer to `#/$defs/...` of their own schema: inside the list of
+    calls they are rebased, so the grammar compiles and takes exactly the calls the schemas allow."""
+    import openai
+    from llguidance import LLMatcher, LLTokenizer
+    from pydantic import BaseModel
+
+    from shared.structured_output import from_wire, grammar_of
+
+    class Loc(BaseModel):
+        city: str
+
+    class Trip(BaseModel):
+        stops: list[Loc]
+
+    class Tree(BaseModel):
+        name: str
+        kids: list[Tree]
+
+    tools = [openai.pydantic_function_tool(Trip), openai.pydantic_function_tool(Tree)]
+    tr = oa.translate_chat(chat(tools=tools, tool_choice="required"))
+    params = GenerateParams.parse(tr.body["params"], limit=100, default_max_new_tokens=10)
+    tok = LLTokenizer("byte")
+
+    def takes(value: Any) -> bool:
+        m = LLMatcher(tok, grammar_of(from_wire(params.to_dict()["response_format"])), log_level=0)
+        return m.consume_tokens(tok.tokenize_str(json.dumps(value))) and m.is_accepting()
+
+    assert takes([{"name": "Trip", "arguments": {"stops": [{"city": "Oslo"}]}},
+                  {"name": "Tree", "arguments": {"name": "a", "kids": [{"name": "b", "kids": []}]}}])
+    assert not takes([{"name": "Trip", "arguments": {"stops": [{"town": "Oslo"}]}}])
+    assert not takes([{"name": "Tree", "arguments": {"name": "a", "kids": [{"name": 1, "kids": []}]}}])
+
+
 def test_a_forced_call_streams_its_arguments_and_a_list_comes_whole_at_the_end():
     tr = oa.translate_chat(chat(stream=True, tools=[WEATHER], tool_choice={"type": "function",
                                                                             "function": {"name": "get_weather"}}))
