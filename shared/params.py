@@ -174,12 +174,13 @@ class CalledFunction(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     arguments: dict[str, Any]
 
 
-class ToolCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A call an assistant message made (the chat template renders it, as transformers' templates take it)."""
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A call an assistant message made (the chat template renders it, as transformers' templates take it; its
+    fields in OpenAI's order, which a template that dumps it as JSON shows)."""
 
-    function: CalledFunction
     id: str = ""
     type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class FunctionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -188,11 +189,12 @@ class FunctionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     parameters: dict[str, Any] = msgspec.field(default_factory=dict)  # a JSON Schema of its arguments
 
 
-class ToolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A function the model is told it may call (rendered by the chat template: its `tools`)."""
+class ToolSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A function the model is told it may call (rendered by the chat template: its `tools`, in transformers'
+    shape and order)."""
 
-    function: FunctionSpec
     type: Literal["function"] = "function"
+    function: FunctionSpec
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
