@@ -15,7 +15,9 @@ from gpu_worker.engine import GenerationEngine
 from gpu_worker.outcomes import Delta, Outcome
 from gpu_worker.sequences import GenSpec, SamplingParams
 from shared.states import FinishReason
-from tests.integration.test_penalties import PROMPTS, TOKENIZER, request, runner_for, tiny_llama
+from tests import tiny_runner
+from tests.integration.test_penalties import PROMPTS, request
+from tests.tiny_runner import TOKENIZER, runner_for
 from tests.torch_device import on_device
 
 TOL = 2e-4
@@ -23,7 +25,7 @@ TOL = 2e-4
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_llama()
+    return tiny_runner.tiny_llama(seed=5)  # test_penalties' model
 
 
 @on_device
