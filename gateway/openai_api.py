@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -198,7 +199,15 @@ async def completions(svc: GatewayService, req: ApiRequest) -> ApiResponse:
 
 
 async def chat_completions(svc: GatewayService, req: ApiRequest) -> ApiResponse:
-    return await _generate(svc, req, oa.translate_chat)
+    return await _generate(svc, req, functools.partial(oa.translate_chat, parser_of=lambda m: _tool_parser(svc, m)))
+
+
+def _tool_parser(svc: GatewayService, model: str) -> str:
+    """A model's tool-call format, which tool_choice "auto" needs ("": none, or no such model: answered later)."""
+    try:
+        return ops.model_spec(svc, model).tool_call_parser
+    except ApiError:
+        return ""
 
 
 async def _generate(svc: GatewayService, req: ApiRequest, translate: Callable[..., oa.Translated]) -> ApiResponse:

@@ -102,6 +102,9 @@ class ModelSpec:
     # decode step also sleeps this much per row it advances, and a start this much per prompt token it prefills
     step_ms_per_row: float = 0.0
     prefill_ms_per_token: float = 0.0
+    # generate: the format its chat answers make tool calls in, which OpenAI's tool_choice "auto" needs read from
+    # its text: "hermes" (<tool_call>{"name", "arguments"}</tool_call>: Hermes, Qwen 2.5 and 3); "": none
+    tool_call_parser: str = ""
 
     @property
     def deadline_aware(self) -> bool:
@@ -152,6 +155,9 @@ class ModelSpec:
     def _validate_kind(self) -> None:
         if self.kind not in ("model", "echo"):
             raise ConfigError(f"model {self.name}: kind must be model or echo, got {self.kind!r}")
+        if self.tool_call_parser not in ("", "hermes"):
+            raise ConfigError(f"model {self.name}: tool_call_parser must be hermes or empty, got "
+                              f"{self.tool_call_parser!r}")
         if self.echo and self.task is not Task.GENERATE:
             raise ConfigError(f"model {self.name}: kind echo is a generation model (task: generate)")
 

@@ -26,7 +26,19 @@ from shared.api_errors import ApiError
 from shared.errors import ValidationError
 from shared.model_context import CONTEXT_EXCEEDED
 from shared.openai_logprobs import openai_logprobs
-from shared.openai_tools import Calls, ToolChoice, ToolDefs, ToolError, call_id, finish, message_calls, plan, tool_calls
+from shared.openai_tools import (
+    HERMES_OPEN,
+    Calls,
+    ToolChoice,
+    ToolDefs,
+    ToolError,
+    answer,
+    call_id,
+    finish,
+    held_back,
+    message_calls,
+    plan,
+)
 from shared.params import MAX_SEED, MAX_TOP_LOGPROBS, MIN_TOP_P
 from shared.validation import check_text, convert
 
@@ -566,7 +578,9 @@ def _tools(build: Callable[[], Any]) -> Any:
         raise (unsupported if exc.unsupported else invalid)(exc.param, exc.message) from None
 
 
-def translate_chat(raw: Any, *, timeout_header: str | None = None) -> Translated:
+def translate_chat(raw: Any, *, timeout_header: str | None = None,
+                   parser_of: Callable[[str], str] | None = None) -> Translated:
+    """`parser_of(model)`: the model's tool-call format, which `tool_choice` "auto" needs ("": none)."""
     req: ChatRequest = _parse(raw, ChatRequest)
     _refuse_non_defaults(req, (*_COMMON_CHECKS, *_CHAT_CHECKS))
     max_param = "max_tokens"
@@ -582,7 +596,8 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None) -> Translated
     logprobs = (top or 0) if req.logprobs else None
     messages = [_message(i, m) for i, m in enumerate(req.messages)]
     fmt, fmt_aliases = _constraint(req)
-    tools, call_format, calls = _tools(lambda: plan(req.tools, req.tool_choice, req.parallel_tool_calls))
+    parser = parser_of(req.model) if parser_of is not None and req.tools else ""
+    tools, call_format, calls = _tools(lambda: plan(req.tools, req.tool_choice, req.parallel_tool_calls, parser))
     if call_format is not None:
         if fmt is not None:
             raise invalid("tool_choice", f"a call is asked for: give no {next(iter(fmt_aliases.values()))} with it")
@@ -680,9 +695,9 @@ def completion_response(tr: Translated, views: list[dict[str, Any]], created: in
         choice: dict[str, Any] = {"index": i, "finish_reason": reason, "logprobs": None}
         if tr.logprobs is not None:
             choice["logprobs"] = openai_logprobs(tr.kind, entries)
-        made = tool_calls(tr.calls, text, str(view.get("id"))) if tr.calls is not None else None
+        content, made = answer(tr.calls, text, str(view.get("id"))) if tr.calls is not None else (text, None)
         if made is not None and tr.calls is not None:
-            choice["message"] = {"role": "assistant", "content": None, "refusal": None, "tool_calls": made}
+            choice["message"] = {"role": "assistant", "content": content, "refusal": None, "tool_calls": made}
             choice["finish_reason"] = finish(tr.calls, reason)
         elif tr.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text, "refusal": None}
@@ -730,7 +745,8 @@ class ChunkMaker:
     created: int
     index: int = 0  # the choice the chunks are of
     chars: int = 0  # of the text, those sent so far (a completion's `text_offset` goes on from them)
-    held: str = ""  # a list of tool calls ("required") is sent whole at the end: its text so far
+    held: str = ""  # a list of tool calls ("required"), or "auto" text from a call's tag on: sent at the end
+    calling: bool = False  # "auto": a call's tag has come
     own_id: str = ""  # the choice's own request (its tool calls' ids name it); "": `request_id`
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -768,6 +784,8 @@ class ChunkMaker:
         call streams its arguments as they come (the first chunk names the call); a list of calls is held back to
         the end (None), where it can be read whole."""
         if self.tr.calls is not None:
+            if self.tr.calls.parser:
+                return self._auto_text(text)
             if self.tr.calls.forced is None:
                 self.held += text
                 return None
@@ -784,19 +802,32 @@ class ChunkMaker:
         self.chars += len(text)
         return self._chunk([choice])
 
+    def _auto_text(self, text: str) -> dict[str, Any] | None:
+        """"auto": text streams as content until a call may begin (a possible tag's start is held back until it is
+        known); from a call's tag on, everything is held and read at the end."""
+        self.held += text
+        if self.calling:
+            return None
+        at = self.held.find(HERMES_OPEN)
+        if at >= 0:
+            out, self.held, self.calling = self.held[:at], self.held[at:], True
+        else:
+            cut = len(self.held) - held_back(self.held)
+            out, self.held = self.held[:cut], self.held[cut:]
+        return self._chunk([self._choice(out)]) if out else None
+
     def final(self, view: dict[str, Any], *, with_usage: bool = True) -> list[dict[str, Any]]:
         """The chunk with the finish_reason, then (with stream_options.include_usage, unless other choices are still
         to finish: `with_usage` false) the usage chunk."""
         reason, out = finish_reason(view), []
-        if self.tr.calls is not None:
-            made = tool_calls(self.tr.calls, self.held, str(view.get("id"))) if self.tr.calls.forced is None else []
+        if self.tr.calls is not None and self.tr.calls.forced is None:  # what was held, read whole
+            content, made = answer(self.tr.calls, self.held, str(view.get("id")))
+            if content:  # a list cut short, "auto" text that held no call: as a plain answer's
+                out.append(self._chunk([self._choice(content)]))
             if made:
                 calls = [{"index": i, **call} for i, call in enumerate(made)]
                 out.append(self._chunk([{"index": self.index, "finish_reason": None, "logprobs": None,
                                          "delta": {"tool_calls": calls}}]))
-            elif made is None:  # a list of calls cut short: its text, as a plain answer's
-                out.append(self._chunk([self._choice(self.held)]))
-            if made is not None:
                 reason = finish(self.tr.calls, reason)
         last = self._chunk([self._choice(None if self.tr.kind == "chat" else "", reason=reason)],
                            **{EXTENSION: extension(view)})

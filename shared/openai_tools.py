@@ -4,13 +4,16 @@
 (`shared.structured_output`): a named function's arguments (its `parameters` schema), or for "required" a list of
 calls `[{"name", "arguments"}]` to the tools given. Any model then answers a call the client can parse. The tools
 reach the model through its chat template (`input.tools`), as do the calls and tool results of earlier turns.
-"none" answers text. "auto", the default with tools, needs each model family's own tool-call format parsed from
-free text (Hermes' <tool_call> tags, Llama's JSON, Mistral's [TOOL_CALLS]): not served, a 400 naming it.
+"none" answers text. "auto", the default with tools, leaves the choice to the model, so its calls must be told from
+its text in its family's own format: served for a model whose file names its `tool_call_parser` (`hermes`: the
+`<tool_call>{"name", "arguments"}</tool_call>` blocks of Hermes, Qwen 2.5 and 3, and their fine-tunes, as vLLM's
+parser of that name reads them), else a 400 naming `tool_choice`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -52,17 +55,25 @@ class ToolError(ValueError):
         self.param, self.message, self.unsupported = param, message, unsupported
 
 
+TOOL_CALL_PARSERS = ("hermes",)
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)  # the last may be cut short
+
+
 @dataclass(frozen=True, slots=True)
 class Calls:
-    """How a chat answer becomes tool calls: one forced function's arguments, or a list of calls ("required")."""
+    """How a chat answer becomes tool calls: one forced function's arguments, a list of calls ("required"), or
+    the calls a model chose itself in its own format ("auto", `parser`)."""
 
-    forced: str | None  # the named function; None: "required"
+    forced: str | None  # the named function; None: "required" or "auto"
+    parser: str = ""  # "auto": the model's tool-call format
 
 
-def plan(tools: list[ToolDef] | None, choice: str | ToolChoice | None,
-         parallel: bool | None) -> tuple[list[dict[str, Any]] | None, dict[str, Any] | None, Calls | None]:
+def plan(tools: list[ToolDef] | None, choice: str | ToolChoice | None, parallel: bool | None,
+         parser: str = "") -> tuple[list[dict[str, Any]] | None, dict[str, Any] | None, Calls | None]:
     """The native `input.tools` (for the chat template), the `params.response_format` that holds the output to the
-    call, and how to read the answer back; (None, None, None) without tools or with `tool_choice` "none"."""
+    call (none for "auto"), and how to read the answer back; (None, None, None) without tools or with
+    `tool_choice` "none". `parser`: the model's tool-call format ("": none, "auto" is refused)."""
     tools = tools or []
     for i, tool in enumerate(tools):
         if tool.type != "function":
@@ -82,10 +93,13 @@ def plan(tools: list[ToolDef] | None, choice: str | ToolChoice | None,
         return native, {"type": "json_schema", "schema": _forced(tools, choice)}, Calls(forced=choice.function.name)
     if choice == "required":
         return native, {"type": "json_schema", "schema": _calls(tools, parallel)}, Calls(forced=None)
+    if choice == "auto" and parser:
+        return native, None, Calls(forced=None, parser=parser)
     if choice == "auto":
-        raise ToolError("tool_choice", "'auto' is not served: a model's own tool-call format is not parsed here. "
-                                       "Give 'required' or {'type': 'function', 'function': {'name': ...}}: the "
-                                       "answer is then a call that follows the function's parameters", True)
+        raise ToolError("tool_choice", "'auto' is not served for this model: its tool-call format is not known (a "
+                                       "model file's tool_call_parser names it). Give 'required' or {'type': "
+                                       "'function', 'function': {'name': ...}}: the answer is then a call that "
+                                       "follows the function's parameters", True)
     raise ToolError("tool_choice", f"must be 'none', 'auto', 'required' or a named function (got {choice!r})")
 
 
@@ -131,22 +145,62 @@ def call_id(request_id: str, index: int) -> str:
     return f"call_{request_id.removeprefix('req_')}_{index}"
 
 
-def tool_calls(calls: Calls, text: str, request_id: str) -> list[dict[str, Any]] | None:
-    """The answer's `tool_calls` (None where a list of calls was cut short and cannot be read: its text stands)."""
-    if calls.forced is not None:  # the arguments as the model wrote them, whole or cut by max_tokens (as OpenAI's)
+def answer(calls: Calls, text: str, request_id: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """The answer's (`content`, `tool_calls`): a forced call's arguments as the model wrote them (whole, or cut by
+    max_tokens, as OpenAI's); a list of calls, or its text where it was cut short and cannot be read; with "auto",
+    the calls found in the model's format and the text before them, or the text alone."""
+    if calls.forced is not None:
         made = [(calls.forced, text)]
+    elif calls.parser:
+        found = hermes_calls(text)
+        if found is None:
+            return text, None
+        content, made = found
+        return content, _numbered(made, request_id)
     else:
         try:
             made = [(str(c["name"]), json.dumps(c["arguments"])) for c in json.loads(text)]
         except (ValueError, TypeError, KeyError):
-            return None
+            return text, None
+    return None, _numbered(made, request_id)
+
+
+def _numbered(made: list[tuple[str, str]], request_id: str) -> list[dict[str, Any]]:
     return [{"id": call_id(request_id, i), "type": "function", "function": {"name": name, "arguments": args}}
             for i, (name, args) in enumerate(made)]
 
 
+def hermes_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
+    """The `<tool_call>{"name", "arguments"}</tool_call>` blocks of `text` as (the text before them, or None if
+    blank; [(name, arguments as JSON)]); None where there is none, or one is not such a call (the text stands)."""
+    start = text.find(HERMES_OPEN)
+    if start < 0:
+        return None
+    made = []
+    for body in _HERMES_CALL.findall(text, start):
+        try:
+            call = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("arguments", call.get("parameters", {}))
+        made.append((call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    return text[:start].strip() or None, made
+
+
+def held_back(text: str) -> int:
+    """How many of `text`'s last characters could begin a `<tool_call>` tag: held back from a stream until known."""
+    return next((n for n in range(min(len(text), len(HERMES_OPEN) - 1), 0, -1)
+                 if HERMES_OPEN.startswith(text[-n:])), 0)
+
+
 def finish(calls: Calls, reason: str) -> str:
-    """OpenAI's finish_reason with tools: `tool_calls` for calls the model chose, `stop` for a forced function (as
-    OpenAI answers), `length` when cut short."""
+    """OpenAI's finish_reason of an answer that made calls: `tool_calls` for calls the model chose ("auto": every
+    call read whole, even where the text ran on to max_tokens after them, as vLLM answers), `stop` for a forced
+    function (as OpenAI answers), `length` when cut short."""
+    if calls.parser:
+        return "tool_calls"
     return "tool_calls" if reason == "stop" and calls.forced is None else reason
 
 

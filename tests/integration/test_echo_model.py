@@ -36,3 +36,41 @@ async def test_an_echo_model_answers_through_the_gateway_and_the_worker(redis_ur
         models = (await gw.client.get("/v1/models")).json()["models"]
         assert models[0]["kind"] == "echo" and models[0]["workers"] == 1
         assert w.model_calls("echo") and all(n == 1 for n in w.model_calls("echo").values())
+
+
+async def test_tool_choice_auto_reads_a_models_hermes_calls_from_its_text(redis_url, prefix):
+    """A model whose file names `tool_call_parser: hermes` serves OpenAI's tool_choice "auto": the calls it writes
+    in <tool_call> blocks come back as `tool_calls`, the text before them as content, streamed or not (the echo
+    model writes back what it is sent, so the test chooses what the model says)."""
+    import dataclasses
+    import json
+
+    echo = dataclasses.replace(ECHO, name="hermes-echo", max_input_tokens=512, max_new_tokens=256,
+                               tool_call_parser="hermes").validate()
+    said = ('Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
+    tools = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "get_time")]
+    body = {"model": "hermes-echo", "messages": [{"role": "user", "content": said}], "tools": tools,
+            "max_tokens": len(said.encode()), "temperature": 0}
+    settings = make_settings(redis_url, prefix, models=(echo, ECHO))
+    async with running_worker(settings, {}), running_gateway(settings) as gw:
+        r = await gw.client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        (choice,) = r.json()["choices"]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking."
+        calls = choice["message"]["tool_calls"]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            ("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+        r = await gw.client.post("/v1/chat/completions", json={**body, "stream": True})
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        streamed = [t for c in chunks if c["choices"] for t in c["choices"][0]["delta"].get("tool_calls") or ()]
+        assert content == "Checking. " and [t["function"]["name"] for t in streamed] == ["get_weather", "get_time"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        plain = {**body, "messages": [{"role": "user", "content": "just <tool text"}], "max_tokens": 15}
+        r = await gw.client.post("/v1/chat/completions", json=plain)  # no call: a plain answer
+        assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "just <tool text",
+                                                      "refusal": None}
+        r = await gw.client.post("/v1/chat/completions", json={**body, "model": "echo"})  # no parser: refused
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"

@@ -171,3 +171,38 @@ def test_what_is_not_served_is_a_400_naming_it():
     assert refused(messages=bad_args).param == "messages[0].tool_calls[0].function.arguments"
     assert refused(messages=[{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}]).param == \
         "messages[0].tool_calls"
+
+
+def test_auto_reads_hermes_calls_for_a_model_that_names_its_parser():
+    tr = oa.translate_chat(chat(tools=[WEATHER, TIME]), parser_of={"tiny-llama": "hermes"}.get)
+    assert "response_format" not in tr.body["params"] and len(tr.body["input"]["tools"]) == 2  # the model chooses
+    said = ('I will look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    view = {"id": "req_h", "status": "succeeded", "finish_reason": "eos",
+            "output": {"text": said, "token_ids": [1], "prompt_tokens": 3, "completion_tokens": 1}}
+    (choice,) = oa.completion_response(tr, [view], 0)["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "I will look."
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] \
+        == [("call_h_0", "get_weather", '{"city": "Rome"}'), ("call_h_1", "get_time", "{}")]
+    for text in ("no call at all", '<tool_call>{"name": "get_time", "arguments": {}}',
+                 "<tool_call>not json</tool_call>", '<tool_call>{"name": "get_time", "argu'):
+        (choice,) = oa.completion_response(tr, [{**view, "output": {**view["output"], "text": text}}], 0)["choices"]
+        complete = text.endswith("{}}")  # a last call cut before its closing tag still reads whole
+        assert (choice["finish_reason"], choice["message"]["content"]) == (
+            ("tool_calls", None) if complete else ("stop", text)), text
+
+    maker = oa.ChunkMaker(oa.translate_chat(chat(stream=True, tools=[TIME]), parser_of=lambda m: "hermes"), "req_s", 0)
+    pieces = ["Let me ", "see <", "b>ok</b> <tool", '_call>{"name": "get_time", ', '"arguments": {}}</tool_call>']
+    content = "".join(c["choices"][0]["delta"]["content"] for p in pieces for c in maker.delta({"text": p}))
+    assert content == "Let me see <b>ok</b> "  # a tag's possible start held back until known, then all held
+    *calls, last = maker.final({"id": "req_s", "status": "succeeded", "finish_reason": "eos", "output": {}})
+    assert calls[0]["choices"][0]["delta"]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_auto_without_a_parser_is_refused_and_batch_lines_have_none():
+    assert refused(tools=[WEATHER], tool_choice="auto").param == "tool_choice"
+    err = refused(tools=[WEATHER])
+    assert "tool_call_parser" in err.message
+    tr = oa.translate_chat(chat(tools=[WEATHER], tool_choice="none"), parser_of=lambda m: "hermes")
+    assert tr.calls is None and "tools" not in tr.body["input"]
