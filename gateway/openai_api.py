@@ -203,11 +203,11 @@ async def chat_completions(svc: GatewayService, req: ApiRequest) -> ApiResponse:
 
 
 def _tool_parser(svc: GatewayService, model: str) -> str:
-    """A model's tool-call format, which tool_choice "auto" needs ("": none, or no such model: answered later)."""
+    """A model's tool-call format, which tool_choice "auto" needs ("": none); no such model: 404."""
     try:
         return ops.model_spec(svc, model).tool_call_parser
-    except ApiError:
-        return ""
+    except ApiError as exc:
+        raise oa.OpenAIError(404, exc.message, code="model_not_found", param="model") from None
 
 
 async def _generate(svc: GatewayService, req: ApiRequest, translate: Callable[..., oa.Translated]) -> ApiResponse:

@@ -598,9 +598,12 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None,
     fmt, fmt_aliases = _constraint(req)
     parser = parser_of(req.model) if parser_of is not None and req.tools else ""
     tools, call_format, calls = _tools(lambda: plan(req.tools, req.tool_choice, req.parallel_tool_calls, parser))
+    if fmt is not None and (call_format is not None or calls is not None):  # a format leaves no room for a call
+        raise invalid("tool_choice", f"calls are asked for: give no {next(iter(fmt_aliases.values()))} with them")
+    if calls is not None and calls.parser and stream and logprobs is not None:
+        raise unsupported("logprobs", "not with tools streamed under tool_choice 'auto' (text is held back until "
+                                      "it is known not to be a call): ask without streaming")
     if call_format is not None:
-        if fmt is not None:
-            raise invalid("tool_choice", f"a call is asked for: give no {next(iter(fmt_aliases.values()))} with it")
         fmt, fmt_aliases = call_format, {"params.response_format": "tools", "params.response_format.schema": "tools"}
     inp: dict[str, Any] = {"messages": messages, **({"tools": tools} if tools else {})}
     body = {"input": inp, "params": _with_logprobs(_params(req, limit, fmt), logprobs),

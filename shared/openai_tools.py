@@ -67,6 +67,7 @@ class Calls:
 
     forced: str | None  # the named function; None: "required" or "auto"
     parser: str = ""  # "auto": the model's tool-call format
+    single: bool = False  # "auto" with parallel_tool_calls false: the first call alone
 
 
 def plan(tools: list[ToolDef] | None, choice: str | ToolChoice | None, parallel: bool | None,
@@ -94,12 +95,12 @@ def plan(tools: list[ToolDef] | None, choice: str | ToolChoice | None, parallel:
     if choice == "required":
         return native, {"type": "json_schema", "schema": _calls(tools, parallel)}, Calls(forced=None)
     if choice == "auto" and parser:
-        return native, None, Calls(forced=None, parser=parser)
+        return native, None, Calls(forced=None, parser=parser, single=parallel is False)
     if choice == "auto":
-        raise ToolError("tool_choice", "'auto' is not served for this model: its tool-call format is not known (a "
-                                       "model file's tool_call_parser names it). Give 'required' or {'type': "
-                                       "'function', 'function': {'name': ...}}: the answer is then a call that "
-                                       "follows the function's parameters", True)
+        raise ToolError("tool_choice", "'auto' is not served here: the model's tool-call format is not known (a "
+                                       "model file's tool_call_parser names it; batch lines never read calls from "
+                                       "text). Give 'required' or {'type': 'function', 'function': {'name': ...}}: "
+                                       "the answer is then a call that follows the function's parameters", True)
     raise ToolError("tool_choice", f"must be 'none', 'auto', 'required' or a named function (got {choice!r})")
 
 
@@ -156,7 +157,7 @@ def answer(calls: Calls, text: str, request_id: str) -> tuple[str | None, list[d
         if found is None:
             return text, None
         content, made = found
-        return content, _numbered(made, request_id)
+        return content, _numbered(made[:1] if calls.single else made, request_id)
     else:
         try:
             made = [(str(c["name"]), json.dumps(c["arguments"])) for c in json.loads(text)]
@@ -172,7 +173,8 @@ def _numbered(made: list[tuple[str, str]], request_id: str) -> list[dict[str, An
 
 def hermes_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
     """The `<tool_call>{"name", "arguments"}</tool_call>` blocks of `text` as (the text before them, or None if
-    blank; [(name, arguments as JSON)]); None where there is none, or one is not such a call (the text stands)."""
+    blank; [(name, arguments as JSON)]); None where there is none, or one is not such a call (the text stands):
+    arguments must be an object (or JSON text of one), as an assistant message sent back must hold them."""
     start = text.find(HERMES_OPEN)
     if start < 0:
         return None
@@ -185,8 +187,16 @@ def hermes_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None
         arguments = call.get("arguments", call.get("parameters", {}))
-        made.append((call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)))
-    return text[:start].strip() or None, made
+        if isinstance(arguments, str):  # some models write them as JSON text
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                return None
+        if not isinstance(arguments, dict):  # a call the client could not send back on its next turn
+            return None
+        made.append((call["name"], json.dumps(arguments)))
+    before = text[:start]
+    return (before if before.strip() else None), made  # as streamed: the text before the first tag, unstripped
 
 
 def held_back(text: str) -> int:

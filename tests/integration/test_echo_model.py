@@ -57,7 +57,7 @@ async def test_tool_choice_auto_reads_a_models_hermes_calls_from_its_text(redis_
         r = await gw.client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         (choice,) = r.json()["choices"]
-        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking."
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking. "
         calls = choice["message"]["tool_calls"]
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
             ("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]

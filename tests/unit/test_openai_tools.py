@@ -181,7 +181,7 @@ def test_auto_reads_hermes_calls_for_a_model_that_names_its_parser():
     view = {"id": "req_h", "status": "succeeded", "finish_reason": "eos",
             "output": {"text": said, "token_ids": [1], "prompt_tokens": 3, "completion_tokens": 1}}
     (choice,) = oa.completion_response(tr, [view], 0)["choices"]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "I will look."
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "I will look.\n"
     assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] \
         == [("call_h_0", "get_weather", '{"city": "Rome"}'), ("call_h_1", "get_time", "{}")]
     for text in ("no call at all", '<tool_call>{"name": "get_time", "arguments": {}}',
@@ -200,9 +200,46 @@ def test_auto_reads_hermes_calls_for_a_model_that_names_its_parser():
     assert last["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def test_auto_takes_only_calls_a_client_can_send_back():
+    """Arguments an assistant message could not carry back on the next turn (not an object) leave the answer
+    text; arguments written as JSON text are read; parallel_tool_calls false keeps the first call."""
+    def read(text: str, **kw: Any) -> tuple[Any, Any]:
+        tr = oa.translate_chat(chat(tools=[WEATHER, TIME], **kw), parser_of=lambda m: "hermes")
+        view = {"id": "req_a", "status": "succeeded", "finish_reason": "eos",
+                "output": {"text": text, "token_ids": [1], "prompt_tokens": 1, "completion_tokens": 1}}
+        message = oa.completion_response(tr, [view], 0)["choices"][0]["message"]
+        return message["content"], [(c["function"]["name"], c["function"]["arguments"])
+                                    for c in message.get("tool_calls") or ()]
+
+    for arguments in ('"Paris"', "null", "[1]", '"{not json"'):
+        text = f'<tool_call>{{"name": "get_weather", "arguments": {arguments}}}</tool_call>'
+        assert read(text) == (text, []), arguments
+    two = ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'
+           '<tool_call>{"name": "get_time", "parameters": {}}</tool_call>')
+    assert read(two) == (None, [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")])
+    assert read(two, parallel_tool_calls=False) == (None, [("get_weather", '{"city": "Oslo"}')])
+
+
 def test_auto_without_a_parser_is_refused_and_batch_lines_have_none():
+    from shared.batches import BatchError, parse_line
+
     assert refused(tools=[WEATHER], tool_choice="auto").param == "tool_choice"
     err = refused(tools=[WEATHER])
     assert "tool_call_parser" in err.message
     tr = oa.translate_chat(chat(tools=[WEATHER], tool_choice="none"), parser_of=lambda m: "hermes")
     assert tr.calls is None and "tools" not in tr.body["input"]
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": chat(tools=[TIME])})
+    with pytest.raises(BatchError) as info:
+        parse_line(line, 0, "/v1/chat/completions")
+    assert info.value.param == "body.tool_choice" and "batch lines" in info.value.message
+
+
+def test_what_auto_cannot_be_asked_with():
+    hermes: Any = lambda m: "hermes"  # noqa: E731
+    with pytest.raises(oa.OpenAIError) as err:  # a format leaves the model no room to write a call
+        oa.translate_chat(chat(tools=[TIME], response_format={"type": "json_object"}), parser_of=hermes)
+    assert err.value.param == "tool_choice"
+    with pytest.raises(oa.OpenAIError) as err:  # streamed text is held back: its log probabilities cannot follow
+        oa.translate_chat(chat(tools=[TIME], stream=True, logprobs=True), parser_of=hermes)
+    assert err.value.param == "logprobs"
+    oa.translate_chat(chat(tools=[TIME], logprobs=True), parser_of=hermes)  # not streamed: they come whole
