@@ -681,3 +681,6 @@ async def test_tool_calls_forced_or_required_come_back_as_calls_the_client_reads
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(model="tiny-llama", messages=messages, tools=[tool])
     assert info.value.param == "tool_choice" and info.value.code == "unsupported_parameter"
+    with pytest.raises(openai.NotFoundError) as info:  # the model first: no word of auto for a model not there
+        await client.chat.completions.create(model="nope", messages=messages, tools=[tool])
+    assert info.value.code == "model_not_found"
