@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
-from shared.structured_output import ResponseFormat, grammar_of, one_line
+from shared.structured_output import ResponseFormat, grammar_of, one_line, reason_of
 
 # llguidance's limits, tighter than its defaults where they bound a step: a mask that would take more lexer work
 # than this fails its row (about 10 ms of it) instead of stalling every row's step
@@ -37,23 +37,22 @@ class Constraint:
         Ids beyond the tokenizer's (a padded embedding) are never allowed."""
         try:
             bias = self.matcher.compute_logit_bias()
-        except BaseException as exc:  # a panic in llguidance's Rust is no Exception: the row fails, not the step
-            self._fail(exc)
+        except BaseException as exc:  # a panic in llguidance's Rust: the row fails, not the step
+            self.failed = reason_of(exc)
             return
         if self._check():
             return
-        allowed = torch.frombuffer(bytearray(bias), dtype=torch.uint8)
-        keep = torch.zeros(row.shape[-1], dtype=torch.bool)
-        n = min(len(allowed), row.shape[-1])
-        keep[:n] = allowed[:n] > 0
-        row.masked_fill_(~keep.to(row.device, non_blocking=True), float("-inf"))
+        n = min(len(bias), row.shape[-1])
+        allowed = torch.frombuffer(bytearray(bias[:n]), dtype=torch.uint8)
+        row[n:] = float("-inf")
+        row[:n].masked_fill_(allowed.to(row.device, non_blocking=True) == 0, float("-inf"))
 
     def accept(self, token: int) -> None:
         if self.failed is None:
             try:
                 self.matcher.consume_token(token)
             except BaseException as exc:
-                self._fail(exc)
+                self.failed = reason_of(exc)
             self._check()
 
     @property
@@ -66,17 +65,15 @@ class Constraint:
             self.failed = one_line(self.matcher.get_error())
         return self.failed is not None
 
-    def _fail(self, exc: BaseException) -> None:
-        if isinstance(exc, KeyboardInterrupt | SystemExit):
-            raise exc
-        self.failed = one_line(str(exc)) or type(exc).__name__
-
 
 class Grammars:
     """A model's tokenizer as llguidance reads it, built on first use (a fast tokenizer is needed)."""
 
     def __init__(self, tokenizer: Any, vocab: int, eos_ids: Sequence[int]) -> None:
+        from transformers import PreTrainedTokenizerFast
+
         self._hf, self._vocab, self._eos = tokenizer, vocab, sorted(eos_ids)
+        self._fast = isinstance(tokenizer, PreTrainedTokenizerFast)  # llguidance reads only Rust tokenizers
         self._tokenizer: LLTokenizer | None = None
 
     def _llg(self) -> LLTokenizer:
@@ -89,26 +86,20 @@ class Grammars:
 
     def compile(self, fmt: ResponseFormat) -> LLMatcher | str:
         """A matcher at the format's start, or why the format cannot constrain this model."""
-        from transformers import PreTrainedTokenizerFast
-
-        if not isinstance(self._hf, PreTrainedTokenizerFast):
+        if not self._fast:
             return ("response_format: this model's tokenizer is not a fast (Rust `tokenizers`) one, which structured "
                     "output needs")
         try:
             matcher = LLMatcher(self._llg(), grammar_of(fmt), log_level=0, limits=LIMITS)
-        except BaseException as exc:  # the tokenizer or the grammar refused (a Rust panic is no Exception)
-            if isinstance(exc, KeyboardInterrupt | SystemExit):
-                raise
-            return f"response_format: cannot be compiled: {one_line(str(exc))}"
+        except BaseException as exc:  # the tokenizer or the grammar refused
+            return f"response_format: cannot be compiled: {reason_of(exc)}"
         if matcher.is_error():
             return f"response_format: cannot be compiled: {one_line(matcher.get_error())}"
         return matcher
 
     def warm(self) -> None:
         """Read the tokenizer now (at load; up to a second for a large vocabulary), not on a first request."""
-        from transformers import PreTrainedTokenizerFast
-
-        if isinstance(self._hf, PreTrainedTokenizerFast):
+        if self._fast:
             self._llg()
 
     @staticmethod

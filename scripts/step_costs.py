@@ -127,6 +127,17 @@ def forward_costs(report: dict[str, dict[str, float]], engine: Callable[[int], G
         print(f"{f'{rows} x {prompt} tokens':<24}{ms:>8.1f}", flush=True)
 
 
+def taking_turns(engines: dict[str, GenerationEngine], rounds: int) -> dict[str, list[float]]:
+    """Each engine's decode step times (ms), the variants stepping in turn each round, so noise hits them alike."""
+    steps: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, eng in engines.items():
+            t0 = time.perf_counter()
+            eng.step()
+            steps[name].append((time.perf_counter() - t0) * 1000)
+    return steps
+
+
 def logprobs_cost(model: torch.nn.Module, reps: int, rows: int = 8) -> dict[str, float]:
     """Medians (ms) of decode steps at `rows` rows, variants taking turns step by step, and of prefills."""
     from gpu_worker.sampling import SamplingParams
@@ -141,12 +152,7 @@ def logprobs_cost(model: torch.nn.Module, reps: int, rows: int = 8) -> dict[str,
                      for i, p in enumerate(prompts)])
         eng.step()
         engines[name] = eng
-    steps: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(20 * reps):
-        for name, eng in engines.items():
-            t0 = time.perf_counter()
-            eng.step()
-            steps[name].append((time.perf_counter() - t0) * 1000)
+    steps = taking_turns(engines, 20 * reps)
     out = {f"decode_{rows}_rows_{name}_ms": statistics.median(v) for name, v in steps.items()}
     prefills: dict[str, list[float]] = {"plain": [], "scored": []}
     for _ in range(reps + 1):
@@ -204,12 +210,7 @@ def structured_cost(loaded: models.LoadedModel, reps: int, rows: int = 8) -> dic
                      for i, p in enumerate(prompts)])
         eng.step()
         engines[name] = eng
-    steps: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(20 * reps):
-        for name, eng in engines.items():
-            t0 = time.perf_counter()
-            eng.step()
-            steps[name].append((time.perf_counter() - t0) * 1000)
+    steps = taking_turns(engines, 20 * reps)
     assert all(len(eng.rows) == rows for eng in engines.values()), "a row left during the timing"
     out = {f"decode_{rows}_rows_{name}_ms": statistics.median(v) for name, v in steps.items()}
     out |= {"compile_first_ms": first, "compile_typical_schema_ms": statistics.median(compiles)}

@@ -104,7 +104,7 @@ class ModelSpec:
     prefill_ms_per_token: float = 0.0
     # generate: the format its chat answers make tool calls in, which OpenAI's tool_choice "auto" needs read from
     # its text: "hermes" (<tool_call>{"name", "arguments"}</tool_call>: Hermes, Qwen 2.5 and 3); "": none
-    tool_call_parser: str = ""
+    tool_call_parser: str = ""  # one of TOOL_CALL_PARSERS
 
     @property
     def deadline_aware(self) -> bool:
@@ -155,7 +155,7 @@ class ModelSpec:
     def _validate_kind(self) -> None:
         if self.kind not in ("model", "echo"):
             raise ConfigError(f"model {self.name}: kind must be model or echo, got {self.kind!r}")
-        if self.tool_call_parser not in ("", "hermes"):
+        if self.tool_call_parser not in ("", *TOOL_CALL_PARSERS):
             raise ConfigError(f"model {self.name}: tool_call_parser must be hermes or empty, got "
                               f"{self.tool_call_parser!r}")
         if self.echo and self.task is not Task.GENERATE:
@@ -178,6 +178,9 @@ class ModelSpec:
                 "max_timeout_s": self.max_timeout_s,
             },
         }
+
+
+TOOL_CALL_PARSERS = ("hermes",)  # the formats shared.openai_tools reads calls in
 
 
 BUILTIN_MODELS: dict[str, ModelSpec] = {

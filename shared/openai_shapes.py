@@ -748,8 +748,8 @@ class ChunkMaker:
     created: int
     index: int = 0  # the choice the chunks are of
     chars: int = 0  # of the text, those sent so far (a completion's `text_offset` goes on from them)
-    held: str = ""  # a list of tool calls ("required"), or "auto" text from a call's tag on: sent at the end
-    calling: bool = False  # "auto": a call's tag has come
+    # a list of tool calls ("required"), or "auto" text from a call's tag on (or what may begin one): sent at the end
+    held: str = ""
     own_id: str = ""  # the choice's own request (its tool calls' ids name it); "": `request_id`
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -797,23 +797,27 @@ class ChunkMaker:
                 call |= {"id": call_id(self.own_id or self.request_id, 0), "type": "function"}
                 call["function"] = {"name": self.tr.calls.forced, "arguments": text}
             self.chars += len(text) or 1
-            return self._chunk([{"index": self.index, "finish_reason": None, "logprobs": None,
-                                 "delta": {"tool_calls": [call]}}])
+            return self._calls_chunk([call])
         choice = self._choice(text)
         if self.tr.logprobs is not None:
             choice["logprobs"] = openai_logprobs(self.tr.kind, logprobs, self.chars)
         self.chars += len(text)
         return self._chunk([choice])
 
+    def _calls_chunk(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        return self._chunk([{"index": self.index, "finish_reason": None, "logprobs": None,
+                             "delta": {"tool_calls": calls}}])
+
     def _auto_text(self, text: str) -> dict[str, Any] | None:
         """"auto": text streams as content until a call may begin (a possible tag's start is held back until it is
         known); from a call's tag on, everything is held and read at the end."""
+        calling = self.held.startswith(HERMES_OPEN)  # a call's tag has come (a tag's mere start is shorter)
         self.held += text
-        if self.calling:
+        if calling:
             return None
         at = self.held.find(HERMES_OPEN)
         if at >= 0:
-            out, self.held, self.calling = self.held[:at], self.held[at:], True
+            out, self.held = self.held[:at], self.held[at:]
         else:
             cut = len(self.held) - held_back(self.held)
             out, self.held = self.held[:cut], self.held[cut:]
@@ -828,9 +832,7 @@ class ChunkMaker:
             if content:  # a list cut short, "auto" text that held no call: as a plain answer's
                 out.append(self._chunk([self._choice(content)]))
             if made:
-                calls = [{"index": i, **call} for i, call in enumerate(made)]
-                out.append(self._chunk([{"index": self.index, "finish_reason": None, "logprobs": None,
-                                         "delta": {"tool_calls": calls}}]))
+                out.append(self._calls_chunk([{"index": i, **call} for i, call in enumerate(made)]))
                 reason = finish(self.tr.calls, reason)
         last = self._chunk([self._choice(None if self.tr.kind == "chat" else "", reason=reason)],
                            **{EXTENSION: extension(view)})

@@ -55,9 +55,9 @@ class ToolError(ValueError):
         self.param, self.message, self.unsupported = param, message, unsupported
 
 
-TOOL_CALL_PARSERS = ("hermes",)
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)  # the last may be cut short
+# a call's body: up to its closing tag, or to the end (the last may be cut short)
+_HERMES_CALL = re.compile(f"{re.escape(HERMES_OPEN)}(.*?)(?:{re.escape(HERMES_CLOSE)}|$)", re.S)
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,12 +90,8 @@ def checked(fmt: ResponseFormat, field: str = FIELD) -> str | None:
         return None
     try:
         grammar = grammar_of(fmt)
-    except Exception as exc:  # llguidance's own ValueError, or the GBNF converter's
-        raise ValidationError(field, f"cannot be compiled: {one_line(str(exc))}") from None
-    except BaseException as exc:  # a panic in llguidance's Rust (pyo3's PanicException is no Exception)
-        if isinstance(exc, KeyboardInterrupt | SystemExit):
-            raise
-        raise ValidationError(field, f"cannot be compiled: {one_line(str(exc))}") from None
+    except BaseException as exc:  # llguidance's ValueError, the GBNF converter's, a panic in llguidance's Rust
+        raise ValidationError(field, f"cannot be compiled: {reason_of(exc)}") from None
     if error := LLMatcher.validate_grammar(grammar):
         raise ValidationError(field, f"cannot be compiled: {one_line(error)}")
     return grammar
@@ -106,6 +102,14 @@ def from_wire(raw: Any) -> ResponseFormat:
     if isinstance(raw, dict):
         return msgspec.convert(raw, ResponseFormat)  # type: ignore[arg-type]
     return raw  # type: ignore[no-any-return]
+
+
+def reason_of(exc: BaseException) -> str:
+    """Why llguidance refused, in one line. pyo3's PanicException (a panic in its Rust) is no Exception, so callers
+    catch BaseException: an interrupt or an exit is raised on."""
+    if isinstance(exc, KeyboardInterrupt | SystemExit):
+        raise exc
+    return one_line(str(exc)) or type(exc).__name__
 
 
 def one_line(message: str) -> str:

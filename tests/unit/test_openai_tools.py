@@ -66,10 +66,10 @@ def test_required_takes_tools_whose_parameters_refer_to_their_own_defs():
     """pydantic's nested (and recursive) models refer to `#/$defs/...` of their own schema: inside the list of
     calls they are rebased, so the grammar compiles and takes exactly the calls the schemas allow."""
     import openai
-    from llguidance import LLMatcher, LLTokenizer
     from pydantic import BaseModel
 
     from shared.structured_output import from_wire, grammar_of
+    from tests.unit.test_structured_output import accepts, bytes_tokenizer
 
     class Loc(BaseModel):
         city: str
@@ -84,11 +84,10 @@ def test_required_takes_tools_whose_parameters_refer_to_their_own_defs():
     tools = [openai.pydantic_function_tool(Trip), openai.pydantic_function_tool(Tree)]
     tr = oa.translate_chat(chat(tools=tools, tool_choice="required"))
     params = GenerateParams.parse(tr.body["params"], limit=100, default_max_new_tokens=10)
-    tok = LLTokenizer("byte")
+    grammar = grammar_of(from_wire(params.to_dict()["response_format"]))
 
     def takes(value: Any) -> bool:
-        m = LLMatcher(tok, grammar_of(from_wire(params.to_dict()["response_format"])), log_level=0)
-        return m.consume_tokens(tok.tokenize_str(json.dumps(value))) and m.is_accepting()
+        return accepts(bytes_tokenizer(), grammar, json.dumps(value))
 
     assert takes([{"name": "Trip", "arguments": {"stops": [{"city": "Oslo"}]}},
                   {"name": "Tree", "arguments": {"name": "a", "kids": [{"name": "b", "kids": []}]}}])

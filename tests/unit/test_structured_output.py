@@ -105,23 +105,23 @@ def test_json_comes_out_in_one_style_without_free_whitespace():
     """The JSON grammar takes `json.dumps`' separators and nothing else between tokens (free whitespace is where a
     model can loop forever); a schema's own x-guidance options override the style."""
     styled = so.grammar_of(so.JsonObject())
-    tok = _bytes_tokenizer()
+    tok = bytes_tokenizer()
     for text, ok in [('{"a": 1, "b": [2, 3]}', True), ('{"a":1}', False), ('{ "a": 1}', False),
                      ('{"a": 1}\n', False)]:
-        assert _accepts(tok, styled, text) is ok, text
+        assert accepts(tok, styled, text) is ok, text
     own = {"whitespace_flexible": True, "item_separator": ",", "key_separator": ":"}
     flexible = so.grammar_of(so.JsonSchema({"type": "object", "x-guidance": own}))
-    assert _accepts(tok, flexible, '{ "a" :1 }') and _accepts(tok, flexible, '{"a":1,"b":2}')
+    assert accepts(tok, flexible, '{ "a" :1 }') and accepts(tok, flexible, '{"a":1,"b":2}')
 
 
-def _bytes_tokenizer() -> Any:
+def bytes_tokenizer() -> Any:
     """llguidance's own byte tokenizer: one token per byte (no model needed)."""
     from llguidance import LLTokenizer
 
     return LLTokenizer("byte")
 
 
-def _accepts(tok: Any, grammar: str, text: str) -> bool:
+def accepts(tok: Any, grammar: str, text: str) -> bool:
     m = LLMatcher(tok, grammar, log_level=0)
     ids = tok.tokenize_str(text)
     return m.consume_tokens(ids) and m.is_accepting()
