@@ -26,13 +26,16 @@ _NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "
 _WORDS = {">=": "at least", "<=": "at most", ">": "greater than", "<": "less than"}
 
 
+WIRE_INT_MIN, WIRE_INT_MAX = -(2**63), 2**64 - 1  # msgpack's integers
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_text(value: Any, path: str = "", *, item_lists: tuple[str, ...] = ()) -> None:
     """Every string in a caller's value (keys included) is valid Unicode: no lone UTF-16 surrogate, which
-    JSON can spell (`"\\ud800"`) but UTF-8, msgpack and the tokenizers cannot carry. Raises `ValidationError`
-    naming the first such field (an item of one of `item_lists` is named at its list, as `convert` does)."""
+    JSON can spell (`"\\ud800"`) but UTF-8, msgpack and the tokenizers cannot carry; and every integer fits the
+    64 bits msgpack carries (free-form JSON, a schema or a tool call's arguments, can hold any). Raises
+    `ValidationError` naming the first such field (an item of one of `item_lists` is named at its list, as
+    `convert` does)."""
     if isinstance(value, str):
         if _SURROGATE.search(value):
             field, message = path, "is not valid Unicode text (it holds a lone UTF-16 surrogate)"
@@ -40,6 +43,8 @@ def check_text(value: Any, path: str = "", *, item_lists: tuple[str, ...] = ()) 
                 if field.startswith(name + "["):
                     field, message = name, f"item {field[len(name) + 1:].split(']')[0]}: {message}"
             raise ValidationError(field, message)
+    elif type(value) is int and not WIRE_INT_MIN <= value <= WIRE_INT_MAX:
+        raise ValidationError(path, "out of range: an integer beyond 64 bits, which the wire cannot carry")
     elif isinstance(value, dict):
         for k, v in value.items():
             if isinstance(k, str) and _SURROGATE.search(k):
@@ -48,7 +53,7 @@ def check_text(value: Any, path: str = "", *, item_lists: tuple[str, ...] = ()) 
             check_text(v, join(path, str(k)), item_lists=item_lists)
     elif isinstance(value, list | tuple):
         for i, v in enumerate(value):
-            if isinstance(v, str | dict | list | tuple):  # numbers and the like hold no text (a token id list)
+            if isinstance(v, str | dict | list | tuple) or (type(v) is int and not WIRE_INT_MIN <= v <= WIRE_INT_MAX):
                 check_text(v, f"{path}[{i}]", item_lists=item_lists)
 
 

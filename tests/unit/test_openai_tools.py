@@ -242,3 +242,21 @@ def test_what_auto_cannot_be_asked_with():
         oa.translate_chat(chat(tools=[TIME], stream=True, logprobs=True), parser_of=hermes)
     assert err.value.param == "logprobs"
     oa.translate_chat(chat(tools=[TIME], logprobs=True), parser_of=hermes)  # not streamed: they come whole
+
+
+def test_free_form_json_with_an_integer_past_64_bits_is_refused_not_a_500():
+    """Tool call arguments, tool parameters and schemas are any JSON: an integer msgpack cannot carry is a 422 naming
+    it, caught where the body's text is checked (found by the OpenAPI fuzz test on a cluster run)."""
+    from shared.errors import ValidationError
+
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {
+        "a": [1, 2**70]}}}]}
+    with pytest.raises(ValidationError) as err:
+        build_request({"input": {"messages": [call]}}, BUILTIN_MODELS["tiny-llama"], "t", 1_000.0)
+    assert err.value.field == "input.messages[0].tool_calls[0].function.arguments.a[1]"
+    schema = {"type": "json_schema", "schema": {"type": "integer", "maximum": -(2**64)}}
+    with pytest.raises(ValidationError) as err:
+        build_request({"input": {"prompt": "x"}, "params": {"response_format": schema}}, BUILTIN_MODELS["tiny-llama"],
+                      "t", 1_000.0)
+    assert err.value.field == "params.response_format.schema.maximum" and "64 bits" in err.value.message
+    build_request({"input": {"input_ids": [1, 2, 3]}}, BUILTIN_MODELS["tiny-llama"], "t", 1_000.0)
