@@ -156,8 +156,8 @@ class ModelSpec:
         if self.kind not in ("model", "echo"):
             raise ConfigError(f"model {self.name}: kind must be model or echo, got {self.kind!r}")
         if self.tool_call_parser not in ("", *TOOL_CALL_PARSERS):
-            raise ConfigError(f"model {self.name}: tool_call_parser must be hermes or empty, got "
-                              f"{self.tool_call_parser!r}")
+            raise ConfigError(f"model {self.name}: tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)} "
+                              f"or empty, got {self.tool_call_parser!r}")
         if self.echo and self.task is not Task.GENERATE:
             raise ConfigError(f"model {self.name}: kind echo is a generation model (task: generate)")
 
@@ -180,7 +180,7 @@ class ModelSpec:
         }
 
 
-TOOL_CALL_PARSERS = ("hermes",)  # the formats shared.openai_tools reads calls in
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # the formats shared.openai_tools reads calls in
 
 
 BUILTIN_MODELS: dict[str, ModelSpec] = {

@@ -27,7 +27,6 @@ from shared.errors import ValidationError
 from shared.model_context import CONTEXT_EXCEEDED
 from shared.openai_logprobs import openai_logprobs
 from shared.openai_tools import (
-    HERMES_OPEN,
     Calls,
     ToolChoice,
     ToolDefs,
@@ -35,9 +34,9 @@ from shared.openai_tools import (
     answer,
     call_id,
     finish,
-    held_back,
     message_calls,
     plan,
+    streamable,
 )
 from shared.params import MAX_SEED, MAX_TOP_LOGPROBS, MIN_TOP_P
 from shared.validation import check_text, convert
@@ -794,7 +793,7 @@ class ChunkMaker:
                 return None
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             if not self.chars:
-                call |= {"id": call_id(self.own_id or self.request_id, 0), "type": "function"}
+                call |= {"id": call_id(self.own_id or self.request_id, 0, self.tr.calls.short_ids), "type": "function"}
                 call["function"] = {"name": self.tr.calls.forced, "arguments": text}
             self.chars += len(text) or 1
             return self._calls_chunk([call])
@@ -809,18 +808,13 @@ class ChunkMaker:
                              "delta": {"tool_calls": calls}}])
 
     def _auto_text(self, text: str) -> dict[str, Any] | None:
-        """"auto": text streams as content until a call may begin (a possible tag's start is held back until it is
-        known); from a call's tag on, everything is held and read at the end."""
-        calling = self.held.startswith(HERMES_OPEN)  # a call's tag has come (a tag's mere start is shorter)
+        """"auto": text streams as content until a call may begin (what may begin one is held back until it is
+        known); from where calls begin, everything is held and read at the end."""
+        assert self.tr.calls is not None
         self.held += text
-        if calling:
-            return None
-        at = self.held.find(HERMES_OPEN)
-        if at >= 0:
-            out, self.held = self.held[:at], self.held[at:]
-        else:
-            cut = len(self.held) - held_back(self.held)
-            out, self.held = self.held[:cut], self.held[cut:]
+        cut = streamable(self.tr.calls.parser, self.held, self.chars > 0)
+        out, self.held = self.held[:cut], self.held[cut:]
+        self.chars += len(out)
         return self._chunk([self._choice(out)]) if out else None
 
     def final(self, view: dict[str, Any], *, with_usage: bool = True) -> list[dict[str, Any]]:

@@ -5,21 +5,31 @@
 calls `[{"name", "arguments"}]` to the tools given. Any model then answers a call the client can parse. The tools
 reach the model through its chat template (`input.tools`), as do the calls and tool results of earlier turns.
 "none" answers text. "auto", the default with tools, leaves the choice to the model, so its calls must be told from
-its text in its family's own format: served for a model whose file names its `tool_call_parser` (`hermes`: the
-`<tool_call>{"name", "arguments"}</tool_call>` blocks of Hermes, Qwen 2.5 and 3, and their fine-tunes, as vLLM's
-parser of that name reads them), else a 400 naming `tool_choice`.
+its text in its family's own format, as vLLM's parsers of the same names read them: served for a model whose file
+names its `tool_call_parser`, else a 400 naming `tool_choice`:
+- `hermes`: `<tool_call>{"name", "arguments"}</tool_call>` blocks (Hermes, Qwen 2.5 and 3, and their fine-tunes),
+  after any text;
+- `llama3_json`: an answer that is one JSON object `{"name", "parameters"}`, or several joined by `;` (Llama 3.1,
+  3.2 and 3.3 with JSON tools);
+- `mistral`: an answer that is a JSON list of `{"name", "arguments"}` after `[TOOL_CALLS]` (a control token, so
+  the decoded text usually starts at the list); call ids of 9 letters and digits, which Mistral's templates require
+  when the calls come back.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import string
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
+from shared.config import TOOL_CALL_PARSERS
 from shared.params import MAX_TOOLS, FunctionName
 
 
@@ -60,6 +70,25 @@ HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(f"{re.escape(HERMES_OPEN)}(.*?)(?:{re.escape(HERMES_CLOSE)}|$)", re.S)
 
 
+PYTHON_TAG = "<|python_tag|>"  # Llama 3's, before a call (a special token: usually gone from the decoded text)
+MISTRAL_TAG = "[TOOL_CALLS]"  # Mistral's, before the list of calls (likewise)
+
+Read = Callable[[str], "tuple[str | None, list[tuple[str, str]]] | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class CallFormat:
+    """How a model family writes the calls it chooses: `read` gives an answer's (the text before the calls, or None
+    if blank; [(name, arguments as JSON)]), or None where it holds no call (the text stands). For a stream: `tag`
+    opens calls anywhere in the text; an answer that begins with one of `leading` (blanks aside) may be calls from
+    its start."""
+
+    read: Read
+    tag: str = ""
+    leading: tuple[str, ...] = ()
+    short_ids: bool = False  # call ids of 9 letters and digits (Mistral's chat templates refuse others)
+
+
 @dataclass(frozen=True, slots=True)
 class Calls:
     """How a chat answer becomes tool calls: one forced function's arguments, a list of calls ("required"), or
@@ -68,6 +97,7 @@ class Calls:
     forced: str | None  # the named function; None: "required" or "auto"
     parser: str = ""  # "auto": the model's tool-call format
     single: bool = False  # "auto" with parallel_tool_calls false: the first call alone
+    short_ids: bool = False  # the model's template takes call ids of 9 letters and digits only
 
 
 def plan(tools: list[ToolDef] | None, choice: str | ToolChoice | None, parallel: bool | None,
@@ -90,12 +120,14 @@ def plan(tools: list[ToolDef] | None, choice: str | ToolChoice | None, parallel:
         raise ToolError("tool_choice", "there are no tools to choose from")
     native = [{"type": "function", "function": {"name": t.function.name, "description": t.function.description or "",
                                                 "parameters": t.function.parameters or {}}} for t in tools]
+    short = FORMATS[parser].short_ids if parser else False
     if isinstance(choice, ToolChoice):
-        return native, {"type": "json_schema", "schema": _forced(tools, choice)}, Calls(forced=choice.function.name)
+        return native, {"type": "json_schema", "schema": _forced(tools, choice)}, \
+            Calls(forced=choice.function.name, short_ids=short)
     if choice == "required":
-        return native, {"type": "json_schema", "schema": _calls(tools, parallel)}, Calls(forced=None)
+        return native, {"type": "json_schema", "schema": _calls(tools, parallel)}, Calls(forced=None, short_ids=short)
     if choice == "auto" and parser:
-        return native, None, Calls(forced=None, parser=parser, single=parallel is False)
+        return native, None, Calls(forced=None, parser=parser, single=parallel is False, short_ids=short)
     if choice == "auto":
         raise ToolError("tool_choice", "'auto' is not served here: the model's tool-call format is not known (a "
                                        "model file's tool_call_parser names it; batch lines never read calls from "
@@ -142,8 +174,15 @@ def _arguments(tool: ToolDef) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object"}
 
 
-def call_id(request_id: str, index: int) -> str:
-    return f"call_{request_id.removeprefix('req_')}_{index}"
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def call_id(request_id: str, index: int, short: bool = False) -> str:
+    """A call's id: `call_<request>_<index>`, or (`short`) 9 letters and digits drawn from the same."""
+    if not short:
+        return f"call_{request_id.removeprefix('req_')}_{index}"
+    n = int.from_bytes(hashlib.sha256(f"{request_id}/{index}".encode()).digest()[:8], "big")
+    return "".join(_ID_ALPHABET[(n >> (6 * i)) % len(_ID_ALPHABET)] for i in range(9))
 
 
 def answer(calls: Calls, text: str, request_id: str) -> tuple[str | None, list[dict[str, Any]] | None]:
@@ -153,56 +192,125 @@ def answer(calls: Calls, text: str, request_id: str) -> tuple[str | None, list[d
     if calls.forced is not None:
         made = [(calls.forced, text)]
     elif calls.parser:
-        found = hermes_calls(text)
+        found = FORMATS[calls.parser].read(text)
         if found is None:
             return text, None
         content, made = found
-        return content, _numbered(made[:1] if calls.single else made, request_id)
+        return content, _numbered(made[:1] if calls.single else made, request_id, calls.short_ids)
     else:
         try:
             made = [(str(c["name"]), json.dumps(c["arguments"])) for c in json.loads(text)]
         except (ValueError, TypeError, KeyError):
             return text, None
-    return None, _numbered(made, request_id)
+    return None, _numbered(made, request_id, calls.short_ids)
 
 
-def _numbered(made: list[tuple[str, str]], request_id: str) -> list[dict[str, Any]]:
-    return [{"id": call_id(request_id, i), "type": "function", "function": {"name": name, "arguments": args}}
+def _numbered(made: list[tuple[str, str]], request_id: str, short: bool) -> list[dict[str, Any]]:
+    return [{"id": call_id(request_id, i, short), "type": "function", "function": {"name": name, "arguments": args}}
             for i, (name, args) in enumerate(made)]
 
 
+def _call(said: Any) -> tuple[str, str] | None:
+    """A call the model wrote, `{"name", "arguments"}` (or `"parameters"`, Llama's word), as (name, arguments as
+    JSON); None where it is not one. Arguments must be an object (or JSON text of one, as some models write them),
+    as an assistant message sent back must hold them."""
+    if not isinstance(said, dict) or not isinstance(said.get("name"), str):
+        return None
+    arguments = said.get("arguments", said.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):  # a call the client could not send back on its next turn
+        return None
+    return said["name"], json.dumps(arguments)
+
+
 def hermes_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
-    """The `<tool_call>{"name", "arguments"}</tool_call>` blocks of `text` as (the text before them, or None if
-    blank; [(name, arguments as JSON)]); None where there is none, or one is not such a call (the text stands):
-    arguments must be an object (or JSON text of one), as an assistant message sent back must hold them."""
+    """The `<tool_call>{"name", "arguments"}</tool_call>` blocks of `text` (the last may lack its closing tag) and
+    the text before the first; None where there is none, or one is not a call."""
     start = text.find(HERMES_OPEN)
     if start < 0:
         return None
     made = []
     for body in _HERMES_CALL.findall(text, start):
         try:
-            call = json.loads(body)
+            call = _call(json.loads(body))
         except ValueError:
             return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        if call is None:
             return None
-        arguments = call.get("arguments", call.get("parameters", {}))
-        if isinstance(arguments, str):  # some models write them as JSON text
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return None
-        if not isinstance(arguments, dict):  # a call the client could not send back on its next turn
-            return None
-        made.append((call["name"], json.dumps(arguments)))
+        made.append(call)
     before = text[:start]
     return (before if before.strip() else None), made  # as streamed: the text before the first tag, unstripped
 
 
-def held_back(text: str) -> int:
-    """How many of `text`'s last characters could begin a `<tool_call>` tag: held back from a stream until known."""
-    return next((n for n in range(min(len(text), len(HERMES_OPEN) - 1), 0, -1)
-                 if HERMES_OPEN.startswith(text[-n:])), 0)
+def llama3_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
+    """An answer that is calls alone, `{"name", "parameters"}` objects joined by `;` (after `<|python_tag|>`, where
+    it was kept); None for anything else."""
+    rest = text.strip().removeprefix(PYTHON_TAG).lstrip()
+    if not rest.startswith("{"):
+        return None
+    made = []
+    while rest:
+        try:
+            said, end = json.JSONDecoder().raw_decode(rest)
+        except ValueError:
+            return None
+        if (call := _call(said)) is None:
+            return None
+        made.append(call)
+        rest = rest[end:].lstrip()
+        if rest and not rest.startswith(";"):
+            return None
+        rest = rest[1:].lstrip()
+    return None, made
+
+
+def mistral_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
+    """A JSON list of `{"name", "arguments"}` after `[TOOL_CALLS]` (the text before it is content), or, the tag
+    dropped with the special tokens, an answer that is such a list alone; None for anything else."""
+    before, tag, body = text.partition(MISTRAL_TAG)
+    if not tag:
+        before, body = "", text
+    body = body.strip()
+    try:
+        said, end = json.JSONDecoder().raw_decode(body) if body.startswith("[") else (None, 0)
+    except ValueError:
+        return None
+    if not isinstance(said, list) or not said or body[end:].strip():
+        return None
+    made = [_call(c) for c in said]
+    if any(c is None for c in made):
+        return None
+    return (before if before.strip() else None), [c for c in made if c is not None]
+
+
+FORMATS: dict[str, CallFormat] = {
+    "hermes": CallFormat(hermes_calls, tag=HERMES_OPEN),
+    "llama3_json": CallFormat(llama3_calls, leading=("{", PYTHON_TAG)),
+    "mistral": CallFormat(mistral_calls, tag=MISTRAL_TAG, leading=("[",), short_ids=True),
+}
+assert set(FORMATS) == set(TOOL_CALL_PARSERS), "shared.config names the formats read here"
+
+
+def streamable(parser: str, held: str, sent: bool) -> int:
+    """How many of `held`'s first characters (an "auto" answer's text not yet streamed; `sent`: some was) may go
+    out as content now: none from where calls begin, or may begin (a tag's possible start held back until known;
+    an answer's start, until it shows whether it is calls)."""
+    fmt = FORMATS[parser]
+    if not sent and fmt.leading:
+        start = held.lstrip()
+        if not start or any(start.startswith(lead) or lead.startswith(start) for lead in fmt.leading):
+            return 0
+    if not fmt.tag:
+        return len(held)
+    at = held.find(fmt.tag)
+    if at >= 0:
+        return at
+    return len(held) - next((n for n in range(min(len(held), len(fmt.tag) - 1), 0, -1)
+                             if fmt.tag.startswith(held[-n:])), 0)
 
 
 def finish(calls: Calls, reason: str) -> str:

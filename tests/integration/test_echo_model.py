@@ -74,3 +74,45 @@ async def test_tool_choice_auto_reads_a_models_hermes_calls_from_its_text(redis_
                                                       "refusal": None}
         r = await gw.client.post("/v1/chat/completions", json={**body, "model": "echo"})  # no parser: refused
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize(("parser", "said"), [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                    '{"name": "get_time", "parameters": {"tz": "CET"}}'),
+    ("mistral", '[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "get_time", "arguments": {"tz": "CET"}}]'),
+])
+async def test_tool_choice_auto_reads_llama3_and_mistral_calls(redis_url, prefix, parser, said):
+    """Models whose files name `tool_call_parser: llama3_json` or `mistral`: an answer that is their calls comes
+    back as `tool_calls` (no content), streamed or not; a plain answer streams as text."""
+    import dataclasses
+    import json
+
+    echo = dataclasses.replace(ECHO, name="calls-echo", max_input_tokens=512, max_new_tokens=256,
+                               tool_call_parser=parser).validate()
+    tools = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "get_time")]
+    body = {"model": "calls-echo", "messages": [{"role": "user", "content": said}], "tools": tools,
+            "max_tokens": len(said.encode()), "temperature": 0}
+    want = [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    settings = make_settings(redis_url, prefix, models=(echo,))
+    async with running_worker(settings, {}), running_gateway(settings) as gw:
+        r = await gw.client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        (choice,) = r.json()["choices"]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        calls = choice["message"]["tool_calls"]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == want
+        if parser == "mistral":
+            assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+        r = await gw.client.post("/v1/chat/completions", json={**body, "stream": True})
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        streamed = [t for c in chunks if c["choices"] for t in c["choices"][0]["delta"].get("tool_calls") or ()]
+        assert content == "" and [(t["function"]["name"], json.loads(t["function"]["arguments"]))
+                                  for t in streamed] == want
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        plain = {**body, "messages": [{"role": "user", "content": "just {text}"}], "max_tokens": 11, "stream": True}
+        r = await gw.client.post("/v1/chat/completions", json=plain)
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "just {text}"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # not tool_calls: the echo ran to max_tokens

@@ -260,3 +260,89 @@ def test_free_form_json_with_an_integer_past_64_bits_is_refused_not_a_500():
                       "t", 1_000.0)
     assert err.value.field == "params.response_format.schema.maximum" and "64 bits" in err.value.message
     build_request({"input": {"input_ids": [1, 2, 3]}}, BUILTIN_MODELS["tiny-llama"], "t", 1_000.0)
+
+
+def auto_answer(parser: str, text: str, **kw: Any) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """An "auto" answer read back for a model of `parser`'s format: (finish_reason, content, tool_calls)."""
+    tr = oa.translate_chat(chat(tools=[WEATHER, TIME], **kw), parser_of=lambda m: parser)
+    view = {"id": "req_f", "status": "succeeded", "finish_reason": "eos",
+            "output": {"text": text, "token_ids": [1], "prompt_tokens": 1, "completion_tokens": 1}}
+    (choice,) = oa.completion_response(tr, [view], 0)["choices"]
+    return choice["finish_reason"], choice["message"]["content"], choice["message"].get("tool_calls") or []
+
+
+def streamed(parser: str, pieces: list[str]) -> tuple[str, list[dict[str, Any]], str]:
+    """The same, streamed in `pieces`: (content, tool_calls, finish_reason)."""
+    maker = oa.ChunkMaker(oa.translate_chat(chat(stream=True, tools=[WEATHER, TIME]), parser_of=lambda m: parser),
+                          "req_s", 0)
+    chunks = [c for p in pieces for c in maker.delta({"text": p})]
+    chunks += maker.final({"id": "req_s", "status": "succeeded", "finish_reason": "eos", "output": {}})
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    calls = [t for c in chunks for t in c["choices"][0]["delta"].get("tool_calls") or ()]
+    return content, calls, chunks[-1]["choices"][0]["finish_reason"]
+
+
+def named(calls: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_auto_reads_llama3_json_calls():
+    """Llama 3.1-3.3's JSON tool calls (vLLM's `llama3_json`): the answer is one `{"name", "parameters"}` object,
+    or several joined by `;`, perhaps after `<|python_tag|>`; anything else is text."""
+    two = '{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}'
+    for text in (two, f"  {two}\n", f"<|python_tag|>{two};"):
+        reason, content, calls = auto_answer("llama3_json", text)
+        assert (reason, content) == ("tool_calls", None), text
+        assert named(calls) == [("get_weather", {"city": "Rome"}), ("get_time", {})]
+        assert [c["id"] for c in calls] == ["call_f_0", "call_f_1"]
+    one = '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}'  # arguments as JSON text
+    assert named(auto_answer("llama3_json", one)[2]) == [("get_weather", {"city": "Oslo"})]
+    assert named(auto_answer("llama3_json", two, parallel_tool_calls=False)[2]) == [("get_weather", {"city": "Rome"})]
+    for text in ("It is sunny.", 'Here: {"name": "get_time", "parameters": {}}', '{"name": "get_time", "param',
+                 '{"name": "get_time", "parameters": {}} and more', '{"city": "Rome"}',
+                 '{"name": "get_time", "parameters": [1]}'):
+        assert auto_answer("llama3_json", text) == ("stop", text, []), text
+    # streamed: an answer that opens with "{" may be calls, held to the end; any other streams at once
+    assert streamed("llama3_json", ["", " ", '{"name": "get_time", ', '"parameters": {}}']) == (
+        "", [{"index": 0, "id": "call_s_0", "type": "function",
+              "function": {"name": "get_time", "arguments": "{}"}}], "tool_calls")
+    assert streamed("llama3_json", ["It ", "is {sunny}."]) == ("It is {sunny}.", [], "stop")
+    assert streamed("llama3_json", ["<|pyth", "on", " no"]) == ("<|python no", [], "stop")
+    assert streamed("llama3_json", ['{"not": ', '"a call"}']) == ('{"not": "a call"}', [], "stop")
+
+
+def test_auto_reads_mistral_calls_with_ids_its_template_takes():
+    """Mistral's calls (vLLM's `mistral`): a JSON list of `{"name", "arguments"}` after `[TOOL_CALLS]`, a control
+    token the decoded text usually lacks. Call ids are 9 letters and digits, forced ones too: Mistral's chat
+    templates refuse any other id when the calls come back on the next turn."""
+    listed = '[{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "get_time", "arguments": {}}]'
+    for text, content in ((listed, None), (f"[TOOL_CALLS] {listed}", None), (f"Sure. [TOOL_CALLS]{listed}", "Sure. ")):
+        reason, got, calls = auto_answer("mistral", text)
+        assert (reason, got) == ("tool_calls", content), text
+        assert named(calls) == [("get_weather", {"city": "Rome"}), ("get_time", {})]
+        ids = [c["id"] for c in calls]
+        assert all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids) and len(set(ids)) == 2, ids
+        assert ids == [c["id"] for c in auto_answer("mistral", text)[2]]  # the same answer, the same ids
+    for text in ("[1, 2]", "[]", "[a list] of things", '[{"name": "get_time", "arguments": {}}] more', "Plain.",
+                 '[{"name": "get_time", "arguments": {}}, {"name": 1}]'):
+        assert auto_answer("mistral", text) == ("stop", text, []), text
+    content, calls, reason = streamed("mistral", ["Sure. [TOOL", "_CALLS]", listed])
+    assert (content, reason) == ("Sure. ", "tool_calls") and [c["index"] for c in calls] == [0, 1]
+    assert streamed("mistral", ["[1, ", "2]"]) == ("[1, 2]", [], "stop")
+    tr = oa.translate_chat(chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                stream=True), parser_of=lambda m: "mistral")
+    (chunk,) = oa.ChunkMaker(tr, "req_m", 0).delta({"text": '{"city": '})
+    forced_id = chunk["choices"][0]["delta"]["tool_calls"][0]["id"]
+    assert len(forced_id) == 9 and forced_id.isalnum()
+
+
+def test_every_parser_a_model_file_may_name_is_read():
+    from shared.config import TOOL_CALL_PARSERS, ConfigError, ModelSpec
+    from shared.openai_tools import FORMATS
+    from shared.states import Task
+
+    assert set(FORMATS) == set(TOOL_CALL_PARSERS)
+    for parser in TOOL_CALL_PARSERS:
+        ModelSpec(name="m", task=Task.GENERATE, source="builtin:tiny-llama", tool_call_parser=parser).validate()
+    with pytest.raises(ConfigError, match="hermes, llama3_json, mistral"):
+        ModelSpec(name="m", task=Task.GENERATE, source="builtin:tiny-llama", tool_call_parser="pythonic").validate()
