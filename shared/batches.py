@@ -141,6 +141,7 @@ class Answer(msgspec.Struct, frozen=True, array_like=True):
     score_only: bool = False
     calls: bool = False
     forced: str | None = None
+    legacy: bool = False  # asked with the deprecated `functions`: answered as `function_call`
 
 
 class ItemRef(msgspec.Struct, frozen=True, array_like=True):
@@ -199,7 +200,7 @@ def parse_line(raw: bytes | str, line: int, endpoint: str) -> Item:
                          code="unsupported_parameter", param="body.n" if tr.n > 1 else "body.best_of", line=line)
     inner = {k: v for k, v in tr.body.items() if k not in ("timeout_s", "deadline", "priority", "stream")}
     answer = Answer(tr.logprobs, tr.echo, tr.prompt, tr.score_only, tr.calls is not None,
-                    tr.calls.forced if tr.calls is not None else None)
+                    tr.calls.forced if tr.calls is not None else None, tr.calls is not None and tr.calls.legacy)
     return Item(line, custom_id, tr.model, inner, tr.kind, tr.encoding_format, tr.aliases,
                 answer if answer != Answer() else None)
 
@@ -215,7 +216,7 @@ def _response_body(ref: ItemRef, view: dict[str, Any], created: int) -> dict[str
     a = ref.answer or Answer()
     tr = oa.Translated(kind=ref.kind, model=ref.model, body={}, encoding_format=ref.encoding_format,  # type: ignore[arg-type]
                        logprobs=a.logprobs, echo=a.echo, prompt=a.prompt, score_only=a.score_only,
-                       calls=Calls(a.forced) if a.calls else None)
+                       calls=Calls(a.forced, legacy=a.legacy) if a.calls else None)
     if ref.kind == "embedding":
         return oa.embedding_response(tr, view)
     return oa.completion_response(tr, [view], created)

@@ -28,12 +28,15 @@ from shared.model_context import CONTEXT_EXCEEDED
 from shared.openai_logprobs import openai_logprobs
 from shared.openai_tools import (
     Calls,
+    ChosenFunction,
+    FunctionDefs,
     ToolChoice,
     ToolDefs,
     ToolError,
     answer,
     call_id,
     finish,
+    legacy_plan,
     message_calls,
     plan,
     streamable,
@@ -226,8 +229,8 @@ class ChatRequest(_Sampling, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     tools: ToolDefs | None = None
     tool_choice: str | ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    functions: list[Any] | None = None
-    function_call: str | dict[str, Any] | None = None
+    functions: FunctionDefs | None = None  # deprecated, as `tools`
+    function_call: str | ChosenFunction | None = None  # deprecated, as `tool_choice`
     store: bool | None = None
     metadata: dict[str, str] | None = None
     modalities: list[str] | None = None
@@ -325,8 +328,6 @@ _COMPLETION_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("suffix", _empty, "not supported (only empty)"),
 )
 _CHAT_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("functions", _empty, "function calling is not supported"),
-    ("function_call", _none_or("none"), "function calling is not supported (only 'none')"),
     ("store", _none_or(False), "completions are not stored (only false)"),
     ("modalities", lambda v: v is None or list(v) == ["text"], "only ['text']"),
     ("reasoning_effort", _none_or(), "not supported"),
@@ -533,12 +534,32 @@ def _with_logprobs(params: dict[str, Any], logprobs: int | None) -> dict[str, An
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+def _messages(given: list[MessageIn]) -> list[dict[str, Any]]:
+    """The native messages. The deprecated function calling's turns become tool calling's: an assistant's
+    `function_call` a call (id `call_<message index>`), a `function` message the tool result that answers it."""
+    out, last_call = [], ""
+    for i, m in enumerate(given):
+        at = f"messages[{i}]"
+        if m.function_call is not None:
+            call = m.function_call
+            if m.role != "assistant" or not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                raise invalid(f"{at}.function_call", "an assistant's {'name', 'arguments'} (JSON text)")
+            last_call = f"call_{i}"
+            m = msgspec.structs.replace(m, function_call=None, tool_calls=[
+                {"id": last_call, "type": "function", "function": {"name": call["name"],
+                                                                   "arguments": call.get("arguments") or "{}"}}])
+        elif m.role == "function":
+            if not m.name:
+                raise invalid(f"{at}.name", "required: the function whose result this is")
+            m = msgspec.structs.replace(m, role="tool", tool_call_id=last_call)
+        out.append(_message(i, m))
+    return out
+
+
 def _message(i: int, m: MessageIn) -> dict[str, Any]:
     at = f"messages[{i}]"
     if m.role not in _ROLES:
         raise invalid(f"{at}.role", f"must be one of: {', '.join(_ROLES)} (got {m.role!r})")
-    if m.function_call is not None:
-        raise unsupported(f"{at}.function_call", "the deprecated function_call is not served: use tool_calls")
     if m.audio is not None:
         raise unsupported(f"{at}.audio", "audio is not supported")
     extra = _call_fields(at, m)
@@ -593,10 +614,15 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None,
     if top and not req.logprobs:  # as OpenAI answers
         raise invalid("top_logprobs", "requires logprobs: true")
     logprobs = (top or 0) if req.logprobs else None
-    messages = [_message(i, m) for i, m in enumerate(req.messages)]
+    messages = _messages(req.messages)
     fmt, fmt_aliases = _constraint(req)
-    parser = parser_of(req.model) if parser_of is not None and req.tools else ""
-    tools, call_format, calls = _tools(lambda: plan(req.tools, req.tool_choice, req.parallel_tool_calls, parser))
+    parser = parser_of(req.model) if parser_of is not None and (req.tools or req.functions) else ""
+    if req.functions is not None or req.function_call is not None:
+        if req.tools is not None or req.tool_choice is not None:
+            raise invalid("functions", "the deprecated functions and function_call, or tools and tool_choice: not both")
+        tools, call_format, calls = _tools(lambda: legacy_plan(req.functions or [], req.function_call, parser))
+    else:
+        tools, call_format, calls = _tools(lambda: plan(req.tools, req.tool_choice, req.parallel_tool_calls, parser))
     if fmt is not None and (call_format is not None or calls is not None):  # a format leaves no room for a call
         raise invalid("tool_choice", f"calls are asked for: give no {next(iter(fmt_aliases.values()))} with them")
     if calls is not None and calls.parser and stream and logprobs is not None:
@@ -699,7 +725,8 @@ def completion_response(tr: Translated, views: list[dict[str, Any]], created: in
             choice["logprobs"] = openai_logprobs(tr.kind, entries)
         content, made = answer(tr.calls, text, str(view.get("id"))) if tr.calls is not None else (text, None)
         if made is not None and tr.calls is not None:
-            choice["message"] = {"role": "assistant", "content": content, "refusal": None, "tool_calls": made}
+            calls = {"function_call": made[0]["function"]} if tr.calls.legacy else {"tool_calls": made}
+            choice["message"] = {"role": "assistant", "content": content, "refusal": None, **calls}
             choice["finish_reason"] = finish(tr.calls, reason)
         elif tr.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text, "refusal": None}
@@ -791,11 +818,14 @@ class ChunkMaker:
             if self.tr.calls.forced is None:
                 self.held += text
                 return None
-            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
-            if not self.chars:
-                call |= {"id": call_id(self.own_id or self.request_id, 0, self.tr.calls.short_ids), "type": "function"}
-                call["function"] = {"name": self.tr.calls.forced, "arguments": text}
+            first = not self.chars
             self.chars += len(text) or 1
+            function = {"name": self.tr.calls.forced, "arguments": text} if first else {"arguments": text}
+            if self.tr.calls.legacy:
+                return self._calls_chunk(function)
+            call: dict[str, Any] = {"index": 0, "function": function}
+            if first:
+                call |= {"id": call_id(self.own_id or self.request_id, 0, self.tr.calls.short_ids), "type": "function"}
             return self._calls_chunk([call])
         choice = self._choice(text)
         if self.tr.logprobs is not None:
@@ -803,9 +833,10 @@ class ChunkMaker:
         self.chars += len(text)
         return self._chunk([choice])
 
-    def _calls_chunk(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
-        return self._chunk([{"index": self.index, "finish_reason": None, "logprobs": None,
-                             "delta": {"tool_calls": calls}}])
+    def _calls_chunk(self, calls: list[dict[str, Any]] | dict[str, Any]) -> dict[str, Any]:
+        """A delta of `tool_calls` (a list), or of the deprecated `function_call` (one call's function)."""
+        delta = {"tool_calls": calls} if isinstance(calls, list) else {"function_call": calls}
+        return self._chunk([{"index": self.index, "finish_reason": None, "logprobs": None, "delta": delta}])
 
     def _auto_text(self, text: str) -> dict[str, Any] | None:
         """"auto": text streams as content until a call may begin (what may begin one is held back until it is
@@ -826,7 +857,8 @@ class ChunkMaker:
             if content:  # a list cut short, "auto" text that held no call: as a plain answer's
                 out.append(self._chunk([self._choice(content)]))
             if made:
-                out.append(self._calls_chunk([{"index": i, **call} for i, call in enumerate(made)]))
+                out.append(self._calls_chunk(made[0]["function"] if self.tr.calls.legacy else
+                                             [{"index": i, **call} for i, call in enumerate(made)]))
                 reason = finish(self.tr.calls, reason)
         last = self._chunk([self._choice(None if self.tr.kind == "chat" else "", reason=reason)],
                            **{EXTENSION: extension(view)})

@@ -98,6 +98,27 @@ class Calls:
     parser: str = ""  # "auto": the model's tool-call format
     single: bool = False  # "auto" with parallel_tool_calls false: the first call alone
     short_ids: bool = False  # the model's template takes call ids of 9 letters and digits only
+    legacy: bool = False  # asked with the deprecated `functions`: one call, answered as `function_call`
+
+
+FunctionDefs = Annotated[list[FunctionDef], Meta(max_length=MAX_TOOLS)]
+
+
+def legacy_plan(functions: list[FunctionDef], function_call: str | ChosenFunction | None, parser: str = "") \
+        -> tuple[list[dict[str, Any]] | None, dict[str, Any] | None, Calls | None]:
+    """`plan` for the deprecated `functions` and `function_call` ("none", "auto" or {"name"}): one call at most,
+    answered as `function_call`. Errors name the deprecated parameters."""
+    choice = ToolChoice("function", function_call) if isinstance(function_call, ChosenFunction) else function_call
+    try:
+        tools, fmt, calls = plan([ToolDef("function", f) for f in functions], choice, False, parser)
+    except ToolError as exc:
+        param = re.sub(r"^tools(\[\d+\])\.function", r"functions\1", exc.param)
+        param = param.replace("tool_choice.function", "function_call").replace("tool_choice", "function_call")
+        raise ToolError(param.replace("tools", "functions"), exc.message.replace("tool_choice", "function_call"),
+                        exc.unsupported) from None
+    if calls is not None:
+        calls = Calls(calls.forced, calls.parser, True, calls.short_ids, legacy=True)
+    return tools, fmt, calls
 
 
 def plan(tools: list[ToolDef] | None, choice: str | ToolChoice | None, parallel: bool | None,
@@ -314,12 +335,13 @@ def streamable(parser: str, held: str, sent: bool) -> int:
 
 
 def finish(calls: Calls, reason: str) -> str:
-    """OpenAI's finish_reason of an answer that made calls: `tool_calls` for calls the model chose ("auto": every
-    call read whole, even where the text ran on to max_tokens after them, as vLLM answers), `stop` for a forced
-    function (as OpenAI answers), `length` when cut short."""
+    """OpenAI's finish_reason of an answer that made calls: `tool_calls` (`function_call` for the deprecated
+    `functions`) for calls the model chose ("auto": every call read whole, even where the text ran on to max_tokens
+    after them, as vLLM answers), `stop` for a forced function (as OpenAI answers), `length` when cut short."""
+    chose = "function_call" if calls.legacy else "tool_calls"
     if calls.parser:
-        return "tool_calls"
-    return "tool_calls" if reason == "stop" and calls.forced is None else reason
+        return chose
+    return chose if reason == "stop" and calls.forced is None else reason
 
 
 def message_calls(at: str, raw: list[Any]) -> list[dict[str, Any]]:

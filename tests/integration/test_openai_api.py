@@ -627,6 +627,38 @@ async def test_structured_output_from_the_clients_own_helpers(stack: RunningGate
     assert info.value.param == "response_format" and "objectx" in info.value.message
 
 
+async def test_the_deprecated_functions_answer_function_call_to_the_client(stack: RunningGateway,
+                                                                           clients: Clients):
+    """Older clients' function calling (`functions`, `function_call`): a forced function's call comes back as
+    `message.function_call` whose arguments follow its parameters, streamed too; the next turn carries the call and
+    the function's result (role `function`)."""
+    _, client = clients(stack, max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Time in Oslo?"}]
+    clock = {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}},
+                                                "required": ["tz"]}}
+    answer = await client.chat.completions.create(model="tiny-llama", messages=messages, functions=[clock],
+                                                  function_call={"name": "get_time"}, max_tokens=30, temperature=0)
+    message = answer.choices[0].message
+    assert message.function_call.name == "get_time" and not message.tool_calls and message.content is None
+    assert json.loads(message.function_call.arguments)["tz"] in ("UTC", "CET")
+    stream = await client.chat.completions.create(model="tiny-llama", messages=messages, functions=[clock],
+                                                  function_call={"name": "get_time"}, max_tokens=30, temperature=0,
+                                                  stream=True)
+    deltas = [c.choices[0].delta.function_call for c in [c async for c in stream]
+              if c.choices and c.choices[0].delta.function_call]
+    assert deltas[0].name == "get_time"
+    assert "".join(d.arguments or "" for d in deltas) == message.function_call.arguments  # greedy: the same call
+    turn = [*messages, {"role": "assistant", "content": None, "function_call": {
+        "name": "get_time", "arguments": message.function_call.arguments}},
+        {"role": "function", "name": "get_time", "content": "09:00"}]
+    reply = await client.chat.completions.create(model="tiny-llama", messages=turn, functions=[clock],
+                                                 function_call="none", max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content and reply.choices[0].message.function_call is None
+    with pytest.raises(openai.BadRequestError) as info:  # auto: the model's own format, which tiny-llama has none of
+        await client.chat.completions.create(model="tiny-llama", messages=messages, functions=[clock])
+    assert info.value.param == "function_call"
+
+
 async def test_tool_calls_forced_or_required_come_back_as_calls_the_client_reads(stack: RunningGateway,
                                                                                  clients: Clients):
     """A named function (the client's `pydantic_function_tool` and `parse`, which reads the call's arguments into

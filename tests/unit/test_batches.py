@@ -265,3 +265,20 @@ def test_a_lines_tool_calls_reach_its_output_line_through_the_kept_ref():
     assert ok and choice["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
     older = msgspec.msgpack.encode([1, False, None, False])  # an Answer of before: logprobs 1, nothing else
     assert msgspec.msgpack.decode(older, type=Answer) == Answer(logprobs=1)
+
+
+def test_a_line_with_the_deprecated_functions_answers_function_call():
+    import msgspec
+
+    from shared.batches import ItemRef
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "functions": [{"name": "f", "parameters": {"type": "object"}}], "function_call": {"name": "f"}}
+    ref = msgspec.msgpack.decode(msgspec.msgpack.encode(parse_line(line(body=body), 0, CHAT).ref("req_f")),
+                                 type=ItemRef)
+    view = {"id": "req_f", "status": "succeeded", "finish_reason": "stop",
+            "output": {"text": '{"a": 1}', "token_ids": [6], "prompt_tokens": 2, "completion_tokens": 1}}
+    ok, out = result_line(ref, view, 100)
+    (choice,) = out["response"]["body"]["choices"]
+    assert ok and choice["message"]["function_call"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert "tool_calls" not in choice["message"]

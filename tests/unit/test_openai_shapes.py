@@ -193,8 +193,11 @@ def test_chat_refusals():
     err = refused(oa.translate_chat, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]))
     assert err.param == "messages[0].content[0]" and "image_url" in err.message
-    assert refused(oa.translate_chat, chat(messages=[{"role": "function", "content": "x"}])).param == \
+    assert refused(oa.translate_chat, chat(messages=[{"role": "robot", "content": "x"}])).param == \
         "messages[0].role"
+    # the deprecated function calling's result message is served (as a tool's), and names its function
+    assert refused(oa.translate_chat, chat(messages=[{"role": "function", "content": "x"}])).param == \
+        "messages[0].name"
     assert refused(oa.translate_chat, chat(messages=[{"role": "assistant", "content": None}])).param == \
         "messages[0].content"
     assert refused(oa.translate_chat, chat(messages=[{"role": "assistant", "tool_calls": [{"id": "1"}]}])).param \

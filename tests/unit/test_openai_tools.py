@@ -346,3 +346,75 @@ def test_every_parser_a_model_file_may_name_is_read():
         ModelSpec(name="m", task=Task.GENERATE, source="builtin:tiny-llama", tool_call_parser=parser).validate()
     with pytest.raises(ConfigError, match="hermes, llama3_json, mistral"):
         ModelSpec(name="m", task=Task.GENERATE, source="builtin:tiny-llama", tool_call_parser="pythonic").validate()
+
+
+WEATHER_FN = WEATHER["function"]
+
+
+def test_the_deprecated_functions_are_served_as_tools_and_answered_as_function_call():
+    """`functions` and `function_call` (OpenAI's deprecated function calling, which older clients still send): the
+    same planning as `tools`, one call at most, the answer's `function_call` and finish_reason `function_call`."""
+    forced = oa.translate_chat(chat(functions=[WEATHER_FN, TIME["function"]], function_call={"name": "get_weather"}))
+    assert forced.body["params"]["response_format"] == {"type": "json_schema", "schema": WEATHER_FN["parameters"]}
+    assert [t["function"]["name"] for t in forced.body["input"]["tools"]] == ["get_weather", "get_time"]
+    view = {"id": "req_l", "status": "succeeded", "finish_reason": "stop",
+            "output": {"text": '{"city": "Oslo"}', "token_ids": [1], "prompt_tokens": 1, "completion_tokens": 1}}
+    (choice,) = oa.completion_response(forced, [view], 0)["choices"]
+    assert choice["message"] == {"role": "assistant", "content": None, "refusal": None,
+                                 "function_call": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    assert choice["finish_reason"] == "stop"  # as a forced tool call
+    maker = oa.ChunkMaker(oa.translate_chat(chat(functions=[WEATHER_FN], function_call={"name": "get_weather"},
+                                                 stream=True)), "req_l", 0)
+    deltas = [c["choices"][0]["delta"] for p in ('{"city": ', '"Oslo"}') for c in maker.delta({"text": p})]
+    assert deltas == [{"function_call": {"name": "get_weather", "arguments": '{"city": '}},
+                      {"function_call": {"arguments": '"Oslo"}'}}]
+
+    auto = oa.translate_chat(chat(functions=[WEATHER_FN, TIME["function"]]), parser_of=lambda m: "hermes")
+    assert "response_format" not in auto.body["params"] and auto.calls is not None and auto.calls.single
+    said = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    (choice,) = oa.completion_response(auto, [{**view, "finish_reason": "eos",
+                                               "output": {**view["output"], "text": said}}], 0)["choices"]
+    assert choice["finish_reason"] == "function_call"
+    assert choice["message"]["function_call"] == {"name": "get_time", "arguments": "{}"}  # the first call alone
+    assert "tool_calls" not in choice["message"]
+    maker = oa.ChunkMaker(oa.translate_chat(chat(functions=[TIME["function"]], stream=True),
+                                            parser_of=lambda m: "hermes"), "req_a", 0)
+    assert maker.delta({"text": said}) == []
+    *calls, last = maker.final({"id": "req_a", "status": "succeeded", "finish_reason": "eos", "output": {}})
+    assert calls[0]["choices"][0]["delta"] == {"function_call": {"name": "get_time", "arguments": "{}"}}
+    assert last["choices"][0]["finish_reason"] == "function_call"
+    none = oa.translate_chat(chat(functions=[WEATHER_FN], function_call="none"))
+    assert none.calls is None and "tools" not in none.body["input"]
+
+
+def test_the_deprecated_functions_refusals_name_the_deprecated_parameters():
+    def param(**kw: Any) -> str | None:
+        with pytest.raises(oa.OpenAIError) as err:
+            oa.translate_chat(chat(**kw))
+        return err.value.param
+
+    assert param(functions=[WEATHER_FN]) == "function_call"  # "auto" with no parser for the model
+    assert param(functions=[WEATHER_FN], function_call={"name": "nope"}) == "function_call.name"
+    assert param(functions=[WEATHER_FN, WEATHER_FN], function_call="none") == "functions"
+    assert param(functions=[{"description": "no name"}], function_call="none") == "functions[0].name"
+    assert param(functions=[WEATHER_FN], function_call="sometimes") == "function_call"
+    assert param(function_call={"name": "get_weather"}) == "function_call"  # no functions to choose from
+    assert param(functions=[WEATHER_FN], tools=[WEATHER]) == "functions"  # one way or the other
+
+
+def test_a_conversation_with_the_deprecated_function_turns_reaches_the_template_as_tool_turns():
+    tr = oa.translate_chat(chat(functions=[WEATHER_FN], function_call="none", messages=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "function_call": {"name": "get_weather",
+                                                                  "arguments": '{"city": "Oslo"}'}},
+        {"role": "function", "name": "get_weather", "content": "12 degrees"}]))
+    assert tr.body["input"]["messages"][1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "12 degrees", "tool_call_id": "call_1"}]
+    req = build_request(tr.body, BUILTIN_MODELS["tiny-llama"], "t", 1_000.0)  # the native checks take it
+    assert req.input["messages"][2]["tool_call_id"] == "call_1"
+    with pytest.raises(oa.OpenAIError) as err:
+        oa.translate_chat(chat(messages=[{"role": "user", "content": "x", "function_call": {"name": "f"}}]))
+    assert err.value.param == "messages[0].function_call"
