@@ -173,6 +173,11 @@ class BatchRunner:
             final = await self.q.redis.hget(self.q.keys.batch(batch_id), "final")
             await self.finalize(st, final.decode() if final else "completed")
 
+    def _tool_parser(self, model: str) -> str:
+        """A model's tool-call format, which a chat line's tool_choice "auto" needs ("": none, or no such model)."""
+        spec = self.settings.model(model)
+        return spec.tool_call_parser if spec is not None else ""
+
     def _check(self, item: Item, tenant: str) -> None:
         """The item's submit body against its model, as a submit would check it (no admission)."""
         spec = self.settings.model(item.model)
@@ -201,7 +206,7 @@ class BatchRunner:
         else:
             async for line, raw, _ in lines_from(self.files, fmeta.key, 0, 0):
                 try:
-                    item = parse_line(raw, line, meta.endpoint)
+                    item = parse_line(raw, line, meta.endpoint, self._tool_parser)
                     if item.custom_id in seen:
                         raise BatchError(f"custom_id {item.custom_id!r} is used by an earlier line",
                                          code="duplicate_custom_id", param="custom_id", line=line)
@@ -271,7 +276,7 @@ class BatchRunner:
         """Submit one line: its in-flight ref; the seconds to wait when refused for capacity (nothing
         recorded); None when refused for good (its error line written)."""
         line, raw, end = entry
-        item = parse_line(raw, line, meta.endpoint)
+        item = parse_line(raw, line, meta.endpoint, self._tool_parser)
         spec = self.settings.model(item.model)
         assert spec is not None  # validated
         deadline = min(float(meta.expires_at), now + spec.max_timeout_s)
@@ -352,7 +357,7 @@ class BatchRunner:
 
     async def _refuse(self, meta: Any, entry: tuple[int, bytes, int], code: str, message: str) -> None:
         line, raw, _ = entry
-        custom_id = parse_line(raw, line, meta.endpoint).custom_id
+        custom_id = parse_line(raw, line, meta.endpoint, self._tool_parser).custom_id
         await self.store.write_line(meta.id, line, False,
                                     refused_line(custom_id, code, message, line_id=refused_line_id(meta.id, line)))
 

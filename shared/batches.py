@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,7 +142,12 @@ class Answer(msgspec.Struct, frozen=True, array_like=True):
     score_only: bool = False
     calls: bool = False
     forced: str | None = None
-    legacy: bool = False  # asked with the deprecated `functions`: answered as `function_call`
+    # and the rest of its `Calls` (`shared.openai_tools`): the deprecated `functions`, "auto"'s parser, one call only,
+    # the short ids of the model's template
+    legacy: bool = False
+    parser: str = ""
+    single: bool = False
+    short_ids: bool = False
 
 
 class ItemRef(msgspec.Struct, frozen=True, array_like=True):
@@ -160,8 +166,9 @@ _TRANSLATE = {"/v1/completions": oa.translate_completion, "/v1/chat/completions"
               "/v1/embeddings": oa.translate_embeddings}
 
 
-def parse_line(raw: bytes | str, line: int, endpoint: str) -> Item:
-    """An input line as an `Item`; `BatchError` (with the line) when it is not one."""
+def parse_line(raw: bytes | str, line: int, endpoint: str, parser_of: Callable[[str], str] | None = None) -> Item:
+    """An input line as an `Item`; `BatchError` (with the line) when it is not one. `parser_of(model)`: the model's
+    tool-call format, which a chat line's `tool_choice` "auto" needs ("" or no `parser_of`: none)."""
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError):
@@ -191,7 +198,8 @@ def parse_line(raw: bytes | str, line: int, endpoint: str) -> Item:
         inner = {k: v for k, v in body.items() if k not in ("timeout_s", "deadline", "priority", "callback")}
         return Item(line, custom_id, native.group(1), inner, "native")
     try:
-        tr = _TRANSLATE[endpoint](body)
+        translate = _TRANSLATE[endpoint]
+        tr = translate(body, parser_of=parser_of) if translate is oa.translate_chat else translate(body)
     except oa.OpenAIError as err:
         raise BatchError(err.message, code=err.code or "invalid_request",
                          param=f"body.{err.param}" if err.param else "body", line=line) from None
@@ -199,8 +207,9 @@ def parse_line(raw: bytes | str, line: int, endpoint: str) -> Item:
         raise BatchError("a batch item has one choice (n=1, best_of=1): write a line per choice",
                          code="unsupported_parameter", param="body.n" if tr.n > 1 else "body.best_of", line=line)
     inner = {k: v for k, v in tr.body.items() if k not in ("timeout_s", "deadline", "priority", "stream")}
-    answer = Answer(tr.logprobs, tr.echo, tr.prompt, tr.score_only, tr.calls is not None,
-                    tr.calls.forced if tr.calls is not None else None, tr.calls is not None and tr.calls.legacy)
+    c = tr.calls
+    answer = Answer(tr.logprobs, tr.echo, tr.prompt, tr.score_only, c is not None, c.forced if c else None,
+                    *((c.legacy, c.parser, c.single, c.short_ids) if c else ()))
     return Item(line, custom_id, tr.model, inner, tr.kind, tr.encoding_format, tr.aliases,
                 answer if answer != Answer() else None)
 
@@ -216,7 +225,7 @@ def _response_body(ref: ItemRef, view: dict[str, Any], created: int) -> dict[str
     a = ref.answer or Answer()
     tr = oa.Translated(kind=ref.kind, model=ref.model, body={}, encoding_format=ref.encoding_format,  # type: ignore[arg-type]
                        logprobs=a.logprobs, echo=a.echo, prompt=a.prompt, score_only=a.score_only,
-                       calls=Calls(a.forced, legacy=a.legacy) if a.calls else None)
+                       calls=Calls(a.forced, a.parser, a.single, a.short_ids, a.legacy) if a.calls else None)
     if ref.kind == "embedding":
         return oa.embedding_response(tr, view)
     return oa.completion_response(tr, [view], created)

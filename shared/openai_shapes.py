@@ -536,24 +536,36 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 def _messages(given: list[MessageIn]) -> list[dict[str, Any]]:
     """The native messages. The deprecated function calling's turns become tool calling's: an assistant's
-    `function_call` a call (id `call_<message index>`), a `function` message the tool result that answers it."""
+    `function_call` a call, a `function` message the tool result that answers the call before it. Their ids,
+    `call<message index, 5 digits>`, are 9 letters and digits, as Mistral's chat templates require."""
     out, last_call = [], ""
     for i, m in enumerate(given):
         at = f"messages[{i}]"
         if m.function_call is not None:
-            call = m.function_call
-            if m.role != "assistant" or not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                raise invalid(f"{at}.function_call", "an assistant's {'name', 'arguments'} (JSON text)")
-            last_call = f"call_{i}"
+            last_call = f"call{i:05d}"
             m = msgspec.structs.replace(m, function_call=None, tool_calls=[
-                {"id": last_call, "type": "function", "function": {"name": call["name"],
-                                                                   "arguments": call.get("arguments") or "{}"}}])
+                {"id": last_call, "type": "function", "function": _legacy_call(at, m)}])
         elif m.role == "function":
             if not m.name:
                 raise invalid(f"{at}.name", "required: the function whose result this is")
-            m = msgspec.structs.replace(m, role="tool", tool_call_id=last_call)
+            m = msgspec.structs.replace(m, role="tool", tool_call_id=last_call or f"call{i:05d}")
         out.append(_message(i, m))
     return out
+
+
+def _legacy_call(at: str, m: MessageIn) -> dict[str, str]:
+    """An assistant's deprecated `function_call`, checked: {"name", "arguments": a JSON object as text}."""
+    call = m.function_call
+    if m.role != "assistant" or m.tool_calls or not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise invalid(f"{at}.function_call", "an assistant's {'name', 'arguments'} (JSON text), without tool_calls")
+    arguments = call.get("arguments") or "{}"
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else None
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise invalid(f"{at}.function_call.arguments", "must be a JSON object, as text")
+    return {"name": call["name"], "arguments": arguments}
 
 
 def _message(i: int, m: MessageIn) -> dict[str, Any]:
@@ -624,7 +636,8 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None,
     else:
         tools, call_format, calls = _tools(lambda: plan(req.tools, req.tool_choice, req.parallel_tool_calls, parser))
     if fmt is not None and (call_format is not None or calls is not None):  # a format leaves no room for a call
-        raise invalid("tool_choice", f"calls are asked for: give no {next(iter(fmt_aliases.values()))} with them")
+        raise invalid("function_call" if calls is not None and calls.legacy else "tool_choice",
+                      f"calls are asked for: give no {next(iter(fmt_aliases.values()))} with them")
     if calls is not None and calls.parser and stream and logprobs is not None:
         raise unsupported("logprobs", "not with tools streamed under tool_choice 'auto' (text is held back until "
                                       "it is known not to be a call): ask without streaming")

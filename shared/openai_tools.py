@@ -108,6 +108,11 @@ def legacy_plan(functions: list[FunctionDef], function_call: str | ChosenFunctio
         -> tuple[list[dict[str, Any]] | None, dict[str, Any] | None, Calls | None]:
     """`plan` for the deprecated `functions` and `function_call` ("none", "auto" or {"name"}): one call at most,
     answered as `function_call`. Errors name the deprecated parameters."""
+    if function_call not in (None, "none", "auto") and not isinstance(function_call, ChosenFunction):
+        raise ToolError("function_call", f"must be 'none', 'auto' or {{'name': ...}} (got {function_call!r})")
+    if functions and function_call in (None, "auto") and not parser:
+        raise ToolError("function_call", f"'auto' is not served here: {_NO_PARSER}. Give {{'name': ...}}: the answer "
+                                         "is then a call that follows the function's parameters", True)
     choice = ToolChoice("function", function_call) if isinstance(function_call, ChosenFunction) else function_call
     try:
         tools, fmt, calls = plan([ToolDef("function", f) for f in functions], choice, False, parser)
@@ -119,6 +124,9 @@ def legacy_plan(functions: list[FunctionDef], function_call: str | ChosenFunctio
     if calls is not None:
         calls = Calls(calls.forced, calls.parser, True, calls.short_ids, legacy=True)
     return tools, fmt, calls
+
+
+_NO_PARSER = "the model's tool-call format is not known (a model file's tool_call_parser names it)"
 
 
 def plan(tools: list[ToolDef] | None, choice: str | ToolChoice | None, parallel: bool | None,
@@ -150,10 +158,9 @@ def plan(tools: list[ToolDef] | None, choice: str | ToolChoice | None, parallel:
     if choice == "auto" and parser:
         return native, None, Calls(forced=None, parser=parser, single=parallel is False, short_ids=short)
     if choice == "auto":
-        raise ToolError("tool_choice", "'auto' is not served here: the model's tool-call format is not known (a "
-                                       "model file's tool_call_parser names it; batch lines never read calls from "
-                                       "text). Give 'required' or {'type': 'function', 'function': {'name': ...}}: "
-                                       "the answer is then a call that follows the function's parameters", True)
+        raise ToolError("tool_choice", f"'auto' is not served here: {_NO_PARSER}. Give 'required' or {{'type': "
+                                       "'function', 'function': {'name': ...}}: the answer is then a call that "
+                                       "follows the function's parameters", True)
     raise ToolError("tool_choice", f"must be 'none', 'auto', 'required' or a named function (got {choice!r})")
 
 
@@ -231,11 +238,14 @@ def _numbered(made: list[tuple[str, str]], request_id: str, short: bool) -> list
             for i, (name, args) in enumerate(made)]
 
 
-def _call(said: Any) -> tuple[str, str] | None:
+def _call(said: Any, *, bare: bool = False) -> tuple[str, str] | None:
     """A call the model wrote, `{"name", "arguments"}` (or `"parameters"`, Llama's word), as (name, arguments as
     JSON); None where it is not one. Arguments must be an object (or JSON text of one, as some models write them),
-    as an assistant message sent back must hold them."""
+    as an assistant message sent back must hold them. A `bare` call (no tag around it: any JSON answer could look
+    like one) must name its arguments, so an answer such as `{"name": "Alice", "age": 30}` stays text."""
     if not isinstance(said, dict) or not isinstance(said.get("name"), str):
+        return None
+    if bare and "arguments" not in said and "parameters" not in said:
         return None
     arguments = said.get("arguments", said.get("parameters", {}))
     if isinstance(arguments, str):
@@ -279,7 +289,7 @@ def llama3_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
             said, end = json.JSONDecoder().raw_decode(rest)
         except ValueError:
             return None
-        if (call := _call(said)) is None:
+        if (call := _call(said, bare=True)) is None:
             return None
         made.append(call)
         rest = rest[end:].lstrip()
@@ -302,7 +312,7 @@ def mistral_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
         return None
     if not isinstance(said, list) or not said or body[end:].strip():
         return None
-    made = [_call(c) for c in said]
+    made = [_call(c, bare=not tag) for c in said]
     if any(c is None for c in made):
         return None
     return (before if before.strip() else None), [c for c in made if c is not None]

@@ -219,8 +219,12 @@ def test_auto_takes_only_calls_a_client_can_send_back():
     assert read(two, parallel_tool_calls=False) == (None, [("get_weather", '{"city": "Oslo"}')])
 
 
-def test_auto_without_a_parser_is_refused_and_batch_lines_have_none():
-    from shared.batches import BatchError, parse_line
+def test_auto_without_a_parser_is_refused_in_calls_and_batch_lines():
+    """A model without a tool-call parser: "auto" is refused, on the route and in batch lines alike, saying why;
+    a batch line for a model with one is read as the route reads it (its `Calls` kept with the line's ref)."""
+    import msgspec
+
+    from shared.batches import BatchError, ItemRef, parse_line, result_line
 
     assert refused(tools=[WEATHER], tool_choice="auto").param == "tool_choice"
     err = refused(tools=[WEATHER])
@@ -230,7 +234,19 @@ def test_auto_without_a_parser_is_refused_and_batch_lines_have_none():
     line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": chat(tools=[TIME])})
     with pytest.raises(BatchError) as info:
         parse_line(line, 0, "/v1/chat/completions")
-    assert info.value.param == "body.tool_choice" and "batch lines" in info.value.message
+    assert info.value.param == "body.tool_choice" and "tool_call_parser" in info.value.message
+    for parser, said in (("hermes", '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'),
+                         ("mistral", '[{"name": "get_time", "arguments": {}}]')):
+        item = parse_line(line, 0, "/v1/chat/completions", parser_of=lambda m, p=parser: p)
+        ref = msgspec.msgpack.decode(msgspec.msgpack.encode(item.ref("req_b")), type=ItemRef)
+        view = {"id": "req_b", "status": "succeeded", "finish_reason": "eos",
+                "output": {"text": said, "token_ids": [6], "prompt_tokens": 2, "completion_tokens": 1}}
+        ok, out = result_line(ref, view, 100)
+        (choice,) = out["response"]["body"]["choices"]
+        assert ok and choice["finish_reason"] == "tool_calls", parser
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"] == {"name": "get_time", "arguments": "{}"}
+        assert (len(call["id"]) == 9) == (parser == "mistral"), call["id"]  # Mistral's ids in batches too
 
 
 def test_what_auto_cannot_be_asked_with():
@@ -309,6 +325,8 @@ def test_auto_reads_llama3_json_calls():
     assert streamed("llama3_json", ["It ", "is {sunny}."]) == ("It is {sunny}.", [], "stop")
     assert streamed("llama3_json", ["<|pyth", "on", " no"]) == ("<|python no", [], "stop")
     assert streamed("llama3_json", ['{"not": ', '"a call"}']) == ('{"not": "a call"}', [], "stop")
+    # an answer that is JSON with a "name" but no arguments is an answer, not a call (no tag says otherwise)
+    assert auto_answer("llama3_json", '{"name": "Alice", "age": 30}') == ("stop", '{"name": "Alice", "age": 30}', [])
 
 
 def test_auto_reads_mistral_calls_with_ids_its_template_takes():
@@ -326,6 +344,9 @@ def test_auto_reads_mistral_calls_with_ids_its_template_takes():
     for text in ("[1, 2]", "[]", "[a list] of things", '[{"name": "get_time", "arguments": {}}] more', "Plain.",
                  '[{"name": "get_time", "arguments": {}}, {"name": 1}]'):
         assert auto_answer("mistral", text) == ("stop", text, []), text
+    assert auto_answer("mistral", '[{"name": "Alice", "age": 3}]') == ("stop", '[{"name": "Alice", "age": 3}]', [])
+    tagged = auto_answer("mistral", '[TOOL_CALLS][{"name": "get_time"}]')  # the tag says it is a call
+    assert tagged[0] == "tool_calls" and named(tagged[2]) == [("get_time", {})]
     content, calls, reason = streamed("mistral", ["Sure. [TOOL", "_CALLS]", listed])
     assert (content, reason) == ("Sure. ", "tool_calls") and [c["index"] for c in calls] == [0, 1]
     assert streamed("mistral", ["[1, ", "2]"]) == ("[1, 2]", [], "stop")
@@ -401,6 +422,12 @@ def test_the_deprecated_functions_refusals_name_the_deprecated_parameters():
     assert param(functions=[WEATHER_FN], function_call="sometimes") == "function_call"
     assert param(function_call={"name": "get_weather"}) == "function_call"  # no functions to choose from
     assert param(functions=[WEATHER_FN], tools=[WEATHER]) == "functions"  # one way or the other
+    assert param(functions=[WEATHER_FN], function_call="required") == "function_call"  # not a value it takes
+    assert param(functions=[WEATHER_FN], function_call={"name": "get_weather"},
+                 response_format={"type": "json_object"}) == "function_call"
+    with pytest.raises(oa.OpenAIError) as err:
+        oa.translate_chat(chat(functions=[WEATHER_FN]))
+    assert "{'name': ...}" in err.value.message and "required" not in err.value.message  # its own advice
 
 
 def test_a_conversation_with_the_deprecated_function_turns_reaches_the_template_as_tool_turns():
@@ -411,10 +438,22 @@ def test_a_conversation_with_the_deprecated_function_turns_reaches_the_template_
         {"role": "function", "name": "get_weather", "content": "12 degrees"}]))
     assert tr.body["input"]["messages"][1:] == [
         {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-        {"role": "tool", "content": "12 degrees", "tool_call_id": "call_1"}]
+            {"id": "call00001", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "12 degrees", "tool_call_id": "call00001"}]  # 9 characters: Mistral's templates
     req = build_request(tr.body, BUILTIN_MODELS["tiny-llama"], "t", 1_000.0)  # the native checks take it
-    assert req.input["messages"][2]["tool_call_id"] == "call_1"
-    with pytest.raises(oa.OpenAIError) as err:
-        oa.translate_chat(chat(messages=[{"role": "user", "content": "x", "function_call": {"name": "f"}}]))
-    assert err.value.param == "messages[0].function_call"
+    assert req.input["messages"][2]["tool_call_id"] == "call00001"
+    lone = oa.translate_chat(chat(messages=[{"role": "user", "content": "x"},
+                                            {"role": "function", "name": "f", "content": "1"}]))
+    assert lone.body["input"]["messages"][1]["tool_call_id"] == "call00001"  # no call before it: an id all the same
+    call = {"name": "f", "arguments": "{}"}
+    for message, param in (({"role": "user", "content": "x", "function_call": call}, "messages[0].function_call"),
+                           ({"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "[1]"}},
+                            "messages[0].function_call.arguments"),
+                           ({"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{"}},
+                            "messages[0].function_call.arguments"),
+                           ({"role": "assistant", "content": None, "function_call": call, "tool_calls": [
+                               {"id": "c", "type": "function", "function": call}]}, "messages[0].function_call")):
+        with pytest.raises(oa.OpenAIError) as err:
+            oa.translate_chat(chat(messages=[message]))
+        assert err.value.param == param, message
