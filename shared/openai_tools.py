@@ -18,6 +18,7 @@ names its `tool_call_parser`, else a 400 naming `tool_choice`:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -70,6 +71,7 @@ HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(f"{re.escape(HERMES_OPEN)}(.*?)(?:{re.escape(HERMES_CLOSE)}|$)", re.S)
 
 
+_JSON = json.JSONDecoder()
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's, before a call (a special token: usually gone from the decoded text)
 MISTRAL_TAG = "[TOOL_CALLS]"  # Mistral's, before the list of calls (likewise)
 
@@ -121,9 +123,7 @@ def legacy_plan(functions: list[FunctionDef], function_call: str | ChosenFunctio
         param = param.replace("tool_choice.function", "function_call").replace("tool_choice", "function_call")
         raise ToolError(param.replace("tools", "functions"), exc.message.replace("tool_choice", "function_call"),
                         exc.unsupported) from None
-    if calls is not None:
-        calls = Calls(calls.forced, calls.parser, True, calls.short_ids, legacy=True)
-    return tools, fmt, calls
+    return tools, fmt, calls and dataclasses.replace(calls, single=True, legacy=True)
 
 
 _NO_PARSER = "the model's tool-call format is not known (a model file's tool_call_parser names it)"
@@ -286,7 +286,7 @@ def llama3_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
     made = []
     while rest:
         try:
-            said, end = json.JSONDecoder().raw_decode(rest)
+            said, end = _JSON.raw_decode(rest)
         except ValueError:
             return None
         if (call := _call(said, bare=True)) is None:
@@ -307,15 +307,17 @@ def mistral_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
         before, body = "", text
     body = body.strip()
     try:
-        said, end = json.JSONDecoder().raw_decode(body) if body.startswith("[") else (None, 0)
+        said, end = _JSON.raw_decode(body) if body.startswith("[") else (None, 0)
     except ValueError:
         return None
     if not isinstance(said, list) or not said or body[end:].strip():
         return None
-    made = [_call(c, bare=not tag) for c in said]
-    if any(c is None for c in made):
-        return None
-    return (before if before.strip() else None), [c for c in made if c is not None]
+    made = []
+    for c in said:
+        if (call := _call(c, bare=not tag)) is None:
+            return None
+        made.append(call)
+    return (before if before.strip() else None), made
 
 
 FORMATS: dict[str, CallFormat] = {
