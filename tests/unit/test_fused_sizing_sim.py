@@ -1,0 +1,36 @@
+"""scripts/fused_sizing.py: the fused chunk sizing simulated against measured cost models. What it reports must
+follow from the sizes the worker's scheduler picks, or a rule change could not be judged by it."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+import fused_sizing as fs
+
+
+def args(**kw) -> argparse.Namespace:
+    base = dict(seeds=5, sigma=0.3, hiccups=0.05, noise_on="step")
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_without_noise_the_chunks_are_the_unit_tests_and_the_prompt_goes_in_whole():
+    sizes = fs.run("h100", 0, sigma=0.0, hiccups=0.0, on_step=True)
+    assert sum(sizes) == fs.PROMPT
+    assert sizes[:13] == [4, 8, 16, 16, 16, 16, 16, 16, 32, 64, 128, 256, 512]  # as test_prefill_budget's
+    cpu = fs.run("cpu", 0, sigma=0.0, hiccups=0.0, on_step=False)
+    assert sum(cpu) == fs.PROMPT and statistics.median(cpu) == 7
+
+
+def test_figures_follow_from_the_sizes():
+    r = fs.regime_figures("h100", args(seeds=1, sigma=0.0, hiccups=0.0))
+    sizes = fs.run("h100", 0, sigma=0.0, hiccups=0.0, on_step=True)
+    assert r["steps_median"] == r["steps_max"] == len(sizes)
+    fixed, per_token, bare = fs.REGIMES["h100"]
+    assert abs(r["ttft_ms_median"] - sum(bare + fixed + per_token * n for n in sizes) * 1000) < 1e-9
+    assert r["worst_true_gap_x"] == (bare + fixed + per_token * max(sizes)) / bare
