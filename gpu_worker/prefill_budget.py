@@ -12,6 +12,11 @@ scheduler bounds it per step:
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
+
+from gpu_worker.robust_line import Line
+
 # A background engine's turn beside a busy foreground engine prefills at most this many prompt tokens (a 64-token
 # forward costs about a decode step here), new prompts and long ones in chunks alike, with or without rows of its
 # own decoding: a short row then waits at most one decode step and one such chunk of long work between two of its
@@ -26,12 +31,15 @@ BACKGROUND_IDLE_CHUNK_TOKENS = 128
 # and more when the prompt's deadline needs them.
 FUSED_MIN_CHUNK = 4
 FUSED_STEP_SHARE = 0.5  # of a bare decode step, what the chunk may add (the round's other work and noise fit the rest)
-# What a fused chunk adds is a fixed part (the chunk's own attention calls, masks, launches) plus a part per token.
-# Until the chunk sizes seen spread this far around their mean (standard deviation / mean), the two cannot be told
-# apart, and the next chunk doubles the last to find out. Read as a cost per token through zero, a fixed part
-# kept the chunks at the minimum for good: an H100 took ~4 ms a fused step whatever the chunk, against a 6 ms
-# decode step, read that as 1 ms a token, and prefilled a 2,048-token prompt 4 tokens a step.
-FUSED_SEPARABLE_SPREAD = 0.2
+# What a fused chunk adds is a fixed part (the chunk's own attention calls, masks, launches) plus a part per token,
+# read off a line through the recent chunks (`ServiceTracker.fused_line`); the next chunk doubles the last until one
+# can be drawn. Where the fixed part alone takes the share (an H100: ~4 ms a fused step whatever the chunk, against
+# a 6.5 ms decode step), every fused step costs the rows it, and the fewest such steps are chunks whose tokens add
+# FUSED_TOKEN_SHARE of the share on top. Without that floor, the room left for tokens jumped between none and the
+# whole share as noise moved the fixed part across it, and a noisy step read the fixed part low, left a sliver of
+# room, and shrank the chunks to a handful of tokens (an H100's 2,048-token prompt took 50-150 fused steps).
+FUSED_TOKEN_SHARE = 0.5
+FUSED_RECENT = 4  # the last chunks whose median cost per token the line's slope is never read under
 FUSED_DEADLINE_MARGIN = 1.5  # the chunked prompt's remaining work, estimated, times this must fit its deadline
 
 
@@ -49,23 +57,21 @@ def step_budget(chunk_tokens: int | None, decoding: int, *, background: bool = F
     return chunk_tokens if decoding > 0 else None
 
 
-def fused_chunk(chunk_tokens: int | None, *, protect: bool, fixed_s: float, per_token_s: float, measured: bool,
-                separable: bool, warm: bool, last: tuple[int, float], bare_step_s: float, interval_s: float,
-                chunk_left: int, deadline_left_s: float | None, new_tokens: int, previous: int = 0) -> int:
+def fused_chunk(chunk_tokens: int | None, *, protect: bool, line: Line | None, recent: Sequence[tuple[int, float]],
+                bare_step_s: float, interval_s: float, chunk_left: int, deadline_left_s: float | None,
+                new_tokens: int, previous: int = 0) -> int:
     """Prompt tokens the next fused step carries, between FUSED_MIN_CHUNK and `chunk_tokens`:
-    - the most whose cost (`fixed_s` a step plus `per_token_s` a token, once `separable`) adds at most
-      `FUSED_STEP_SHARE` of a bare decode step (`bare_step_s`), so the rows' gap between tokens stays under 2x a step;
-    - where the fixed part alone takes that share (or all but a minimum chunk of it, or no cost per token shows),
-      every fused step costs the rows it
-      whatever its chunk, and the fewest such steps are the largest chunks whose tokens fill the share. Such a
-      size rests on the slope alone, which noise reads low: it is taken only once the fit is `warm` (the chunk holds
-      its size before), and the chunk halves when the `last` fused chunk's tokens (what it added, less the fixed
-      part) overran the share. Below it, the cost per token is never read under what the last chunk's tokens
-      cost (noise reads the fit's slope low, down to none);
-    - FUSED_MIN_CHUNK before anything is `measured`; twice the `previous` chunk while the costs are not yet
-      `separable` (the sizes seen are too alike to tell the fixed part from the per-token one);
-    - at most twice the `previous` fused chunk (the costs are learned from the chunks themselves, and one
-      cheap-looking small chunk must not make the next one huge);
+    - the most whose tokens, at the `line`'s cost per token (through the recent chunks: their fixed part and cost
+      per token), fit the room the fixed part leaves of `FUSED_STEP_SHARE` of a bare decode step (`bare_step_s`),
+      and never less room than `FUSED_TOKEN_SHARE` of that share, so the rows' gap stays under 2x a step;
+    - the cost per token is never read under the median of what the last `recent` chunks' tokens cost ((tokens,
+      what the chunk added to its step), newest last): noise reads a slope low, down to none;
+    - at most half the last chunk when its tokens put the rows' gap past 2x a step (or added more than a share,
+      where the fixed part alone takes it), or when it and the one before both added more than a share of tokens;
+    - FUSED_MIN_CHUNK before any chunk is measured; twice the `previous` chunk until a line can be drawn, and at
+      the minimum while the line's slope cannot be told from noise (a few tokens' noise reads as a dear token, and
+      would hold the chunks at the minimum);
+    - at most twice the `previous` fused chunk (one cheap-looking chunk must not make the next one huge);
     - more if the chunked prompt needs them to meet its deadline (`chunk_left` prompt tokens to go, then
       `new_tokens` at `interval_s` each, all within `deadline_left_s`);
     - the most allowed when no interactive row decodes beside it (`protect` false)."""
@@ -73,28 +79,23 @@ def fused_chunk(chunk_tokens: int | None, *, protect: bool, fixed_s: float, per_
     if not protect:
         return cap
     share_s = FUSED_STEP_SHARE * bare_step_s
-    last_tokens, last_extra_s = last
-    if not measured or bare_step_s <= 0:
+    if not recent or bare_step_s <= 0:
         size = FUSED_MIN_CHUNK
-    elif not separable:
+    elif line is None or (previous <= FUSED_MIN_CHUNK and line.slope_low <= 0):
         size = 2 * previous
-    elif (per_token := max(per_token_s, _last_per_token(last_extra_s, fixed_s, last_tokens))) > 0 \
-            and share_s - fixed_s >= FUSED_MIN_CHUNK * per_token:
-        size = int((share_s - fixed_s) / per_token)
-    elif last_extra_s - fixed_s > share_s:
-        size = previous // 2
-    elif not warm:
-        size = previous
     else:
-        size = int(share_s / per_token_s) if per_token_s > 0 else cap
+        fixed_s, last = line.intercept, recent[-FUSED_RECENT:]
+        per_token_s = max(line.slope, statistics.median(max(0.0, e - fixed_s) for _, e in last) * len(last)
+                          / max(1, sum(n for n, _ in last)))
+        room_s = max(share_s - fixed_s, FUSED_TOKEN_SHARE * share_s)
+        size = int(room_s / per_token_s) if per_token_s > 0 else cap
+        overran = [extra - fixed_s > share_s for _, extra in recent[-2:]]
+        low_fixed_s = min(fixed_s, sorted(e for _, e in recent)[len(recent) // 4])  # the fixed part, read low
+        if recent[-1][1] > max(bare_step_s, low_fixed_s + share_s) or (len(overran) == 2 and all(overran)):
+            size = min(size, recent[-1][0] // 2)
     size = min(size, max(FUSED_MIN_CHUNK, 2 * previous))
     if deadline_left_s is not None and chunk_left > 0 and bare_step_s > 0:
         time_left = deadline_left_s - FUSED_DEADLINE_MARGIN * new_tokens * interval_s
         steps = int(time_left / (FUSED_DEADLINE_MARGIN * 2 * bare_step_s))  # a fused step costs about two bare ones
         size = max(size, cap if steps < 1 else -(-chunk_left // steps))
     return max(FUSED_MIN_CHUNK, min(cap, size))
-
-
-def _last_per_token(last_extra_s: float, fixed_s: float, last_tokens: int) -> float:
-    """What each of the last fused chunk's tokens cost, its fixed part aside (0 when unknown)."""
-    return max(0.0, last_extra_s - fixed_s) / last_tokens if last_tokens > 0 else 0.0

@@ -35,7 +35,7 @@ from gpu_worker import prefill_budget, running_deadlines
 from gpu_worker.dynamic_stage import BatchLimits, DynamicStage
 from gpu_worker.job import Job, JobState
 from gpu_worker.lane_queue import LanePolicy, LaneQueue
-from gpu_worker.service_model import WARM_SAMPLES, ServiceModel, ServiceTracker
+from gpu_worker.service_model import ServiceModel, ServiceTracker
 from shared.deadlines import cannot_finish
 
 # While its engine yields to a foreground engine with running rows (CPU engines taking turns on one
@@ -223,9 +223,7 @@ class Scheduler(DynamicStage):
             self._fused_last = 0
         self._fused_last = prefill_budget.fused_chunk(
             self.chunk_tokens, protect=any(j.rank == 0 for j in rows),
-            fixed_s=t.fused_fixed_s, per_token_s=t.fused.slope, measured=t.fused.n > 0,
-            separable=t.fused.separable(prefill_budget.FUSED_SEPARABLE_SPREAD), warm=t.fused.n >= WARM_SAMPLES,
-            last=t.last_fused, bare_step_s=t.bare.predict(len(rows)) if t.bare.n else 0.0,
+            line=t.fused_line, recent=list(t.recent_fused), bare_step_s=t.bare.predict(len(rows)) if t.bare.n else 0.0,
             interval_s=t.step_seconds(len(self.running)), chunk_left=chunk_left,
             deadline_left_s=chunk_job.deadline - now if chunk_job is not None and self.deadline_aware else None,
             new_tokens=chunk_job.new_tokens if chunk_job is not None else 0, previous=self._fused_last)

@@ -14,6 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gpu_worker.robust_line import Line, theil_sen
+
 if TYPE_CHECKING:
     from gpu_worker.job import Job
 
@@ -38,7 +40,10 @@ class ServiceModel:
 # second per token and expired or evicted long requests that finished in a quarter of their deadline. A
 # real, lasting slowdown still shows: each sample can raise the estimate by a factor, and it keeps rising.
 CLIP_FACTOR = 4.0
-RECENT_FUSED = 16  # fused chunks whose cost bounds the fixed part (`ServiceTracker.fused_fixed_s`)
+RECENT_FUSED = 16  # the fused chunks a line is drawn through (`ServiceTracker.fused_line`)
+# two fused chunks tell a cost per token apart from the fixed part only when their sizes differ by this much of the
+# larger: closer sizes leave a difference of costs that is mostly noise
+FUSED_PAIR_SPREAD = 0.25
 WARM_SAMPLES = 8  # samples before a fit clips outliers or is trusted to bound the rows
 
 
@@ -84,15 +89,6 @@ class RunningFit:
     def predict(self, x: float) -> float:
         return self.intercept + self.slope * x
 
-    @property
-    def spread(self) -> float:
-        """The standard deviation of the x seen (weighted as the moments are), relative to their mean."""
-        return math.sqrt(max(0.0, self._mxx - self._mx * self._mx)) / self._mx if self._mx > 0 else 0.0
-
-    def separable(self, min_spread: float) -> bool:
-        """Whether the x seen spread enough (and over enough samples) to tell the intercept from the slope."""
-        return self.n >= 3 and self.spread >= min_spread
-
 
 # Completions per second are averaged with this time constant. Long generations finish in clumps seconds
 # apart; averaged over ~3 s (as before), a long lane on an engine of its own read as 0.05 completions per
@@ -122,11 +118,15 @@ class ServiceTracker:
     # by seconds, so admission's line jumped between two submits a moment apart
     decode_slow: RunningFit = field(default_factory=lambda: RunningFit(alpha=ADMISSION_ALPHA))
     bare: RunningFit = field(default_factory=RunningFit)  # a decode step alone (no chunk, no prefill), by rows
-    # what a chunk fused into a decode step adds to it, by the chunk's tokens (its cost per token grows as the
-    # chunk moves along the prompt and attends to more of it, so recent steps count most)
+    # what a chunk fused into a decode step adds to it, by the chunk's tokens (bounds a hiccup's sample)
     fused: RunningFit = field(default_factory=lambda: RunningFit(alpha=0.2))
-    # the last fused chunks, newest last: (prompt tokens, what the chunk added to its step)
+    # the last fused chunks, newest last: (prompt tokens, what the chunk added to its step); recent ones only, as the
+    # cost per token grows while the chunks move along the prompt and attend to more of it
     recent_fused: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=RECENT_FUSED))
+    # a fused chunk's fixed part and cost per token, through `recent_fused` (`theil_sen`); None while their sizes are
+    # too alike to tell the two apart (then the next chunk doubles to find out: sizes held alike by a cost per token
+    # that a few tokens' noise read high would otherwise stay there)
+    fused_line: Line | None = None
     counters: dict[str, LaneCounters] = field(default_factory=dict)
     rate_tau_s: float = RATE_TAU_S
 
@@ -149,20 +149,7 @@ class ServiceTracker:
             extra = min(extra, CLIP_FACTOR * bound)  # as the fit clips it
         self.recent_fused.append((tokens, extra))
         self.fused.add(tokens, extra)
-
-    @property
-    def last_fused(self) -> tuple[int, float]:
-        """The last fused chunk: (its prompt tokens, what it added to its step); (0, 0.0) before any."""
-        return self.recent_fused[-1] if self.recent_fused else (0, 0.0)
-
-    @property
-    def fused_fixed_s(self) -> float:
-        """A fused chunk's fixed part: the fit's intercept, but never more than the lower quartile of what the last
-        chunks cost whole. One slow step (a hiccup three times a step) lifted the intercept of a CPU's fit past half
-        a step, as if every chunk cost that much before its first token; the cheapest alone reads noise low."""
-        if not self.recent_fused:
-            return self.fused.intercept
-        return min(self.fused.intercept, sorted(s for _, s in self.recent_fused)[len(self.recent_fused) // 4])
+        self.fused_line = theil_sen(self.recent_fused, FUSED_PAIR_SPREAD)
 
     def observe_round(self, rows: int, step_s: float, interval_s: float, chunk: int, chunk_s: float, *,
                       fused: bool, chunking: bool) -> None:

@@ -8,8 +8,8 @@ a bare step.
 Noise is lognormal (--sigma) with one step in 1/--hiccups three times as slow, applied either to the whole step
 (`--noise-on step`, as a real machine measures: a fused chunk's cost is its step's time less a bare step's, so it
 carries the whole step's noise) or to the chunk's own cost only (`--noise-on extra`, as the unit tests model it).
-The first reproduces the slow first token measured on an H100 (docs/bench/long-prefill-h100.json: 361-1,395 ms,
-i.e. ~35-130 fused steps of ~10 ms), which the second does not (15-33 steps).
+With the first, the sizing before `gpu_worker.robust_line` reproduced the slow first token measured on an H100
+(docs/bench/long-prefill-h100.json: 361-1,395 ms, ~35-130 fused steps of ~10 ms), which the second did not.
 
     python scripts/fused_sizing.py
     python scripts/fused_sizing.py --noise-on extra --json /tmp/fused.json

@@ -22,7 +22,8 @@ def args(**kw) -> argparse.Namespace:
 def test_without_noise_the_chunks_are_the_unit_tests_and_the_prompt_goes_in_whole():
     sizes = fs.run("h100", 0, sigma=0.0, hiccups=0.0, on_step=True)
     assert sum(sizes) == fs.PROMPT
-    assert sizes[:13] == [4, 8, 16, 16, 16, 16, 16, 16, 32, 64, 128, 256, 512]  # as test_prefill_budget's
+    # doubling until the line through the chunks says how far: ~325 tokens add half the 3.25 ms share at 5 us
+    assert sizes[:8] == [4, 8, 16, 32, 64, 128, 256, 325]
     cpu = fs.run("cpu", 0, sigma=0.0, hiccups=0.0, on_step=False)
     assert sum(cpu) == fs.PROMPT and statistics.median(cpu) == 7
 
