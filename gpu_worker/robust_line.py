@@ -30,7 +30,7 @@ def theil_sen(points: Iterable[tuple[float, float]], min_spread: float) -> Line 
     pts = list(points)
     slopes = sorted((y2 - y1) / (x2 - x1)
                     for i, (x1, y1) in enumerate(pts) for x2, y2 in pts[i + 1:]
-                    if abs(x2 - x1) >= min_spread * max(x1, x2))
+                    if x1 != x2 and abs(x2 - x1) >= min_spread * max(x1, x2))
     if len(slopes) < MIN_PAIRS:
         return None
     slope = max(0.0, statistics.median(slopes))
