@@ -40,6 +40,7 @@ FUSED_STEP_SHARE = 0.5  # of a bare decode step, what the chunk may add (the rou
 # room, and shrank the chunks to a handful of tokens (an H100's 2,048-token prompt took 50-150 fused steps).
 FUSED_TOKEN_SHARE = 0.5
 FUSED_RECENT = 4  # the last chunks whose median cost per token the line's slope is never read under
+FUSED_FIRST_CHUNKS = 3  # chunks that double from the minimum before a line can be drawn through them
 FUSED_DEADLINE_MARGIN = 1.5  # the chunked prompt's remaining work, estimated, times this must fit its deadline
 
 
@@ -68,9 +69,10 @@ def fused_chunk(chunk_tokens: int | None, *, protect: bool, line: Line | None, r
       what the chunk added to its step), newest last): noise reads a slope low, down to none;
     - at most half the last chunk when its tokens put the rows' gap past 2x a step (or added more than a share,
       where the fixed part alone takes it), or when it and the one before both added more than a share of tokens;
-    - FUSED_MIN_CHUNK before any chunk is measured; twice the `previous` chunk until a line can be drawn, and at
-      the minimum while the line's slope cannot be told from noise (a few tokens' noise reads as a dear token, and
-      would hold the chunks at the minimum);
+    - FUSED_MIN_CHUNK before any chunk is measured; twice the `previous` chunk for the first chunks, before a
+      line can be drawn, and at the minimum while the line's slope cannot be told from noise (a few tokens' noise
+      reads as a dear token, and would hold the chunks at the minimum); a quarter less than the `previous` one when
+      the recent sizes are too alike to draw a line through;
     - at most twice the `previous` fused chunk (one cheap-looking chunk must not make the next one huge);
     - more if the chunked prompt needs them to meet its deadline (`chunk_left` prompt tokens to go, then
       `new_tokens` at `interval_s` each, all within `deadline_left_s`);
@@ -81,6 +83,10 @@ def fused_chunk(chunk_tokens: int | None, *, protect: bool, line: Line | None, r
     share_s = FUSED_STEP_SHARE * bare_step_s
     if not recent or bare_step_s <= 0:
         size = FUSED_MIN_CHUNK
+    elif line is None and len(recent) >= FUSED_FIRST_CHUNKS and previous > FUSED_MIN_CHUNK:
+        # recent sizes too alike to tell the fixed part from the per-token one: a quarter smaller, which the next
+        # line can be drawn through and which costs the rows less, not more
+        size = min(previous * 3 // 4, _halved_if_past_2x(recent, bare_step_s, share_s, line))
     elif line is None or (previous <= FUSED_MIN_CHUNK and line.slope_low <= 0):
         size = 2 * previous
     else:
@@ -88,10 +94,10 @@ def fused_chunk(chunk_tokens: int | None, *, protect: bool, line: Line | None, r
         per_token_s = max(line.slope, statistics.median(max(0.0, e - fixed_s) for _, e in last) * len(last)
                           / max(1, sum(n for n, _ in last)))
         room_s = max(share_s - fixed_s, FUSED_TOKEN_SHARE * share_s)
-        size = int(room_s / per_token_s) if per_token_s > 0 else cap
+        size = int(min(cap, room_s / per_token_s)) if per_token_s > 0 else cap
         overran = [extra - fixed_s > share_s for _, extra in recent[-2:]]
-        low_fixed_s = min(fixed_s, sorted(e for _, e in recent)[len(recent) // 4])  # the fixed part, read low
-        if recent[-1][1] > max(bare_step_s, low_fixed_s + share_s) or (len(overran) == 2 and all(overran)):
+        size = min(size, _halved_if_past_2x(recent, bare_step_s, share_s, line))
+        if len(overran) == 2 and all(overran):
             size = min(size, recent[-1][0] // 2)
     size = min(size, max(FUSED_MIN_CHUNK, 2 * previous))
     if deadline_left_s is not None and chunk_left > 0 and bare_step_s > 0:
@@ -99,3 +105,13 @@ def fused_chunk(chunk_tokens: int | None, *, protect: bool, line: Line | None, r
         steps = int(time_left / (FUSED_DEADLINE_MARGIN * 2 * bare_step_s))  # a fused step costs about two bare ones
         size = max(size, cap if steps < 1 else -(-chunk_left // steps))
     return max(FUSED_MIN_CHUNK, min(cap, size))
+
+
+def _halved_if_past_2x(recent: Sequence[tuple[int, float]], bare_step_s: float, share_s: float,
+                       line: Line | None) -> int:
+    """Half the last chunk if its tokens put the rows' gap past 2x a step (what it added passed a bare step, and a
+    share past the fixed part read low: where the fixed part alone is over a step, every chunk passes 2x); else no
+    bound."""
+    fixed_s = min(line.intercept if line else 0.0, sorted(e for _, e in recent)[len(recent) // 4])
+    tokens, extra = recent[-1]
+    return tokens // 2 if extra > max(bare_step_s, fixed_s + share_s) else 1 << 30

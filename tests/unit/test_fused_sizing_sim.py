@@ -35,3 +35,13 @@ def test_figures_follow_from_the_sizes():
     fixed, per_token, bare = fs.REGIMES["h100"]
     assert abs(r["ttft_ms_median"] - sum(bare + fixed + per_token * n for n in sizes) * 1000) < 1e-9
     assert r["worst_true_gap_x"] == (bare + fixed + per_token * max(sizes)) / bare
+    assert r["chunk_median"] == statistics.median(sizes)
+    assert r["over_2x_share_mean"] == 0.0  # 325 tokens: 1.87x a step
+
+
+
+def test_a_chunk_past_2x_is_counted(monkeypatch):
+    monkeypatch.setitem(fs.REGIMES, "dear", (0.0, 0.002, 0.006))  # 2 ms a token on a 6 ms step: 4 tokens are 2.3x
+    r = fs.regime_figures("dear", args(seeds=1, sigma=0.0, hiccups=0.0))
+    sizes = fs.run("dear", 0, sigma=0.0, hiccups=0.0, on_step=True)
+    assert r["over_2x_share_mean"] == sum(0.006 + 0.002 * n > 0.012 for n in sizes) / len(sizes) > 0.5

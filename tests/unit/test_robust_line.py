@@ -40,6 +40,13 @@ def test_noise_over_a_few_tokens_shows_as_a_slope_the_pairs_disagree_on():
         assert line is not None and line.slope_low < 0
 
 
+def test_the_slopes_spread_is_their_lower_quartile():
+    # pairs' slopes: 1, 2, 3 from (1, 0); 3, 4 from (2, 1); 5 from (3, 4): median 3, lower quartile 2
+    line = theil_sen([(1, 0.0), (2, 1.0), (3, 4.0), (4, 9.0)], 0.0)
+    assert line is not None and line.slope == 3.0 and line.slope_low == 2.0
+    assert line.intercept == 0.0  # the median of y - 3x (-3, -5, -5, -3) is -4, and a cost is never negative
+
+
 def test_costs_never_read_negative():
     line = theil_sen([(4, 0.010), (8, 0.006), (16, 0.002)], 0.25)  # cheaper with more tokens: noise
     assert line is not None and line.slope == 0.0 and line.intercept > 0
