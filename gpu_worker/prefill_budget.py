@@ -32,12 +32,12 @@ BACKGROUND_IDLE_CHUNK_TOKENS = 128
 FUSED_MIN_CHUNK = 4
 FUSED_STEP_SHARE = 0.5  # of a bare decode step, what the chunk may add (the round's other work and noise fit the rest)
 # What a fused chunk adds is a fixed part (the chunk's own attention calls, masks, launches) plus a part per token,
-# read off a line through the recent chunks (`ServiceTracker.fused_line`); the next chunk doubles the last until one
-# can be drawn. Where the fixed part alone takes the share (an H100: ~4 ms a fused step whatever the chunk, against
-# a 6.5 ms decode step), every fused step costs the rows it, and the fewest such steps are chunks whose tokens add
-# FUSED_TOKEN_SHARE of the share on top. Without that floor, the room left for tokens jumped between none and the
-# whole share as noise moved the fixed part across it, and a noisy step read the fixed part low, left a sliver of
-# room, and shrank the chunks to a handful of tokens (an H100's 2,048-token prompt took 50-150 fused steps).
+# read off a line through the recent chunks (`ServiceTracker.fused_line`). Where the fixed part alone takes the
+# share (an H100: ~4 ms a fused step whatever the chunk, against a 6.5 ms decode step), every fused step costs the
+# rows it, and the fewest such steps are chunks whose tokens add FUSED_TOKEN_SHARE of the share on top. Without
+# that floor, the room left for tokens jumped between none and the whole share as noise moved the fixed part
+# across it, and a noisy step read the fixed part low, left a sliver of room, and shrank the chunks to a handful
+# of tokens (an H100's 2,048-token prompt took 50-150 fused steps).
 FUSED_TOKEN_SHARE = 0.5
 FUSED_RECENT = 4  # the last chunks whose median cost per token the line's slope is never read under
 FUSED_FIRST_CHUNKS = 3  # chunks that double from the minimum before a line can be drawn through them
@@ -86,7 +86,9 @@ def fused_chunk(chunk_tokens: int | None, *, protect: bool, line: Line | None, r
     elif line is None and len(recent) >= FUSED_FIRST_CHUNKS and previous > FUSED_MIN_CHUNK:
         # recent sizes too alike to tell the fixed part from the per-token one: a quarter smaller, which the next
         # line can be drawn through and which costs the rows less, not more
-        size = min(previous * 3 // 4, _halved_if_past_2x(recent, bare_step_s, share_s, line))
+        size = previous * 3 // 4
+        if _past_2x(recent, bare_step_s, share_s, line):
+            size = min(size, recent[-1][0] // 2)
     elif line is None or (previous <= FUSED_MIN_CHUNK and line.slope_low <= 0):
         size = 2 * previous
     else:
@@ -95,9 +97,8 @@ def fused_chunk(chunk_tokens: int | None, *, protect: bool, line: Line | None, r
                           / max(1, sum(n for n, _ in last)))
         room_s = max(share_s - fixed_s, FUSED_TOKEN_SHARE * share_s)
         size = int(min(cap, room_s / per_token_s)) if per_token_s > 0 else cap
-        overran = [extra - fixed_s > share_s for _, extra in recent[-2:]]
-        size = min(size, _halved_if_past_2x(recent, bare_step_s, share_s, line))
-        if len(overran) == 2 and all(overran):
+        twice_past_share = len(recent) >= 2 and all(extra - fixed_s > share_s for _, extra in recent[-2:])
+        if twice_past_share or _past_2x(recent, bare_step_s, share_s, line):
             size = min(size, recent[-1][0] // 2)
     size = min(size, max(FUSED_MIN_CHUNK, 2 * previous))
     if deadline_left_s is not None and chunk_left > 0 and bare_step_s > 0:
@@ -107,11 +108,8 @@ def fused_chunk(chunk_tokens: int | None, *, protect: bool, line: Line | None, r
     return max(FUSED_MIN_CHUNK, min(cap, size))
 
 
-def _halved_if_past_2x(recent: Sequence[tuple[int, float]], bare_step_s: float, share_s: float,
-                       line: Line | None) -> int:
-    """Half the last chunk if its tokens put the rows' gap past 2x a step (what it added passed a bare step, and a
-    share past the fixed part read low: where the fixed part alone is over a step, every chunk passes 2x); else no
-    bound."""
+def _past_2x(recent: Sequence[tuple[int, float]], bare_step_s: float, share_s: float, line: Line | None) -> bool:
+    """Whether the last chunk's tokens put the rows' gap past 2x a step: what it added passed a bare step, and a share
+    past the fixed part read low (where the fixed part alone is over a step, every chunk passes 2x)."""
     fixed_s = min(line.intercept if line else 0.0, sorted(e for _, e in recent)[len(recent) // 4])
-    tokens, extra = recent[-1]
-    return tokens // 2 if extra > max(bare_step_s, fixed_s + share_s) else 1 << 30
+    return recent[-1][1] > max(bare_step_s, fixed_s + share_s)

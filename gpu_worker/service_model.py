@@ -123,10 +123,6 @@ class ServiceTracker:
     # the last fused chunks, newest last: (prompt tokens, what the chunk added to its step); recent ones only, as the
     # cost per token grows while the chunks move along the prompt and attend to more of it
     recent_fused: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=RECENT_FUSED))
-    # a fused chunk's fixed part and cost per token, through `recent_fused` (`theil_sen`); None while their sizes are
-    # too alike to tell the two apart (then the next chunk doubles to find out: sizes held alike by a cost per token
-    # that a few tokens' noise read high would otherwise stay there)
-    fused_line: Line | None = None
     counters: dict[str, LaneCounters] = field(default_factory=dict)
     rate_tau_s: float = RATE_TAU_S
 
@@ -149,7 +145,12 @@ class ServiceTracker:
             extra = min(extra, CLIP_FACTOR * bound)  # as the fit clips it
         self.recent_fused.append((tokens, extra))
         self.fused.add(tokens, extra)
-        self.fused_line = theil_sen(self.recent_fused, FUSED_PAIR_SPREAD)
+
+    @property
+    def fused_line(self) -> Line | None:
+        """A fused chunk's fixed part and cost per token, through `recent_fused` (`theil_sen`); None while their sizes
+        are too alike to tell the two apart."""
+        return theil_sen(self.recent_fused, FUSED_PAIR_SPREAD)
 
     def observe_round(self, rows: int, step_s: float, interval_s: float, chunk: int, chunk_s: float, *,
                       fused: bool, chunking: bool) -> None:
