@@ -8,6 +8,7 @@ bad request fails alone. The engine's rows hold the jobs themselves (`GenSpec.ow
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any, cast
@@ -26,10 +27,12 @@ from gpu_worker.sequences import EngineStats, GenResult, GenSpec, SamplingParams
 from gpu_worker.stream_release import Release, next_delta
 from gpu_worker.token_logprobs import PROMPT_LOGITS_MAX, prompt_scorable, scored_prompt, with_logprobs
 from gpu_worker.token_text import TokenText
+from gpu_worker.tool_tokens import decode_keeping, special_ids
 from shared.faults import Faults
 from shared.lanes import assign_lane
 from shared.messages import InferenceRequest, RequestResult
 from shared.model_context import CONTEXT_EXCEEDED, context_message, exact_context
+from shared.openai_tools import kept_tokens
 from shared.params import GenerateParams
 from shared.states import FinishReason, Priority
 
@@ -46,6 +49,8 @@ class GenerateRunner:
         self.clock = clock
         self.tokenizer = loaded.tokenizer
         self._token = TokenText(self.tokenizer)  # a token's text alone, for log probabilities
+        # the special tokens a request offering tools keeps in its text: its calls are written with them
+        self._tool_tokens = special_ids(self.tokenizer, kept_tokens(self.spec.tool_call_parser))
         self.vocab = loaded.model.config.vocab_size
         eos = loaded.model.generation_config.eos_token_id
         if eos is None:
@@ -209,7 +214,7 @@ class GenerateRunner:
         for row in self.engine.rows:
             job = row.spec.owner
             if isinstance(job, Job) and job.stream is not None:
-                delta = next_delta(job.stream, job.stream.output(row.tokens), self._decode)
+                delta = next_delta(job.stream, job.stream.output(row.tokens), self._decoder(job))
                 if delta is not None:
                     delta = with_logprobs(delta, job, row.logprobs, self._token)
                     out.append(Delta(job.req, delta, first=job.stream.first))
@@ -217,7 +222,7 @@ class GenerateRunner:
         return out
 
     def _resumed_whole(self, job: Job) -> Outcome:
-        return resumed_whole(job, self.clock(), worker=self.worker, decode=self._decode)
+        return resumed_whole(job, self.clock(), worker=self.worker, decode=self._decoder(job))
 
     def _outcomes(self, results: list[GenResult]) -> list[Outcome]:
         now = self.clock()
@@ -233,8 +238,14 @@ class GenerateRunner:
         """Token ids to text, as callers see it (the engine's stop-string check reads the same)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _decoder(self, job: Job) -> Callable[[list[int]], str]:
+        """How `job`'s output reads: with its model's tool-call tokens where it offers tools (`tool_tokens`)."""
+        if self._tool_tokens and job.req.input.get("tools"):
+            return functools.partial(decode_keeping, self.tokenizer, kept=self._tool_tokens)
+        return self._decode
+
     def _result(self, job: Job, r: GenResult, now: float) -> RequestResult:
-        return generation_result(job, r, now, worker=self.worker, decode=self._decode, token=self._token)
+        return generation_result(job, r, now, worker=self.worker, decode=self._decoder(job), token=self._token)
 
 
 def model_context(model: Any) -> int | None:

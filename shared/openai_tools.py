@@ -11,9 +11,11 @@ names its `tool_call_parser`, else a 400 naming `tool_choice`:
   after any text;
 - `llama3_json`: an answer that is one JSON object `{"name", "parameters"}`, or several joined by `;` (Llama 3.1,
   3.2 and 3.3 with JSON tools);
-- `mistral`: an answer that is a JSON list of `{"name", "arguments"}` after `[TOOL_CALLS]` (a control token, so
-  the decoded text usually starts at the list); call ids of 9 letters and digits, which Mistral's templates require
-  when the calls come back.
+- `mistral`: both of Mistral's forms. Before its v11 tokenizers, a JSON list of `{"name", "arguments"}` after
+  `[TOOL_CALLS]` (Mistral 7B v0.3, Mixtral); from v11 on (Mistral Small 3.x, Ministral, Magistral, Devstral), each
+  call as `[TOOL_CALLS]name[ARGS]{arguments}` (v11's `[CALL_ID]id` before `[ARGS]` taken too). These are control
+  tokens, which the worker keeps in the text of a request that offers tools (`kept_tokens`), as vLLM does; call
+  ids of 9 letters and digits, which Mistral's templates require when the calls come back.
 """
 
 from __future__ import annotations
@@ -73,7 +75,10 @@ _HERMES_CALL = re.compile(f"{re.escape(HERMES_OPEN)}(.*?)(?:{re.escape(HERMES_CL
 
 _JSON = json.JSONDecoder()
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's, before a call (a special token: usually gone from the decoded text)
-MISTRAL_TAG = "[TOOL_CALLS]"  # Mistral's, before the list of calls (likewise)
+MISTRAL_TAG = "[TOOL_CALLS]"  # Mistral's, before the list of calls, or before each call from v11 (likewise)
+MISTRAL_ARGS, MISTRAL_CALL_ID = "[ARGS]", "[CALL_ID]"  # v11 on: between a call's name and its arguments
+# a function name as OpenAI takes it, then v11's call id if written, then [ARGS] (its absence tolerated, as vLLM)
+_MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.:-]{1,64})\s*(?:\[CALL_ID\][A-Za-z0-9]*)?\s*(?:\[ARGS\])?\s*")
 
 Read = Callable[[str], "tuple[str | None, list[tuple[str, str]]] | None"]
 
@@ -89,6 +94,7 @@ class CallFormat:
     tag: str = ""
     leading: tuple[str, ...] = ()
     short_ids: bool = False  # call ids of 9 letters and digits (Mistral's chat templates refuse others)
+    kept: tuple[str, ...] = ()  # control tokens the calls are written with: kept in the text when tools are offered
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,32 +306,69 @@ def llama3_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
 
 
 def mistral_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
-    """A JSON list of `{"name", "arguments"}` after `[TOOL_CALLS]` (the text before it is content), or, the tag
-    dropped with the special tokens, an answer that is such a list alone; None for anything else."""
+    """Mistral's calls, the text before the first `[TOOL_CALLS]` being content: a JSON list of `{"name",
+    "arguments"}` after it (before v11), or each call after a tag of its own as `name[ARGS]{arguments}` (v11 on);
+    text the model wrote after its calls is not read (as vLLM's parser). With the tags dropped, an answer that is
+    such a list alone. None for anything else, calls cut short included."""
     before, tag, body = text.partition(MISTRAL_TAG)
     if not tag:
         before, body = "", text
+    made = _mistral_list(body, tagged=bool(tag))
+    if made is None and tag:
+        made = _mistral_named(body.split(MISTRAL_TAG))
+    if made is None:
+        return None
+    return (before if before.strip() else None), made
+
+
+def _mistral_list(body: str, *, tagged: bool) -> list[tuple[str, str]] | None:
     body = body.strip()
     try:
         said, end = _JSON.raw_decode(body) if body.startswith("[") else (None, 0)
     except ValueError:
         return None
-    if not isinstance(said, list) or not said or body[end:].strip():
+    if not isinstance(said, list) or not said or (body[end:].strip() and not tagged):  # tagged: text after ignored
         return None
     made = []
     for c in said:
-        if (call := _call(c, bare=not tag)) is None:
+        if (call := _call(c, bare=not tagged)) is None:
             return None
         made.append(call)
-    return (before if before.strip() else None), made
+    return made
+
+
+def _mistral_named(pieces: list[str]) -> list[tuple[str, str]] | None:
+    """v11's calls, one per piece (what followed each `[TOOL_CALLS]`): `name[ARGS]{arguments}`, any text after the
+    arguments ignored (as after a list)."""
+    made = []
+    for piece in pieces:
+        named = _MISTRAL_NAMED.match(piece)
+        if named is None:
+            return None
+        try:
+            arguments = _JSON.raw_decode(piece, named.end())[0]
+        except ValueError:
+            return None
+        if (call := _call({"name": named.group(1), "arguments": arguments})) is None:
+            return None
+        made.append(call)
+    return made
 
 
 FORMATS: dict[str, CallFormat] = {
     "hermes": CallFormat(hermes_calls, tag=HERMES_OPEN),
     "llama3_json": CallFormat(llama3_calls, leading=("{", PYTHON_TAG)),
-    "mistral": CallFormat(mistral_calls, tag=MISTRAL_TAG, leading=("[",), short_ids=True),
+    "mistral": CallFormat(mistral_calls, tag=MISTRAL_TAG, leading=("[",), short_ids=True,
+                          kept=(MISTRAL_TAG, MISTRAL_ARGS, MISTRAL_CALL_ID)),
 }
 assert set(FORMATS) == set(TOOL_CALL_PARSERS), "shared.config names the formats read here"
+
+
+def kept_tokens(parser: str) -> tuple[str, ...]:
+    """The control tokens a model whose file names `parser` writes its calls with: what the worker keeps in the text
+    of a request that offers tools ("auto": the calls are read from it), where decoding drops special tokens."""
+    fmt = FORMATS.get(parser)
+    return fmt.kept if fmt is not None else ()
 
 
 def streamable(parser: str, held: str, sent: bool) -> int:

@@ -347,6 +347,8 @@ def test_auto_reads_mistral_calls_with_ids_its_template_takes():
     assert auto_answer("mistral", '[{"name": "Alice", "age": 3}]') == ("stop", '[{"name": "Alice", "age": 3}]', [])
     tagged = auto_answer("mistral", '[TOOL_CALLS][{"name": "get_time"}]')  # the tag says it is a call
     assert tagged[0] == "tool_calls" and named(tagged[2]) == [("get_time", {})]
+    # after the tag, text the model wrote after its list is not read (as vLLM's parser); without it, it is text
+    assert named(auto_answer("mistral", f"[TOOL_CALLS]{listed} Done.")[2]) == named(calls)
     content, calls, reason = streamed("mistral", ["Sure. [TOOL", "_CALLS]", listed])
     assert (content, reason) == ("Sure. ", "tool_calls") and [c["index"] for c in calls] == [0, 1]
     assert streamed("mistral", ["[1, ", "2]"]) == ("[1, 2]", [], "stop")
@@ -355,6 +357,45 @@ def test_auto_reads_mistral_calls_with_ids_its_template_takes():
     (chunk,) = oa.ChunkMaker(tr, "req_m", 0).delta({"text": '{"city": '})
     forced_id = chunk["choices"][0]["delta"]["tool_calls"][0]["id"]
     assert len(forced_id) == 9 and forced_id.isalnum()
+
+
+def test_auto_reads_mistral_v11_calls_one_tag_each():
+    """Mistral's v11 and later tokenizers (Mistral Small 3.x, Ministral, Magistral, Devstral) write each call as
+    `[TOOL_CALLS]name[ARGS]{arguments}`, v11 itself with `[CALL_ID]id` before `[ARGS]`; the text before the first tag
+    is content; text after a call is not read, as vLLM's parser. A call cut short, or arguments that are not an
+    object, leave the answer as text."""
+    two = '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_time[ARGS]{}'
+    for text, content in ((two, None), (f"Sure. {two}", "Sure. "), (f"{two}\n", None),
+                          (two.replace("[ARGS]", "[CALL_ID]a1B2c3D4e[ARGS]"), None),
+                          (two.replace("[ARGS]", ""), None),  # [ARGS] missing: the arguments open at "{", as vLLM
+                          ('[TOOL_CALLS] get_weather [ARGS] {"city": "Rome"} [TOOL_CALLS]get_time[ARGS]{} ', None),
+                          (f"{two} and then some", None),
+                          ('[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}, then[TOOL_CALLS]get_time[ARGS]{}', None)):
+        reason, got, calls = auto_answer("mistral", text)
+        assert (reason, got) == ("tool_calls", content), text
+        assert named(calls) == [("get_weather", {"city": "Rome"}), ("get_time", {})], text
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+    one = '[TOOL_CALLS]get_weather[ARGS]"{\\"city\\": \\"Oslo\\"}"'  # arguments as JSON text of an object
+    assert named(auto_answer("mistral", one)[2]) == [("get_weather", {"city": "Oslo"})]
+    assert named(auto_answer("mistral", two, parallel_tool_calls=False)[2]) == [("get_weather", {"city": "Rome"})]
+    for text in ('[TOOL_CALLS]get_weather[ARGS]{"city": "Ro', '[TOOL_CALLS]get_weather[ARGS][1, 2]',
+                 "[TOOL_CALLS]", "[TOOL_CALLS]get_weather",
+                 '[TOOL_CALLS]get weather[ARGS]{}', '[TOOL_CALLS]get_weather[ARGS]{}[TOOL_CALLS]oops',
+                 'get_weather[ARGS]{"city": "Rome"}'):
+        assert auto_answer("mistral", text) == ("stop", text, []), text
+    content, calls, reason = streamed("mistral", ["Sure. [TOOL", "_CALLS]get_wea", 'ther[ARGS]{"city": ', '"Rome"}',
+                                                  "[TOOL_CALLS]get_time[ARGS]{}"])
+    assert (content, reason) == ("Sure. ", "tool_calls")
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather"), (1, "get_time")]
+    assert streamed("mistral", ["[TOOL_CALLS]get_weather[ARGS]", '{"city": "Ro']) == (
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Ro', [], "stop")  # cut short: the text as it came
+
+
+def test_the_worker_keeps_the_control_tokens_a_format_writes_its_calls_with():
+    from shared.openai_tools import kept_tokens
+
+    assert kept_tokens("mistral") == ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+    assert kept_tokens("hermes") == kept_tokens("llama3_json") == kept_tokens("") == ()
 
 
 def test_every_parser_a_model_file_may_name_is_read():
