@@ -356,8 +356,9 @@ def _mistral_named(pieces: list[str]) -> list[tuple[str, str]] | None:
 
 
 FORMATS: dict[str, CallFormat] = {
-    "hermes": CallFormat(hermes_calls, tag=HERMES_OPEN),
-    "llama3_json": CallFormat(llama3_calls, leading=("{", PYTHON_TAG)),
+    # Hermes 2 Pro's tags are special tokens (Qwen's are text); Llama 3's python tag is one
+    "hermes": CallFormat(hermes_calls, tag=HERMES_OPEN, kept=(HERMES_OPEN, HERMES_CLOSE)),
+    "llama3_json": CallFormat(llama3_calls, leading=("{", PYTHON_TAG), kept=(PYTHON_TAG,)),
     "mistral": CallFormat(mistral_calls, tag=MISTRAL_TAG, leading=("[",), short_ids=True,
                           kept=(MISTRAL_TAG, MISTRAL_ARGS, MISTRAL_CALL_ID)),
 }

@@ -395,7 +395,9 @@ def test_the_worker_keeps_the_control_tokens_a_format_writes_its_calls_with():
     from shared.openai_tools import kept_tokens
 
     assert kept_tokens("mistral") == ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
-    assert kept_tokens("hermes") == kept_tokens("llama3_json") == kept_tokens("") == ()
+    assert kept_tokens("hermes") == ("<tool_call>", "</tool_call>")  # special in Hermes 2 Pro, text in Qwen's
+    assert kept_tokens("llama3_json") == ("<|python_tag|>",)
+    assert kept_tokens("") == kept_tokens("pythonic") == ()
 
 
 def test_every_parser_a_model_file_may_name_is_read():
