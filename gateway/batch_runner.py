@@ -357,7 +357,10 @@ class BatchRunner:
 
     async def _refuse(self, meta: Any, entry: tuple[int, bytes, int], code: str, message: str) -> None:
         line, raw, _ = entry
-        custom_id = parse_line(raw, line, meta.endpoint, self._tool_parser).custom_id
+        try:
+            custom_id: str | None = parse_line(raw, line, meta.endpoint, self._tool_parser).custom_id
+        except BatchError:  # cancelled before validation read it: a line that is not a request has no custom_id
+            custom_id = None
         await self.store.write_line(meta.id, line, False,
                                     refused_line(custom_id, code, message, line_id=refused_line_id(meta.id, line)))
 
@@ -371,6 +374,8 @@ class BatchRunner:
         st = await self.store.get(batch_id)
         assert st is not None
         total = max(st.progress.total, st.next_line)
+        if total > st.progress.total:  # cancelled before it was validated: its lines were counted as they were read
+            await self.store.set_fields(batch_id, total=total)
         out_id = await self._write_file(st, total, ok=True, suffix="output")
         err_id = await self._write_file(st, total, ok=False, suffix="errors")
         await self.store.set_fields(batch_id, out_id=out_id, err_id=err_id)

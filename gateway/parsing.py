@@ -6,13 +6,13 @@ body means (the submit fields) is checked by `shared.submit`, against the schema
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 import msgpack
 
 from gateway.api import MSGPACK_TYPES, ApiRequest, BadRequest, PayloadTooLarge, UnsupportedMediaType
+from shared import strict_json
 from shared.operations import check_idempotency_key, wait_seconds
 
 _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\"[^\"]*\"|[^,;\s]*)", re.I)
@@ -44,7 +44,7 @@ def parse_body(req: ApiRequest, max_bytes: int) -> Any:
         raise UnsupportedMediaType(f"content type {ctype!r} not supported; send application/json "
                                    f"or application/msgpack{hint}")
     try:
-        body = json.loads(req.body)
+        body = strict_json.loads(req.body)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise BadRequest(f"invalid JSON: {str(exc)[:200]}", code="invalid_json") from exc
     _check_shape(body)

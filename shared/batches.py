@@ -14,7 +14,6 @@ when the window ends first; cancelling -> cancelled.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Any
 import msgspec
 
 from shared import openai_shapes as oa
+from shared import strict_json
 from shared.ids import new_request_id
 from shared.openai_tools import Calls
 
@@ -170,7 +170,7 @@ def parse_line(raw: bytes | str, line: int, endpoint: str, parser_of: Callable[[
     """An input line as an `Item`; `BatchError` (with the line) when it is not one. `parser_of(model)`: the model's
     tool-call format, which a chat line's `tool_choice` "auto" needs ("" or no `parser_of`: none)."""
     try:
-        obj = json.loads(raw)
+        obj = strict_json.loads(raw)
     except (ValueError, RecursionError):
         raise BatchError("not a JSON object", code="invalid_json_line", line=line) from None
     if not isinstance(obj, dict):
@@ -257,7 +257,7 @@ def _error_body(status: int, err: dict[str, Any]) -> dict[str, Any]:
     return oa.OpenAIError(status, str(err.get("message", "")), code=err.get("code")).body()
 
 
-def refused_line(custom_id: str, code: str, message: str, status: int | None = None, *,
+def refused_line(custom_id: str | None, code: str, message: str, status: int | None = None, *,
                  line_id: str) -> dict[str, Any]:
     """The error line of an item that never ran: refused at submit (`status`: the HTTP answer it got, in
     `response`, `error` null), or never sent (the window ended, the batch was cancelled: `response` null, the

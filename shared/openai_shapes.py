@@ -579,8 +579,9 @@ def _message(i: int, m: MessageIn) -> dict[str, Any]:
         return {"role": m.role, "content": "", **extra}
     if isinstance(m.content, str):
         return {"role": m.role, "content": m.content, **extra}
-    if m.content is None:
-        raise invalid(f"{at}.content", "required (a string or a list of text parts)")
+    if not m.content:
+        why = "required" if m.content is None else "an empty list (at least one part, as OpenAI)"
+        raise invalid(f"{at}.content", f"{why}: a string or a list of text parts")
     texts = []
     for j, part in enumerate(m.content):
         if part.type != "text":
@@ -600,6 +601,8 @@ def _call_fields(at: str, m: MessageIn) -> dict[str, Any]:
         extra["tool_calls"] = _tools(lambda: message_calls(at, m.tool_calls or []))
     if m.tool_call_id is not None:
         extra["tool_call_id"] = m.tool_call_id
+    elif m.role == "tool":  # as OpenAI: the template pairs a result with its call by this id
+        raise invalid(f"{at}.tool_call_id", "required: the id of the tool call this message answers")
     return extra
 
 

@@ -186,6 +186,29 @@ async def test_cancel_stops_feeding_and_every_line_is_answered_once(redis_url, p
         assert done.request_counts.completed == len(out) and done.request_counts.failed == len(err)
 
 
+async def test_a_batch_cancelled_before_it_was_validated_counts_every_line_it_answers(
+        redis_url, prefix, loaded_models, tmp_path):
+    """Cancelled while `validating` (no runner had read it yet): every line gets its `batch_cancelled` line, one
+    that is not a request too (validation never ran to refuse it), and the counts add up: `total` is the lines,
+    never less than `failed`."""
+    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
+    async with running_gateway(settings) as gw:  # no runner yet: the batch stays `validating`
+        client = client_for(gw)
+        raw = jsonl(4) + b"{\"not\": \"a request\"}\n"
+        f = await client.files.create(file=("in.jsonl", io.BytesIO(raw)), purpose="batch")
+        b = await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+        assert (await client.batches.retrieve(b.id)).status == "validating"
+        await client.batches.cancel(b.id)
+        async with runner(settings):
+            done = await until_done(client, b.id, 30)
+        assert done.status == "cancelled" and done.output_file_id is None
+        err = await lines_of(client, done.error_file_id)
+        assert [x["custom_id"] for x in err] == ["c-0", "c-1", "c-2", "c-3", None]
+        assert all(code_of(x) == "batch_cancelled" for x in err)
+        counts = done.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (5, 0, 5)
+
+
 async def test_a_runner_that_dies_mid_batch_is_taken_over_without_a_lost_or_repeated_line(
         redis_url, prefix, loaded_models, tmp_path):
     settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))

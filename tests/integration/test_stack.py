@@ -293,6 +293,8 @@ async def test_models_health_and_metrics(redis_url, prefix, loaded_models):
 BAD_SUBMITS = [
     ("/v1/models/nope/requests", b'{"input": {"text": "x"}}', {}, 404),
     ("/v1/models/minilm/requests", b"{not json", {}, 400),
+    ("/v1/models/tiny-llama/requests", b'{"input": {"prompt": "x"}, "params": {"temperature": NaN}}', {}, 400),
+    ("/v1/models/minilm/requests", b'{"input": {"text": "x"}, "timeout_s": Infinity}', {}, 400),
     ("/v1/models/minilm/requests", b"", {}, 400),
     ("/v1/models/minilm/requests", b"[1, 2]", {}, 422),
     ("/v1/models/minilm/requests", b'"text"', {}, 422),

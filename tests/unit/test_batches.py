@@ -73,6 +73,8 @@ def test_a_field_the_models_checks_refuse_is_named_as_the_lines_endpoint_names_i
 
 @pytest.mark.parametrize("raw, code", [
     ("not json", "invalid_json_line"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"temperature": NaN}}',
+     "invalid_json_line"),  # NaN is not JSON (Python's json reads it)
     ("[1]", "invalid_json_line"),
     (line(custom_id=""), "invalid_custom_id"),
     (line(custom_id=5), "invalid_custom_id"),

@@ -203,6 +203,11 @@ def test_chat_refusals():
     assert refused(oa.translate_chat, chat(messages=[{"role": "assistant", "tool_calls": [{"id": "1"}]}])).param \
         == "messages[0].tool_calls[0]"  # a call without its function
     assert refused(oa.translate_chat, chat(messages=[])).param == "messages"
+    # as OpenAI: an empty list of parts is no content; a tool's result names the call it answers
+    err = refused(oa.translate_chat, chat(messages=[{"role": "user", "content": []}]))
+    assert err.param == "messages[0].content" and "empty list" in err.message
+    err = refused(oa.translate_chat, chat(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]))
+    assert err.param == "messages[1].tool_call_id" and "required" in err.message
     err = refused(oa.translate_chat, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]))
     assert err.param == "messages[0].content[0].text" and err.code == "invalid_request" and "required" in err.message
     assert refused(oa.translate_chat, chat(max_tokens=3, max_completion_tokens=4)).param == "max_completion_tokens"
