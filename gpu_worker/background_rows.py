@@ -108,6 +108,12 @@ def share(running: Iterable[Job], left: Mapping[str, int], held: Collection[str]
     return Share(hold, min(room, max(0, allowed - len(stepping))), tokens)
 
 
+def widened(before: int | None, after: int | None) -> bool:
+    """Whether batch-priority work may start more rows (`Share.start_rows`) after than before (None: as many as
+    are free): then the loop plans again at once rather than waiting for a command."""
+    return before is not None and (after is None or after > before)
+
+
 @dataclass
 class Sharing:
     """What `share` remembers from round to round: the batch rows sitting out, and when interactive rows last ran."""

@@ -91,6 +91,7 @@ class ModelLoop(ThreadedLoop):
             self.on_work(self.runner.busy or len(self.scheduler) > 0)
         now = self._clock()
         left = self.runner.remaining_tokens() if self.scheduler.deadline_aware else {}
+        planned_with = self.scheduler.background_rows  # batch-priority rows it may start, as last reckoned
         plan = self.scheduler.plan(now, self.runner.free_rows, left, yielding=self.yielding,
                                    chunking=self.runner.chunking, background=self.background,
                                    chunk_left=self.runner.chunk_left)
@@ -107,6 +108,8 @@ class ModelLoop(ThreadedLoop):
         # rows freed by this round's step may take queued work at once: no waiting for a command then
         if plan.batch or self.runner.busy or self._last_step_end is not None:
             return None
+        if len(self.scheduler) and background_rows.widened(planned_with, self.scheduler.background_rows):
+            return None  # the share this round planned with was reckoned beside rows a step since ended
         wait = self._idle_wait_s if plan.wake_at is None else max(0.0, min(self._idle_wait_s, plan.wake_at - now))
         if not block:
             return wait
@@ -201,15 +204,13 @@ class ModelLoop(ThreadedLoop):
             out = [failed_outcome(job.req, self._worker, self._clock(), "model_error", message, computed=True)
                    for job in list(self.scheduler.running.values())]
         t1 = self._clock()
-        # the token interval a running row sees: its step plus everything else this round did (prefills of
-        # newcomers, the mark-running round trip); that, not the bare step, is what deadlines depend on.
-        # Abnormally long waits on Redis are left out.
+        # the token interval a running row sees: its step plus all else this round did (newcomers' prefills, the
+        # mark-running round trip; not abnormally long waits on Redis): what deadlines depend on, not the bare step
         since = self._last_step_end if self._last_step_end is not None else t0
         chunk, chunk_s = self.runner.last_chunk
         self.tracker.observe_round(rows, t1 - t0, max(t1 - t0, t1 - since - self._excluded_s), chunk, chunk_s,
                                    fused=self.runner.fused, chunking=self.runner.chunking)
-        self._last_step_end = t1
-        self._excluded_s = 0.0
+        self._last_step_end, self._excluded_s = t1, 0.0
         return out
 
     def _publish(self, out: list[Emitted], *, count: bool = True) -> None:

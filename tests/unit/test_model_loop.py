@@ -336,3 +336,24 @@ def test_rows_freed_by_a_step_take_queued_work_without_waiting_for_a_command():
     assert loop._iterate(block=False) is None and not runner.busy and runner.started == ["r1"]
     loop._iterate(block=False)
     assert runner.started == ["r1", "r2"]
+
+
+def test_batch_work_held_back_for_interactive_rows_starts_as_soon_as_they_end():
+    """A batch-priority request queued while an interactive row decodes waits for it (on a CPU a row beside it
+    slows it), but not a moment longer: the round whose step ends the last interactive row must not wait for a
+    command (it used to idle up to 1 s, and a batch request with a few seconds to its deadline then expired)."""
+    loop, runner, clock, emitted = make(rows=8, per_row_s=0.002)
+    loop.submit(Add([req(0, clock, new=30)], clock.t))
+    for _ in range(25):  # the step's cost by rows gets measured meanwhile
+        loop._iterate(block=False)
+    loop.submit(Add([req(1, clock, new=5, timeout=3.0, priority=Priority.BATCH)], clock.t))
+    while "r0" not in finished(emitted):
+        assert loop._iterate(block=False) is None
+        assert "r1" not in runner.started or "r0" in finished(emitted)
+    waits = []
+    while "r1" not in runner.started:
+        waits.append(loop._iterate(block=False))
+        assert len(waits) < 5
+    assert all(w is None for w in waits), waits  # no idle wait between r0's end and r1's start
+    run_until_idle(loop, runner)
+    assert "r1" in finished(emitted)
