@@ -4,11 +4,14 @@ Inputs are the workers' published `LaneStats` for the model (only fresh ones cou
 a worker, each listing the lanes that engine serves, so only the engines serving the request's lane are
 read) and the lane's stream length. The estimate:
     start  = the lane window, plus the time for the workers to drain the requests waiting ahead of
-             it, its own lane's entries not yet running (while no completion has been measured yet,
-             only the requests that do not fit the free rows count, at what the rows could do), at
-             the measured completion rate less the shorter lanes' own: the scheduler starts the
-             shorter lanes of an engine first, and while a request waits their arrivals keep taking
-             that share of the rows (under overload, most of a medium request's wait);
+             it, its own lane's entries not yet running, at the measured completion rate less the
+             shorter lanes' own: the scheduler starts the shorter lanes of an engine first, and while
+             a request waits their arrivals keep taking that share of the rows (under overload, most
+             of a medium request's wait). While the workers hold nothing back (every request they
+             read has started) and have free rows for those ahead, nobody waits: the completion rate
+             then measures the traffic, not what the rows can do (a burst after light traffic was
+             estimated 100x too slow and refused). While no completion has been measured yet, only
+             the requests that do not fit the free rows count, at what the rows could do;
     finish = start + its own compute (prefill of its prompt + one decode step per new token, at the
              step time measured for the current batch).
 Continuous batching always has "a free row" until memory runs out, but every row slows every step:
@@ -162,14 +165,18 @@ def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int,
     running = sum(ln.running for s in stats for ln in s.lanes if ln.lane == lane)
     ahead = max(0, queued - running)
     measured = sum(ln.completed_rps for s in stats for ln in s.lanes)
+    free = sum(s.free_rows for s in stats)
+    # requests a worker has read and not started: it holds them back (rows busy, or more rows would slow running
+    # ones past their deadlines), so what frees room for them is throughput, not rows
+    held = sum(ln.waiting for s in stats for ln in s.lanes)
     start = window_s
-    if measured > 0:
+    if measured > 0 and (held or ahead >= free):
         # the rows free up at the measured rate, and the shorter lanes' new arrivals take their share of them first
         start += ahead / max(measured - shorter_rate(stats, lane), MIN_DRAIN_SHARE * measured)
-    else:
-        free = sum(s.free_rows for s in stats)
-        if ahead >= free:
-            start += (ahead - free + 1) / drain_rate(stats, service)
+    elif ahead >= free:
+        start += (ahead - free + 1) / drain_rate(stats, service)
+    # else the workers start everything they read and have rows for those ahead: a burst after light traffic,
+    # whose measured rate is the light traffic's arrivals, not what the rows can do
     return Estimate(start, start + service, "stats")
 
 

@@ -169,7 +169,7 @@ class _Common:
         for i, it in enumerate(items):
             if not isinstance(it, dict) or "input" not in it:
                 raise InvalidRequest(f"items[{i}]: each item is a submit body with an 'input' ({{'input': ..., "
-                                     "'params': ...}}), got " + (f"keys {sorted(it)}" if isinstance(it, dict)
+                                     "'params': ...}), got " + (f"keys {sorted(it)}" if isinstance(it, dict)
                                                                   else type(it).__name__), code="invalid_request")
             body = self._body(it["input"], it.get("params"), it.get("timeout_s"), it.get("deadline"),
                               it.get("priority"), it.get("callback"), bool(it.get("stream")))

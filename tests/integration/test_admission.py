@@ -47,6 +47,22 @@ async def test_infeasible_deadline_gets_429_with_retry_after(redis_url, prefix, 
         assert isinstance(ok.json()["eta_ms"], int) and "admission" not in ok.json()
 
 
+async def test_a_burst_after_light_traffic_does_not_refuse_what_the_free_rows_can_serve(redis_url, prefix,
+                                                                                         loaded_models):
+    """After light traffic the measured completion rate is that traffic's arrivals (a few a second), not what the
+    rows can do: a burst of 12 small requests, all fitting the free rows, was estimated to drain in seconds, and
+    a request behind it with a 2 s deadline refused. The rows start them at once, so it is admitted and served."""
+    settings = make_settings(redis_url, prefix, models=(LLAMA,))
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        await warm_stats(gw)
+        small = {"input": {"input_ids": [5, 6, 7]}, "params": {"max_new_tokens": 2, "ignore_eos": True}}
+        burst = await gw.client.post("/v1/models/tiny-llama/requests:batch", json={"requests": [small] * 12})
+        assert burst.status_code == 200, burst.text
+        r = await gw.client.post("/v1/models/tiny-llama/requests?wait=10", json={**small, "timeout_s": 2.0})
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "succeeded"
+
+
 async def test_without_worker_stats_accept_up_to_the_backlog_cap(redis_url, prefix):
     spec = dataclasses.replace(LLAMA, lanes=(LaneSpec("all", None, 10.0, max_backlog=3),))
     settings = make_settings(redis_url, prefix, models=(spec,))

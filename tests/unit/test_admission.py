@@ -7,10 +7,10 @@ from shared.messages import LaneStat, LaneStats
 
 
 def stats(*, free=4, max_rows=8, rps=0.0, running=0, at_ms=10_000, fixed=10.0, per_tok=0.1, step=20.0,
-          lane="short"):
+          lane="short", waiting=0):
     return LaneStats(model="m", worker="w", at_ms=at_ms, max_rows=max_rows, free_rows=free, deadline_aware=True,
                      prefill_fixed_ms=fixed, prefill_ms_per_token=per_tok, decode_ms_per_step=step,
-                     lanes=(LaneStat(lane, 0, running, rps, 0.0),))
+                     lanes=(LaneStat(lane, waiting, running, rps, 0.0),))
 
 
 def test_only_fresh_stats_count():
@@ -24,8 +24,12 @@ def test_no_stats_means_no_estimate():
 @pytest.mark.parametrize(("kw", "queued", "prompt", "new", "start", "finish"), [
     # a free row: start after the window; compute = 10 ms + 100 x 0.1 ms + 32 x 20 ms = 660 ms
     ({}, 0, 100, 32, 0.005, 0.665),
-    # 6 waiting ahead, drained at the measured 10/s (free rows do not matter once a rate is measured)
+    # 6 waiting ahead, drained at the measured 10/s (more than the free rows)
     ({"rps": 10.0}, 6, 100, 32, 0.605, 1.265),
+    # ... or fewer, but the worker holds requests back: throughput, not rows, frees room for them
+    ({"rps": 10.0, "free": 8, "waiting": 2}, 6, 100, 32, 0.605, 1.265),
+    # a burst after light traffic (1.5/s measured): 12 ahead, 60 free rows, nothing held back: they start now
+    ({"rps": 1.5, "free": 60, "max_rows": 64}, 12, 100, 32, 0.005, 0.665),
     # same, no completions measured yet: drain at what 8 rows can do (8 / 0.66 s)
     ({}, 6, 100, 32, 0.005 + 3 / (8 / 0.66), 0.005 + 3 / (8 / 0.66) + 0.66),
     # the queued entries are running ones, not waiting ones: nobody ahead

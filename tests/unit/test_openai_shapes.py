@@ -206,7 +206,8 @@ def test_chat_refusals():
     # as OpenAI: an empty list of parts is no content; a tool's result names the call it answers
     err = refused(oa.translate_chat, chat(messages=[{"role": "user", "content": []}]))
     assert err.param == "messages[0].content" and "empty list" in err.message
-    err = refused(oa.translate_chat, chat(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]))
+    err = refused(oa.translate_chat, chat(messages=[{"role": "user", "content": "hi"},
+                                                    {"role": "tool", "content": "x"}]))
     assert err.param == "messages[1].tool_call_id" and "required" in err.message
     err = refused(oa.translate_chat, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]))
     assert err.param == "messages[0].content[0].text" and err.code == "invalid_request" and "required" in err.message
