@@ -26,14 +26,22 @@ threading.Thread(target=_LOOP.run_forever, name="batchgate-gcf-loop", daemon=Tru
 
 
 def batchgate(request: Any) -> Any:
-    """The HTTP function (signature type `http`, the default: no functions-framework import needed)."""
+    """The HTTP function (signature type `http`, the default: no functions-framework import needed). Answers as
+    the HTTP gateway does: HEAD as GET (the server leaves the body out), a repeated query parameter's last value,
+    an event stream's no-store and no-buffering headers."""
     from flask import Response
 
+    head = request.method == "HEAD"
     api_req = ApiRequest(
-        method=request.method, path=request.path, query={k: v for k, v in request.args.items()},
+        method="GET" if head else request.method, path=request.path,
+        query={k: values[-1] for k, values in request.args.lists()},
         headers={k.lower(): v for k, v in request.headers.items()},
         body=request.get_data(cache=False) if request.method in ("POST", "PUT", "PATCH") else b"",
     )
     resp = asyncio.run_coroutine_threadsafe(routes.handle(SERVICE, api_req), _LOOP).result()
     body, ctype = resp.render(request.headers.get("accept"))
-    return Response(body, status=resp.status, headers=resp.headers, mimetype=ctype)
+    headers = dict(resp.headers)
+    if ctype.startswith("text/event-stream"):
+        headers.setdefault("cache-control", "no-store")
+        headers.setdefault("x-accel-buffering", "no")
+    return Response(body, status=resp.status, headers=headers, mimetype=ctype)

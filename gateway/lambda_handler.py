@@ -47,11 +47,30 @@ _MANGUM = Mangum(APP, lifespan="off")
 
 def http_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     try:
-        return _MANGUM(event, context)
+        return _MANGUM(_without_stage(event), context)
     except binascii.Error:  # a body flagged isBase64Encoded that is not base64: the caller's to fix, not a crash
         body = {"error": {"code": "bad_request", "message": "the body is flagged isBase64Encoded but is not base64"}}
         return {"statusCode": 400, "headers": {"content-type": "application/json"}, "body": json.dumps(body),
                 "isBase64Encoded": False}
+
+
+def _without_stage(event: dict[str, Any]) -> dict[str, Any]:
+    """An HTTP API (v2) event of a named stage: its path begins with the stage (`/prod/v1/models`), which the
+    app's routes do not, and Mangum strips only a base path fixed at start-up. The `$default` stage (and a
+    Function URL) has none; a REST API (v1) event's path never holds it; a custom domain's path mapping has
+    already taken it off (the path then does not begin with it and is left alone)."""
+    ctx = event.get("requestContext")
+    stage = ctx.get("stage") if isinstance(ctx, dict) else None
+    http = ctx.get("http") if isinstance(ctx, dict) else None
+    if event.get("version") != "2.0" or not stage or stage == "$default" or not isinstance(http, dict):
+        return event
+    prefix, path = f"/{stage}", str(http.get("path") or "")
+    if path != prefix and not path.startswith(prefix + "/"):
+        return event
+    rest = path[len(prefix):] or "/"
+    return {**event, "rawPath": rest, "requestContext": {**ctx, "http": {**http, "path": rest}}}
+
+
 TENANT = SETTINGS.lambda_tenant
 MARGIN_S = SETTINGS.lambda_margin_s
 SUBMIT_KEYS = ("input", "params", "timeout_s", "deadline", "priority", "callback")

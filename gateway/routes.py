@@ -90,7 +90,7 @@ def match(method: str, path: str) -> tuple[RouteSpec, list[str]]:
             continue
         if route.method == method:
             return route, [m.group(p) for p in route.params]
-        allowed.append(route.method)
+        allowed += [route.method, "HEAD"] if route.method == "GET" else [route.method]  # HEAD as the HTTP app
     if allowed:
         raise MethodNotAllowed(f"{method} is not allowed on {path} (allowed: {', '.join(allowed)})",
                                headers={"Allow": ", ".join(allowed)})

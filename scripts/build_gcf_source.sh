@@ -6,8 +6,9 @@
 # then: gcloud functions deploy batchgate --gen2 --runtime python311 --trigger-http --entry-point batchgate \
 #         --source OUT_DIR --set-env-vars BATCHGATE_REDIS_URL=...,BATCHGATE_AUTH=api_key,...
 set -euo pipefail
-cd "$(dirname "$0")/.."
-out="$(realpath -m "${1:-dist/batchgate-gcf}")"
+root="$(cd "$(dirname "$0")/.." && pwd)"
+out="$(realpath -m "${1:-$root/dist/batchgate-gcf}")"  # a relative OUT_DIR: from where it was run
+cd "$root"
 rm -rf "$out"
 mkdir -p "$out"
 cp -r gateway shared "$out"/

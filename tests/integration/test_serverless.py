@@ -99,7 +99,10 @@ def apigw_v1(key: str, body: str = BODY, path: str = "/v1/models/minilm/requests
 
 
 def apigw_v2(key: str, body: str = BODY, path: str = "/v1/models/minilm/requests", method: str = "POST",
-             domain: str = "abc123.execute-api.eu-west-1.amazonaws.com") -> dict:
+             domain: str = "abc123.execute-api.eu-west-1.amazonaws.com", stage: str = "$default") -> dict:
+    """An HTTP API's event; a named `stage` begins the path, as API Gateway sends it on its execute-api URL."""
+    if stage != "$default":
+        path = f"/{stage}{path}"
     return {
         "version": "2.0", "routeKey": "$default", "rawPath": path, "rawQueryString": "wait=20",
         "headers": {"content-type": "application/json", "host": domain, "x-api-key": key},
@@ -107,7 +110,7 @@ def apigw_v2(key: str, body: str = BODY, path: str = "/v1/models/minilm/requests
         "requestContext": {"accountId": "123456789012", "apiId": "abc123", "domainName": domain,
                            "http": {"method": method, "path": path, "protocol": "HTTP/1.1",
                                     "sourceIp": "198.51.100.7", "userAgent": "curl"},
-                           "requestId": "r-2", "routeKey": "$default", "stage": "$default",
+                           "requestId": "r-2", "routeKey": "$default", "stage": stage,
                            "time": "22/Nov/2026:05:00:00 +0000", "timeEpoch": 1795300000000},
         "body": body, "isBase64Encoded": False,
     }
@@ -124,11 +127,12 @@ def alb(key: str, body: str = BODY, path: str = "/v1/models/minilm/requests", me
     }
 
 
-@pytest.mark.parametrize("shape", ["apigw_v1", "apigw_v2", "function_url", "alb"])
+@pytest.mark.parametrize("shape", ["apigw_v1", "apigw_v2", "apigw_v2_stage", "function_url", "alb"])
 def test_lambda_http_events(stack_env, monkeypatch, shape):
     key = api_key(stack_env)  # (asyncio.run unsets the current loop: do it before the cold start)
     mod = load("gateway.lambda_handler", stack_env, monkeypatch)
     make = {"apigw_v1": apigw_v1, "apigw_v2": apigw_v2, "alb": alb,
+            "apigw_v2_stage": lambda k, **kw: apigw_v2(k, stage="prod", **kw),  # was a 404: no route /prod/v1/...
             "function_url": lambda k, **kw: apigw_v2(k, domain="xyz.lambda-url.eu-west-1.on.aws", **kw)}[shape]
     resp = mod.http_handler(make(key), FakeContext(30_000))
     assert resp["statusCode"] == 200, resp
@@ -211,6 +215,15 @@ def test_cloud_functions_adapter(stack_env, monkeypatch):
     r = client.get("/v1/chat/completions", headers={"X-API-Key": key})  # OpenAI's error shape on its routes
     assert r.status_code == 405 and r.get_json()["error"]["type"] == "invalid_request_error", r.get_json()
     assert r.headers["Allow"] == "POST"
+    # as the HTTP gateway answers: HEAD as GET without a body, a repeated query parameter's last value
+    head = client.head(f"/v1/requests/{rid}", headers={"X-API-Key": key})
+    assert head.status_code == 200 and head.data == b"" and int(head.headers["content-length"]) > 0
+    assert "HEAD" in client.put(f"/v1/requests/{rid}", headers={"X-API-Key": key}).headers["Allow"].split(", ")
+    r = client.get(f"/v1/requests/{rid}?wait=1&wait=abc", headers={"X-API-Key": key})
+    assert r.status_code == 400 and r.get_json()["error"]["code"] == "invalid_wait"
+    events = client.get(f"/v1/requests/{rid}/events", headers={"X-API-Key": key, "Accept": "text/event-stream"})
+    assert events.status_code == 200 and events.headers["cache-control"] == "no-store"
+    assert events.headers["x-accel-buffering"] == "no"
 
 
 @pytest.mark.parametrize("module", ["gateway.lambda_handler", "gateway.gcf_handler", "shared.sdk", "batchgate.cli"])
