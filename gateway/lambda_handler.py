@@ -59,13 +59,10 @@ def _without_stage(event: dict[str, Any]) -> dict[str, Any]:
     app's routes do not, and Mangum strips only a base path fixed at start-up. The `$default` stage (and a
     Function URL) has none; a REST API (v1) event's path never holds it; a custom domain's path mapping has
     already taken it off (the path then does not begin with it and is left alone)."""
-    ctx = event.get("requestContext")
-    stage = ctx.get("stage") if isinstance(ctx, dict) else None
-    http = ctx.get("http") if isinstance(ctx, dict) else None
-    if event.get("version") != "2.0" or not stage or stage == "$default" or not isinstance(http, dict):
-        return event
-    prefix, path = f"/{stage}", str(http.get("path") or "")
-    if path != prefix and not path.startswith(prefix + "/"):
+    ctx = event.get("requestContext") or {}
+    http, prefix = ctx.get("http") or {}, f"/{ctx.get('stage') or '$default'}"
+    path = str(http.get("path") or "")
+    if event.get("version") != "2.0" or prefix == "/$default" or not (path + "/").startswith(prefix + "/"):
         return event
     rest = path[len(prefix):] or "/"
     return {**event, "rawPath": rest, "requestContext": {**ctx, "http": {**http, "path": rest}}}

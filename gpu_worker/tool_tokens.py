@@ -15,20 +15,11 @@ from typing import Any
 
 
 def special_ids(tokenizer: Any, names: tuple[str, ...]) -> dict[int, str]:
-    """{id: text} of those of `names` that `tokenizer` drops as special tokens (the others are text already)."""
-    if not names:
-        return {}
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}  # {id: AddedToken}, `special` on each
-    special = set(getattr(tokenizer, "all_special_ids", ()) or ()) | {i for i, t in added.items()
-                                                                      if getattr(t, "special", False)}
-    by_text = {str(t): i for i, t in added.items()}
-    vocab = tokenizer.get_vocab()
-    out = {}
-    for name in names:
-        token_id = by_text.get(name, vocab.get(name))
-        if token_id is not None and token_id in special:
-            out[token_id] = name
-    return out
+    """{id: text} of those of `names` that `tokenizer` drops as special tokens (the others are text already):
+    the added tokens marked special, or named among its special tokens."""
+    named = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}  # {id: AddedToken}
+    return {i: str(t) for i, t in added.items() if str(t) in names and (getattr(t, "special", False) or i in named)}
 
 
 def decode_keeping(tokenizer: Any, ids: list[int], kept: dict[int, str]) -> str:

@@ -78,7 +78,8 @@ PYTHON_TAG = "<|python_tag|>"  # Llama 3's, before a call (a special token: usua
 MISTRAL_TAG = "[TOOL_CALLS]"  # Mistral's, before the list of calls, or before each call from v11 (likewise)
 MISTRAL_ARGS, MISTRAL_CALL_ID = "[ARGS]", "[CALL_ID]"  # v11 on: between a call's name and its arguments
 # a function name as OpenAI takes it, then v11's call id if written, then [ARGS] (its absence tolerated, as vLLM)
-_MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.:-]{1,64})\s*(?:\[CALL_ID\][A-Za-z0-9]*)?\s*(?:\[ARGS\])?\s*")
+_MISTRAL_NAMED = re.compile(rf"\s*([A-Za-z0-9_.:-]{{1,64}})\s*(?:{re.escape(MISTRAL_CALL_ID)}[A-Za-z0-9]*)?\s*"
+                            rf"(?:{re.escape(MISTRAL_ARGS)})?\s*")
 
 Read = Callable[[str], "tuple[str | None, list[tuple[str, str]]] | None"]
 
