@@ -26,6 +26,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from gpu_worker.kv_cache import ring_read, ring_update
+from gpu_worker.packed_length import FUSED_PACK_ALIGN, aligned_chunk
 from gpu_worker.sequences import GenResult
 
 _LOCAL = threading.local()  # the fused step in progress on this thread, if any
@@ -104,16 +105,34 @@ class Pack:
 
 def _chunk_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                      kwargs: dict[str, Any]) -> torch.Tensor:
-    """The chunk's queries over its own cache row, [1, chunk, heads, dim]. Plain sdpa with grouped-query attention
-    done by the kernel: transformers' function repeats the keys per query head first when a mask is given on CPU,
-    which for a chunk deep into a long prompt costs more than the attention itself. Anything beyond a plain
-    masked attention (position biases, soft-capping, dropout) goes through transformers' own function."""
+    """The chunk's queries over its own cache row, [1, chunk, heads, dim]. Plain sdpa; grouped-query attention is
+    done by the kernel where one takes it with a mask (`gqa_kernel_takes_mask`), else the keys are repeated per
+    query head first. Anything beyond a plain masked attention (position biases, soft-capping, dropout) goes
+    through transformers' own function."""
     if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None or kwargs.get("dropout"):
         return _SDPA(module, query, key, value, mask, **kwargs)[0]
     groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1 and not gqa_kernel_takes_mask(query.device):
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        groups = 1
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
                                                            scale=kwargs.get("scaling"), enable_gqa=groups > 1)
     return out.transpose(1, 2)
+
+
+def pack_align(device: torch.device) -> int:
+    """What a fused step's packed sequence is cut to a multiple of (`gpu_worker.packed_length.FUSED_PACK_ALIGN`
+    on CUDA, whose matrix products pick their kernels per shape; 1 elsewhere)."""
+    return FUSED_PACK_ALIGN if device.type == "cuda" else 1
+
+
+def gqa_kernel_takes_mask(device: torch.device) -> bool:
+    """Whether a fused kernel does masked grouped-query attention on `device`. On CPU one does, and repeating the
+    keys per query head there costs more than the attention itself for a chunk deep into a long prompt. On CUDA
+    none does with cuDNN's off (`gpu_worker.models.attention_kernels`): torch falls back to its math kernel, a
+    dozen small ops a layer at 0.4-0.7 ms of CPU each, so an H200's fused step cost 1.5-2.3x a bare one (measured).
+    With the keys repeated, the memory-efficient kernel takes the mask, and the copy costs the GPU microseconds."""
+    return device.type == "cpu"
 
 
 class PackedWindow(Cache):
@@ -158,9 +177,9 @@ def fused_step(engine: Any, budget: int) -> list[GenResult]:
     t0 = e._clock()
     e._make_room_right()
     prompt = cur.spec.prompt_ids
-    lo, hi = cur.done, min(len(prompt), cur.done + budget)
     n = len(e.rows)
     dev = e.device
+    lo, hi = cur.done, min(len(prompt), cur.done + aligned_chunk(n, budget, pack_align(dev)))
     read_lo = min(r.start for r in e.rows)
     decode_masks, row_pos = e._decode_masks(read_lo)
     q_pos = torch.arange(lo, hi, device=dev)[None]

@@ -84,7 +84,7 @@ def ensure_builtin_llama(name: str, cache_dir: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
     try:
         log.info("creating built-in model", model=name, path=str(target))
-        _write_llama(BUILTIN_LLAMAS[name], tmp)
+        write_llama(BUILTIN_LLAMAS[name], tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -127,13 +127,15 @@ def llama_config(shape: LlamaShape) -> Any:
     )
 
 
-def _write_llama(shape: LlamaShape, out: Path) -> None:
+def write_llama(shape: LlamaShape, out: Path, dtype: str = "float32") -> None:
+    """A seeded random-weight Llama of `shape` with the built-in tokenizer, saved as a Hugging Face directory."""
     import torch
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(shape.seed)
         model = LlamaForCausalLM(llama_config(shape))
+    model.to(getattr(torch, dtype))
     model.generation_config.pad_token_id = 0
     model.save_pretrained(out)
     tokenizer = PreTrainedTokenizerFast(

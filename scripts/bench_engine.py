@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import json
 import os
 import queue
@@ -282,19 +283,29 @@ def run_batchgate(loaded: Any, reqs: list[Req]) -> RunResult:
 
 # --- driver ----------------------------------------------------------------------------------------
 
-def load_models(cache: Path) -> tuple[Any, Any, Any]:
+def load_model(cache: Path, model_dir: str | None) -> Any:
+    """The engine benchmark's model (built-in `bench-llama`), or a local Hugging Face directory in its place
+    (`--model-dir`: a model of your own, or a real-size shape from `scripts/make_llama.py`), with EOS off."""
+    import dataclasses
+
     from gpu_worker import models
     from shared.config import BUILTIN_MODELS
 
     spec = BUILTIN_MODELS["bench-llama"]
+    if model_dir:
+        spec = dataclasses.replace(spec, name="bench-model", source=model_dir)
     loaded = models.load(spec, cache)
-    for m in (loaded.model,):
-        m.config.eos_token_id = None
-        m.generation_config.eos_token_id = None
+    loaded.model.config.eos_token_id = None
+    loaded.model.generation_config.eos_token_id = None
+    return loaded
+
+
+def reference_model(loaded: Any) -> Any:
+    """transformers' own continuous batching runs on a float32 copy (the offline and arrivals modes only)."""
     hf_model = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32, local_files_only=True).eval()
     hf_model.config.eos_token_id = None
     hf_model.generation_config.eos_token_id = None
-    return loaded, loaded.model, hf_model
+    return hf_model
 
 
 def pct(values: list[float], q: float) -> float:
@@ -315,6 +326,7 @@ def main() -> None:
                     help="retry a run when other processes or steal took more than this share of CPU")
     ap.add_argument("--model-cache", default=os.environ.get("BATCHGATE_MODEL_CACHE",
                                                              str(Path.home() / ".cache/batchgate/models")))
+    ap.add_argument("--model-dir", help="a local Hugging Face model in place of the built-in bench-llama")
     ap.add_argument("--prefill-chunk-tokens", type=int, help="override the model's prefill_chunk_tokens (0: off)")
     ap.add_argument("--long-prefill", action="store_true",
                     help="rows decoding while a 2,048-token prompt arrives: inter-token gaps, 3 ways")
@@ -330,7 +342,8 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     torch.manual_seed(0)
-    loaded, model, hf_model = load_models(Path(args.model_cache))
+    loaded = load_model(Path(args.model_cache), args.model_dir)
+    model = loaded.model
     from shared.heap import freeze_startup_heap
 
     freeze_startup_heap()  # as the worker does once its models are loaded: no full collection scans them mid-step
@@ -342,10 +355,11 @@ def main() -> None:
     if mode is not None:
         return mode(loaded, args)
     reqs = workload(args.requests, args.seed, model.config.vocab_size)
+    hf_model = functools.cache(lambda: reference_model(loaded))
     methods: dict[str, Callable[[list[Req]], RunResult]] = {
         "batch1": lambda rs: run_batch1(model, rs),
         "static": lambda rs: run_static(model, rs),
-        "hf_continuous": lambda rs: run_hf_continuous(hf_model, rs, args.hf_max_batch_tokens),
+        "hf_continuous": lambda rs: run_hf_continuous(hf_model(), rs, args.hf_max_batch_tokens),
         "batchgate": lambda rs: run_batchgate(loaded, rs),
     }
     chosen = [m for m in args.methods.split(",") if m]
@@ -402,17 +416,21 @@ def long_prefill_mode(loaded: Any, args: argparse.Namespace) -> None:
     fused_ok = fused_exact(loaded.model, loaded.spec.name)  # what a worker decides at load
     chunk = loaded.spec.prefill_chunk_tokens
     variants = {"fused": (chunk, fused_ok), "chunked": (chunk, False), "whole": (0, False)}
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     for rep in range(args.reps):
         for name, (tokens, fused) in variants.items():
             r = long_prefill.run(loaded, chunk_tokens=tokens, fused=fused, seed=args.seed + rep)
             runs[name].append(r)
+            slowest = sorted(r["trace"], reverse=True)[:3]  # (gap ms, chunk tokens of the step ending it)
             print(f"  rep {rep + 1} {name:<8} decode step {r['decode_step_ms']:6.1f} ms  longest gap during the "
-                  f"prefill {r['max_itl_ms_during_long_prefill']:7.1f} ms  long TTFT {r['long_ttft_ms']:7.0f} ms",
-                  flush=True)
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+                  f"prefill {r['max_itl_ms_during_long_prefill']:7.1f} ms  long TTFT {r['long_ttft_ms']:7.0f} ms  "
+                  f"{len(r['trace'])} steps, slowest (ms, chunk) {slowest}", flush=True)
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "trace"} for name, rs in runs.items()}
     best = "fused" if fused_ok else "chunked"  # what the worker runs
-    report = {"mode": "long_prefill", "prompt_tokens": long_prefill.LONG_PROMPT, "fused_exact": fused_ok,
+    report = {"mode": "long_prefill", "model": loaded.spec.source, "device": str(loaded.device),
+              "dtype": str(loaded.dtype).removeprefix("torch."), "params_m": round(
+                  sum(p.numel() for p in loaded.model.parameters()) / 1e6, 1),
+              "prompt_tokens": long_prefill.LONG_PROMPT, "fused_exact": fused_ok,
               "runs": runs, "median": med,
               "decode_step_ms": med[best]["decode_step_ms"],
               "max_itl_ms_during_long_prefill": med[best]["max_itl_ms_during_long_prefill"],

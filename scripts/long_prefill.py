@@ -28,7 +28,7 @@ CONTROL_STEPS = 300  # ... then these, whose longest gap is the control
 ROW_TOKENS = 2048  # what each row generates at most; the run ends at the long prompt's first token
 
 
-def run(loaded: Any, *, chunk_tokens: int, fused: bool, rows: int = 8, seed: int = 0) -> dict[str, float]:
+def run(loaded: Any, *, chunk_tokens: int, fused: bool, rows: int = 8, seed: int = 0) -> dict[str, Any]:
     import random
 
     from gpu_worker.assembly import build_scheduler
@@ -47,11 +47,13 @@ def run(loaded: Any, *, chunk_tokens: int, fused: bool, rows: int = 8, seed: int
     runner = GenerateRunner(dataclasses.replace(loaded, spec=spec), "bench", max_rows=rows + 2,
                             max_seq_len=spec.max_seq_len, fused=fused)
     steps: list[tuple[float, bool]] = []  # (end of a decode step, the long prompt has joined the decoding rows)
+    chunks: list[int] = []  # each step's fused chunk tokens (0: a bare step), beside `steps`
     inner = runner.step
 
     def timed_step(chunk: int = 0) -> list[Any]:
         out = inner(chunk)
         steps.append((time.perf_counter(), any(r.spec.id == "long" for r in runner.engine.rows)))
+        chunks.append(chunk)
         return out
 
     runner.step = timed_step  # type: ignore[method-assign]
@@ -85,9 +87,16 @@ def run(loaded: Any, *, chunk_tokens: int, fused: bool, rows: int = 8, seed: int
         done.get()
     before = [b - a for (a, _), (b, _) in itertools.pairwise(steps) if b < arrived]
     first_token = next(t for t, joined in steps if joined)
-    during = [b - a for (a, _), (b, _) in itertools.pairwise(steps) if b > arrived and a < first_token]
+    # every gap a row waited from the arrival to the long prompt's first token, with the prompt tokens the step
+    # that ended it could prefill (0: a bare decode step): where the longest comes from (a chunk, or noise)
+    trace = [(round((b - a) * 1000, 2), chunks[i + 1]) for i, ((a, _), (b, _)) in enumerate(itertools.pairwise(steps))
+             if b > arrived and a < first_token]
+    during = [ms for ms, _ in trace]
+    fused_ms = [ms for ms, tokens in trace if tokens]
     return {"decode_step_ms": statistics.median(before[5:]) * 1000,
-            "max_itl_ms_during_long_prefill": max(during) * 1000 if during else float("nan"),
+            "max_itl_ms_during_long_prefill": max(during) if during else float("nan"),
             "max_itl_ms_without_prefill": max(before[-CONTROL_STEPS:]) * 1000,
             "long_ttft_ms": (first_token - arrived) * 1000, "chunk_tokens_setting": float(chunk_tokens),
-            "fused": float(fused)}
+            "fused": float(fused), "steps_during_prefill": float(len(trace)),
+            "fused_step_median_ms": statistics.median(fused_ms) if fused_ms else float("nan"),
+            "trace": trace}

@@ -109,6 +109,47 @@ def test_served_exactly(arch: str) -> None:
         assert got[spec.id] == reference(model, spec), f"{arch} {spec.id}: {len(spec.prompt_ids)}-token prompt"
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "gemma3_text", "cohere2"])
+def test_served_exactly_on_the_fused_paths_cuda_takes(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a fused step does differently on CUDA, forced here on this device: a chunk's keys repeated per query head
+    before its attention (no CUDA kernel does masked grouped-query attention), and the chunk cut so the packed
+    sequence is a multiple of an alignment (CUDA picks its matrix kernels per shape). The same tokens, full,
+    windowed and hybrid layers alike."""
+    from gpu_worker import fused_step
+
+    repeated: list[int] = []
+    real_repeat = torch.Tensor.repeat_interleave
+
+    def counting(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        repeated.append(1)
+        return real_repeat(self, *args, **kwargs)
+
+    monkeypatch.setattr(fused_step, "gqa_kernel_takes_mask", lambda device: False)
+    monkeypatch.setattr(fused_step, "pack_align", lambda device: 4)
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", counting)
+    model = tiny(arch)
+    assert verify_exact(model, arch)  # the load check passes on these paths too: chunks stay fused
+    reqs, arrivals = mixed()
+    engine = GenerationEngine(model, max_rows=8, max_seq_len=64, fused=True)
+    packed: list[int] = []  # a fused step's rows + chunk tokens, for every chunk but a prompt's last
+    real_step = fused_step.fused_step
+
+    def recording(e: GenerationEngine, budget: int) -> list[object]:
+        rows, left = len(e.rows), len(e.chunked.current.spec.prompt_ids) - e.chunked.current.done
+        out = real_step(e, budget)
+        if e.chunked.last[0] < left:
+            packed.append(rows + e.chunked.last[0])
+        return out
+
+    monkeypatch.setattr(fused_step, "fused_step", recording)
+    repeated.clear()
+    got = serve(engine, arrivals, {3: long_prompt()})
+    assert repeated  # the chunk's attention really took this path
+    assert packed and all(n % 4 == 0 for n in packed), packed  # every chunk CHUNK=7 or fewer, cut to align
+    for spec in [*reqs, long_prompt()]:
+        assert got[spec.id] == reference(model, spec), f"{arch} {spec.id}: {len(spec.prompt_ids)}-token prompt"
+
+
 def test_windowed_layers_really_are_windowed(monkeypatch: pytest.MonkeyPatch) -> None:
     """The window matters on these sequences: served with full attention on every layer (every key kept),
     Mistral's tokens differ (so the equality above is not trivially true)."""

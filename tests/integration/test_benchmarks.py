@@ -38,14 +38,22 @@ def test_engine_benchmark_smoke(tmp_path, model_cache):
 
 def test_engine_benchmark_long_prefill_mode(tmp_path, model_cache):
     """Rows decoding while a 2,048-token prompt arrives: the keys the checks read (the figures themselves are
-    the benchmark's to report, not a test's to time)."""
+    the benchmark's to report, not a test's to time). The model is given as a local directory (`--model-dir`, as
+    for a real-size shape from scripts/make_llama.py): here the built-in's own."""
+    from gpu_worker.models import ensure_builtin_llama
+
+    model_dir = ensure_builtin_llama("bench-llama", model_cache)
     proc, report = run_bench("bench_engine.py", tmp_path / "long.json", "--long-prefill", "--reps", "1",
-                             "--model-cache", str(model_cache))
+                             "--model-cache", str(model_cache), "--model-dir", str(model_dir))
+    assert report["model"] == str(model_dir) and report["params_m"] == 33.6
     assert report["decode_step_ms"] > 0 and report["max_itl_ms_during_long_prefill"] > 0
     assert report["whole_prefill_max_itl_ms"] > 0 and report["median"]["chunked"]["long_ttft_ms"] > 0
     assert report["fused_exact"] is True and report["median"]["fused"]["fused"] == 1.0  # the built-in model fuses
     assert report["separate_chunks_max_itl_ms"] > 0
     assert report["max_itl_ms_without_prefill"] > 0 and report["bare_max_vs_decode_step"] >= 1
+    for name, (run,) in report["runs"].items():  # every gap during the prefill, with what its step prefilled
+        assert max(ms for ms, _ in run["trace"]) == run["max_itl_ms_during_long_prefill"]
+        assert sum(tokens > 0 for _, tokens in run["trace"]) >= {"fused": 2, "chunked": 4, "whole": 1}[name]
     assert "longest gap" in proc.stdout  # the human table
 
 
