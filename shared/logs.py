@@ -26,3 +26,21 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+def library_logging() -> None:
+    """batchgate used as a library (the SDK's direct mode): unless the application configured structlog, its lines
+    go through the standard library's `logging` under the modules' names, silent below WARNING until the
+    application says otherwise, never to stdout (structlog's own default prints every line there)."""
+    if structlog.is_configured():
+        return
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.stdlib.filter_by_level,
+            structlog.processors.format_exc_info,
+            structlog.processors.KeyValueRenderer(key_order=["event"]),
+        ],
+        wrapper_class=structlog.stdlib.BoundLogger,
+        logger_factory=structlog.stdlib.LoggerFactory(),
+    )

@@ -271,3 +271,36 @@ async def test_a_401_says_how_to_authenticate(redis_url, prefix, loaded_models):
         # an X-API-Key beside another scheme's Authorization (a proxy's own credentials) is still used
         ok = await gw.client.get("/v1/models", headers={"Authorization": "Basic dXNlcjpwYXNz", "X-API-Key": key})
         assert ok.status_code == 200
+
+
+def test_direct_mode_writes_nothing_to_the_callers_stdout(redis_url, prefix):
+    """The SDK is a library inside the caller's program: direct mode runs the gateway's operations, whose log lines
+    (a request accepted, at INFO) go through `logging` (silent below WARNING unless the program says otherwise), not
+    to stdout as structlog does unconfigured. A program that configured structlog itself keeps its configuration."""
+    import subprocess
+    import sys
+
+    program = f"""
+import asyncio, structlog
+from shared.sdk import AsyncBatchgateClient
+
+async def main():
+    async with AsyncBatchgateClient.direct({redis_url!r}, tenant="lib", key_prefix={prefix!r}) as c:
+        sub = await c.submit("minilm", {{"text": "quiet"}})
+        await c.cancel(sub.id)
+    return sub.id
+
+if CONFIGURED:
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory())
+print(asyncio.run(main()))
+"""
+    for configured in (False, True):
+        out = subprocess.run([sys.executable, "-c", f"CONFIGURED = {configured}\n{program}"], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        lines = out.stdout.splitlines()
+        if configured:  # the program's own structlog set-up is left as it is: its lines print where it said
+            assert any("request accepted" in line for line in lines), out.stdout
+        else:
+            assert len(lines) == 1 and lines[0].startswith("req_"), out.stdout  # only what the program printed
+            assert "request accepted" not in out.stderr
