@@ -47,7 +47,7 @@ def run(loaded: Any, *, chunk_tokens: int, fused: bool, rows: int = 8, seed: int
     runner = GenerateRunner(dataclasses.replace(loaded, spec=spec), "bench", max_rows=rows + 2,
                             max_seq_len=spec.max_seq_len, fused=fused)
     steps: list[tuple[float, bool]] = []  # (end of a decode step, the long prompt has joined the decoding rows)
-    chunks: list[int] = []  # each step's fused chunk tokens (0: a bare step), beside `steps`
+    chunks: list[int] = []  # the prompt tokens each step could prefill (0: a bare decode step), beside `steps`
     inner = runner.step
 
     def timed_step(chunk: int = 0) -> list[Any]:
@@ -92,7 +92,7 @@ def run(loaded: Any, *, chunk_tokens: int, fused: bool, rows: int = 8, seed: int
     trace = [(round((b - a) * 1000, 2), chunks[i + 1]) for i, ((a, _), (b, _)) in enumerate(itertools.pairwise(steps))
              if b > arrived and a < first_token]
     during = [ms for ms, _ in trace]
-    fused_ms = [ms for ms, tokens in trace if tokens]
+    fused_ms = [ms for ms, tokens in trace if tokens]  # fused: the steps carrying a chunk
     return {"decode_step_ms": statistics.median(before[5:]) * 1000,
             "max_itl_ms_during_long_prefill": max(during) if during else float("nan"),
             "max_itl_ms_without_prefill": max(before[-CONTROL_STEPS:]) * 1000,
