@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
+import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from shared.sdk.errors import (
 TERMINAL = frozenset({"succeeded", "failed", "expired", "cancelled"})
 MAX_BATCH = 100
 LONG_POLL_S = 25.0
+STREAM_POLL_S = 5.0  # the sync client's `stream`: how long a long-poll may run on after the caller left
 
 
 @dataclass(frozen=True)
@@ -376,12 +378,20 @@ class BatchgateClient(_Common):
         return Result.of(self._request("GET", f"/v1/requests/{request_id}"))
 
     def wait(self, request_id: str, timeout: float = 60.0) -> Result:
+        res = self._wait_unless(request_id, timeout, None)
+        assert res is not None
+        return res
+
+    def _wait_unless(self, request_id: str, timeout: float, stop: threading.Event | None,
+                     poll_s: float = LONG_POLL_S) -> Result | None:
+        """As `wait`, in long-polls of at most `poll_s`; None once `stop` is set between two of them."""
         end = time.monotonic() + (self._wait_cap(timeout) or 0.0)
-        while True:
+        while stop is None or not stop.is_set():
             left = max(0.0, end - time.monotonic())
-            res = Result.of(self._request("GET", f"/v1/requests/{request_id}", params={"wait": min(left, LONG_POLL_S)}))
+            res = Result.of(self._request("GET", f"/v1/requests/{request_id}", params={"wait": min(left, poll_s)}))
             if res.done or left <= 0:
                 return res
+        return None
 
     def result(self, request_id: str, timeout: float = 60.0) -> Result:
         res = self.wait(request_id, timeout)
@@ -416,12 +426,38 @@ class BatchgateClient(_Common):
                 time.sleep(EVENT_RETRY_S)
 
     def stream(self, request_ids: Iterable[str], timeout: float = 300.0, concurrency: int = 16) -> Iterator[Result]:
-        """Results of many requests, in the order they finish (long-polls on a small thread pool)."""
+        """Results of many requests, in the order they finish (long-polls on `concurrency` threads). Leaving the loop
+        early returns at once, as the async client's does: the long-polls still out end within STREAM_POLL_S on
+        daemon threads (nothing waits for them, not even the interpreter's exit), and no new one starts."""
         ids = list(request_ids)
-        with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(ids)))) as pool:
-            futures = [pool.submit(self.wait, rid, timeout) for rid in ids]
-            for fut in as_completed(futures):
-                yield fut.result()
+        todo: queue.SimpleQueue[str] = queue.SimpleQueue()
+        for rid in ids:
+            todo.put(rid)
+        done: queue.SimpleQueue[tuple[Result | None, BaseException | None]] = queue.SimpleQueue()
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.is_set():
+                try:
+                    rid = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    done.put((self._wait_unless(rid, timeout, stop, STREAM_POLL_S), None))
+                except BaseException as exc:  # handed to the caller's loop, which raises it
+                    done.put((None, exc))
+
+        for _ in range(max(1, min(concurrency, len(ids)))):
+            threading.Thread(target=poll, name="batchgate-stream", daemon=True).start()
+        try:
+            for _ in ids:
+                res, exc = done.get()
+                if exc is not None:
+                    raise exc
+                assert res is not None
+                yield res
+        finally:
+            stop.set()
 
 
 __all__ = ["AsyncBatchgateClient", "BatchgateClient", "BatchgateError", "Event", "Result", "Submission"]

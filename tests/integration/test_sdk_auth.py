@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 
@@ -304,3 +305,34 @@ print(asyncio.run(main()))
         else:
             assert len(lines) == 1 and lines[0].startswith("req_"), out.stdout  # only what the program printed
             assert "request accepted" not in out.stderr
+
+
+async def test_leaving_the_sync_stream_early_returns_at_once(redis_url, prefix):
+    """The sync client's `stream` yields results as they finish; a caller that breaks out after the first is not held
+    until the others finish (or their `timeout`), as the async client's is not: before, leaving the loop waited for
+    every long-poll still out."""
+    settings = make_settings(redis_url, prefix)
+    async with running_gateway(settings) as gw:  # no worker: the second request stays queued
+
+        def scenario() -> tuple[str, float, float]:
+            with BatchgateClient(gw.base_url) as c:
+                first = c.submit("minilm", {"text": "one"})
+                queued = c.submit("minilm", {"text": "two"})
+                c.cancel(first.id)  # finished (cancelled) at once
+                t0 = time.monotonic()
+                results = c.stream([first.id, queued.id], timeout=20)
+                res = next(results)
+                results.close()  # what a `break` out of the loop does
+                left_after = time.monotonic() - t0
+                assert c.get(queued.id).status == "queued"
+                c.cancel(queued.id)
+                t0 = time.monotonic()
+                # read to the end, the loop still gives every result (the second once cancelled above)
+                both = {r.id: r.status for r in c.stream([first.id, queued.id], timeout=20)}
+                assert both == {first.id: "cancelled", queued.id: "cancelled"}
+                return res.id, left_after, time.monotonic() - t0
+
+        got, left_after, whole = await asyncio.to_thread(scenario)
+        assert got.startswith("req_")
+        assert left_after < 2.0, left_after  # not the 20 s the queued request's long-poll could take
+        assert whole < 5.0
