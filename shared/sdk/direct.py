@@ -22,6 +22,7 @@ from shared.logs import library_logging
 from shared.queue_client import QueueClient
 from shared.redis_io import UNAVAILABLE
 from shared.sdk.errors import Unavailable, error_for
+from shared.tenants import tenant_name_problem
 
 _ROUTES = (
     ("POST", re.compile(r"^/v1/models/([^/]+)/requests$"), "submit"),
@@ -35,6 +36,8 @@ class DirectTransport:
     """What `AsyncBatchgateClient.direct()` sends its calls through instead of HTTP: (status, headers, body)."""
 
     def __init__(self, redis_url: str, *, tenant: str, key_prefix: str, env: dict[str, str] | None) -> None:
+        if problem := tenant_name_problem(tenant):  # as the CLI refuses it: the tenant names keys in Redis
+            raise ValueError(problem)
         library_logging()  # the caller's program owns stdout: the operations' log lines go to `logging`
         settings = Settings.from_environ({**(env or {}), "BATCHGATE_REDIS_URL": redis_url,
                                           "BATCHGATE_KEY_PREFIX": key_prefix})

@@ -113,6 +113,9 @@ async def test_direct_to_redis_client(redis_url, prefix, loaded_models):
         assert res.status == "succeeded"
         with pytest.raises(InvalidRequest):
             await c.submit("minilm", {"nope": 1})
+    for bad in ("bad:tenant", "", "two words"):  # refused as the CLI refuses it, before any key is written
+        with pytest.raises(ValueError, match="tenant"):
+            AsyncBatchgateClient.direct(redis_url, tenant=bad, key_prefix=prefix)
 
 
 async def test_auth_tenants_isolation_revocation_and_rate_limit(redis_url, prefix, loaded_models):
