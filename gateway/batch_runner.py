@@ -221,6 +221,9 @@ class BatchRunner:
         now = int(self.clock())
         if errors:
             await self.store.set_fields(meta.id, errors=json.dumps(errors), total=0)
+            # the webhook first (as `finalize`): a runner that dies before the move validates again and queues the
+            # same delivery id, which the dispatcher schedules once
+            await self.store.queue_webhook(self._webhook(meta, "failed"))
             await self.store.move(meta.id, "failed", "failed_at", now, from_=("validating", "cancelling"))
             await self.store.finished(meta.id)
             log.info("batch failed validation", batch_id=meta.id, errors=len(errors))
@@ -380,14 +383,17 @@ class BatchRunner:
         err_id = await self._write_file(st, total, ok=False, suffix="errors")
         await self.store.set_fields(batch_id, out_id=out_id, err_id=err_id)
         time_field = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[final]
-        meta = st.meta
-        webhook = None if meta.callback_url is None else CallbackDelivery(
-            delivery_id=f"msg_{batch_id}_{final}", request_id=batch_id, tenant=meta.tenant, event=f"batch.{final}",
-            url=meta.callback_url, created_ms=int(self.clock() * 1000))
-        await self.store.end(batch_id, final, time_field, int(self.clock()), webhook)
+        await self.store.end(batch_id, final, time_field, int(self.clock()), self._webhook(st.meta, final))
         await self.store.finished(batch_id)
         p: Progress = st.progress
         log.info("batch finished", batch_id=batch_id, status=final, completed=p.completed, failed=p.failed)
+
+    def _webhook(self, meta: Any, final: str) -> CallbackDelivery | None:
+        """The signed webhook of the batch's end (`batch.completed`, `.cancelled`, `.expired` or `.failed`), if it
+        named a `callback_url`."""
+        return None if meta.callback_url is None else CallbackDelivery(
+            delivery_id=f"msg_{meta.id}_{final}", request_id=meta.id, tenant=meta.tenant, event=f"batch.{final}",
+            url=meta.callback_url, created_ms=int(self.clock() * 1000))
 
     async def _write_file(self, st: BatchState, total: int, *, ok: bool, suffix: str) -> str | None:
         """The output (or error) file: its lines in input order. Its id comes from the batch's, so a runner that

@@ -168,9 +168,13 @@ class BatchStore:
         """The batch's webhook queued, then its final status (the callback stream is in another Redis Cluster slot,
         so not one transaction). A runner that dies in between leaves the batch finalizing, and the runner that
         finalizes it again queues the same delivery id, which the dispatcher schedules once."""
+        await self.queue_webhook(webhook)
+        await self.redis.hset(self.keys.batch(batch_id), mapping={"status": status, f"t:{time_field}": now_s})
+
+    async def queue_webhook(self, webhook: CallbackDelivery | None) -> None:
+        """A batch's webhook onto the callback stream (nothing when the batch named no `callback_url`)."""
         if webhook is not None:
             await self.redis.xadd(self.keys.callback_stream(), {"d": encode(webhook)})
-        await self.redis.hset(self.keys.batch(batch_id), mapping={"status": status, f"t:{time_field}": now_s})
 
     async def finished(self, batch_id: str) -> None:
         """The batch's files are written: drop its working state (the record stays, as the files' index)."""

@@ -254,6 +254,21 @@ async def test_a_batchs_end_is_a_signed_webhook_with_the_batch(redis_url, prefix
         payload = verify(SECRET, got.body, got.headers)
         assert payload["id"] == b.id and payload["status"] == "completed" == done.status
         assert payload["output_file_id"] == done.output_file_id and got.headers["batchgate-event"] == "batch.completed"
+        # a batch that fails validation ends too (OpenAI's batch.failed): before, it sent nothing
+        dup = await client.files.create(file=("dup.jsonl", io.BytesIO(jsonl(2) + jsonl(1))), purpose="batch")
+        bad = await client.batches.create(input_file_id=dup.id, endpoint=CHAT, completion_window="24h",
+                                          extra_body={"callback_url": rx.url})
+        assert (await until_done(client, bad.id)).status == "failed"
+        while len(rx.requests) < 2:
+            assert asyncio.get_running_loop().time() < end + 20
+            await asyncio.sleep(0.05)
+        got = rx.requests[1]
+        payload = verify(SECRET, got.body, got.headers)
+        assert payload["id"] == bad.id and payload["status"] == "failed" and got.headers["batchgate-event"] == \
+            "batch.failed"
+        assert payload["errors"]["data"][0]["code"] == "duplicate_custom_id"
+        await asyncio.sleep(0.5)
+        assert len(rx.requests) == 2  # once
         with pytest.raises(BadRequestError):  # a webhook to where the allow-list does not reach
             await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h",
                                         extra_body={"callback_url": "http://169.254.169.254/x"})
