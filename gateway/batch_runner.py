@@ -267,7 +267,7 @@ class BatchRunner:
                     if isinstance(fed, ItemRef):
                         flight[fed.line] = fed
                     pending = None
-            await self._collect(batch_id, flight)
+            await self._collect(batch_id, flight, ending)
             if ending is not None and not flight:
                 await self._close_unfed(meta, reader, pending, ending)
                 return ending
@@ -308,8 +308,9 @@ class BatchRunner:
         await self.store.fed(meta.id, [ref], line + 1, end)
         return ref
 
-    async def _collect(self, batch_id: str, flight: dict[int, ItemRef]) -> None:
-        """Write the line of every item in flight that finished (one round trip to read them all)."""
+    async def _collect(self, batch_id: str, flight: dict[int, ItemRef], ending: str | None) -> None:
+        """Write the line of every item in flight that finished (one round trip to read them all); `ending`: how the
+        batch is ending, if it is (`result_line`)."""
         if not flight:
             return
         refs = list(flight.values())
@@ -328,7 +329,7 @@ class BatchRunner:
             elif not rec.terminal:
                 continue
             else:
-                ok, payload = result_line(ref, record_view(rec), created)
+                ok, payload = result_line(ref, record_view(rec), created, ending)
             await self.store.write_line(batch_id, ref.line, ok, payload)
             del flight[ref.line]
 

@@ -231,10 +231,17 @@ def _response_body(ref: ItemRef, view: dict[str, Any], created: int) -> dict[str
     return oa.completion_response(tr, [view], created)
 
 
-def result_line(ref: ItemRef, view: dict[str, Any], created: int) -> tuple[bool, dict[str, Any]]:
-    """(succeeded, the line) for a finished item: OpenAI's output line, or its error line."""
+def result_line(ref: ItemRef, view: dict[str, Any], created: int,
+                ending: str | None = None) -> tuple[bool, dict[str, Any]]:
+    """(succeeded, the line) for a finished item: OpenAI's output line, or its error line. `ending`: how the batch
+    is ending ("cancelled", "expired"), if it is: an item it stopped before it ran gets that end's error line, as a
+    line never sent does (`batch_cancelled`, `batch_expired`)."""
     line_id = "batch_req_" + ref.request_id.removeprefix("req_")
-    if view.get("status") == "cancelled" and view.get("started_at") is None:  # never ran (the batch's cancel)
+    never_ran = view.get("started_at") is None
+    if never_ran and ending == "expired" and view.get("status") in ("cancelled", "expired"):  # the window ended
+        return False, refused_line(ref.custom_id, "batch_expired",
+                                   "the batch's completion window ended before this request ran", line_id=line_id)
+    if never_ran and view.get("status") == "cancelled":  # the batch's cancel
         return False, refused_line(ref.custom_id, "batch_cancelled", "cancelled before this request ran",
                                    line_id=line_id)
     if ref.kind == "native":

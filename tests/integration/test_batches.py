@@ -288,3 +288,26 @@ async def test_a_running_batchs_input_file_cannot_be_deleted(redis_url, prefix, 
         async with runner(settings):
             assert (await until_done(client, b.id, 30)).status == "cancelled"
         assert (await client.files.delete(f.id)).deleted
+
+
+async def test_items_a_batchs_window_left_unrun_are_batch_expired(redis_url, prefix, tmp_path):
+    """The window ends with items submitted but never run (no worker here): they are stopped, and their lines say
+    `batch_expired`, as OpenAI answers what a window left, not `batch_cancelled` as if the caller had cancelled."""
+    import time
+
+    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
+    skew = [0.0]  # the runner's clock, moved past the window once the items are in flight
+    async with running_gateway(settings) as gw, runner(settings, clock=lambda: time.time() + skew[0]) as r:
+        client = client_for(gw)
+        f = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(3))), purpose="batch")
+        b = await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="60s")
+        end = asyncio.get_running_loop().time() + 20
+        while len(await r.store.in_flight(b.id)) < 3:
+            assert asyncio.get_running_loop().time() < end
+            await asyncio.sleep(0.05)
+        skew[0] = 120.0
+        done = await until_done(client, b.id, 30)
+        assert done.status == "expired" and done.request_counts.failed == 3
+        err = await lines_of(client, done.error_file_id)
+        assert [line["error"]["code"] for line in err] == ["batch_expired"] * 3, err
+        assert all(line["response"] is None for line in err)

@@ -134,6 +134,13 @@ def test_output_and_error_lines_follow_openais_format():
         bad, queued = result_line(item_ref, {"id": "req_q", "status": "cancelled", "started_at": None,
                                              "error": {"code": "cancelled", "message": "cancelled by the caller"}}, 1)
         assert not bad and queued["response"] is None and queued["error"]["code"] == "batch_cancelled", queued
+        # stopped, or expired unstarted, because the batch's window ended: as OpenAI answers what a window left
+        for status in ("cancelled", "expired"):
+            view = {"id": "req_q", "status": status, "started_at": None, "error": {"code": status, "message": "x"}}
+            bad, left = result_line(item_ref, view, 1, "expired")
+            assert not bad and left["response"] is None and left["error"]["code"] == "batch_expired", left
+        bad, queued = result_line(item_ref, {"id": "req_q", "status": "cancelled", "started_at": None}, 1, "cancelled")
+        assert queued["error"]["code"] == "batch_cancelled"
     # cancelled while it ran: it got an answer, its error in the response
     bad, ran = result_line(ref, {"id": "req_abc", "status": "cancelled", "started_at": 5.0,
                                  "error": {"code": "cancelled", "message": "cancelled while running"}}, 100)
