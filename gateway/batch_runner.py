@@ -193,7 +193,8 @@ class BatchRunner:
                           self.q.callback_allow, self.q.token_limits)
         except ValidationError as exc:
             param, message = item.param(exc.field, exc.message)
-            raise BatchError(message, code="invalid_request", param=param, line=item.line) from None
+            # a code more precise than the default keeps it, as the interactive route answers (context_length_exceeded)
+            raise BatchError(message, code=exc.code or "invalid_request", param=param, line=item.line) from None
 
     async def validate(self, st: BatchState) -> bool:
         """Every line checked before anything runs: `in_progress` with the total, or `failed` with the errors."""

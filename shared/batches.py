@@ -166,6 +166,15 @@ _TRANSLATE = {"/v1/completions": oa.translate_completion, "/v1/chat/completions"
               "/v1/embeddings": oa.translate_embeddings}
 
 
+def _refuse_per_request_delivery(body: dict[str, Any], native: bool, line: int) -> None:
+    """A batch's items answer in its output file: one cannot stream, nor (native) name a callback of its own."""
+    if body.get("stream"):
+        raise BatchError("a batch item cannot stream", code="invalid_request", param="body.stream", line=line)
+    if native and body.get("callback") is not None:  # the batch's own callback_url tells of its end
+        raise BatchError("a batch item has no callback of its own: give the batch a callback_url", line=line,
+                         code="invalid_request", param="body.callback")
+
+
 def parse_line(raw: bytes | str, line: int, endpoint: str, parser_of: Callable[[str], str] | None = None) -> Item:
     """An input line as an `Item`; `BatchError` (with the line) when it is not one. `parser_of(model)`: the model's
     tool-call format, which a chat line's `tool_choice` "auto" needs ("" or no `parser_of`: none)."""
@@ -191,11 +200,10 @@ def parse_line(raw: bytes | str, line: int, endpoint: str, parser_of: Callable[[
     body = obj.get("body")
     if not isinstance(body, dict):
         raise BatchError("body must be a JSON object", code="invalid_body", param="body", line=line)
-    if body.get("stream"):
-        raise BatchError("a batch item cannot stream", code="invalid_request", param="body.stream", line=line)
     native = NATIVE_ENDPOINT.match(endpoint)
+    _refuse_per_request_delivery(body, bool(native), line)
     if native:
-        inner = {k: v for k, v in body.items() if k not in ("timeout_s", "deadline", "priority", "callback")}
+        inner = {k: v for k, v in body.items() if k not in ("timeout_s", "deadline", "priority")}
         return Item(line, custom_id, native.group(1), inner, "native")
     try:
         translate = _TRANSLATE[endpoint]

@@ -132,19 +132,24 @@ async def test_an_item_refused_for_the_queue_is_tried_again_and_only_a_hopeless_
         assert calls[key] == 3  # refused twice for the queue, then fed (after ~2 s each, not its 60 s Retry-After)
 
 
-async def test_an_invalid_line_fails_the_batch_before_anything_runs(redis_url, prefix, loaded_models, tmp_path):
-    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
+async def test_an_invalid_line_fails_the_batch_before_anything_runs(redis_url, prefix, loaded_models, tmp_path,
+                                                                    model_cache):
+    # the runner counts a prompt's tokens with the model's own tokenizer, as a gateway with the model cache does
+    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"), model_cache_dir=str(model_cache))
     async with running_gateway(settings) as gw, runner(settings):  # no worker: nothing could run anyway
         client = client_for(gw)
         bad = jsonl(3) + jsonl(1, start=1) \
             + b'{"custom_id": "c-9", "method": "POST", "url": "/v1/chat/completions", "body": ' \
-            + b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}}\n'
+            + b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}}\n' \
+            + json.dumps({"custom_id": "c-10", "method": "POST", "url": CHAT, "body": {  # past the model's context
+                "model": "tiny-llama", "messages": [{"role": "user", "content": "word " * 5000}]}}).encode() + b"\n"
         f = await client.files.create(file=("in.jsonl", io.BytesIO(bad)), purpose="batch")
         b = await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
         done = await until_done(client, b.id, 30)
         assert done.status == "failed" and done.output_file_id is None
         codes = {(e.line, e.code) for e in done.errors.data}
         assert (4, "duplicate_custom_id") in codes and (5, "invalid_request") in codes, codes
+        assert (6, "context_length_exceeded") in codes, codes  # the code the same request gets interactively
         # the field as the line's endpoint names it (OpenAI's parameter), not the native body's
         assert next(e for e in done.errors.data if e.line == 5).param == "body.max_tokens"
         keys = Keys(prefix)

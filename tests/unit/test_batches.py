@@ -291,3 +291,14 @@ def test_a_line_with_the_deprecated_functions_answers_function_call():
     (choice,) = out["response"]["body"]["choices"]
     assert ok and choice["message"]["function_call"] == {"name": "f", "arguments": '{"a": 1}'}
     assert "tool_calls" not in choice["message"]
+
+
+def test_a_native_line_naming_a_callback_of_its_own_is_refused():
+    """A batch's items answer in its output file and its `callback_url` tells of its end: a native line's own
+    `callback` would have been dropped without a word."""
+    native = "/v1/models/tiny-llama/requests"
+    body = {"input": {"prompt": "x"}, "callback": {"url": "http://127.0.0.1:9/hook"}}
+    with pytest.raises(BatchError) as err:
+        parse_line(line(url=native, body=body), 3, native)
+    assert err.value.code == "invalid_request" and err.value.entry()["param"] == "body.callback"
+    assert err.value.entry()["line"] == 4
