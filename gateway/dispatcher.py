@@ -65,6 +65,8 @@ MAX_IN_FLIGHT = 64
 PER_HOST_IN_FLIGHT = 8
 HOST_BUSY_DEFER_MS = 250
 STREAM_RECLAIM_IDLE_MS = 30_000
+EXPIRY_SWEEP_S = 1.0  # how often the overdue requests with a webhook are looked for
+EXPIRY_BATCH = 200  # ... and at most this many expired a round
 
 
 def _destination(url: str) -> str:
@@ -122,7 +124,8 @@ class Dispatcher:
         await self._ensure_group()
         await self.tenants.announce_default_secret()  # so operations tools never sign past it (shared.tenants)
         tasks = [asyncio.create_task(self._intake(), name="cb-intake"),
-                 asyncio.create_task(self._deliver_due(), name="cb-due")]
+                 asyncio.create_task(self._deliver_due(), name="cb-due"),
+                 asyncio.create_task(self._expire_overdue(), name="cb-expiry")]
         self.allow.log_effective(log, "dispatcher")
         self.ready.set()
         log.info("callback dispatcher ready", dispatcher=self.name)
@@ -219,6 +222,40 @@ class Dispatcher:
             wait = 1.0 if nxt is None else min(1.0, max(0.0, (nxt - self.now_ms()) / 1000))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait)
+
+    async def _expire_overdue(self) -> None:
+        """Requests with a webhook whose deadline (plus the grace a worker gets) passed with no result are expired
+        here, which queues their `completed` webhook. A worker expires what it reads and a caller's read expires
+        what it reads; with no worker alive (scaled to zero, crashing) and a caller that only waits for the webhook,
+        nothing else would. Every dispatcher sweeps: the first write wins, the others find the request ended."""
+        key = self.keys.callback_deadlines()
+        while True:
+            raise_if_cancelling()
+            try:
+                raw = await self.redis.zrangebyscore(key, "-inf", self.now_ms(), start=0, num=EXPIRY_BATCH)
+                due = [r.decode() if isinstance(r, bytes) else str(r) for r in raw]
+                later: dict[str, int] = {}  # not due by this dispatcher's clock and grace: looked at again then
+                for rid in due:
+                    rec = await self.records.get(rid)
+                    if rec is None or rec.terminal or rec.meta is None:
+                        continue
+                    due_ms = rec.meta.deadline_ms + int(self.settings.expiry_grace_s * 1000)
+                    if due_ms > self.now_ms():
+                        later[rid] = due_ms
+                    elif await self.records.expire_overdue(rec, self.now_ms(), self.settings.expiry_grace_s,
+                                                           self.name):
+                        log.info("request expired with no worker to end it", request_id=rid)
+                ended = [rid for rid in due if rid not in later]  # by this write or another, or gone
+                if ended:
+                    await self.redis.zrem(key, *ended)
+                if later:
+                    await self.redis.zadd(key, later)
+                if len(ended) == EXPIRY_BATCH:
+                    continue
+            except UNAVAILABLE as exc:
+                raise_if_cancelling(exc)
+                log.warning("dispatcher: redis unavailable", error=repr(exc))
+            await asyncio.sleep(EXPIRY_SWEEP_S)
 
     def _attempt_done(self, task: asyncio.Task[None]) -> None:
         self._in_flight.discard(task)

@@ -59,6 +59,11 @@ class Keys:
     def callback_stream(self) -> str:
         return f"{self.prefix}:{{cb}}:stream"
 
+    def callback_deadlines(self) -> str:
+        """Requests with a webhook by when they must have a result (deadline + grace, ms): the dispatcher expires
+        the overdue ones (`gateway.dispatcher`), so their `completed` webhook goes even with no worker alive."""
+        return f"{self.prefix}:{{cb}}:deadlines"
+
     def callback_due(self) -> str:
         return f"{self.prefix}:{{cb}}:due"
 

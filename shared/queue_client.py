@@ -34,7 +34,6 @@ from shared.callback_store import CallbackStore
 from shared.coalesce import Coalescer
 from shared.codec import decode, encode
 from shared.config import ModelSpec, Settings
-from shared.deadlines import cannot_finish
 from shared.errors import CodecError
 from shared.idempotency import IdempotencyClaim, IdempotencyStore
 from shared.keys import Keys
@@ -207,12 +206,15 @@ class QueueClient:
         streams = [self.keys.lane_stream(req.model, req.lane) for req, _ in items]
         lengths, inits = [], []
         items = [(promised(req, decision), decision) for req, decision in items]
+        grace_ms = int(self.settings.expiry_grace_s * 1000)
         for (req, _), stream in zip(items, streams, strict=True):
             pipe.xadd(stream, {"m": encode(req)})
             lengths.append(len(pipe))
             pipe.xlen(stream)
             inits.append(len(pipe))  # the reply of the record's init: 1 if this call created it
             await self.store.init_in(pipe, req, now)
+            if req.callback is not None:  # its webhook must go by its deadline, whoever is alive to expire it
+                pipe.zadd(self.keys.callback_deadlines(), {req.id: req.deadline_ms + grace_ms})
         replies = await self.store.execute_durably(pipe)  # with durable writes on, once the replicas have it
         for stream, i in zip(streams, lengths, strict=True):
             self._lengths[stream] = LaneLength(at, int(replies[i]))
@@ -236,13 +238,8 @@ class QueueClient:
         rec = await self.store.get(request_id)
         if rec is None or rec.terminal or rec.meta is None:
             return rec
-        if not cannot_finish(rec.meta.deadline_ms / 1000 + self.settings.expiry_grace_s, self.now_ms() / 1000):
+        if not await self.store.expire_overdue(rec, self.now_ms(), self.settings.expiry_grace_s, "gateway"):
             return rec  # its deadline (plus the grace a worker gets to write a result) has not passed yet
-        await self.store.finish(RequestResult(
-            id=request_id, status=Status.EXPIRED, finish_reason=FinishReason.DEADLINE,
-            error=ErrorInfo("deadline_exceeded", "no result by the deadline"), finished_ms=self.now_ms(),
-            worker="gateway",
-        ), rec.meta)  # with the meta, the "completed" webhook is queued as for any other terminal state
         return await self.store.get(request_id)
 
     async def wait(self, request_id: str, timeout: float) -> StoredRecord | None:

@@ -30,11 +30,19 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from shared.codec import decode, encode
+from shared.deadlines import cannot_finish
 from shared.errors import CodecError
 from shared.keys import Keys
-from shared.messages import CallbackDelivery, CallbackState, InferenceRequest, RequestMeta, RequestResult
+from shared.messages import (
+    CallbackDelivery,
+    CallbackState,
+    ErrorInfo,
+    InferenceRequest,
+    RequestMeta,
+    RequestResult,
+)
 from shared.redis_io import check_replicated, in_pipeline, script_groups, wait_replicas
-from shared.states import TERMINAL, Status
+from shared.states import TERMINAL, FinishReason, Status
 
 RECORD_EVENT = b"r"  # a done event that carries the terminal record (see FINISH_LUA)
 KEEP_TTL_SHARE = 0.1  # a finish near its deadline keeps the record's TTL: results kept at most 10% longer
@@ -202,6 +210,17 @@ class RecordStore:
             await self.flush([done])
         return won
 
+    async def expire_overdue(self, rec: StoredRecord, now_ms: int, grace_s: float, by: str) -> bool:
+        """Write `expired` for a request whose deadline, plus the grace a worker gets to write a result, passed
+        with none (with its meta, its `completed` webhook is queued as for any other end). False if not due yet,
+        already ended, or another write won."""
+        if rec.terminal or rec.meta is None or not cannot_finish(rec.meta.deadline_ms / 1000 + grace_s, now_ms / 1000):
+            return False
+        return await self.finish(RequestResult(
+            id=rec.id, status=Status.EXPIRED, finish_reason=FinishReason.DEADLINE,
+            error=ErrorInfo("deadline_exceeded", "no result by the deadline"), finished_ms=now_ms, worker=by,
+        ), rec.meta)
+
     async def finish_all(self, finished: Sequence[tuple[RequestResult, RequestMeta | None]]) -> list[bool]:
         """Write terminal results (see `finish`), one script call for all (for each hash slot's, on a cluster);
         True for each write that won. The caller then passes the winners' deliveries (`completed_delivery`) to
@@ -223,12 +242,15 @@ class RecordStore:
         return check_replicated(await pipe.execute(), pipe, self.wait_replicas)
 
     async def flush(self, deliveries: Sequence[CallbackDelivery]) -> None:
-        """Move webhook deliveries from their records' outboxes to the callback stream: XADD, then HDEL."""
+        """Move webhook deliveries from their records' outboxes to the callback stream: XADD, then HDEL. A
+        `completed` one takes its request off the dispatcher's deadlines (the same slot): nothing left to expire."""
         if not deliveries:
             return
         pipe = self.redis.pipeline(transaction=False)
         for d in deliveries:
             pipe.xadd(self.keys.callback_stream(), {"d": encode(d)})
+            if d.event == "completed":
+                pipe.zrem(self.keys.callback_deadlines(), d.request_id)
         await pipe.execute()
         pipe = self.redis.pipeline(transaction=False)
         for d in deliveries:
