@@ -18,6 +18,7 @@ from shared import files
 from shared import openai_shapes as oa
 from shared.batch_store import BatchState, BatchStore
 from shared.batches import (
+    NATIVE_ENDPOINT,
     BatchError,
     BatchMeta,
     batch_object,
@@ -47,6 +48,15 @@ async def _visible(svc: GatewayService, tenant: str, batch_id: str) -> BatchStat
     return st
 
 
+def _endpoint(svc: GatewayService, value: object) -> str:
+    """The batch's endpoint; a native one's model must be known now (no need to read the file to refuse it)."""
+    endpoint = check_endpoint(value)
+    native = NATIVE_ENDPOINT.match(endpoint)
+    if native and svc.settings.model(native.group(1)) is None:
+        raise BatchError(f"unknown model {native.group(1)!r}", code="model_not_found", param="endpoint")
+    return endpoint
+
+
 async def create_batch(svc: GatewayService, req: ApiRequest) -> ApiResponse:
     async def work() -> ApiResponse:
         body = parse_body(req, svc.settings.max_body_bytes)
@@ -60,7 +70,7 @@ async def create_batch(svc: GatewayService, req: ApiRequest) -> ApiResponse:
         if unknown:
             raise oa.invalid(unknown[0], f"unknown parameter {unknown[0]!r}", "unknown_parameter")
         try:
-            endpoint = check_endpoint(body.get("endpoint"))
+            endpoint = _endpoint(svc, body.get("endpoint"))
             window = window_seconds(body.get("completion_window"))
             metadata = check_metadata(body.get("metadata"))
         except BatchError as err:

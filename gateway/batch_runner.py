@@ -181,9 +181,9 @@ class BatchRunner:
     def _check(self, item: Item, tenant: str) -> None:
         """The item's submit body against its model, as a submit would check it (no admission)."""
         spec = self.settings.model(item.model)
-        if spec is None:
-            raise BatchError(f"unknown model {item.model!r}", code="model_not_found", param="body.model",
-                             line=item.line)
+        if spec is None:  # a native line's model is in its url (the batch's endpoint)
+            raise BatchError(f"unknown model {item.model!r}", code="model_not_found", line=item.line,
+                             param="url" if item.kind == "native" else "body.model")
         want = TASK_OF[item.kind]
         if want is not None and spec.task is not want:
             raise BatchError(f"{item.model!r} is {spec.task.model_kind}", code="wrong_model_task",

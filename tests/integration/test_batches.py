@@ -277,6 +277,10 @@ async def test_a_batchs_end_is_a_signed_webhook_with_the_batch(redis_url, prefix
         with pytest.raises(BadRequestError):  # a webhook to where the allow-list does not reach
             await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h",
                                         extra_body={"callback_url": "http://169.254.169.254/x"})
+        with pytest.raises(BadRequestError) as err:  # a native endpoint's unknown model: refused at create
+            await client.batches.create(input_file_id=f.id, endpoint="/v1/models/nope/requests",  # type: ignore
+                                        completion_window="24h")
+        assert err.value.code == "model_not_found" and err.value.param == "endpoint"
 
 
 async def test_a_running_batchs_input_file_cannot_be_deleted(redis_url, prefix, loaded_models, tmp_path):
