@@ -67,6 +67,8 @@ HOST_BUSY_DEFER_MS = 250
 STREAM_RECLAIM_IDLE_MS = 30_000
 EXPIRY_SWEEP_S = 1.0  # how often the overdue requests with a webhook are looked for
 EXPIRY_BATCH = 200  # ... and at most this many expired a round
+EXPIRY_RETRY_MS = 1_000  # a request not yet due by this dispatcher's reckoning is looked at again after this
+EXPIRY_UNREADABLE_MS = 60_000  # ... and one whose record this build cannot read (it goes with its record's TTL)
 
 
 def _destination(url: str) -> str:
@@ -96,7 +98,9 @@ class Dispatcher:
         self.redis = redis or make_redis(settings.redis_url)
         self._own_redis = redis is None
         self.store = CallbackStore(self.redis, self.keys)
-        self.records = RecordStore(self.redis, self.keys, settings.result_ttl_s)
+        # durable as the gateway's and workers' are: an `expired` this dispatcher writes is a result like theirs
+        self.records = RecordStore(self.redis, self.keys, settings.result_ttl_s,
+                                   wait_replicas=settings.redis_wait_replicas, wait_ms=settings.redis_wait_ms)
         self.tenants = TenantStore(self.redis, self.keys, default_secret)
         self.allow = AllowList.parse(settings.callback_allow)
         self.resolver = resolver
@@ -234,17 +238,7 @@ class Dispatcher:
             try:
                 raw = await self.redis.zrangebyscore(key, "-inf", self.now_ms(), start=0, num=EXPIRY_BATCH)
                 due = [r.decode() if isinstance(r, bytes) else str(r) for r in raw]
-                later: dict[str, int] = {}  # not due by this dispatcher's clock and grace: looked at again then
-                for rid in due:
-                    rec = await self.records.get(rid)
-                    if rec is None or rec.terminal or rec.meta is None:
-                        continue
-                    due_ms = rec.meta.deadline_ms + int(self.settings.expiry_grace_s * 1000)
-                    if due_ms > self.now_ms():
-                        later[rid] = due_ms
-                    elif await self.records.expire_overdue(rec, self.now_ms(), self.settings.expiry_grace_s,
-                                                           self.name):
-                        log.info("request expired with no worker to end it", request_id=rid)
+                later = {rid: at for rid in due if (at := await self._expire_one(rid)) is not None}
                 ended = [rid for rid in due if rid not in later]  # by this write or another, or gone
                 if ended:
                     await self.redis.zrem(key, *ended)
@@ -255,7 +249,27 @@ class Dispatcher:
             except UNAVAILABLE as exc:
                 raise_if_cancelling(exc)
                 log.warning("dispatcher: redis unavailable", error=repr(exc))
+            except Exception:  # the sweep outlives any one round's failure (the delivery loops go on regardless)
+                log.exception("expiry sweep failed; trying again")
             await asyncio.sleep(EXPIRY_SWEEP_S)
+
+    async def _expire_one(self, request_id: str) -> int | None:
+        """Expire one request if its deadline plus grace passed with no result. None when it has ended (now, by
+        another write, or gone); else when to look at it again (ms): never dropped while it could still need this."""
+        try:
+            rec = await self.records.get(request_id)
+        except CodecError as exc:  # a record this build cannot read (a newer writer's): a newer dispatcher's to end
+            log.warning("expiry sweep: unreadable record skipped", request_id=request_id, error=repr(exc))
+            return self.now_ms() + EXPIRY_UNREADABLE_MS
+        if rec is None or rec.terminal:
+            return None
+        if rec.meta is None:  # its submit's pipeline is not all in yet: look again later
+            return self.now_ms() + EXPIRY_RETRY_MS
+        if await self.records.expire_overdue(rec, self.now_ms(), self.settings.expiry_grace_s, self.name):
+            log.info("request expired with no worker to end it", request_id=request_id)
+            return None
+        due_ms = rec.meta.deadline_ms + int(self.settings.expiry_grace_s * 1000) + 1
+        return max(due_ms, self.now_ms() + EXPIRY_RETRY_MS)  # not due by this clock yet, or another write raced
 
     def _attempt_done(self, task: asyncio.Task[None]) -> None:
         self._in_flight.discard(task)

@@ -179,7 +179,8 @@ def fused_step(engine: Any, budget: int) -> list[GenResult]:
     prompt = cur.spec.prompt_ids
     n = len(e.rows)
     dev = e.device
-    lo, hi = cur.done, min(len(prompt), cur.done + aligned_chunk(n, budget, pack_align(dev)))
+    left = len(prompt) - cur.done  # a prompt's last chunk is taken whole when it fits: never cut into two steps
+    lo, hi = cur.done, cur.done + (left if left <= budget else aligned_chunk(n, budget, pack_align(dev)))
     read_lo = min(r.start for r in e.rows)
     decode_masks, row_pos = e._decode_masks(read_lo)
     q_pos = torch.arange(lo, hi, device=dev)[None]

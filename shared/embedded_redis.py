@@ -13,11 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
-
 from shared.lifeline import die_with_parent
+from shared.logs import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

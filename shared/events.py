@@ -26,12 +26,11 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
 from shared.codec import decode
 from shared.deadlines import cannot_finish
 from shared.errors import CodecError
 from shared.keys import Keys
+from shared.logs import get_logger
 from shared.messages import StreamDelta
 from shared.records import StoredRecord, parse_record
 from shared.redis_io import raise_if_cancelling
@@ -41,7 +40,7 @@ from shared.waiters import SubscriptionUnavailable
 if TYPE_CHECKING:
     from shared.queue_client import QueueClient
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 RESUBSCRIBE_S = 0.5  # the pub/sub connection could not confirm: read again after this long
 STATUS_ORDER = {"queued": 0, "running": 1}  # a status event only ever moves forward

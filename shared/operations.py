@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
-import structlog
 from msgspec import UNSET
 
 from shared.admission import Decision
@@ -25,6 +24,7 @@ from shared.errors import ValidationError
 from shared.idempotency import IdempotencyClaim, body_hash
 from shared.idempotency_keys import KEY_RULE, MAX_KEY_CHARS, derived_key, valid_idempotency_key
 from shared.ids import created_ms, is_request_id
+from shared.logs import get_logger
 from shared.messages import InferenceRequest
 from shared.params import finite_number
 from shared.queue_client import QueueClient, Submitted
@@ -34,7 +34,7 @@ from shared.states import Status
 from shared.submit import build_request
 from shared.views import Accepted, links, record_view
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 IDEMPOTENCY_TAKEOVER_S = 5.0  # a key claimed this long ago without a stored request is taken over
 IDEMPOTENCY_RACE_POLLS = 20

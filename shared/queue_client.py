@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-import structlog
 
 from shared import admission
 from shared.admission import Decision
@@ -37,6 +36,7 @@ from shared.config import ModelSpec, Settings
 from shared.errors import CodecError
 from shared.idempotency import IdempotencyClaim, IdempotencyStore
 from shared.keys import Keys
+from shared.logs import get_logger
 from shared.messages import ErrorInfo, InferenceRequest, LaneStats, RequestResult
 from shared.records import RecordStore, StoredRecord, record_from_event
 from shared.redis_io import make_redis
@@ -128,7 +128,7 @@ class QueueClient:
             lambda items: self.submit_many(items))  # late-bound: the submits go wherever submit_many does
 
     async def start(self) -> None:
-        self.callback_allow.log_effective(structlog.get_logger(__name__), "gateway")
+        self.callback_allow.log_effective(get_logger(__name__), "gateway")
         await self.hub.start()
 
     async def close(self) -> None:

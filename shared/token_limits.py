@@ -26,12 +26,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from shared.config import SIMPLE_CHAT_TEMPLATE, ModelSpec
+from shared.logs import get_logger
 from shared.model_context import exact_context
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = "{name}-v2"  # gpu_worker.models: f"{name}-{BUILTIN_VERSION}"

@@ -15,12 +15,12 @@ import contextlib
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-import structlog
 
+from shared.logs import get_logger
 from shared.records import RECORD_EVENT
 from shared.redis_io import UNAVAILABLE, pubsub_of, raise_if_cancelling
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 SUBSCRIBE_TIMEOUT_S = 2.0
 # A channel nobody waits on any more stays subscribed this long, then leaves with the others of its time in one

@@ -18,7 +18,6 @@ from shared import operations as ops
 from shared.api_errors import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge, ServiceUnavailable
 from shared.config import Settings
 from shared.events import follow, parse_last_event_id
-from shared.logs import library_logging
 from shared.queue_client import QueueClient
 from shared.redis_io import UNAVAILABLE
 from shared.sdk.errors import Unavailable, error_for
@@ -38,7 +37,6 @@ class DirectTransport:
     def __init__(self, redis_url: str, *, tenant: str, key_prefix: str, env: dict[str, str] | None) -> None:
         if problem := tenant_name_problem(tenant):  # as the CLI refuses it: the tenant names keys in Redis
             raise ValueError(problem)
-        library_logging()  # the caller's program owns stdout: the operations' log lines go to `logging`
         settings = Settings.from_environ({**(env or {}), "BATCHGATE_REDIS_URL": redis_url,
                                           "BATCHGATE_KEY_PREFIX": key_prefix})
         self._queue = QueueClient(settings)

@@ -132,12 +132,15 @@ def test_served_exactly_on_the_fused_paths_cuda_takes(arch: str, monkeypatch: py
     reqs, arrivals = mixed()
     engine = GenerationEngine(model, max_rows=8, max_seq_len=64, fused=True)
     packed: list[int] = []  # a fused step's rows + chunk tokens, for every chunk but a prompt's last
+    last: list[tuple[int, int]] = []  # (tokens left, tokens taken) of a step whose budget covered the rest
     real_step = fused_step.fused_step
 
     def recording(e: GenerationEngine, budget: int) -> list[object]:
         rows, left = len(e.rows), len(e.chunked.current.spec.prompt_ids) - e.chunked.current.done
         out = real_step(e, budget)
-        if e.chunked.last[0] < left:
+        if left <= budget:
+            last.append((left, e.chunked.last[0]))
+        else:
             packed.append(rows + e.chunked.last[0])
         return out
 
@@ -146,6 +149,7 @@ def test_served_exactly_on_the_fused_paths_cuda_takes(arch: str, monkeypatch: py
     got = serve(engine, arrivals, {3: long_prompt()})
     assert repeated  # the chunk's attention really took this path
     assert packed and all(n % 4 == 0 for n in packed), packed  # every chunk CHUNK=7 or fewer, cut to align
+    assert last and all(left == taken for left, taken in last), last  # the rest, when it fits, whole: one step
     for spec in [*reqs, long_prompt()]:
         assert got[spec.id] == reference(model, spec), f"{arch} {spec.id}: {len(spec.prompt_ids)}-token prompt"
 

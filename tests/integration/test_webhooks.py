@@ -517,20 +517,26 @@ async def test_an_operator_allows_a_url_disabled_by_410_again(redis_url, prefix)
 async def test_a_request_past_its_deadline_with_no_worker_alive_gets_its_webhook(redis_url, prefix):
     """No worker (scaled to zero, or crashing) and a caller that only waits for the webhook: nobody reads the
     request, so nothing expired it and its `completed` webhook never went. The dispatcher expires requests with a
-    webhook once their deadline (plus the grace) passes; a request that completes leaves its list at once."""
+    webhook once their deadline (plus the grace) passes; a request that completes leaves its list at once, and a
+    record this build cannot read (a newer writer's, in a rolling upgrade) does not stop the sweep."""
     settings = settings_for(redis_url, prefix, expiry_grace_s=0.2)
     keys = Keys(prefix)
-    async with receiver() as rx, running_gateway(settings) as gw, dispatcher(settings):
-        r = await gw.client.post("/v1/models/minilm/requests", json={
-            "input": {"text": "x"}, "timeout_s": 1, "callback": {"url": rx.url}})
-        assert r.status_code == 202, r.text
-        rid = r.json()["id"]
-        done = await delivered_once(gw, rx)  # another one, completed as a worker would: off the list at once
-        other = done.headers["webhook-id"].removeprefix("msg_").removesuffix("_completed")
-        assert await gw.service.redis.zscore(keys.callback_deadlines(), other) is None
-        await wait_until(lambda: _true(len(rx.requests) == 2), timeout=10)  # nobody reads `rid` meanwhile
-        got = rx.requests[1]
-        payload = verify(SECRET, got.body, got.headers)
-        assert payload["id"] == rid and payload["status"] == "expired" and got.headers["batchgate-event"] == "completed"
-        assert payload["error"]["code"] == "deadline_exceeded"
-        assert await gw.service.redis.zcard(keys.callback_deadlines()) == 0
+    async with receiver() as rx, running_gateway(settings) as gw:
+        redis = gw.service.redis
+        await redis.hset(keys.record("req_unreadable"), mapping={"state": "queued", "meta": b"\xff"})
+        await redis.zadd(keys.callback_deadlines(), {"req_unreadable": 0})  # heads the list
+        async with dispatcher(settings):
+            r = await gw.client.post("/v1/models/minilm/requests", json={
+                "input": {"text": "x"}, "timeout_s": 1, "callback": {"url": rx.url}})
+            assert r.status_code == 202, r.text
+            rid = r.json()["id"]
+            done = await delivered_once(gw, rx)  # another one, completed as a worker would: off the list at once
+            other = done.headers["webhook-id"].removeprefix("msg_").removesuffix("_completed")
+            assert await redis.zscore(keys.callback_deadlines(), other) is None
+            await wait_until(lambda: _true(len(rx.requests) == 2), timeout=10)  # nobody reads `rid` meanwhile
+            got = rx.requests[1]
+            payload = verify(SECRET, got.body, got.headers)
+            assert payload["id"] == rid and payload["status"] == "expired"
+            assert got.headers["batchgate-event"] == "completed" and payload["error"]["code"] == "deadline_exceeded"
+            remaining = await redis.zrange(keys.callback_deadlines(), 0, -1)
+            assert remaining == [b"req_unreadable"]  # kept, looked at again later: not dropped, not fatal
