@@ -246,12 +246,23 @@ class Dispatcher:
                     await self.redis.zadd(key, later)
                 if len(ended) == EXPIRY_BATCH:
                     continue
+                wait = await self._until_next_due(key)
             except UNAVAILABLE as exc:
                 raise_if_cancelling(exc)
                 log.warning("dispatcher: redis unavailable", error=repr(exc))
+                wait = EXPIRY_SWEEP_S
             except Exception:  # the sweep outlives any one round's failure (the delivery loops go on regardless)
                 log.exception("expiry sweep failed; trying again")
-            await asyncio.sleep(EXPIRY_SWEEP_S)
+                wait = EXPIRY_SWEEP_S
+            await asyncio.sleep(wait)
+
+    async def _until_next_due(self, key: str) -> float:
+        """Seconds until the earliest request in the list falls due, at most EXPIRY_SWEEP_S: what falls due is a
+        time, and a request submitted meanwhile may fall due sooner (submits never pass through the dispatcher)."""
+        head = await self.redis.zrange(key, 0, 0, withscores=True)
+        if not head:
+            return EXPIRY_SWEEP_S
+        return min(EXPIRY_SWEEP_S, max(0.0, (head[0][1] - self.now_ms()) / 1000))
 
     async def _expire_one(self, request_id: str) -> int | None:
         """Expire one request if its deadline plus grace passed with no result. None when it has ended (now, by
@@ -268,7 +279,7 @@ class Dispatcher:
         if await self.records.expire_overdue(rec, self.now_ms(), self.settings.expiry_grace_s, self.name):
             log.info("request expired with no worker to end it", request_id=request_id)
             return None
-        due_ms = rec.meta.deadline_ms + int(self.settings.expiry_grace_s * 1000) + 1
+        due_ms = self.records.expiry_due_ms(rec.meta.deadline_ms, self.settings.expiry_grace_s) + 1
         return max(due_ms, self.now_ms() + EXPIRY_RETRY_MS)  # not due by this clock yet, or another write raced
 
     def _attempt_done(self, task: asyncio.Task[None]) -> None:

@@ -206,7 +206,6 @@ class QueueClient:
         streams = [self.keys.lane_stream(req.model, req.lane) for req, _ in items]
         lengths, inits = [], []
         items = [(promised(req, decision), decision) for req, decision in items]
-        grace_ms = int(self.settings.expiry_grace_s * 1000)
         for (req, _), stream in zip(items, streams, strict=True):
             pipe.xadd(stream, {"m": encode(req)})
             lengths.append(len(pipe))
@@ -214,7 +213,8 @@ class QueueClient:
             inits.append(len(pipe))  # the reply of the record's init: 1 if this call created it
             await self.store.init_in(pipe, req, now)
             if req.callback is not None:  # its webhook must go by its deadline, whoever is alive to expire it
-                pipe.zadd(self.keys.callback_deadlines(), {req.id: req.deadline_ms + grace_ms})
+                due = self.store.expiry_due_ms(req.deadline_ms, self.settings.expiry_grace_s)
+                pipe.zadd(self.keys.callback_deadlines(), {req.id: due})
         replies = await self.store.execute_durably(pipe)  # with durable writes on, once the replicas have it
         for stream, i in zip(streams, lengths, strict=True):
             self._lengths[stream] = LaneLength(at, int(replies[i]))

@@ -210,6 +210,11 @@ class RecordStore:
             await self.flush([done])
         return won
 
+    @staticmethod
+    def expiry_due_ms(deadline_ms: int, grace_s: float) -> int:
+        """When a request with no result may be expired: its deadline plus the grace a worker gets to write one."""
+        return deadline_ms + int(grace_s * 1000)
+
     async def expire_overdue(self, rec: StoredRecord, now_ms: int, grace_s: float, by: str) -> bool:
         """Write `expired` for a request whose deadline, plus the grace a worker gets to write a result, passed
         with none (with its meta, its `completed` webhook is queued as for any other end). False if not due yet,

@@ -26,6 +26,14 @@ class Receiver:
     connections: int = 0
     requests: list[Received] = field(default_factory=list)
     servers: list[asyncio.base_events.Server] = field(default_factory=list)
+    _arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def wait_for(self, n: int, timeout: float = 20.0) -> None:
+        """Until `n` requests have been received (woken by each arrival; TimeoutError past `timeout`)."""
+        async with asyncio.timeout(timeout):
+            while len(self.requests) < n:
+                self._arrived.clear()
+                await self._arrived.wait()
 
     @property
     def url(self) -> str:
@@ -46,6 +54,7 @@ class Receiver:
                 body = await reader.readexactly(int(headers.get("content-length", 0)))
                 rec = Received(time.monotonic(), method, path, headers, body)
                 self.requests.append(rec)
+                self._arrived.set()
                 status, extra, delay = self.policy(rec, len(self.requests))
                 if delay:
                     await asyncio.sleep(delay)

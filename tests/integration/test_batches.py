@@ -14,6 +14,7 @@ from openai import AsyncOpenAI, BadRequestError, ConflictError, NotFoundError
 
 from gateway.batch_runner import BatchRunner
 from shared.keys import Keys
+from tests.integration.test_stack import wait_until
 from tests.stack import make_settings, running_gateway, running_worker
 
 pytestmark = [pytest.mark.redis]
@@ -251,10 +252,7 @@ async def test_a_batchs_end_is_a_signed_webhook_with_the_batch(redis_url, prefix
         b = await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h",
                                         extra_body={"callback_url": rx.url})
         done = await until_done(client, b.id)
-        end = asyncio.get_running_loop().time() + 20
-        while not rx.requests:
-            assert asyncio.get_running_loop().time() < end
-            await asyncio.sleep(0.05)
+        await rx.wait_for(1)
         got = rx.requests[0]
         payload = verify(SECRET, got.body, got.headers)
         assert payload["id"] == b.id and payload["status"] == "completed" == done.status
@@ -264,16 +262,14 @@ async def test_a_batchs_end_is_a_signed_webhook_with_the_batch(redis_url, prefix
         bad = await client.batches.create(input_file_id=dup.id, endpoint=CHAT, completion_window="24h",
                                           extra_body={"callback_url": rx.url})
         assert (await until_done(client, bad.id)).status == "failed"
-        while len(rx.requests) < 2:
-            assert asyncio.get_running_loop().time() < end + 20
-            await asyncio.sleep(0.05)
+        await rx.wait_for(2)
         got = rx.requests[1]
         payload = verify(SECRET, got.body, got.headers)
         assert payload["id"] == bad.id and payload["status"] == "failed" and got.headers["batchgate-event"] == \
             "batch.failed"
         assert payload["errors"]["data"][0]["code"] == "duplicate_custom_id"
-        await asyncio.sleep(0.5)
-        assert len(rx.requests) == 2  # once
+        with pytest.raises(TimeoutError):  # once: no second delivery of it
+            await rx.wait_for(3, timeout=0.5)
         with pytest.raises(BadRequestError):  # a webhook to where the allow-list does not reach
             await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h",
                                         extra_body={"callback_url": "http://169.254.169.254/x"})
@@ -299,6 +295,10 @@ async def test_a_running_batchs_input_file_cannot_be_deleted(redis_url, prefix, 
         assert (await client.files.delete(f.id)).deleted
 
 
+async def _fed(r: BatchRunner, batch_id: str, n: int) -> bool:
+    return len(await r.store.in_flight(batch_id)) >= n
+
+
 async def test_items_a_batchs_window_left_unrun_are_batch_expired(redis_url, prefix, tmp_path):
     """The window ends with items submitted but never run (no worker here): they are stopped, and their lines say
     `batch_expired`, as OpenAI answers what a window left, not `batch_cancelled` as if the caller had cancelled."""
@@ -310,10 +310,7 @@ async def test_items_a_batchs_window_left_unrun_are_batch_expired(redis_url, pre
         client = client_for(gw)
         f = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(3))), purpose="batch")
         b = await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="60s")
-        end = asyncio.get_running_loop().time() + 20
-        while len(await r.store.in_flight(b.id)) < 3:
-            assert asyncio.get_running_loop().time() < end
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: _fed(r, b.id, 3), timeout=20)
         skew[0] = 120.0
         done = await until_done(client, b.id, 30)
         assert done.status == "expired" and done.request_counts.failed == 3

@@ -533,7 +533,7 @@ async def test_a_request_past_its_deadline_with_no_worker_alive_gets_its_webhook
             done = await delivered_once(gw, rx)  # another one, completed as a worker would: off the list at once
             other = done.headers["webhook-id"].removeprefix("msg_").removesuffix("_completed")
             assert await redis.zscore(keys.callback_deadlines(), other) is None
-            await wait_until(lambda: _true(len(rx.requests) == 2), timeout=10)  # nobody reads `rid` meanwhile
+            await rx.wait_for(2, timeout=10)  # nobody reads `rid` meanwhile
             got = rx.requests[1]
             payload = verify(SECRET, got.body, got.headers)
             assert payload["id"] == rid and payload["status"] == "expired"
