@@ -87,6 +87,7 @@ async def list_models(svc: GatewayService, req: ApiRequest) -> ApiResponse:
         backlog = await svc.backlog(spec.name, spec.lane_names)
         _, stats = await svc.load(spec.name, spec.lane_names[0])
         public = spec.to_public()
+        public["limits"].update(ops.effective_limits(svc, spec))
         public["workers"] = len({s.worker for s in stats})  # a worker publishes one entry per engine
         for lane in public["lanes"]:
             name = lane["name"]

@@ -340,11 +340,18 @@ async def retrieve_model(svc: GatewayService, req: ApiRequest, model: str) -> Ap
     async def work() -> ApiResponse:
         if svc.settings.model(model) is None:
             raise oa.OpenAIError(404, f"the model {model!r} does not exist", code="model_not_found", param="model")
-        return ApiResponse(200, oa.model_entry(model))
+        return ApiResponse(200, _entry(svc, model))
 
     return await _answer(work)
 
 
+def _entry(svc: GatewayService, name: str) -> dict[str, Any]:
+    """A model as OpenAI lists it, with vLLM's `max_model_len` where the model's context is known here."""
+    spec = svc.settings.model(name)
+    context = ops.effective_limits(svc, spec).get("context_length") if spec is not None else None
+    return oa.model_entry(name, max_model_len=context)
+
+
 def list_data(svc: GatewayService) -> list[dict[str, Any]]:
     """`data` of `GET /v1/models` in OpenAI's shape (`handlers.list_models` adds it to its answer)."""
-    return oa.model_list([spec.name for spec in svc.settings.models])
+    return [_entry(svc, spec.name) for spec in svc.settings.models]

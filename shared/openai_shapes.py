@@ -904,9 +904,13 @@ def embedding_response(tr: Translated, view: dict[str, Any]) -> dict[str, Any]:
                         **({"truncated": output["truncated"]} if "truncated" in output else {})}}
 
 
-def model_entry(name: str, created: int = 0) -> dict[str, Any]:
-    """A model as OpenAI lists it (`GET /v1/models` `data`, `GET /v1/models/{model}`)."""
-    return {"id": name, "object": "model", "created": created, "owned_by": OWNED_BY}
+def model_entry(name: str, created: int = 0, max_model_len: int | None = None) -> dict[str, Any]:
+    """A model as OpenAI lists it (`GET /v1/models` `data`, `GET /v1/models/{model}`), with vLLM's `max_model_len`
+    (prompt and output tokens together) where it is known."""
+    entry: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": OWNED_BY}
+    if max_model_len is not None:
+        entry["max_model_len"] = max_model_len
+    return entry
 
 
 def model_list(names: Sequence[str]) -> list[dict[str, Any]]:

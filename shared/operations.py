@@ -30,7 +30,7 @@ from shared.params import finite_number
 from shared.queue_client import QueueClient, Submitted
 from shared.records import StoredRecord
 from shared.redis_io import UNAVAILABLE
-from shared.states import Status
+from shared.states import Status, Task
 from shared.submit import build_request
 from shared.views import Accepted, links, record_view
 
@@ -71,6 +71,20 @@ def model_spec(q: QueueClient, name: str) -> ModelSpec:
         known = ", ".join(m.name for m in q.settings.models)
         raise NotFound(f"unknown model {name!r} (known: {known})", code="model_not_found")
     return spec
+
+
+def effective_limits(q: QueueClient, spec: ModelSpec) -> dict[str, Any]:
+    """What a request to `spec` can hold, as submit holds it: the model file's limits within the model's own (an
+    encoder's positions; a generation model's context, `context_length`, which a prompt and its new tokens share
+    and a prompt alone must leave room in). None: the context is not known here (the worker still holds it)."""
+    if spec.task is Task.EMBED:
+        return {"max_input_tokens": q.token_limits.max_text_tokens(spec)}
+    context = None if spec.echo else q.token_limits.context(spec)
+    if context is None:
+        return {"context_length": None}
+    room = max(1, context - 1)
+    return {"max_input_tokens": min(spec.max_input_tokens, room), "max_new_tokens": min(spec.max_new_tokens, room),
+            "context_length": context}
 
 
 def _build(q: QueueClient, body: Any, spec: ModelSpec, tenant: str, at: str = "") -> InferenceRequest:

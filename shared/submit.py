@@ -25,7 +25,7 @@ from shared.model_context import CONTEXT_EXCEEDED, context_message
 from shared.params import ITEM_LISTS, EmbedInput, EmbedParams, GenerateInput, GenerateParams, exactly_one
 from shared.ssrf import AllowList, RefusedURL, check_url
 from shared.states import Priority, Task
-from shared.token_limits import TokenLimits
+from shared.token_limits import TemplateRefusal, TokenLimits
 from shared.validation import check_text, convert
 
 MAX_TIMEOUT_S = 10**9  # a bound only to keep the number finite; each model's max_timeout_s is checked after
@@ -130,7 +130,11 @@ def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, t
             counts = limits.count(spec, [inp["prompt"]])
             n, where = (counts[0] if counts is not None else None), "input.prompt"
         else:
-            n, where = limits.count_chat(spec, inp["messages"], inp.get("tools")), "input.messages"
+            try:
+                n, where = limits.count_chat(spec, inp["messages"], inp.get("tools")), "input.messages"
+            except TemplateRefusal as exc:  # known now: the worker's template would refuse it the same way
+                raise ValidationError("input.messages", f"the model's chat template refuses this conversation: "
+                                                        f"{exc}") from None
         if n is not None and n > spec.max_input_tokens:
             raise ValidationError(where, f"is {n} tokens; this model takes at most {spec.max_input_tokens}",
                                   code=CONTEXT_EXCEEDED)

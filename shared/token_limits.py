@@ -7,8 +7,10 @@
   its cheap character bound; the worker's own check (failed, `input_too_long`) stays the backstop.
 - Chat messages: rendered with the model's chat template (`chat_template.jinja` or `tokenizer_config.json`
   beside the tokenizer, by jinja2 in a sandbox, as transformers renders it) and counted without adding special
-  tokens again, as the worker's `apply_chat_template` does. Where the template or jinja2 is not there, or
-  the template does not render here, the contents joined are counted: a lower bound, the worker the backstop.
+  tokens again, as the worker's `apply_chat_template` does, with the same globals (`raise_exception`,
+  `strftime_now`, ...). A template that refuses the conversation (`raise_exception`) is a `TemplateRefusal`,
+  answered at submit. Where the template or jinja2 is not there, or the template does not render here, the
+  contents joined are counted: a lower bound, the worker the backstop.
 - Vocabulary size and positions: `ModelSpec.vocab_size`, else the model directory's `config.json`.
 - An echo model (`kind: echo`) has neither: its tokens are a text's UTF-8 bytes, counted here exactly.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import threading
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +61,16 @@ def model_dir(spec: ModelSpec, cache_dir: str | Path) -> Path | None:
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
+class TemplateRefusal(ValueError):
+    """The model's chat template refused the conversation (its `raise_exception`): the worker's would too."""
+
+
 def _raise_exception(message: str) -> None:
-    raise ValueError(message)
+    raise TemplateRefusal(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
@@ -88,8 +99,14 @@ def load_chat_template(directory: Path, source: str | None = None) -> tuple[Any,
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         return None
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_generation_tag(jinja2), jinja2.ext.loopcontrols])
+    # what transformers' `apply_chat_template` gives a template (`_compile_jinja_template`), so that what renders
+    # there renders here alike
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _namespace(jinja2)
     env.filters["tojson"] = _tojson  # transformers' own: not HTML-escaped, keys in their order
     template = env.from_string(source)
     special = {}
@@ -99,6 +116,57 @@ def load_chat_template(directory: Path, source: str | None = None) -> tuple[Any,
         if isinstance(value, str):
             special[name] = value
     return template, special
+
+
+class _TemplateDict:
+    """`dict(...)` in a template, without the type's attributes."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _namespace(jinja2: Any) -> Any:
+    """jinja2's `namespace`, refusing names that begin with an underscore (as transformers')."""
+
+    class TemplateNamespace(jinja2.utils.Namespace):  # type: ignore[misc, name-defined]
+        def __init__(*args: Any, **kwargs: Any) -> None:  # jinja2's signature: `self` may be a keyword
+            self, rest = args[0], args[1:]
+            attrs = dict(*rest, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name: Any) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a chat template cannot set {name!r} on a namespace")
+
+    return TemplateNamespace
+
+
+def _generation_tag(jinja2: Any) -> Any:
+    """`{% generation %}...{% endgeneration %}` (transformers marks the assistant's tokens with it): rendered as
+    its body."""
+
+    class GenerationTag(jinja2.ext.Extension):  # type: ignore[misc, name-defined]
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return str(caller())
+
+    return GenerationTag
 
 
 def tokenizer_path(spec: ModelSpec, cache_dir: str | Path) -> Path | None:
@@ -177,7 +245,9 @@ class TokenLimits:
             template, special = found
             try:
                 text = template.render(messages=messages, tools=tools, add_generation_prompt=True, **special)
-            except Exception:  # e.g. a template that refuses this conversation: the worker answers it
+            except TemplateRefusal:  # the template refuses this conversation: so will the worker's
+                raise
+            except Exception:  # a template this sandbox cannot render: the worker's check stays
                 text = None
             if text is not None:
                 return len(tok.encode(text, add_special_tokens=False).ids)

@@ -386,6 +386,91 @@ async def test_a_conversation_is_counted_with_its_chat_template_at_submit(redis_
         assert ok.status_code == 202, ok.text
 
 
+STRICT_TEMPLATE = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+                   "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+                   "{% endif %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}[assistant] {% endif %}Today is {{ strftime_now('%Y-%m-%d') }}.")
+
+
+def model_of_files(directory, model_cache, name: str, template: str, positions: int):
+    """A generation model the gateway knows by its files alone: the built-in Llama's tokenizer, a chat template, a
+    config of `positions` positions (no worker needed)."""
+    import shutil
+
+    from shared.config import ModelSpec
+    from shared.states import Task
+    from shared.token_limits import model_dir
+
+    builtin = model_dir(LLAMA, model_cache)
+    assert builtin is not None and (builtin / "tokenizer.json").is_file()
+    shutil.copy(builtin / "tokenizer.json", directory / "tokenizer.json")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    (directory / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 8192,
+                                                       "max_position_embeddings": positions}))
+    return ModelSpec(name=name, task=Task.GENERATE, source=str(directory))
+
+
+async def test_a_conversation_the_chat_template_refuses_is_refused_at_submit(redis_url, prefix, loaded_models,
+                                                                            model_cache, tmp_path):
+    """A template that refuses a conversation (`raise_exception`, as Mistral's does for roles that do not
+    alternate) is answered at submit, 422 natively and 400 on the OpenAI route, naming the messages; nothing is
+    queued. A template calling `strftime_now` (as transformers lets it) is counted by its rendering."""
+    from shared.token_limits import TokenLimits
+
+    strict = model_of_files(tmp_path, model_cache, "strict", STRICT_TEMPLATE, positions=2048)
+    alternating = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
+                   {"role": "user", "content": "bye"}]
+    twice = [{"role": "user", "content": "hello"}, {"role": "user", "content": "again"}]
+    contents = (TokenLimits(model_cache).count(strict, ["\n".join(m["content"] for m in alternating)]) or [0])[0]
+    counted = TokenLimits(model_cache).count_chat(strict, alternating)
+    assert contents and counted is not None and counted > contents + 10  # rendered, date and all
+    settings = make_settings(redis_url, prefix, models=(strict,), model_cache_dir=str(model_cache))
+    async with running_gateway(settings) as gw:
+        r = await gw.client.post("/v1/models/strict/requests", json={"input": {"messages": twice}})
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["field"] == "input.messages" and "roles must alternate" in err["message"], err
+        r = await gw.client.post("/v1/chat/completions", json={"model": "strict", "messages": twice})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "roles must alternate" in r.json()["error"]["message"]
+        assert sum((await gw.service.backlog("strict", strict.lane_names)).values()) == 0
+        ok = await gw.client.post("/v1/models/strict/requests", json={"input": {"messages": alternating}})
+        assert ok.status_code == 202, ok.text
+
+
+async def test_the_model_list_gives_the_limits_a_request_can_meet(redis_url, prefix, loaded_models, model_cache,
+                                                                   tmp_path):
+    """A model whose context is shorter than its model file's limits is listed with the limits submit holds it to
+    (a prompt leaves room for one new token) and its context (`context_length`; OpenAI's entry: vLLM's
+    `max_model_len`); a model within them is listed as its file says; an encoder at most its positions."""
+    from shared.token_limits import TokenLimits
+
+    short = model_of_files(tmp_path, model_cache, "short-context", STRICT_TEMPLATE, positions=128)
+    settings = make_settings(redis_url, prefix, models=(short, LLAMA, MINILM), model_cache_dir=str(model_cache))
+    async with running_gateway(settings) as gw:
+        listed = (await gw.client.get("/v1/models")).json()
+        limits = {m["name"]: m["limits"] for m in listed["models"]}
+        assert (limits["short-context"]["max_input_tokens"], limits["short-context"]["max_new_tokens"],
+                limits["short-context"]["context_length"]) == (127, 127, 128)
+        context = TokenLimits(model_cache).context(LLAMA)
+        assert context is not None and context > LLAMA.max_input_tokens + LLAMA.max_new_tokens
+        assert (limits["tiny-llama"]["max_input_tokens"], limits["tiny-llama"]["max_new_tokens"],
+                limits["tiny-llama"]["context_length"]) == (LLAMA.max_input_tokens, LLAMA.max_new_tokens, context)
+        assert limits["minilm"]["max_input_tokens"] == min(512, MINILM.max_input_tokens)  # its positions
+        entries = {m["id"]: m for m in listed["data"]}
+        assert entries["short-context"]["max_model_len"] == 128 and entries["tiny-llama"]["max_model_len"] == context
+        assert "max_model_len" not in entries["minilm"]
+        one = (await gw.client.get("/v1/models/short-context")).json()
+        assert one == entries["short-context"]
+        # what the list says is what submit holds: its most, accepted; one more, refused
+        at_most = {"input": {"input_ids": [5] * 127}, "params": {"max_new_tokens": 1}}
+        assert (await gw.client.post("/v1/models/short-context/requests", json=at_most)).status_code == 202
+        over = {"input": {"input_ids": [5] * 128}}
+        assert (await gw.client.post("/v1/models/short-context/requests", json=over)).status_code == 422
+        new = {"input": {"input_ids": [5]}, "params": {"max_new_tokens": 128}}
+        assert (await gw.client.post("/v1/models/short-context/requests", json=new)).status_code == 422
+
+
 async def test_embedding_truncation_is_asked_for_and_reported(redis_url, prefix, loaded_models, model_cache):
     from tests.stack import running_worker
 
