@@ -61,6 +61,11 @@ class GenerateRunner:
         if ignored := ignored_generation_settings(loaded.model.generation_config):
             log.warning("the model's generation_config asks for what the engine does not apply: its output will "
                         "differ from generate()'s with them", model=self.spec.name, settings=ignored)
+        if sampling := unapplied_sampling_defaults(loaded.model.generation_config):
+            log.warning("the model's generation_config samples by default; requests sample as their own parameters "
+                        "say (native: greedy unless `temperature` is given; OpenAI routes: temperature 1): give "
+                        "these per request to sample as the model's authors recommend", model=self.spec.name,
+                        settings=sampling)
         # the longest sequence the model computes exactly (its context, a RoPE switch); None: none declared
         self.context = model_context(loaded.model)
         self.engine = GenerationEngine(loaded.model, max_rows=max_rows, max_seq_len=max_seq_len,
@@ -261,6 +266,19 @@ IGNORED_GENERATION_SETTINGS = ("no_repeat_ngram_size", "bad_words_ids", "min_len
                                "forced_eos_token_id", "sequence_bias", "exponential_decay_length_penalty",
                                "encoder_repetition_penalty", "encoder_no_repeat_ngram_size", "typical_p", "min_p",
                                "epsilon_cutoff", "eta_cutoff")
+
+
+SAMPLING_SETTINGS = ("temperature", "top_k", "top_p")
+
+
+def unapplied_sampling_defaults(config: Any) -> dict[str, Any]:
+    """A `generation_config` that samples by default (`do_sample`): that, and the sampling values its file sets.
+    Requests sample by their own parameters only (named at load, so the difference from `generate()` and from
+    servers that take these as defaults is not silent)."""
+    if not getattr(config, "do_sample", False):
+        return {}
+    given = config.to_diff_dict() if hasattr(config, "to_diff_dict") else {}
+    return {"do_sample": True, **{name: given[name] for name in SAMPLING_SETTINGS if name in given}}
 
 
 def ignored_generation_settings(config: Any) -> dict[str, Any]:

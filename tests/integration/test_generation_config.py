@@ -8,7 +8,7 @@ import time
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from gpu_worker.generate_runner import GenerateRunner, ignored_generation_settings
+from gpu_worker.generate_runner import GenerateRunner, ignored_generation_settings, unapplied_sampling_defaults
 from gpu_worker.models import LoadedModel, build_bpe_tokenizer
 from gpu_worker.outcomes import Outcome
 from shared.config import ModelSpec
@@ -78,3 +78,13 @@ def test_settings_the_engine_does_not_apply_are_named():
     cfg = GenerationConfig(no_repeat_ngram_size=3, suppress_tokens=[5], forced_bos_token_id=0, num_beams=4)
     assert ignored_generation_settings(cfg) == {"no_repeat_ngram_size": 3, "suppress_tokens": [5],
                                                 "forced_bos_token_id": 0, "num_beams": 4}
+
+
+def test_sampling_defaults_are_named_not_applied():
+    """A model that samples by default (do_sample) is named at load with the values its file sets; requests sample
+    by their own parameters (a greedy request stays greedy)."""
+    assert unapplied_sampling_defaults(GenerationConfig()) == {}
+    assert unapplied_sampling_defaults(GenerationConfig(temperature=0.7, top_p=0.8)) == {}  # generate: greedy
+    cfg = GenerationConfig(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.1)
+    assert unapplied_sampling_defaults(cfg) == {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8}
+    assert unapplied_sampling_defaults(GenerationConfig(do_sample=True)) == {"do_sample": True}
