@@ -312,7 +312,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
                         return 1
                 tenant = await store.revoke_key(args.key)
                 if tenant is None:
-                    print("no such key", file=sys.stderr)
+                    print("batchgate: no such key", file=sys.stderr)
                     return 1
                 print(f"revoked a key of tenant {tenant}")
             elif args.tenant is not None:

@@ -9,10 +9,11 @@ the Redis pool), because the Flask server calling us may be multi-threaded.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from typing import Any
 
-from gateway import routes
+from gateway import openapi, routes
 from gateway.api import ApiRequest
 from gateway.service import GatewayService
 from shared.config import Settings
@@ -23,6 +24,9 @@ configure_logging(SETTINGS.log_level, "json")
 SERVICE = GatewayService(SETTINGS)
 _LOOP = asyncio.new_event_loop()
 threading.Thread(target=_LOOP.run_forever, name="batchgate-gcf-loop", daemon=True).start()
+_SPEC = openapi.document(SETTINGS)
+_DOCUMENT = {"/openapi.json": (json.dumps(_SPEC), "application/json"),
+             "/docs": (openapi.docs_page(_SPEC), "text/html")}
 
 
 def batchgate(request: Any) -> Any:
@@ -32,6 +36,9 @@ def batchgate(request: Any) -> Any:
     from flask import Response
 
     head = request.method == "HEAD"
+    if request.method in ("GET", "HEAD") and request.path in _DOCUMENT:  # the API document, as the gateway's app
+        body, ctype = _DOCUMENT[request.path]
+        return Response(body, status=200, mimetype=ctype)
     api_req = ApiRequest(
         method="GET" if head else request.method, path=request.path,
         query={k: values[-1] for k, values in request.args.lists()},

@@ -29,6 +29,7 @@ import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -440,6 +441,7 @@ class Settings:
         if self.auth not in ("api_key", "off"):
             raise ConfigError("BATCHGATE_AUTH must be api_key or off")
         self._validate_logging()
+        self._validate_webhook_secret()
         from shared.ssrf import AllowList  # stdlib only: no cycle
 
         try:
@@ -450,6 +452,19 @@ class Settings:
         if len(names) != len(set(names)):
             raise ConfigError(f"model names must be unique, got {names}")
         return self
+
+    def _validate_webhook_secret(self) -> None:
+        """A default signing secret that Standard Webhooks cannot read would fail every delivery it signs."""
+        if not self.webhook_secret:
+            return
+        from standardwebhooks.webhooks import Webhook
+
+        try:
+            Webhook(self.webhook_secret).sign("msg_check", datetime.now(tz=UTC), "")
+        except Exception as exc:
+            raise ConfigError(f"{ENV_PREFIX}WEBHOOK_SECRET must be base64, optionally after `whsec_`, as Standard "
+                              "Webhooks secrets are (e.g. `whsec_` and the base64 of 24 random bytes): this one does "
+                              f"not decode ({type(exc).__name__})") from None
 
     def _validate_logging(self) -> None:
         if self.log_level not in LOG_LEVELS:

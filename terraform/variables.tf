@@ -47,6 +47,10 @@ variable "redis_url" {
   type        = string
   default     = null
   sensitive   = true # it may carry a password: kept out of plan output
+  validation {
+    condition     = var.redis_url == null || can(regex("^rediss?(\\+cluster)?://[^/]", var.redis_url))
+    error_message = "redis_url is a Redis URL: redis://, rediss://, redis+cluster:// or rediss+cluster://, then the host."
+  }
 }
 
 variable "redis_node_type" {
@@ -87,11 +91,19 @@ variable "worker_spot" {
 variable "worker_min" {
   type    = number
   default = 0
+  validation {
+    condition     = var.worker_min >= 0 && var.worker_min <= var.worker_max
+    error_message = "worker_min is at least 0 and at most worker_max."
+  }
 }
 
 variable "worker_max" {
   type    = number
   default = 4
+  validation {
+    condition     = var.worker_max >= 1
+    error_message = "worker_max is at least 1: no worker would ever run."
+  }
 }
 
 variable "worker_volume_gb" {
@@ -109,12 +121,20 @@ variable "models_yaml" {
   description = "The models file (README: Configuration) given to workers and gateway; empty: the built-in models."
   type        = string
   default     = ""
+  validation {
+    condition     = var.models_yaml == "" || can(yamldecode(var.models_yaml).models)
+    error_message = "models_yaml is YAML with a top-level models: list (README: Configuration)."
+  }
 }
 
 variable "drain_budget_s" {
   description = "How long a stopping worker may finish running sequences before handing the rest back."
   type        = number
   default     = 90
+  validation {
+    condition     = var.drain_budget_s >= 0
+    error_message = "drain_budget_s is a number of seconds, at least 0."
+  }
 }
 
 variable "backlog_per_worker_target" {

@@ -223,9 +223,21 @@ def test_gateway_lambda_with_auth_and_the_models_inline(planned):
         assert (REPO_TF.parent / (module.replace(".", "/") + ".py")).is_file()
 
 
-def test_bad_variables_are_refused_with_a_message(workdir, fake_aws):
-    proc = plan(workdir, fake_aws, "bgbad", subnet_ids=fake_aws["subnet_ids"][:1])
-    assert proc.returncode != 0 and "at least two subnets" in proc.stderr + proc.stdout
+@pytest.mark.parametrize(("overrides", "says"), [
+    ({"subnet_ids": None}, "at least two subnets"),
+    # each of these planned, and the workers it started exited at start-up (systemd restarting them forever)
+    ({"drain_budget_s": -5}, "drain_budget_s is a number of seconds"),
+    ({"models_yaml": "models: ["}, "models_yaml is YAML"),
+    ({"models_yaml": "- name: tiny-llama\n"}, "models_yaml is YAML"),
+    ({"redis_url": "http://redis.example.internal:6379"}, "redis_url is a Redis URL"),
+    ({"worker_min": 10, "worker_max": 8}, "worker_min is at least 0 and at most worker_max"),
+    ({"worker_max": 0}, "worker_max is at least 1"),
+])
+def test_bad_variables_are_refused_with_a_message(workdir, fake_aws, overrides, says):
+    if overrides.get("subnet_ids", 0) is None:
+        overrides = {"subnet_ids": fake_aws["subnet_ids"][:1]}
+    proc = plan(workdir, fake_aws, "bgbad", **{"redis_url": REDIS_URL, **overrides})
+    assert proc.returncode != 0 and says in " ".join((proc.stderr + proc.stdout).split()), proc.stderr
 
 
 def test_an_sqs_queue_feeds_the_sqs_handler_with_per_message_failures(workdir, fake_aws):

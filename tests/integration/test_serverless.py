@@ -150,6 +150,8 @@ def test_lambda_http_events(stack_env, monkeypatch, shape):
             r.client_kill_filter(_id=c["id"])
     thawed = mod.http_handler(make(key, path=f"/v1/requests/{got['id']}", method="GET", body=""), FakeContext(30_000))
     assert thawed["statusCode"] == 200
+    doc = mod.http_handler(make(key, path="/openapi.json", method="GET", body=""), FakeContext(30_000))
+    assert doc["statusCode"] == 200 and "/v1/models/{model}/requests" in body_of(doc)["paths"]
 
 
 def test_lambda_direct_invocation_and_deadline_from_context(stack_env, monkeypatch):
@@ -224,6 +226,11 @@ def test_cloud_functions_adapter(stack_env, monkeypatch):
     events = client.get(f"/v1/requests/{rid}/events", headers={"X-API-Key": key, "Accept": "text/event-stream"})
     assert events.status_code == 200 and events.headers["cache-control"] == "no-store"
     assert events.headers["x-accel-buffering"] == "no"
+    # the API document, as the HTTP gateway and the Lambda serve it (no key needed: it is the same for everyone)
+    doc = client.get("/openapi.json")
+    assert doc.status_code == 200 and doc.get_json()["paths"]["/v1/models/{model}/requests"]
+    page = client.get("/docs")
+    assert page.status_code == 200 and page.mimetype == "text/html" and b"/openapi.json" in page.data
 
 
 @pytest.mark.parametrize("module", ["gateway.lambda_handler", "gateway.gcf_handler", "shared.sdk", "batchgate.cli"])

@@ -25,14 +25,14 @@ def test_the_dispatcher_and_lambda_settings_come_from_the_same_environ():
     assert (d.webhook_secret, d.dispatcher_metrics_port) == ("", 9465)
     assert (d.lambda_tenant, d.lambda_margin_s) == ("default", 0.5)
     assert (d.metric_namespace, d.deployment, d.cloudwatch_endpoint) == ("batchgate", "prod", "")
-    s = Settings.from_environ({"BATCHGATE_WEBHOOK_SECRET": "whsec_x", "BATCHGATE_DISPATCHER_METRICS_PORT": "0",
+    s = Settings.from_environ({"BATCHGATE_WEBHOOK_SECRET": "whsec_c2VjcmV0", "BATCHGATE_DISPATCHER_METRICS_PORT": "0",
                                "BATCHGATE_LAMBDA_TENANT": "acme", "BATCHGATE_LAMBDA_MARGIN_S": "1.5",
                                "BATCHGATE_METRIC_NAMESPACE": "ns", "BATCHGATE_DEPLOYMENT": "blue",
                                "BATCHGATE_CLOUDWATCH_ENDPOINT": "http://127.0.0.1:5000"})
-    assert (s.webhook_secret, s.dispatcher_metrics_port) == ("whsec_x", 0)
+    assert (s.webhook_secret, s.dispatcher_metrics_port) == ("whsec_c2VjcmV0", 0)
     assert (s.lambda_tenant, s.lambda_margin_s) == ("acme", 1.5)
     assert (s.metric_namespace, s.deployment, s.cloudwatch_endpoint) == ("ns", "blue", "http://127.0.0.1:5000")
-    assert "whsec_x" not in repr(s)
+    assert "whsec_c2VjcmV0" not in repr(s)
     with pytest.raises(ConfigError):
         Settings.from_environ({"BATCHGATE_DISPATCHER_METRICS_PORT": "ninety"})
 

@@ -63,6 +63,19 @@ def test_a_setting_out_of_range_names_its_variable_and_range(name, value, says):
     assert refusal({name: value}).startswith(says)
 
 
+@pytest.mark.parametrize("secret", ["short", "whsec_x", "whsec_"])
+def test_a_webhook_secret_standard_webhooks_cannot_read_is_refused_at_start(secret):
+    """Else every delivery it signs fails, seen only when a webhook falls due; the secret is not echoed."""
+    says = refusal({"BATCHGATE_WEBHOOK_SECRET": secret})
+    assert says.startswith("BATCHGATE_WEBHOOK_SECRET must be base64") and "got" not in says
+    assert secret == "whsec_" or f"{secret}" not in says.replace("`whsec_`", "")
+
+
+@pytest.mark.parametrize("secret", ["mysecret", "whsec_" + "b" * 32, "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"])
+def test_a_webhook_secret_that_decodes_is_accepted(secret):
+    assert Settings.from_environ({"BATCHGATE_WEBHOOK_SECRET": secret}).validate().webhook_secret == secret
+
+
 @pytest.mark.parametrize("env", [
     {"BATCHGATE_TENANT_RATE_PER_S": "0", "BATCHGATE_TENANT_BURST": "0", "BATCHGATE_TENANT_MAX_BACKLOG": "0"},
     {"BATCHGATE_EXPIRY_GRACE_S": "0", "BATCHGATE_LAMBDA_MARGIN_S": "0", "BATCHGATE_DRAIN_BUDGET_S": "0"},
