@@ -112,7 +112,7 @@ def test_keys_revoke_with_a_tenant_refuses_another_tenants_key(fake_redis, capsy
     assert main(["keys", "list", "--tenant", "beta"]) == 0
     assert capsys.readouterr().out.split() == []
     assert main(["keys", "revoke", "--tenant", "beta", beta_key]) == 1  # gone
-    assert capsys.readouterr().err.strip() == "no such key"
+    assert capsys.readouterr().err.strip() == "batchgate: no such key"
 
 
 def test_keys_revoke_without_a_tenant_still_revokes_any_key(fake_redis, capsys):
