@@ -33,7 +33,7 @@ from shared.lanes import assign_lane
 from shared.messages import InferenceRequest, RequestResult
 from shared.model_context import CONTEXT_EXCEEDED, context_message, exact_context
 from shared.openai_tools import kept_tokens
-from shared.params import GenerateParams
+from shared.params import GenerateParams, template_kwargs
 from shared.states import FinishReason, Priority
 
 log = structlog.get_logger(__name__)
@@ -112,6 +112,7 @@ class GenerateRunner:
                 return failed_outcome(req, self.worker, now, "no_chat_template",
                                       f"model {self.spec.name} has no chat template: send a prompt instead")
             ids = list(self.tokenizer.apply_chat_template(req.input["messages"], tools=req.input.get("tools"),
+                                                          **template_kwargs(req.input.get("chat_template_kwargs", {})),
                                                           add_generation_prompt=True, return_dict=False))
         else:
             ids = self.tokenizer(req.input["prompt"], add_special_tokens=True)["input_ids"]

@@ -225,8 +225,8 @@ class TokenLimits:
             return None
         return [len(enc.ids) for enc in tok.encode_batch(texts, add_special_tokens=True)]
 
-    def count_chat(self, spec: ModelSpec, messages: list[dict[str, Any]],
-                   tools: list[dict[str, Any]] | None = None) -> int | None:
+    def count_chat(self, spec: ModelSpec, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> int | None:
         """Tokens of a conversation as the worker will count them: the chat template rendered with the
         generation prompt, then tokenized without special tokens added again (the contents joined where the
         template cannot be rendered here); None if unknown."""
@@ -244,7 +244,8 @@ class TokenLimits:
         if tok is not None and found is not None:
             template, special = found
             try:
-                text = template.render(messages=messages, tools=tools, add_generation_prompt=True, **special)
+                text = template.render(**(template_kwargs or {}), messages=messages, tools=tools,
+                                       add_generation_prompt=True, **special)
             except TemplateRefusal:  # the template refuses this conversation: so will the worker's
                 raise
             except Exception:  # a template this sandbox cannot render: the worker's check stays
