@@ -17,6 +17,7 @@ import structlog
 
 from gpu_worker.constraints import Grammars
 from gpu_worker.engine import GenerationEngine
+from gpu_worker.generation_config import warn_unapplied
 from gpu_worker.generation_result import generation_result, resumed_whole
 from gpu_worker.job import Job
 from gpu_worker.kv_cache import text_config
@@ -58,14 +59,7 @@ class GenerateRunner:
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.grammars = Grammars(self.tokenizer, self.vocab, sorted(self.eos_ids))  # structured output
         self.repetition_penalty = float(loaded.model.generation_config.repetition_penalty or 1.0)
-        if ignored := ignored_generation_settings(loaded.model.generation_config):
-            log.warning("the model's generation_config asks for what the engine does not apply: its output will "
-                        "differ from generate()'s with them", model=self.spec.name, settings=ignored)
-        if sampling := unapplied_sampling_defaults(loaded.model.generation_config):
-            log.warning("the model's generation_config samples by default; requests sample as their own parameters "
-                        "say (native: greedy unless `temperature` is given; OpenAI routes: temperature 1): give "
-                        "these per request to sample as the model's authors recommend", model=self.spec.name,
-                        settings=sampling)
+        warn_unapplied(self.spec.name, loaded.model.generation_config)
         # the longest sequence the model computes exactly (its context, a RoPE switch); None: none declared
         self.context = model_context(loaded.model)
         self.engine = GenerationEngine(loaded.model, max_rows=max_rows, max_seq_len=max_seq_len,
@@ -258,35 +252,3 @@ def model_context(model: Any) -> int | None:
     """The longest sequence (prompt and output) `model` computes exactly as `generate` does
     (`shared.model_context`)."""
     return exact_context(text_config(model).to_dict())
-
-
-# `generation_config` settings that change which token `generate` picks and that the engine does not apply (its
-# repetition_penalty, eos ids and, per request, sampling it does); "truthy" means set to more than nothing
-IGNORED_GENERATION_SETTINGS = ("no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens",
-                               "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
-                               "forced_eos_token_id", "sequence_bias", "exponential_decay_length_penalty",
-                               "encoder_repetition_penalty", "encoder_no_repeat_ngram_size", "typical_p", "min_p",
-                               "epsilon_cutoff", "eta_cutoff")
-
-
-SAMPLING_SETTINGS = ("temperature", "top_k", "top_p")
-
-
-def unapplied_sampling_defaults(config: Any) -> dict[str, Any]:
-    """A `generation_config` that samples by default (`do_sample`): that, and the sampling values its file sets.
-    Requests sample by their own parameters only (named at load, so the difference from `generate()` and from
-    servers that take these as defaults is not silent)."""
-    if not getattr(config, "do_sample", False):
-        return {}
-    given = config.to_diff_dict() if hasattr(config, "to_diff_dict") else {}
-    return {"do_sample": True, **{name: given[name] for name in SAMPLING_SETTINGS if name in given}}
-
-
-def ignored_generation_settings(config: Any) -> dict[str, Any]:
-    """What a model's `generation_config` sets that the engine does not apply (logged at load)."""
-    token_ids = ("forced_bos_token_id", "forced_eos_token_id")  # token 0 is a token
-    out = {name: value for name in IGNORED_GENERATION_SETTINGS if (value := getattr(config, name, None)) is not None
-           and (name in token_ids or value not in (0, 1.0, [], ()))}
-    if (getattr(config, "num_beams", None) or 1) > 1:
-        out["num_beams"] = config.num_beams
-    return out

@@ -8,7 +8,8 @@ import time
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from gpu_worker.generate_runner import GenerateRunner, ignored_generation_settings, unapplied_sampling_defaults
+from gpu_worker.generate_runner import GenerateRunner
+from gpu_worker.generation_config import ignored_generation_settings, unapplied_sampling_defaults
 from gpu_worker.models import LoadedModel, build_bpe_tokenizer
 from gpu_worker.outcomes import Outcome
 from shared.config import ModelSpec
