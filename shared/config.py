@@ -29,7 +29,6 @@ import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -457,10 +456,10 @@ class Settings:
         """A default signing secret that Standard Webhooks cannot read would fail every delivery it signs."""
         if not self.webhook_secret:
             return
-        from standardwebhooks.webhooks import Webhook
+        from shared.webhooks import sign_headers
 
         try:
-            Webhook(self.webhook_secret).sign("msg_check", datetime.now(tz=UTC), "")
+            sign_headers((self.webhook_secret,), "msg_check", "")
         except Exception as exc:
             raise ConfigError(f"{ENV_PREFIX}WEBHOOK_SECRET must be base64, optionally after `whsec_`, as Standard "
                               "Webhooks secrets are (e.g. `whsec_` and the base64 of 24 random bytes): this one does "

@@ -915,6 +915,3 @@ def model_entry(name: str, created: int = 0, max_model_len: int | None = None) -
         entry["max_model_len"] = max_model_len
     return entry
 
-
-def model_list(names: Sequence[str]) -> list[dict[str, Any]]:
-    return [model_entry(n) for n in names]

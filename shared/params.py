@@ -171,13 +171,14 @@ MAX_TEMPLATE_KWARGS = 32
 # what `apply_chat_template` takes as its own arguments, and what the template is rendered with already: a
 # template variable of one of these names cannot be set by a request
 RESERVED_TEMPLATE_NAMES = frozenset({
-    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs", "kwargs", "bos_token", "eos_token",
-    "unk_token", "pad_token", "sep_token", "cls_token", "mask_token", "additional_special_tokens",
+    "self", "messages", "conversation", "conversations", "tools", "documents", "sanitize_control_tokens",
+    "chat_template", "add_generation_prompt", "continue_final_message", "tokenize", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "processor_kwargs", "kwargs", "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+    "mask_token", "additional_special_tokens",
     # the template's own functions (transformers' and jinja2's globals)
     "raise_exception", "strftime_now", "namespace", "dict", "range", "lipsum", "cycler", "joiner"})
-TEMPLATE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+TEMPLATE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
 FunctionName = Annotated[str, Meta(pattern="^[a-zA-Z0-9_-]{1,64}$", description="OpenAI's function names")]
 
 
@@ -237,17 +238,17 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)] | UnsetType = UNSET
     tools: Annotated[list[ToolSpec], Meta(max_length=MAX_TOOLS)] | UnsetType = UNSET
     chat_template_kwargs: Annotated[dict[str, Any], Meta(max_length=MAX_TEMPLATE_KWARGS, extra_json_schema={
-        "propertyNames": {"pattern": TEMPLATE_NAME.pattern, "not": {"enum": sorted(RESERVED_TEMPLATE_NAMES)}}},
+        "propertyNames": {"pattern": f"^{TEMPLATE_NAME.pattern}$", "not": {"enum": sorted(RESERVED_TEMPLATE_NAMES)}}},
         description=(
         "variables the chat template is rendered with besides the conversation (vLLM's `chat_template_kwargs`), "
-        "e.g. {\"enable_thinking\": false} for Qwen3's"))] | UnsetType = UNSET
+        "e.g. {\"enable_thinking\": false} for Qwen3's; null: none"))] | UnsetType | None = UNSET
 
     def normalised(self, *, max_prompt_chars: int, max_input_tokens: int) -> dict[str, Any]:
         """The wire form, {"prompt"}, {"input_ids"} or {"messages"}, under a model's limits."""
         given = [name for name in ("prompt", "input_ids", "messages") if getattr(self, name) is not UNSET]
         if self.tools is not UNSET and given != ["messages"]:
             raise ValidationError("input.tools", "only with `messages` (the chat template renders them)")
-        if self.chat_template_kwargs is not UNSET and given != ["messages"]:
+        if self.chat_template_kwargs not in (UNSET, None) and given != ["messages"]:
             raise ValidationError("input.chat_template_kwargs", "only with `messages` (the chat template takes them)")
         if given == ["prompt"] and isinstance(self.prompt, str):
             if len(self.prompt) > max_prompt_chars:
@@ -276,7 +277,7 @@ def template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """A request's chat template variables, each named as a template variable can be and none that the rendering
     sets itself (the conversation, the special tokens, `apply_chat_template`'s own arguments)."""
     for name in kwargs:
-        if not TEMPLATE_NAME.match(name):
+        if not TEMPLATE_NAME.fullmatch(name):
             raise ValidationError("input.chat_template_kwargs", f"{name[:40]!r} is not a template variable name: a "
                                                                 "letter, then up to 63 letters, digits or '_'")
         if name in RESERVED_TEMPLATE_NAMES:

@@ -22,8 +22,10 @@ keeps the two in step); or an explicit `ModelSpec.tokenizer` path (say, shipped 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import re
 import threading
 from datetime import datetime
 from pathlib import Path
@@ -78,26 +80,56 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def load_chat_template(directory: Path, source: str | None = None) -> tuple[Any, dict[str, str]] | None:
-    """The compiled chat template in `directory` (or `source`, a built-in model's) and the special tokens it is
-    rendered with; None where there is none, or jinja2 is not installed."""
+JINJA2_LEAST = (3, 1, 6)  # transformers' floor too: older versions have known sandbox escapes
+
+
+def _template_sources(directory: Path, config: dict[str, Any]) -> dict[str, str]:
+    """A model directory's chat templates by name, where transformers reads them: `chat_template.jinja` (the
+    default) and `additional_chat_templates/*.jinja`, which take priority over `tokenizer_config.json`'s
+    `chat_template` (one template, or a list of named ones)."""
+    found: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        found["default"] = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    with contextlib.suppress(OSError):
+        for path in sorted((directory / "additional_chat_templates").glob("*.jinja")):
+            found[path.stem] = path.read_text(encoding="utf-8")
+    if found:
+        return found
+    raw = config.get("chat_template")
+    if isinstance(raw, str) and raw:
+        return {"default": raw}
+    if isinstance(raw, list):
+        return {t["name"]: t["template"] for t in raw
+                if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+    return {}
+
+
+def pick_template(templates: dict[str, Any], tools: list[dict[str, Any]] | None) -> Any:
+    """The template transformers' `get_chat_template` renders a conversation with: `tool_use` where the request
+    gives tools and the model has one, else `default`; None where neither is there."""
+    if tools is not None and "tool_use" in templates:
+        return templates["tool_use"]
+    return templates.get("default")
+
+
+def load_chat_template(directory: Path, source: str | None = None) -> tuple[dict[str, Any], dict[str, str]] | None:
+    """The compiled chat templates in `directory` by name (or `source`, a built-in model's, as `default`) and the
+    special tokens they are rendered with; None where there is none, or jinja2 is not installed or older than
+    transformers takes. A template that does not compile here is left out (its conversations counted by contents)."""
     try:
         config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         config = {}
     config = config if isinstance(config, dict) else {}
-    try:
-        source = source or (directory / "chat_template.jinja").read_text(encoding="utf-8")
-    except OSError:
-        source = config.get("chat_template")
-    if isinstance(source, list):  # named templates: the default one
-        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
-    if not isinstance(source, str) or not source:
+    sources = {"default": source} if source else _template_sources(directory, config)
+    if not sources:
         return None
     try:
         import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
+        return None
+    if tuple(int(p) for p in re.findall(r"\d+", jinja2.__version__)[:3]) < JINJA2_LEAST:
         return None
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_generation_tag(jinja2), jinja2.ext.loopcontrols])
@@ -108,14 +140,19 @@ def load_chat_template(directory: Path, source: str | None = None) -> tuple[Any,
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _namespace(jinja2)
     env.filters["tojson"] = _tojson  # transformers' own: not HTML-escaped, keys in their order
-    template = env.from_string(source)
+    templates = {}
+    for name, text in sources.items():
+        try:
+            templates[name] = env.from_string(text)
+        except jinja2.TemplateError as exc:
+            log.info("a chat template does not compile for the gateway", template=name, error=repr(exc))
     special = {}
     for name in SPECIAL_TOKENS:
         value = config.get(name)
         value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str):
             special[name] = value
-    return template, special
+    return templates, special
 
 
 class _TemplateDict:
@@ -241,11 +278,11 @@ class TokenLimits:
                 log.info("chat template not usable by the gateway", model=spec.name, error=repr(exc))
                 self._templates[spec.name] = None
         found = self._templates[spec.name]
-        if tok is not None and found is not None:
-            template, special = found
-            try:
-                text = template.render(**(template_kwargs or {}), messages=messages, tools=tools,
-                                       add_generation_prompt=True, **special)
+        template = None if found is None else pick_template(found[0], tools)
+        if tok is not None and found is not None and template is not None:
+            try:  # as transformers' `render_jinja_template` renders it (`documents` given, as None)
+                text = template.render(**(template_kwargs or {}), messages=messages, tools=tools, documents=None,
+                                       add_generation_prompt=True, **found[1])
             except TemplateRefusal:  # the template refuses this conversation: so will the worker's
                 raise
             except Exception:  # a template this sandbox cannot render: the worker's check stays

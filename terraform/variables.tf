@@ -122,8 +122,8 @@ variable "models_yaml" {
   type        = string
   default     = ""
   validation {
-    condition     = var.models_yaml == "" || can(yamldecode(var.models_yaml).models)
-    error_message = "models_yaml is YAML with a top-level models: list (README: Configuration)."
+    condition     = var.models_yaml == "" || can(keys(yamldecode(var.models_yaml)))
+    error_message = "models_yaml is YAML of a mapping, e.g. a top-level models: list (README: Configuration)."
   }
 }
 

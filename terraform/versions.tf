@@ -1,5 +1,5 @@
 terraform {
-  required_version = ">= 1.5"
+  required_version = ">= 1.9" # a variable's validation names another variable (worker_min <= worker_max)
   required_providers {
     aws = {
       source  = "hashicorp/aws"

@@ -80,6 +80,10 @@ def test_the_gateway_counts_and_the_worker_renders_with_the_requests_variables(m
     ({"messages": []}, "set by the rendering itself"),
     ({"bos_token": "x"}, "set by the rendering itself"),
     ({"raise_exception": 1}, "set by the rendering itself"),
+    ({"self": 1}, "set by the rendering itself"),
+    ({"conversations": 1}, "set by the rendering itself"),
+    ({"sanitize_control_tokens": True}, "set by the rendering itself"),
+    ({"messages\n": 1}, "is not a template variable name"),
     ({"_private": 1}, "is not a template variable name"),
     ({"has space": 1}, "is not a template variable name"),
 ])
@@ -120,3 +124,24 @@ def test_the_worker_checks_the_names_again(model_dir):
                            created_ms=now, deadline_ms=now + 60_000, est_tokens=20)
     with pytest.raises(ValidationError):
         runner.prepare(req, time.time())
+
+
+def test_every_argument_of_transformers_rendering_is_reserved():
+    """A request's variable named as an argument of `apply_chat_template` or of the jinja rendering under it would
+    change the tokens (or fail the worker) instead of reaching the template: each is refused. Fails when a
+    transformers release adds one."""
+    import inspect
+
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from shared.params import RESERVED_TEMPLATE_NAMES
+
+    arguments = set(inspect.signature(PreTrainedTokenizerFast.apply_chat_template).parameters) | set(
+        inspect.signature(render_jinja_template).parameters)
+    assert arguments <= RESERVED_TEMPLATE_NAMES, arguments - RESERVED_TEMPLATE_NAMES
+
+
+def test_null_is_none(model_dir):
+    req = build_request({"input": {"messages": CONVO, "chat_template_kwargs": None}}, spec_of(model_dir), "t",
+                        time.time())
+    assert "chat_template_kwargs" not in req.input

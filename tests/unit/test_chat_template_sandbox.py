@@ -37,7 +37,7 @@ TEMPLATES = {
 def ours(tmp_path: Path, source: str) -> jinja2.Template:
     found = load_chat_template(tmp_path, source)
     assert found is not None
-    return found[0]
+    return found[0]["default"]
 
 
 def theirs(source: str) -> jinja2.Template:
@@ -47,13 +47,24 @@ def theirs(source: str) -> jinja2.Template:
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
-def test_renders_as_transformers_renders(tmp_path, name):
+def test_renders_as_transformers_renders(tmp_path, name, monkeypatch):
+    import transformers.utils.chat_template_utils as theirs_module
+
+    import shared.token_limits as ours_module
+
+    class Frozen(datetime.datetime):  # one clock for both renders (they might straddle midnight)
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 11, 27, 12, 0, 0)
+
+    monkeypatch.setattr(theirs_module, "datetime", Frozen)
+    monkeypatch.setattr(ours_module, "datetime", Frozen)
     source = TEMPLATES[name]
     kw = {"messages": CONVO, "add_generation_prompt": True, "bos_token": "<s>"}
     expected = theirs(source).render(**kw)
     assert ours(tmp_path, source).render(**kw) == expected
     if name == "strftime_now":
-        assert datetime.date.today().strftime("%d %B %Y") in expected
+        assert "Today is 27 November 2026." in expected
 
 
 def test_a_template_that_refuses_a_conversation_refuses_it_here_too(tmp_path):
@@ -81,6 +92,37 @@ def test_the_template_is_read_from_tokenizer_config_as_transformers_reads_it(tmp
         "chat_template": TEMPLATES["strftime_now"], "bos_token": {"content": "<s>"}}))
     found = load_chat_template(tmp_path)
     assert found is not None
-    template, special = found
+    templates, special = found
     assert special == {"bos_token": "<s>"}
-    assert template.render(messages=CONVO[:1], add_generation_prompt=False, **special).startswith("<s>Today is ")
+    text = templates["default"].render(messages=CONVO[:1], add_generation_prompt=False, **special)
+    assert text.startswith("<s>Today is ")
+
+
+def test_named_templates_are_read_and_picked_as_transformers_picks_them(tmp_path):
+    """`chat_template.jinja` and `additional_chat_templates/*.jinja` (what `save_pretrained` writes), before
+    `tokenizer_config.json`'s; with tools the `tool_use` template where there is one, else the default."""
+    from transformers import PreTrainedTokenizerFast
+
+    from gpu_worker.models import build_bpe_tokenizer
+    from shared.token_limits import pick_template
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=build_bpe_tokenizer(), bos_token="<s>", eos_token="</s>")
+    tok.chat_template = {"default": "{% if tools %}{{ raise_exception('no tools here') }}{% endif %}plain",
+                         "tool_use": "tools: {{ tools | length }}"}
+    tok.save_pretrained(tmp_path)
+    assert (tmp_path / "additional_chat_templates" / "tool_use.jinja").is_file()
+    found = load_chat_template(tmp_path)
+    assert found is not None and set(found[0]) == {"default", "tool_use"}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for given in (None, tools):
+        worker = tok.apply_chat_template(CONVO, tools=given, add_generation_prompt=True, tokenize=False)
+        here = pick_template(found[0], given).render(messages=CONVO, tools=given, documents=None,
+                                                     add_generation_prompt=True, **found[1])
+        assert here == worker, given
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": "from the config"}]}))
+    assert load_chat_template(tmp_path)[0]["default"].render() == "plain"  # the files come first
+    for path in (tmp_path / "chat_template.jinja", tmp_path / "additional_chat_templates" / "tool_use.jinja"):
+        path.unlink()
+    assert load_chat_template(tmp_path)[0]["default"].render() == "from the config"
+    assert pick_template({"tool_use": "x"}, None) is None  # no default: transformers refuses; the gateway counts

@@ -379,7 +379,8 @@ def test_embedding_refusals():
 
 
 def test_model_entries():
-    assert oa.model_list(["a"]) == [{"id": "a", "object": "model", "created": 0, "owned_by": "batchgate"}]
+    assert oa.model_entry("a") == {"id": "a", "object": "model", "created": 0, "owned_by": "batchgate"}
+    assert oa.model_entry("a", max_model_len=2048)["max_model_len"] == 2048
 
 
 # ------------------------------------------------------------------------------------------- log probabilities

@@ -134,7 +134,7 @@ def test_the_built_in_chat_template_renders_tools_and_calls_as_the_gateway_count
 
     found = load_chat_template(tmp_path, SIMPLE_CHAT_TEMPLATE)
     assert found is not None
-    template, _ = found
+    template = found[0]["default"]
     tr = oa.translate_chat(chat(tools=[WEATHER], tool_choice="required"))
     text = template.render(**tr.body["input"], add_generation_prompt=True, bos_token="<s>")
     assert text.startswith('<s><|tools|>\n[{"type": "function", "function": {"name": "get_weather"')
