@@ -149,6 +149,24 @@ async def test_chat_completion_streamed_and_not(stack: RunningGateway, clients: 
     assert usage.choices == [] and usage.usage is not None and usage.usage.completion_tokens == 10
 
 
+async def test_chat_template_kwargs_reach_the_template_through_the_official_client(stack: RunningGateway,
+                                                                                   clients: Clients):
+    """vLLM's `chat_template_kwargs`, as its users send them (`extra_body`): served through the whole stack (the
+    built-in template reads no such variable, so the answer is the plain one); a name the rendering sets itself is
+    a 400 naming the field, before anything is queued."""
+    _, client = clients(stack)
+    messages: list[Any] = [{"role": "user", "content": "hello"}]
+    kw: dict[str, Any] = dict(model="tiny-llama", messages=messages, max_tokens=6, temperature=0)
+    plain = await client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
+    given = await client.chat.completions.create(**kw, extra_body={"ignore_eos": True, "chat_template_kwargs": {
+        "enable_thinking": False}})
+    assert given.choices[0].message.content == plain.choices[0].message.content
+    assert given.usage and plain.usage and given.usage.prompt_tokens == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"add_generation_prompt": 0}})
+    assert info.value.param == "chat_template_kwargs" and "set by the rendering itself" in info.value.message
+
+
 async def test_a_stop_string_cut_inside_the_first_token_streams_the_same_text(stack: RunningGateway, loaded_models,
                                                                             clients: Clients):
     _, client = clients(stack)
