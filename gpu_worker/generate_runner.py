@@ -149,7 +149,7 @@ class GenerateRunner:
                            self.repetition_penalty if params.repetition_penalty is None else params.repetition_penalty,
                            params.presence_penalty, params.frequency_penalty, tuple(params.logit_bias.items()),
                            params.logprobs, scored_prompt(params, len(prefix), len(job.inputs[0] + prefix),
-                                                          self.vocab)),
+                                                          self.vocab), params.min_p),
                        stop=tuple(params.stop), eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
                        owner=job, resumed=len(prefix), constraint=job.constraint)
 

@@ -2,9 +2,9 @@
 
 Applied (by `gpu_worker.generate_runner`): its EOS ids, and its `repetition_penalty` where a request sets none.
 Not applied, and named in a warning when the worker loads the model so that the difference from `generate()` is
-never silent: the settings below that change which token `generate` picks, and its sampling defaults (`do_sample`
-with `temperature`, `top_k`, `top_p`): a request samples as its own parameters say, as TGI does (vLLM takes them
-as defaults).
+never silent: the settings below that change which token `generate` picks, and its sampling defaults
+(`do_sample` with `temperature`, `top_k`, `top_p`, `min_p`): a request samples as its own parameters say, as TGI
+does (vLLM takes them as defaults).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ log = structlog.get_logger(__name__)
 IGNORED_GENERATION_SETTINGS = ("no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens",
                                "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
                                "forced_eos_token_id", "sequence_bias", "exponential_decay_length_penalty",
-                               "encoder_repetition_penalty", "encoder_no_repeat_ngram_size", "typical_p", "min_p",
+                               "encoder_repetition_penalty", "encoder_no_repeat_ngram_size", "typical_p",
                                "epsilon_cutoff", "eta_cutoff")
 
-SAMPLING_SETTINGS = ("temperature", "top_k", "top_p")
+SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "min_p")
 
 
 def unapplied_sampling_defaults(config: Any) -> dict[str, Any]:

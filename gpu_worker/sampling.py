@@ -1,4 +1,4 @@
-"""Next-token selection per row: greedy, or temperature / top-k / top-p sampling with a per-row seed."""
+"""Next-token selection per row: greedy, or temperature / top-k / top-p / min-p sampling with a per-row seed."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
         drop[0] = False
         scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
     probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    if params.min_p > 0.0:  # vLLM's: relative to the likeliest token, on the tempered distribution
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     if not bool(probs.sum() > 0):  # nothing left to sample from (all masked): the most likely token
         return torch.argmax(logits)
     return torch.multinomial(probs, 1, generator=generator)[0]

@@ -31,6 +31,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
     logprobs: int | None = None  # each token's log probability and this many likeliest alternatives; None: none
     prompt_logprobs: int | None = None  # the same for each prompt token (the first: None); None: none
+    min_p: float = 0.0  # tokens less likely than this fraction of the likeliest are dropped (after temperature)
 
     @property
     def greedy(self) -> bool:

@@ -63,6 +63,9 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     temperature: Annotated[float, Meta(ge=0.0, le=10.0, description="0: greedy")] = 0.0
     top_p: Annotated[float, Meta(ge=MIN_TOP_P, le=1.0)] = 1.0
     top_k: Annotated[int, Meta(ge=0, le=1_000_000, description="0: off")] | None = 0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0, description=(
+        "drop the tokens less likely than this fraction of the likeliest one, after temperature (vLLM's min_p); "
+        "0: off"))] = 0.0
     seed: Annotated[int, Meta(ge=0, le=MAX_SEED)] | None = None
     stop: Annotated[tuple[StopString, ...], Meta(max_length=MAX_STOP_STRINGS)] | StopString = ()
     ignore_eos: bool = False
@@ -120,6 +123,8 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("logprobs", "prompt_logprobs", "echo", "response_format"):
             if out[name] is None or out[name] is False:  # left out as the penalties are (0 is a count: kept)
                 del out[name]
+        if not out["min_p"]:  # off: left out, so a worker that predates it reads the request as before
+            del out["min_p"]
         if self.response_format is not None:
             out["response_format"] = msgspec.to_builtins(self.response_format)
         return out
