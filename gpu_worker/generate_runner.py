@@ -93,9 +93,9 @@ class GenerateRunner:
 
     def prepare(self, req: InferenceRequest, now: float) -> Job | Outcome:
         params = GenerateParams(**{**req.params, "stop": tuple(req.params.get("stop", ()))})
-        if params.bias_beyond(self.vocab) is not None:
+        if params.bias_beyond(self.vocab) is not None or params.stop_beyond(self.vocab) is not None:
             return failed_outcome(req, self.worker, now, "invalid_input",
-                                  f"logit_bias: token ids must be below the vocabulary size {self.vocab}")
+                                  f"logit_bias, stop_token_ids: token ids must be below the vocabulary {self.vocab}")
         if "input_ids" in req.input:
             ids = list(req.input["input_ids"])
             if any(i >= self.vocab for i in ids):
@@ -151,6 +151,7 @@ class GenerateRunner:
                            params.logprobs, scored_prompt(params, len(prefix), len(job.inputs[0] + prefix),
                                                           self.vocab), params.min_p),
                        stop=tuple(params.stop), eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
+                       stop_ids=frozenset(params.stop_token_ids),
                        owner=job, resumed=len(prefix), constraint=job.constraint)
 
     def start(self, batch: list[Job], now: float) -> list[Outcome]:

@@ -55,6 +55,7 @@ class GenSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     eos_ids: frozenset[int] = frozenset()
+    stop_ids: frozenset[int] = frozenset()  # the request's own stop tokens (finish_reason stop, kept in the output)
     owner: Any = None  # the caller's object for this sequence (the worker's Job), handed back in the result
     # the last `resumed` of `prompt_ids` are output already (a streamed request run again continues after what
     # its caller was sent): output for the presence and frequency penalties
@@ -162,6 +163,8 @@ def finish_reason(row: Row, decode_tail: Callable[[list[int]], str] | None) -> F
     spec = row.spec
     if row.tokens[-1] in spec.eos_ids:
         return FinishReason.EOS
+    if row.tokens[-1] in spec.stop_ids:
+        return FinishReason.STOP
     if spec.constraint is not None and spec.constraint.done:  # its grammar takes no more tokens: complete
         return FinishReason.ERROR if spec.constraint.failed else FinishReason.STOP
     if spec.stop and decode_tail is not None:

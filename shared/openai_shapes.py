@@ -183,6 +183,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     priority: Priority | None = None
     top_k: int | None = None
     min_p: float | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     repetition_penalty: float | None = None
     # structured output: OpenAI's response_format (completions too, as vLLM takes it), vLLM's guided decoding
@@ -363,7 +364,7 @@ def _params(req: _Sampling, max_tokens: int | None, fmt: dict[str, Any] | None) 
     params: dict[str, Any] = {"temperature": DEFAULT_TEMPERATURE if req.temperature is None else req.temperature}
     if max_tokens is not None:
         params["max_new_tokens"] = max_tokens
-    for name in ("top_p", "seed", "top_k", "min_p", "ignore_eos", "repetition_penalty"):
+    for name in ("top_p", "seed", "top_k", "min_p", "ignore_eos", "repetition_penalty", "stop_token_ids"):
         if getattr(req, name) is not None:
             params[name] = getattr(req, name)
     for name in ("presence_penalty", "frequency_penalty", "logit_bias"):

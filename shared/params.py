@@ -23,6 +23,7 @@ from shared.structured_output import ResponseFormat, checked, from_wire
 from shared.validation import convert
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_LENGTH = 64
 MAX_SEED = 2**63 - 1
 MIN_TOP_P = 1e-6  # the smallest nucleus: the likeliest token alone
@@ -41,7 +42,7 @@ NonEmptyStr = Annotated[str, Meta(min_length=1)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LENGTH)]
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 # lists of short values: an error on one item is reported at the list ("params.stop: item 0: ...")
-ITEM_LISTS = ("params.stop", "input.input_ids")
+ITEM_LISTS = ("params.stop", "params.stop_token_ids", "input.input_ids")
 
 
 def finite_number(value: Any) -> float | None:
@@ -69,6 +70,9 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: Annotated[int, Meta(ge=0, le=MAX_SEED)] | None = None
     stop: Annotated[tuple[StopString, ...], Meta(max_length=MAX_STOP_STRINGS)] | StopString = ()
     ignore_eos: bool = False
+    stop_token_ids: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_STOP_TOKEN_IDS, description=(
+        "tokens that end the output where one is drawn, finish_reason stop, the token kept in the output "
+        "(vLLM's stop_token_ids); ignore_eos leaves them in force"))] = ()
     presence_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
         "subtracted from the logit of every token the output holds so far (OpenAI's presence_penalty)"))] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
@@ -100,6 +104,8 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                           else tuple(self.stop))
         if self.top_k is None:
             msgspec.structs.force_setattr(self, "top_k", 0)
+        if not isinstance(self.stop_token_ids, tuple):  # a list from the wire dict
+            msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
         if any(isinstance(k, str) for k in self.logit_bias):  # the wire's JSON spells the ids as strings
             msgspec.structs.force_setattr(self, "logit_bias", {int(k): v for k, v in self.logit_bias.items()})
         if isinstance(self.response_format, dict):  # the wire's dict
@@ -109,6 +115,10 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """The smallest `logit_bias` token id that is not in a vocabulary of `vocab` tokens (None: all are, or the
         size is unknown)."""
         return min((t for t in self.logit_bias if t >= vocab), default=None) if vocab is not None else None
+
+    def stop_beyond(self, vocab: int | None) -> int | None:
+        """The first `stop_token_ids` id that is not in a vocabulary of `vocab` tokens (None: all are, or unknown)."""
+        return next((t for t in self.stop_token_ids if t >= vocab), None) if vocab is not None else None
 
     @property
     def greedy(self) -> bool:
@@ -123,8 +133,11 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("logprobs", "prompt_logprobs", "echo", "response_format"):
             if out[name] is None or out[name] is False:  # left out as the penalties are (0 is a count: kept)
                 del out[name]
-        if not out["min_p"]:  # off: left out, so a worker that predates it reads the request as before
-            del out["min_p"]
+        for name in ("min_p", "stop_token_ids"):  # off: left out, so a worker that predates them reads it as before
+            if not out[name]:
+                del out[name]
+        if "stop_token_ids" in out:
+            out["stop_token_ids"] = list(self.stop_token_ids)
         if self.response_format is not None:
             out["response_format"] = msgspec.to_builtins(self.response_format)
         return out
