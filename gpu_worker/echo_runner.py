@@ -106,9 +106,9 @@ class EchoRunner:
     def prepare(self, req: InferenceRequest, now: float) -> Job | Outcome:
         params = GenerateParams(**{**req.params, "stop": tuple(req.params.get("stop", ()))})
         vocab = self.spec.vocab_size
-        if params.bias_beyond(vocab) is not None:  # as a model's runner refuses it
+        if (outside := params.outside_vocabulary(vocab)) is not None:  # as a model's runner refuses it
             return failed_outcome(req, self.worker, now, "invalid_input",
-                                  f"logit_bias: token ids must be below the vocabulary size {vocab}")
+                                  f"{outside[0]}: token ids must be below the vocabulary size {vocab}")
         if params.response_format is not None:  # its output is its prompt: nothing it could be held to
             return failed_outcome(req, self.worker, now, "invalid_input",
                                   f"response_format: model {self.spec.name} echoes its prompt; it cannot follow a "
@@ -206,7 +206,10 @@ class EchoRunner:
         return out
 
     def _finished(self, row: _Row) -> FinishReason | None:
-        stops = row.job.params.stop if isinstance(row.job.params, GenerateParams) else ()
+        params = row.job.params if isinstance(row.job.params, GenerateParams) else None
+        if params is not None and row.tokens and row.tokens[-1] in params.stop_token_ids:  # before stop strings
+            return FinishReason.STOP
+        stops = params.stop if params is not None else ()
         if stops:
             # a stop string of n characters spans at most 4n bytes; 3 more for a character cut at the front
             tail = decode_tokens(row.tokens[-(4 * max(len(s) for s in stops) + 3):])

@@ -93,9 +93,9 @@ class GenerateRunner:
 
     def prepare(self, req: InferenceRequest, now: float) -> Job | Outcome:
         params = GenerateParams(**{**req.params, "stop": tuple(req.params.get("stop", ()))})
-        if params.bias_beyond(self.vocab) is not None or params.stop_beyond(self.vocab) is not None:
+        if (outside := params.outside_vocabulary(self.vocab)) is not None:
             return failed_outcome(req, self.worker, now, "invalid_input",
-                                  f"logit_bias, stop_token_ids: token ids must be below the vocabulary {self.vocab}")
+                                  f"{outside[0]}: token ids must be below the vocabulary size {self.vocab}")
         if "input_ids" in req.input:
             ids = list(req.input["input_ids"])
             if any(i >= self.vocab for i in ids):

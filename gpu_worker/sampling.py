@@ -23,6 +23,9 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """One draw from a 1-D logits vector; returns a 0-d long tensor (no host sync)."""
     scores = logits.float() / params.temperature
+    if params.min_p > 0.0:  # vLLM's: relative to the likeliest token, on the tempered distribution, before top-k/p
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k > 0 and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -34,8 +37,6 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
         drop[0] = False
         scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
     probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
-    if params.min_p > 0.0:  # vLLM's: relative to the likeliest token, on the tempered distribution
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     if not bool(probs.sum() > 0):  # nothing left to sample from (all masked): the most likely token
         return torch.argmax(logits)
     return torch.multinomial(probs, 1, generator=generator)[0]

@@ -161,12 +161,14 @@ def finish_reason(row: Row, decode_tail: Callable[[list[int]], str] | None) -> F
     """Why `row` is done after its latest token (None: not done): EOS, its structured output complete, a stop
     string in the decoded tail, or its length."""
     spec = row.spec
+    if spec.constraint is not None and spec.constraint.failed:  # drawn unmasked: never a complete answer
+        return FinishReason.ERROR
     if row.tokens[-1] in spec.eos_ids:
         return FinishReason.EOS
-    if row.tokens[-1] in spec.stop_ids:
+    if row.tokens[-1] in spec.stop_ids:  # before stop strings, as vLLM checks them
         return FinishReason.STOP
     if spec.constraint is not None and spec.constraint.done:  # its grammar takes no more tokens: complete
-        return FinishReason.ERROR if spec.constraint.failed else FinishReason.STOP
+        return FinishReason.STOP
     if spec.stop and decode_tail is not None:
         tail = decode_tail(row.tokens[-spec.stop_tail:])
         if any(s in tail for s in spec.stop):

@@ -71,8 +71,8 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stop: Annotated[tuple[StopString, ...], Meta(max_length=MAX_STOP_STRINGS)] | StopString = ()
     ignore_eos: bool = False
     stop_token_ids: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_STOP_TOKEN_IDS, description=(
-        "tokens that end the output where one is drawn, finish_reason stop, the token kept in the output "
-        "(vLLM's stop_token_ids); ignore_eos leaves them in force"))] = ()
+        "tokens that end the output where one is drawn, finish_reason stop, its id kept in token_ids and its text "
+        "not (vLLM's stop_token_ids); ignore_eos leaves them in force"))] = ()
     presence_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
         "subtracted from the logit of every token the output holds so far (OpenAI's presence_penalty)"))] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
@@ -119,6 +119,14 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def stop_beyond(self, vocab: int | None) -> int | None:
         """The first `stop_token_ids` id that is not in a vocabulary of `vocab` tokens (None: all are, or unknown)."""
         return next((t for t in self.stop_token_ids if t >= vocab), None) if vocab is not None else None
+
+    def outside_vocabulary(self, vocab: int | None) -> tuple[str, int] | None:
+        """(field, token id) of the first of `logit_bias` and `stop_token_ids` to name a token outside a vocabulary of
+        `vocab` tokens; None: none does, or the size is unknown."""
+        for field, bad in (("logit_bias", self.bias_beyond(vocab)), ("stop_token_ids", self.stop_beyond(vocab))):
+            if bad is not None:
+                return field, bad
+        return None
 
     @property
     def greedy(self) -> bool:

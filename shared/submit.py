@@ -153,12 +153,10 @@ def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, t
 
 def check_bias(params: GenerateParams, vocab: int | None) -> None:
     """`logit_bias` and `stop_token_ids` name tokens of the model's vocabulary (where the gateway knows its size)."""
-    if (bad := params.bias_beyond(vocab)) is not None:
-        raise ValidationError("params.logit_bias", f"{bad} is not a token of this model (its vocabulary has "
-                                                   f"{vocab} tokens: ids 0-{vocab - 1})")
-    if (bad := params.stop_beyond(vocab)) is not None:
-        raise ValidationError("params.stop_token_ids", f"{bad} is not a token of this model (its vocabulary has "
-                                                       f"{vocab} tokens: ids 0-{vocab - 1})")
+    if (outside := params.outside_vocabulary(vocab)) is not None:
+        field, bad = outside
+        raise ValidationError(f"params.{field}", f"{bad} is not a token of this model (its vocabulary has {vocab} "
+                                                 f"tokens: ids 0-{vocab - 1})")
 
 
 def within_context(params: GenerateParams, given: bool, prompt_tokens: int | None, where: str,

@@ -32,11 +32,14 @@ def test_tokens_below_the_fraction_of_the_likeliest_are_never_drawn():
     assert draws(logits, SamplingParams(temperature=3.0, min_p=0.6)) == {0, 1, 2, 3}  # p^(1/3): 0.44 of the top
 
 
-def test_min_p_with_top_k_and_top_p_keeps_what_all_of_them_keep():
+def test_min_p_goes_before_top_k_and_top_p():
     logits = torch.tensor([0.40, 0.30, 0.15, 0.10, 0.05]).log()
     assert draws(logits, SamplingParams(temperature=1.0, top_k=2, min_p=0.1)) == {0, 1}
     assert draws(logits, SamplingParams(temperature=1.0, top_p=0.9)) == {0, 1, 2, 3}
     assert draws(logits, SamplingParams(temperature=1.0, top_p=0.9, min_p=0.3)) == {0, 1, 2}
+    # min_p first, then top-p over what it kept (vLLM's order since its V1 engine): 0.4, 0.3 and 0.15 renormalised
+    # reach 0.8 at the second token; top-p first would keep the third
+    assert draws(logits, SamplingParams(temperature=1.0, top_p=0.8, min_p=0.3)) == {0, 1}
 
 
 def test_the_native_and_openai_routes_take_it():

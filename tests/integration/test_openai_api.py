@@ -149,11 +149,11 @@ async def test_chat_completion_streamed_and_not(stack: RunningGateway, clients: 
     assert usage.choices == [] and usage.usage is not None and usage.usage.completion_tokens == 10
 
 
-async def test_chat_template_kwargs_reach_the_template_through_the_official_client(stack: RunningGateway,
-                                                                                   clients: Clients):
-    """vLLM's `chat_template_kwargs`, as its users send them (`extra_body`): served through the whole stack (the
-    built-in template reads no such variable, so the answer is the plain one); a name the rendering sets itself is
-    a 400 naming the field, before anything is queued."""
+async def test_chat_template_kwargs_are_taken_from_the_official_client(stack: RunningGateway, clients: Clients):
+    """vLLM's `chat_template_kwargs`, as its users send them (`extra_body`): accepted and served through the whole
+    stack (the built-in template reads no such variable, so the answer is the plain one; that they reach a template
+    that reads them is `test_chat_template_kwargs.py`'s); a name the rendering sets itself is a 400 naming the
+    field."""
     _, client = clients(stack)
     messages: list[Any] = [{"role": "user", "content": "hello"}]
     kw: dict[str, Any] = dict(model="tiny-llama", messages=messages, max_tokens=6, temperature=0)

@@ -82,3 +82,24 @@ def test_the_openai_routes_pass_them():
     tr = oa.translate_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [7]})
     assert tr.body["params"]["stop_token_ids"] == [7]
     assert "stop_token_ids" not in oa.translate_completion({"model": "m", "prompt": "hi"}).body["params"]
+
+
+def test_a_failed_format_is_an_error_even_where_the_unmasked_token_would_end_the_row():
+    """A row whose grammar failed drew its token unmasked: never a complete answer, whether that token is an EOS,
+    a stop token or anything else."""
+    from types import SimpleNamespace
+
+    from gpu_worker.sequences import GenSpec, Row, finish_reason
+    from shared.states import FinishReason
+
+    def row(failed: str | None, token: int) -> Row:
+        spec = GenSpec(id="r", prompt_ids=(1,), max_new_tokens=8, eos_ids=frozenset({2}), stop_ids=frozenset({3}),
+                       constraint=SimpleNamespace(failed=failed, done=failed is not None))
+        return Row(spec=spec, start=0, tokens=[5, token], generator=None, admitted_at=0.0, prefill_s=0.0,
+                   first_token_at=0.0)
+
+    for token in (2, 3, 9):
+        assert finish_reason(row("grammar error", token), None) is FinishReason.ERROR
+    assert finish_reason(row(None, 2), None) is FinishReason.EOS
+    assert finish_reason(row(None, 3), None) is FinishReason.STOP
+    assert finish_reason(row(None, 9), None) is None

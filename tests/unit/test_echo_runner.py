@@ -228,3 +228,24 @@ def test_log_probabilities_of_the_echo_model_are_certain():
     (out,) = run_to_end(runner, [job(runner, plain)]).values()
     assert out.result.output["prompt_text"] == "abc" and "prompt_logprobs" not in out.result.output
     assert "logprobs" not in out.result.output
+
+
+def test_stop_token_ids_end_a_row_before_stop_strings_id_kept_text_not():
+    """As a model's runner: a stop token is checked before the stop strings; its id stays in the output, its text
+    does not (as a stream sends it); an id past the vocabulary is refused."""
+    runner = EchoRunner(SPEC, "w", max_rows=4)
+    req = request(prompt="abcdef", max_new_tokens=10, stop=("bc",))
+    both = dataclasses.replace(req, params={**req.params, "stop_token_ids": [ord("c")]})
+    out = run_to_end(runner, [job(runner, both)])["r1"].result
+    assert out.finish_reason == FinishReason.STOP
+    assert (out.output["token_ids"], out.output["text"]) == ([97, 98, 99], "ab")
+    strings = run_to_end(runner, [job(runner, req)])["r1"].result  # the stop string alone: cut before it
+    assert (strings.output["token_ids"], strings.output["text"]) == ([97], "a")
+    plain = request(prompt="abcdef", max_new_tokens=10)
+    never = dataclasses.replace(plain, params={**plain.params, "stop_token_ids": [ord("z")]})
+    assert run_to_end(runner, [job(runner, never)])["r1"].result.finish_reason == FinishReason.LENGTH
+    vocab = dataclasses.replace(SPEC, vocab_size=256)
+    past = dataclasses.replace(plain, params={**plain.params, "stop_token_ids": [300]})
+    refused = EchoRunner(vocab, "w", max_rows=4).prepare(past, time.time())
+    assert isinstance(refused, Outcome) and refused.result.error is not None
+    assert refused.result.error.code == "invalid_input" and "stop_token_ids" in refused.result.error.message
