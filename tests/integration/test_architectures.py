@@ -44,15 +44,35 @@ UNFUSED = {"gemma2", "falcon"}
 CHUNK = 7
 
 
+# A config the sizes below do not shrink (a multimodal wrapper whose text model sits in a sub-config) builds at full
+# size: Qwen3.5's 9.0B, Emu3's 8.5B, Gemma 4's 5.1B parameters. Built on the meta device first (no memory), such a
+# model is out of scope before a byte is allocated; built for real, it took the machine's memory (a CI run was
+# killed by the kernel, 24 GB in) before the per-architecture alarm could stop it.
+TINY_MAX_PARAMS = 1_000_000_000
+
+
+class NotTiny(Exception):
+    pass
+
+
 def tiny(arch: str) -> torch.nn.Module:
     """A seeded tiny model of `arch`: only the sizes its config knows are set (a size it does not use, such as
-    a window, would change what `generate`'s own cache keeps)."""
+    a window, would change what `generate`'s own cache keeps). `NotTiny` where these sizes leave it large."""
     defaults = AutoConfig.for_model(arch)
     sizes = {k: v for k, v in SIZES.items() if hasattr(defaults, k) or k in ("vocab_size", "hidden_size")}
     if isinstance(type(defaults).__dict__.get("head_dim"), property):
         sizes.pop("head_dim", None)
     cfg = AutoConfig.for_model(arch, **sizes, **EXTRA.get(arch, {}), eos_token_id=None, bos_token_id=None,
                                pad_token_id=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with torch.device("meta"):
+                params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+        except Exception:  # a model that cannot be built without memory: its own build below says what it is
+            params = 0
+    if params > TINY_MAX_PARAMS:
+        raise NotTiny(f"{params / 1e9:.1f}B parameters at these sizes")
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
