@@ -24,6 +24,7 @@ from gateway.parsing import parse_body, parse_idempotency_key
 from gateway.service import GatewayService
 from shared import openai_shapes as oa
 from shared import operations as ops
+from shared.config import ModelSpec
 from shared.events import ServerEvent, follow
 from shared.idempotency_keys import derived_key
 from shared.records import StoredRecord
@@ -338,20 +339,19 @@ async def embeddings(svc: GatewayService, req: ApiRequest) -> ApiResponse:
 
 async def retrieve_model(svc: GatewayService, req: ApiRequest, model: str) -> ApiResponse:
     async def work() -> ApiResponse:
-        if svc.settings.model(model) is None:
+        spec = svc.settings.model(model)
+        if spec is None:
             raise oa.OpenAIError(404, f"the model {model!r} does not exist", code="model_not_found", param="model")
-        return ApiResponse(200, _entry(svc, model))
+        return ApiResponse(200, _entry(svc, spec))
 
     return await _answer(work)
 
 
-def _entry(svc: GatewayService, name: str) -> dict[str, Any]:
+def _entry(svc: GatewayService, spec: ModelSpec) -> dict[str, Any]:
     """A model as OpenAI lists it, with vLLM's `max_model_len` where the model's context is known here."""
-    spec = svc.settings.model(name)
-    context = ops.effective_limits(svc, spec).get("context_length") if spec is not None else None
-    return oa.model_entry(name, max_model_len=context)
+    return oa.model_entry(spec.name, max_model_len=ops.effective_limits(svc, spec).get("context_length"))
 
 
 def list_data(svc: GatewayService) -> list[dict[str, Any]]:
     """`data` of `GET /v1/models` in OpenAI's shape (`handlers.list_models` adds it to its answer)."""
-    return [_entry(svc, spec.name) for spec in svc.settings.models]
+    return [_entry(svc, spec) for spec in svc.settings.models]

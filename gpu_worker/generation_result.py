@@ -29,14 +29,13 @@ def generation_result(job: Job, r: GenResult, now: float, *, worker: str, decode
     token = token or plain(decode)
     token_ids = job.stream.output(r.token_ids) if job.stream is not None else r.token_ids
     prompt_tokens = r.prompt_tokens - (job.stream.base if job.stream is not None else 0)
-    stop = job.params.stop if isinstance(job.params, GenerateParams) else ()
-    stop_ids = job.params.stop_token_ids if isinstance(job.params, GenerateParams) else ()
-    if r.finish_reason is FinishReason.STOP and token_ids and token_ids[-1] in stop_ids:
+    params = job.params if isinstance(job.params, GenerateParams) else GenerateParams()
+    if r.finish_reason is FinishReason.STOP and token_ids and token_ids[-1] in params.stop_token_ids:
         # a stop token ends it (checked before stop strings): its id kept, its text not, as vLLM's, and as a stream
         # sends it (the row leaves before its last token is released)
         text = decode(token_ids[:-1])
     elif r.finish_reason is FinishReason.STOP:  # text and tokens both end before the stop string
-        text, token_ids = cut_at_stop(token_ids, stop, decode)
+        text, token_ids = cut_at_stop(token_ids, params.stop, decode)
     else:
         text = decode(token_ids)
     output = {"text": text, "token_ids": token_ids, "prompt_tokens": prompt_tokens,
