@@ -14,10 +14,14 @@ PIP_QUIET ?=
 test test-cluster test-fast lint: PIP_QUIET = -q
 
 # The fast tier: the unit tests and the in-memory half of the contract tests (the real-Redis half is
-# marked `redis`). BATCHGATE_FAST_TIER=1 makes the session fail if anything imported torch
-# (tests/torch_guard.py); the unreachable test Redis makes any use of the real one fail loudly. Two
-# processes (pytest-xdist): half its wall time is tests waiting on subprocesses and timers.
+# marked `redis`; the tests that start Python processes, marked `spawns`, run in `make test`).
+# BATCHGATE_FAST_TIER=1 makes the session fail if anything imported torch (tests/torch_guard.py); the
+# unreachable test Redis makes any use of the real one fail loudly. Two processes (pytest-xdist): a third
+# of its wall time is tests waiting on timers. The fuzzing plugins (schemathesis, hypothesis's reporting,
+# anyio's) serve tests/integration alone, yet cost every test of the tier: a quarter of its time
+# (hypothesis's own `@given` runs without its plugin).
 FAST_TIERS := tests/unit $(wildcard tests/contract)
+FAST_PLUGINS_OFF := -p no:schemathesis -p no:hypothesispytest -p no:anyio
 
 .PHONY: setup up test test-cluster test-fast lint bench clean
 
@@ -49,7 +53,7 @@ test-cluster: setup
 
 test-fast: setup
 	BATCHGATE_FAST_TIER=1 BATCHGATE_TEST_REDIS_URL=redis://127.0.0.1:1/0 \
-		$(BIN)/python -m pytest -q -n 2 -m "not redis" $(FAST_TIERS)
+		$(BIN)/python -m pytest -q -n 2 $(FAST_PLUGINS_OFF) -m "not redis and not spawns" $(FAST_TIERS)
 
 lint: setup
 	$(BIN)/ruff check .

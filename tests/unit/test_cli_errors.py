@@ -50,6 +50,7 @@ def test_the_dispatcher_answers_help_and_refuses_unknown_arguments_without_start
     assert exc.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
+@pytest.mark.spawns
 def test_python_m_gateway_dispatcher_help_exits_at_once():
     env = {**os.environ, "BATCHGATE_REDIS_URL": "redis://127.0.0.1:1/0", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "gateway.dispatcher", "--help"], env=env, cwd=ROOT,
@@ -188,6 +189,7 @@ def test_up_refuses_a_server_that_is_not_redis(not_redis):
 
 # --- a stale up.json -------------------------------------------------------------------------------
 
+@pytest.mark.spawns
 def test_a_stale_state_file_is_named_with_the_redis_used_instead(tmp_path, monkeypatch, capsys):
     from batchgate.state import read_state, write_state
 

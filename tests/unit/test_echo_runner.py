@@ -160,12 +160,14 @@ def test_streamed_deltas_add_up_to_the_result_and_a_rerun_continues_after_them()
     assert done["r1"].result.output["text"] == "hellohe"
 
 
+@pytest.mark.spawns
 def test_the_echo_runner_and_its_worker_import_no_torch():
     code = ("import sys, gpu_worker.echo_runner, gpu_worker.assembly, gpu_worker.worker; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+@pytest.mark.usefixtures("heap_calls")  # the start-up heap freeze is recorded, not run (conftest)
 async def test_a_worker_serves_an_echo_model_through_its_usual_path():
     """Intake, the scheduler's lanes, mark-running and the publisher, on the in-memory queue."""
     keys = Keys("unit")

@@ -73,6 +73,7 @@ def test_openapi_schemas_come_from_the_types():
         assert ref.rsplit("/", 1)[1] in schemas, ref  # every reference resolves
 
 
+@pytest.mark.spawns
 def test_sdk_direct_mode_imports_no_server_code():
     code = ("import sys, shared.sdk.direct; print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'gateway', 'gpu_worker', 'starlette', 'uvicorn', 'torch'}))")

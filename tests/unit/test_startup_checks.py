@@ -94,6 +94,7 @@ def _run(argv: list[str], **env: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=60)
 
 
+@pytest.mark.spawns
 def test_the_command_exits_2_without_a_traceback(busy_port):
     """As a user runs it: the gateway's port and the worker's metrics port in use (an echo model: no torch)."""
     done = _run(["gateway", "--host", "127.0.0.1", "--port", str(busy_port)])

@@ -23,6 +23,7 @@ def _proc(code: str) -> subprocess.Popen[bytes]:
     return p
 
 
+@pytest.mark.spawns
 def test_parts_stop_in_order_and_cleanly(tmp_path: Path):
     order = tmp_path / "order"
     code = ("import signal, sys, time\n"
@@ -38,6 +39,7 @@ def test_parts_stop_in_order_and_cleanly(tmp_path: Path):
     assert order.read_text().split() == ["gateway", "worker", "callbacks"]
 
 
+@pytest.mark.spawns
 def test_the_gateway_gets_its_shutdown_grace_to_stop(monkeypatch):
     """A gateway finishing its waiters within BATCHGATE_SHUTDOWN_GRACE_S is not killed for it (up gave every part
     but the worker a fixed 10 s, so a grace of 30 s was cut at 10)."""
@@ -52,6 +54,7 @@ def test_the_gateway_gets_its_shutdown_grace_to_stop(monkeypatch):
     assert Stack({"gateway": _proc(slow)}).stop(drain_budget_s=5.0, shutdown_grace_s=0.5) is False  # killed
 
 
+@pytest.mark.spawns
 def test_a_second_signal_while_stopping_kills_at_once_and_the_stop_is_not_clean():
     stack = Stack({"worker": _proc(STUBBORN)})
     stack.signals = 1  # the first Ctrl+C, which started the stop
@@ -173,6 +176,7 @@ def _exited(code: str) -> subprocess.Popen[bytes]:
     return p
 
 
+@pytest.mark.spawns
 def test_a_part_that_ends_is_named_with_its_exit_status_or_signal(capsys):
     from batchgate.supervisor import ended
 
@@ -191,6 +195,7 @@ def test_a_part_that_ends_is_named_with_its_exit_status_or_signal(capsys):
     assert err == ["batchgate up: the worker was killed by SIGKILL; stopping the stack"], err
 
 
+@pytest.mark.spawns
 def test_the_embedded_redis_ending_stops_the_stack_like_any_part(capsys):
     """kill -9 of the embedded redis-server: `up` stops the stack (it used to run on, every submit a 503)."""
     from shared.config import Settings
@@ -219,6 +224,7 @@ def _run_with_embedded(monkeypatch, tmp_path: Path, embedded: FakeEmbedded, stac
     return supervisor.run_stack(Settings(port=1), {"BATCHGATE_STATE_DIR": str(tmp_path)})
 
 
+@pytest.mark.spawns
 def test_up_exits_1_naming_the_embedded_redis_when_it_dies_while_running(monkeypatch, tmp_path: Path, capsys):
     embedded = FakeEmbedded()
     running = _proc(SLEEPER)
@@ -292,6 +298,7 @@ def test_stopping_with_the_embedded_redis_says_how_many_accepted_requests_it_dis
         assert says in line and "with the embedded Redis" in line and "REDIS_URL" in line, line
 
 
+@pytest.mark.spawns
 def test_a_gateway_that_cannot_bind_its_port_is_named_with_why(monkeypatch, tmp_path: Path, capsys):
     """Not only `the stack did not become ready`: which part, how it ended, and that its port is taken."""
     import socket

@@ -29,6 +29,7 @@ from tests.fakes import FakeEngines, ManualClock, fake_engines_factory, make_req
 
 KEYS = Keys("unit")
 STREAM = KEYS.lane_stream("m", "short")
+pytestmark = pytest.mark.usefixtures("heap_calls")  # the start-up heap freeze is recorded, not run (conftest)
 DEAD = KEYS.dead_letter("m")
 SPEC = dataclasses.replace(BUILTIN_MODELS["tiny-llama"], name="m", source="fake")
 
@@ -78,9 +79,30 @@ def state(q: MemoryQueue, rid: str) -> Status | None:
     return rec.state if rec else None
 
 
+@pytest.mark.spawns
 def test_the_worker_and_these_tests_import_no_torch():
     code = "import sys, tests.unit.test_worker; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+async def test_a_worker_freezes_its_heap_once_loaded_and_thaws_it_once_stopped(monkeypatch):
+    """Its models' objects are what the freeze is for: they exist when it freezes; once stopped, they can be freed
+    (a process that runs workers in turn, as this one does)."""
+    import gpu_worker.worker as worker_module
+
+    worker = Worker(settings(), queue=MemoryQueue(), announcer=MemoryAnnouncer(),
+                    engines_factory=fake_engines_factory({}))
+    calls: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(worker_module, "freeze_startup_heap",
+                        lambda: calls.append(("freeze", list(worker.engines))) or 0)
+    monkeypatch.setattr(worker_module, "thaw_heap", lambda: calls.append(("thaw", [])))
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    await asyncio.wait_for(worker.ready.wait(), 5)
+    assert calls == [("freeze", ["m"])]
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert calls == [("freeze", ["m"]), ("thaw", [])]
 
 
 async def test_results_are_written_then_entries_acked_and_released():
