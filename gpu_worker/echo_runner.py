@@ -25,7 +25,7 @@ from gpu_worker.generation_result import generation_result, resumed_whole
 from gpu_worker.job import Job
 from gpu_worker.outcomes import Delta, Outcome, failed_outcome
 from gpu_worker.runner import count_calls
-from gpu_worker.sequences import EngineStats, GenResult
+from gpu_worker.sequences import EngineStats, GenResult, completes_stop
 from gpu_worker.stream_release import Release, next_delta
 from gpu_worker.token_logprobs import asked, certain, certain_prompt, plain, with_logprobs
 from shared.config import ModelSpec
@@ -206,14 +206,17 @@ class EchoRunner:
         return out
 
     def _finished(self, row: _Row) -> FinishReason | None:
-        params = row.job.params if isinstance(row.job.params, GenerateParams) else None
-        if params is not None and row.tokens and row.tokens[-1] in params.stop_token_ids:  # before stop strings
+        params = row.job.params if isinstance(row.job.params, GenerateParams) else GenerateParams()
+        if row.offset + len(row.tokens) < params.min_tokens:  # as a model's rows: nothing ends it below them
+            return FinishReason.LENGTH if len(row.tokens) >= row.new_tokens else None
+        if row.tokens and row.tokens[-1] in params.stop_token_ids:  # before stop strings
             return FinishReason.STOP
-        stops = params.stop if params is not None else ()
-        if stops:
+        if params.stop:
             # a stop string of n characters spans at most 4n bytes; 3 more for a character cut at the front
-            tail = decode_tokens(row.tokens[-(4 * max(len(s) for s in stops) + 3):])
-            if any(s and s in tail for s in stops):
+            back = 4 * max(len(s) for s in params.stop) + 3
+            tail = decode_tokens(row.tokens[-back:])
+            if (completes_stop(tail, decode_tokens(row.tokens[-back:-1]), params.stop) if params.min_tokens
+                    else any(s in tail for s in params.stop)):
                 return FinishReason.STOP
         return FinishReason.LENGTH if len(row.tokens) >= row.new_tokens else None
 

@@ -149,7 +149,8 @@ class GenerateRunner:
                            self.repetition_penalty if params.repetition_penalty is None else params.repetition_penalty,
                            params.presence_penalty, params.frequency_penalty, tuple(params.logit_bias.items()),
                            params.logprobs, scored_prompt(params, len(prefix), len(job.inputs[0] + prefix),
-                                                          self.vocab), params.min_p),
+                                                          self.vocab), params.min_p,
+                           max(0, params.min_tokens - len(prefix))),  # of the row's own tokens
                        stop=tuple(params.stop), eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
                        stop_ids=frozenset(params.stop_token_ids),
                        owner=job, resumed=len(prefix), constraint=job.constraint)

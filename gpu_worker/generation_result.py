@@ -35,7 +35,7 @@ def generation_result(job: Job, r: GenResult, now: float, *, worker: str, decode
         # sends it (the row leaves before its last token is released)
         text = decode(token_ids[:-1])
     elif r.finish_reason is FinishReason.STOP:  # text and tokens both end before the stop string
-        text, token_ids = cut_at_stop(token_ids, params.stop, decode)
+        text, token_ids = cut_at_stop(token_ids, params.stop, decode, after=params.min_tokens)
     else:
         text = decode(token_ids)
     output = {"text": text, "token_ids": token_ids, "prompt_tokens": prompt_tokens,

@@ -111,12 +111,15 @@ class Penalties:
     every step cost a step O(prompt) Python and several host-to-device copies per row (a model whose own
     `generation_config` sets a repetition penalty penalizes every row)."""
 
-    __slots__ = ("bias_ids", "bias_values", "counts", "seen", "taken")
+    __slots__ = ("banned", "bias_ids", "bias_values", "counts", "seen", "taken")
 
     def __init__(self, params: SamplingParams, prompt: Sequence[int], output: Sequence[int], vocab: int,
-                 device: torch.device) -> None:
-        self.seen = self.counts = self.bias_ids = self.bias_values = None
+                 device: torch.device, ends: Sequence[int] = ()) -> None:
+        """`ends`: the tokens that would end the row (its EOS and stop tokens), banned below its `min_tokens`."""
+        self.seen = self.counts = self.bias_ids = self.bias_values = self.banned = None
         self.taken = 0  # of the row's generated tokens, those counted in already
+        if params.min_tokens and ends:
+            self.banned = torch.tensor(sorted(ends), dtype=torch.long, device=device)
         if params.repetition_penalty != 1.0:
             self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
             if prompt or output:
@@ -132,9 +135,11 @@ class Penalties:
 
     @classmethod
     def of(cls, spec: GenSpec, logits: torch.Tensor) -> Penalties | None:
-        """A joining row's state (its prompt and any output a resumed stream already sent), if it needs one."""
+        """A joining row's state (its prompt and any output a resumed stream already sent), if it needs one. A row
+        with a structured output bans nothing for min_tokens: its grammar says when it is complete."""
         p = spec.sampling
-        return cls(p, *spec.history(), logits.shape[-1], logits.device) if p.penalized else None
+        ends = () if spec.constraint is not None else {t for t in spec.eos_ids | spec.stop_ids if t < logits.shape[-1]}
+        return cls(p, *spec.history(), logits.shape[-1], logits.device, ends) if p.penalized else None
 
     def caught_up(self, tokens: Sequence[int]) -> Penalties:
         """Count in the row's generated `tokens` not yet counted (one a step); they only ever grow."""
@@ -153,10 +158,13 @@ def penalize(logits: torch.Tensor, rows: list[tuple[int, SamplingParams, Penalti
     """`logits` (a float32 copy) with each listed row's (index, params, state) bias and penalties applied, in vLLM's
     order: OpenAI's `logit_bias` added; the repetition penalty as transformers' `RepetitionPenaltyLogitsProcessor`
     applies it (every token of prompt and output: a positive logit divided by it, a negative one multiplied);
-    OpenAI's frequency and presence penalties over the output's tokens (`logit - count * frequency - presence`)."""
+    OpenAI's frequency and presence penalties over the output's tokens (`logit - count * frequency - presence`);
+    and, below its `min_tokens`, the tokens that would end it banned (vLLM's MinTokensLogitsProcessor)."""
     out = logits.float().clone()
     for i, p, state in rows:
         row = out[i]
+        if state.banned is not None and state.taken < p.min_tokens:
+            row.index_fill_(0, state.banned, float("-inf"))
         if state.bias_ids is not None:
             row.index_add_(0, state.bias_ids, state.bias_values)
         if state.seen is not None:

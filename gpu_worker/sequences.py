@@ -32,6 +32,9 @@ class SamplingParams:
     logprobs: int | None = None  # each token's log probability and this many likeliest alternatives; None: none
     prompt_logprobs: int | None = None  # the same for each prompt token (the first: None); None: none
     min_p: float = 0.0  # tokens less likely than this fraction of the likeliest are dropped (after temperature)
+    # vLLM's min_tokens, of this row's own tokens: until it holds this many, its EOS and stop tokens are banned
+    # (`sampling.Penalties` holds which); 0: off
+    min_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -42,7 +45,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "penalized", self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                           or self.frequency_penalty != 0.0 or bool(self.logit_bias))
+                           or self.frequency_penalty != 0.0 or bool(self.logit_bias) or self.min_tokens > 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,20 +162,30 @@ def stop_tail_tokens(stop: tuple[str, ...]) -> int:
 
 def finish_reason(row: Row, decode_tail: Callable[[list[int]], str] | None) -> FinishReason | None:
     """Why `row` is done after its latest token (None: not done): EOS, its structured output complete, a stop
-    string in the decoded tail, or its length."""
+    string in the decoded tail, or its length. Below its `min_tokens`, neither EOS, a stop token nor a stop string
+    ends it; past them, a stop string ends it only where its latest token completes it (vLLM's)."""
     spec = row.spec
     if spec.constraint is not None and spec.constraint.failed:  # drawn unmasked: never a complete answer
         return FinishReason.ERROR
-    if row.tokens[-1] in spec.eos_ids:
+    short = len(row.tokens) < spec.sampling.min_tokens
+    if row.tokens[-1] in spec.eos_ids and not short:
         return FinishReason.EOS
-    if row.tokens[-1] in spec.stop_ids:  # before stop strings, as vLLM checks them
+    if row.tokens[-1] in spec.stop_ids and not short:  # before stop strings, as vLLM checks them
         return FinishReason.STOP
     if spec.constraint is not None and spec.constraint.done:  # its grammar takes no more tokens: complete
         return FinishReason.STOP
-    if spec.stop and decode_tail is not None:
+    if spec.stop and decode_tail is not None and not short:
         tail = decode_tail(row.tokens[-spec.stop_tail:])
-        if any(s in tail for s in spec.stop):
+        if spec.sampling.min_tokens == 0 and any(s in tail for s in spec.stop):
+            return FinishReason.STOP
+        if spec.sampling.min_tokens and completes_stop(tail, decode_tail(row.tokens[-spec.stop_tail:-1]), spec.stop):
             return FinishReason.STOP
     if len(row.tokens) >= spec.max_new_tokens:
         return FinishReason.LENGTH
     return None
+
+
+def completes_stop(text: str, before: str, stops: Sequence[str]) -> bool:
+    """The latest token (`text` is `before` with it) completes an occurrence of one of `stops`: one more of it than
+    `before` holds (a row with min_tokens was not stopped by those it holds already)."""
+    return any(s and text.count(s) > before.count(s) for s in stops)

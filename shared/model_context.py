@@ -38,12 +38,12 @@ def exact_context(config: Mapping[str, Any]) -> int | None:
 CONTEXT_EXCEEDED = "context_length_exceeded"
 
 
-def context_message(context: int, prompt_tokens: int, new_tokens: int) -> str:
-    """Why a request over the model's context is refused, and what fits."""
+def context_message(context: int, prompt_tokens: int, new_tokens: int, name: str = "max_new_tokens") -> str:
+    """Why a request over the model's context is refused, and what fits (`name`: the field `new_tokens` is)."""
     room = context - prompt_tokens
     fits = (f"at most {room} new tokens fit after this prompt" if room > 0
             else "the prompt alone fills it")
-    return (f"prompt ({prompt_tokens} tokens) + max_new_tokens ({new_tokens}) = {prompt_tokens + new_tokens} "
+    return (f"prompt ({prompt_tokens} tokens) + {name} ({new_tokens}) = {prompt_tokens + new_tokens} "
             f"exceeds this model's context of {context} tokens; {fits}")
 
 

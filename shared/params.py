@@ -70,6 +70,10 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: Annotated[int, Meta(ge=0, le=MAX_SEED)] | None = None
     stop: Annotated[tuple[StopString, ...], Meta(max_length=MAX_STOP_STRINGS)] | StopString = ()
     ignore_eos: bool = False
+    min_tokens: Annotated[int, Meta(ge=0, description=(
+        "the fewest tokens the output holds: until then the model's EOS and stop_token_ids are not drawn and a stop "
+        "string ends it only where it completes past them (vLLM's min_tokens); at most max_new_tokens, and a "
+        "default max_new_tokens grows to it; a structured output still ends once complete; 0: off"))] = 0
     stop_token_ids: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_STOP_TOKEN_IDS, description=(
         "tokens that end the output where one is drawn, finish_reason stop, its id kept in token_ids and its text "
         "not (vLLM's stop_token_ids); ignore_eos leaves them in force"))] = ()
@@ -141,7 +145,8 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("logprobs", "prompt_logprobs", "echo", "response_format"):
             if out[name] is None or out[name] is False:  # left out as the penalties are (0 is a count: kept)
                 del out[name]
-        for name in ("min_p", "stop_token_ids"):  # off: left out, so a worker that predates them reads it as before
+        for name in ("min_p", "stop_token_ids", "min_tokens"):  # off: left out, so a worker that predates them
+            # reads it as before
             if not out[name]:
                 del out[name]
         if "stop_token_ids" in out:
@@ -151,13 +156,21 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return out
 
     def within(self, *, given: bool, limit: int, default_max_new_tokens: int) -> GenerateParams:
-        """These params under a model's limits: its default `max_new_tokens` unless `given`, at most `limit`."""
+        """These params under a model's limits: its default `max_new_tokens` (at least `min_tokens`) unless `given`,
+        at most `limit`; `min_tokens` at most `max_new_tokens`."""
         if not given:
-            return msgspec.structs.replace(self, max_new_tokens=min(default_max_new_tokens, limit))
-        if self.max_new_tokens > limit:
+            params = msgspec.structs.replace(
+                self, max_new_tokens=min(max(default_max_new_tokens, self.min_tokens), limit))
+        elif self.max_new_tokens > limit:
             raise ValidationError("params.max_new_tokens",
                                   f"must be between 1 and {limit} for this model, got {self.max_new_tokens}")
-        return self
+        else:
+            params = self
+        if params.min_tokens > params.max_new_tokens:
+            bound = (f"the new tokens asked for ({params.max_new_tokens})" if given
+                     else f"this model's limit of {limit} new tokens")
+            raise ValidationError("params.min_tokens", f"must be at most {bound}, got {params.min_tokens}")
+        return params
 
     def check_format(self) -> None:
         """A `response_format` that cannot constrain anything (a schema or pattern llguidance cannot compile) is

@@ -167,10 +167,12 @@ def within_context(params: GenerateParams, given: bool, prompt_tokens: int | Non
     if context is None or prompt_tokens is None or prompt_tokens + params.max_new_tokens <= context:
         return params
     room = context - prompt_tokens
-    if not given and room >= 1:
+    if not given and room >= max(1, params.min_tokens):
         return msgspec.structs.replace(params, max_new_tokens=room)
-    field = "params.max_new_tokens" if room >= 1 else where
-    raise ValidationError(field, context_message(context, prompt_tokens, params.max_new_tokens), code=CONTEXT_EXCEEDED)
+    name = "max_new_tokens" if given or room < 1 else "min_tokens"  # a default shrinks, down to min_tokens
+    field = f"params.{name}" if room >= 1 else where
+    raise ValidationError(field, context_message(context, prompt_tokens, getattr(params, name), name),
+                          code=CONTEXT_EXCEEDED)
 
 
 def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,

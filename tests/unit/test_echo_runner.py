@@ -251,3 +251,38 @@ def test_stop_token_ids_end_a_row_before_stop_strings_id_kept_text_not():
     refused = EchoRunner(vocab, "w", max_rows=4).prepare(past, time.time())
     assert isinstance(refused, Outcome) and refused.result.error is not None
     assert refused.result.error.code == "invalid_input" and "stop_token_ids" in refused.result.error.message
+
+
+def test_min_tokens_hold_a_row_open_past_its_stop_tokens_and_strings_as_a_models_rows():
+    runner = EchoRunner(SPEC, "w", max_rows=4)
+
+    def run(**params) -> tuple[list[int], str, FinishReason]:
+        req = request(prompt="abcdef", max_new_tokens=12)
+        req = dataclasses.replace(req, params={**req.params, **params})
+        out = run_to_end(runner, [job(runner, req)])["r1"].result
+        return out.output["token_ids"], out.output["text"], out.finish_reason
+
+    assert run(stop_token_ids=[ord("b")], min_tokens=3) == ([*b"abcdefab"], "abcdefa", FinishReason.STOP)
+    assert run(stop=["bc"], min_tokens=3) == ([97], "a", FinishReason.STOP)  # the 3rd token completes it: counts
+    assert run(stop=["bc"], min_tokens=4) == ([*b"abcdefa"], "abcdefa", FinishReason.STOP)  # the next one cuts
+    assert run(stop=["bc"], min_tokens=12) == ([*b"abcdefabcdef"], "abcdefabcdef", FinishReason.LENGTH)
+
+
+def test_a_stream_with_min_tokens_sends_what_the_result_holds_and_a_rerun_counts_what_it_was_sent():
+    runner = EchoRunner(SPEC, "w", max_rows=4)
+    req = request(prompt="abcdef", max_new_tokens=12, stop=("bc",), stream=True)
+    req = dataclasses.replace(req, params={**req.params, "min_tokens": 4})
+    j = job(runner, req)
+    done = {o.request.id: o for o in runner.start([j], time.time())}
+    texts = [d.delta.text for d in runner.take_deltas()]
+    while runner.busy:
+        done.update({o.request.id: o for o in runner.step()})
+        texts += [d.delta.text for d in runner.take_deltas()]
+    assert "".join(texts) == done["r1"].result.output["text"] == "abcdefa"
+    again = dataclasses.replace(req, streamed=tuple(b"ab"))  # sent two tokens, then its worker died
+    other = EchoRunner(SPEC, "w2", max_rows=4)
+    assert run_to_end(other, [job(other, again)])["r1"].result.output["text"] == "abcdefa"
+    by_token = dataclasses.replace(req, params={"max_new_tokens": 12, "stop_token_ids": [ord("b")], "min_tokens": 8},
+                                   streamed=tuple(b"ab"))  # min_tokens counts the two tokens it was sent
+    out = run_to_end(other, [job(other, by_token)])["r1"].result
+    assert (out.output["token_ids"], out.finish_reason) == ([*b"abcdefab"], FinishReason.STOP)

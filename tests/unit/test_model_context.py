@@ -67,3 +67,18 @@ def test_a_request_past_the_context_is_refused_naming_what_to_change(given, prom
 def test_the_message_says_what_fits():
     assert "at most 30 new tokens fit" in context_message(130, 100, 64)
     assert "the prompt alone fills it" in context_message(130, 130, 1)
+
+
+def test_a_default_shrinks_down_to_min_tokens_and_no_further():
+    """A default `max_new_tokens` shrinks to what fits, but not below the request's min_tokens: that is refused
+    naming min_tokens, the field that asks for more than fits."""
+    wants = GenerateParams(max_new_tokens=64, min_tokens=20)
+    assert within_context(wants, False, 100, "input.prompt", 130).max_new_tokens == 30
+    assert within_context(wants, False, 110, "input.prompt", 130).max_new_tokens == 20
+    with pytest.raises(ValidationError) as err:
+        within_context(wants, False, 111, "input.prompt", 130)
+    assert err.value.field == "params.min_tokens" and err.value.code == "context_length_exceeded"
+    assert "min_tokens (20)" in err.value.message and "at most 19 new tokens fit" in err.value.message
+    with pytest.raises(ValidationError) as err:
+        within_context(wants, True, 111, "input.prompt", 130)  # given: max_new_tokens is what to change
+    assert err.value.field == "params.max_new_tokens"

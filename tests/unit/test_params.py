@@ -52,6 +52,10 @@ def test_generate_full():
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, "params.logit_bias"),
     ({"bogus": 1}, "params.bogus"),
     ([1, 2], "params"),
+    ({"min_tokens": -1}, "params.min_tokens"),
+    ({"min_tokens": 1.5}, "params.min_tokens"),
+    ({"min_tokens": 9, "max_new_tokens": 8}, "params.min_tokens"),
+    ({"min_tokens": 257}, "params.min_tokens"),  # past the model's limit, with a default max_new_tokens
 ])
 def test_generate_rejects(raw, field):
     with pytest.raises(ValidationError) as err:
@@ -114,3 +118,19 @@ def test_embed_input():
                 {"texts": "a"}, {"text": "x" * 11}, {"text": "a", "texts": ["a"]}, [], None):
         with pytest.raises(ValidationError):
             parse_embed_input(bad, **kw)
+
+
+def test_min_tokens_is_at_most_the_new_tokens_and_a_default_grows_to_it():
+    assert gen({"min_tokens": 8, "max_new_tokens": 8}).min_tokens == 8
+    grown = gen({"min_tokens": 100})  # the model's default (64) grows to it
+    assert (grown.max_new_tokens, grown.min_tokens) == (100, 100)
+    assert gen({"min_tokens": 10}).max_new_tokens == 64
+    assert "min_tokens" not in gen({"min_tokens": 0}).to_dict()  # off: the wire of the release before it
+    assert gen({"min_tokens": 10}).to_dict()["min_tokens"] == 10
+    assert GenerateParams(**gen({"min_tokens": 10}).to_dict()).min_tokens == 10
+    with pytest.raises(ValidationError) as err:
+        gen({"min_tokens": 9, "max_new_tokens": 8})
+    assert err.value.message == "must be at most the new tokens asked for (8), got 9"
+    with pytest.raises(ValidationError) as err:
+        gen({"min_tokens": 300})
+    assert err.value.message == "must be at most this model's limit of 256 new tokens, got 300"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpu_worker.sequences import Row
 from gpu_worker.stop_strings import cut_at_stop
 from shared.states import FinishReason
 
@@ -56,3 +57,56 @@ def test_a_stop_string_is_seen_however_many_byte_tokens_it_takes(stop):
     before = Row(spec=row.spec, start=0, tokens=tokens[:-1], generator=None, admitted_at=0.0, prefill_s=0.0,
                  first_token_at=0.0)
     assert finish_reason(before, byte_decode) is None  # one byte short: not yet
+
+
+@pytest.mark.parametrize(("ids", "after", "text", "kept"), [
+    # min_tokens 3: the "\n" of the second token is kept; the one the fourth completes cuts
+    ([1, 8, 2, 6, 4], 3, "Helx\nlo", [1, 8, 2]),
+    # one the min_tokens-th token (the third) completes counts already
+    ([1, 2, 6, 4], 3, "Hello", [1, 2]),
+    # a stop string started below min_tokens and completed past them: cut where it starts
+    ([1, 6, 7, 4], 3, "Hel", [1]),
+    # one completed below them, whole in one token: kept
+    ([1, 2, 9, 4], 4, "Hello\nEND wor", [1, 2, 9, 4]),
+    # none completed past them: unchanged
+    ([6, 1, 2], 3, "\nHello", [6, 1, 2]),
+    # 0 and 1: any occurrence counts, as without min_tokens
+    ([6, 1], 1, "", []),
+    ([6, 1], 0, "", []),
+])
+def test_cut_after_min_tokens(ids, after, text, kept):
+    stops = ["\n", "\nEND"]
+    assert cut_at_stop(ids, stops, decode, after=after) == (text, kept)
+
+
+def _row(tokens: list[int], min_tokens: int, **spec) -> Row:
+    from gpu_worker.sequences import GenSpec, Row, SamplingParams
+
+    return Row(spec=GenSpec("r", (1,), max_new_tokens=6, sampling=SamplingParams(min_tokens=min_tokens), **spec),
+               start=0, tokens=tokens, generator=None, admitted_at=0.0, prefill_s=0.0, first_token_at=0.0)
+
+
+def test_below_min_tokens_nothing_but_the_length_or_a_complete_grammar_ends_a_row():
+    from types import SimpleNamespace
+
+    from gpu_worker.sequences import finish_reason
+
+    ends = {"eos_ids": frozenset({7}), "stop_ids": frozenset({3}), "stop": ("\n",)}
+    for last in (7, 3, 6):  # EOS, a stop token, a stop string
+        assert finish_reason(_row([1, last], 3, **ends), decode) is None
+        assert finish_reason(_row([1, 2, last], 3, **ends), decode) is not None  # the third: past them
+    assert finish_reason(_row([1, 2, 7], 3, **ends), decode) is FinishReason.EOS
+    assert finish_reason(_row([1, 2, 3], 3, **ends), decode) is FinishReason.STOP
+    assert finish_reason(_row([1, 2, 6, 2, 6, 7], 6, stop=("\n",)), decode) is FinishReason.LENGTH
+    grammar = SimpleNamespace(failed=None, done=True)
+    assert finish_reason(_row([1, 2], 3, constraint=grammar), decode) is FinishReason.STOP
+
+
+def test_past_min_tokens_a_stop_string_ends_a_row_where_its_latest_token_completes_it():
+    from gpu_worker.sequences import finish_reason
+
+    # the "\n" of the first token was below min_tokens: it does not end the row later
+    assert finish_reason(_row([6, 1, 2], 2, stop=("\n",)), decode) is None
+    assert finish_reason(_row([6, 1, 2, 6], 2, stop=("\n",)), decode) is FinishReason.STOP  # another one does
+    assert finish_reason(_row([6, 1, 2, 9], 2, stop=("\nEND",)), decode) is FinishReason.STOP
+    assert finish_reason(_row([6, 1], 0, stop=("\n",)), decode) is FinishReason.STOP  # off: any occurrence
