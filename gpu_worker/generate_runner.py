@@ -105,9 +105,11 @@ class GenerateRunner:
             if not getattr(self.tokenizer, "chat_template", None):
                 return failed_outcome(req, self.worker, now, "no_chat_template",
                                       f"model {self.spec.name} has no chat template: send a prompt instead")
-            ids = list(self.tokenizer.apply_chat_template(req.input["messages"], tools=req.input.get("tools"),
-                                                          **template_kwargs(req.input.get("chat_template_kwargs", {})),
-                                                          add_generation_prompt=True, return_dict=False))
+            ids = list(self.tokenizer.apply_chat_template(
+                req.input["messages"], tools=req.input.get("tools"),
+                **template_kwargs(req.input.get("chat_template_kwargs", {})), return_dict=False,
+                add_generation_prompt=req.input.get("add_generation_prompt", True),
+                continue_final_message=req.input.get("continue_final_message", False)))
         else:
             ids = self.tokenizer(req.input["prompt"], add_special_tokens=True)["input_ids"]
         if len(ids) > self.spec.max_input_tokens:

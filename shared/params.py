@@ -281,14 +281,18 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         description=(
         "variables the chat template is rendered with besides the conversation (vLLM's `chat_template_kwargs`), "
         "e.g. {\"enable_thinking\": false} for Qwen3's; null: none"))] | UnsetType | None = UNSET
+    add_generation_prompt: Annotated[bool, Meta(description=(
+        "render the template's opening of the assistant's turn after the conversation (transformers' and vLLM's "
+        "add_generation_prompt); false: the rendering ends with the last message"))] = True
+    continue_final_message: Annotated[bool, Meta(description=(
+        "the model goes on with the last message (an answer begun for it) instead of starting a new one: the "
+        "rendering ends inside it, with no end of turn after it (transformers' and vLLM's continue_final_message); "
+        "with add_generation_prompt false"))] = False
 
     def normalised(self, *, max_prompt_chars: int, max_input_tokens: int) -> dict[str, Any]:
         """The wire form, {"prompt"}, {"input_ids"} or {"messages"}, under a model's limits."""
         given = [name for name in ("prompt", "input_ids", "messages") if getattr(self, name) is not UNSET]
-        if self.tools is not UNSET and given != ["messages"]:
-            raise ValidationError("input.tools", "only with `messages` (the chat template renders them)")
-        if self.chat_template_kwargs not in (UNSET, None) and given != ["messages"]:
-            raise ValidationError("input.chat_template_kwargs", "only with `messages` (the chat template takes them)")
+        self._check_template_options(chat=given == ["messages"])
         if given == ["prompt"] and isinstance(self.prompt, str):
             if len(self.prompt) > max_prompt_chars:
                 raise ValidationError("input.prompt", f"longer than {max_prompt_chars} characters")
@@ -299,17 +303,41 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                       code=CONTEXT_EXCEEDED)
             return {"input_ids": self.input_ids}
         if given == ["messages"] and isinstance(self.messages, list):
-            out: dict[str, Any] = {"messages": [m.wire() for m in self.messages]}
-            if isinstance(self.tools, list) and self.tools:
-                out["tools"] = [msgspec.to_builtins(t) for t in self.tools]
-            if isinstance(self.chat_template_kwargs, dict) and self.chat_template_kwargs:
-                out["chat_template_kwargs"] = template_kwargs(self.chat_template_kwargs)
+            out = self._chat_wire(self.messages)
             extra = [out.get("tools"), out.get("chat_template_kwargs"), *(m.get("tool_calls") for m in out["messages"])]
             chars = sum(len(m.content) for m in self.messages) + sum(len(json.dumps(x)) for x in extra if x)
             if chars > max_prompt_chars:
                 raise ValidationError("input.messages", f"longer than {max_prompt_chars} characters in all")
             return out
         raise ValidationError("input", "give exactly one of `prompt`, `input_ids` or `messages`")
+
+    def _check_template_options(self, *, chat: bool) -> None:
+        """What the chat template's rendering takes comes with `messages` alone, and its options agree."""
+        if self.tools is not UNSET and not chat:
+            raise ValidationError("input.tools", "only with `messages` (the chat template renders them)")
+        if self.chat_template_kwargs not in (UNSET, None) and not chat:
+            raise ValidationError("input.chat_template_kwargs", "only with `messages` (the chat template takes them)")
+        for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+            if getattr(self, name) is not default and not chat:
+                raise ValidationError(f"input.{name}", "only with `messages` (the chat template's rendering)")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValidationError("input.continue_final_message", "the last message is continued, so no assistant's "
+                                                                  "turn is opened after it: set "
+                                                                  "add_generation_prompt false with it")
+
+    def _chat_wire(self, messages: list[ChatMessage]) -> dict[str, Any]:
+        """A conversation's wire form: its messages, and its tools, template variables and rendering options where
+        given (the options only where not the default)."""
+        out: dict[str, Any] = {"messages": [m.wire() for m in messages]}
+        if isinstance(self.tools, list) and self.tools:
+            out["tools"] = [msgspec.to_builtins(t) for t in self.tools]
+        if isinstance(self.chat_template_kwargs, dict) and self.chat_template_kwargs:
+            out["chat_template_kwargs"] = template_kwargs(self.chat_template_kwargs)
+        if not self.add_generation_prompt:
+            out["add_generation_prompt"] = False
+        if self.continue_final_message:
+            out["continue_final_message"] = True
+        return out
 
 
 def template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -104,6 +104,25 @@ def _template_sources(directory: Path, config: dict[str, Any]) -> dict[str, str]
     return {}
 
 
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' own marker of where a continued message ends
+
+
+def tagged(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with its last message marked where it ends, as transformers marks the message that
+    `continue_final_message` continues."""
+    return [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + CONTINUE_TAG}]
+
+
+def cut_at_continue(rendered: str, final: str) -> str:
+    """The rendering of a `tagged` conversation cut where its last message ends (transformers' rule: the marker's
+    trailing space trimmed by the template means the message's own trailing spacing is dropped too)."""
+    if final.strip() not in rendered or CONTINUE_TAG.strip() not in rendered:
+        raise TemplateRefusal("the template leaves out part of the last message, which continue_final_message "
+                              "continues")
+    at = rendered.rindex(CONTINUE_TAG.strip())
+    return rendered[:at] if rendered[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else rendered[:at].rstrip()
+
+
 def pick_template(templates: dict[str, Any], tools: list[dict[str, Any]] | None) -> Any:
     """The template transformers' `get_chat_template` renders a conversation with: `tool_use` where the request
     gives tools and the model has one, else `default`; None where neither is there."""
@@ -263,10 +282,11 @@ class TokenLimits:
         return [len(enc.ids) for enc in tok.encode_batch(texts, add_special_tokens=True)]
 
     def count_chat(self, spec: ModelSpec, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                   template_kwargs: dict[str, Any] | None = None) -> int | None:
-        """Tokens of a conversation as the worker will count them: the chat template rendered with the
-        generation prompt, then tokenized without special tokens added again (the contents joined where the
-        template cannot be rendered here); None if unknown."""
+                   template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
+                   continue_final_message: bool = False) -> int | None:
+        """Tokens of a conversation as the worker will count them: the chat template rendered (with the
+        generation prompt, or ending inside the last message it continues), then tokenized without special tokens
+        added again (the contents joined where the template cannot be rendered here); None if unknown."""
         joined = "\n".join(m["content"] for m in messages)
         tok = None if spec.echo else self.tokenizer(spec)
         if spec.name not in self._templates:
@@ -281,8 +301,11 @@ class TokenLimits:
         template = None if found is None else pick_template(found[0], tools)
         if tok is not None and found is not None and template is not None:
             try:  # as transformers' `render_jinja_template` renders it (`documents` given, as None)
-                text = template.render(**(template_kwargs or {}), messages=messages, tools=tools, documents=None,
-                                       add_generation_prompt=True, **found[1])
+                shown = tagged(messages) if continue_final_message else messages
+                text = template.render(**(template_kwargs or {}), messages=shown, tools=tools, documents=None,
+                                       add_generation_prompt=add_generation_prompt, **found[1])
+                if continue_final_message:
+                    text = cut_at_continue(text, messages[-1]["content"])
             except TemplateRefusal:  # the template refuses this conversation: so will the worker's
                 raise
             except Exception:  # a template this sandbox cannot render: the worker's check stays

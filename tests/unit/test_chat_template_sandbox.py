@@ -126,3 +126,41 @@ def test_named_templates_are_read_and_picked_as_transformers_picks_them(tmp_path
         path.unlink()
     assert load_chat_template(tmp_path)[0]["default"].render() == "from the config"
     assert pick_template({"tool_use": "x"}, None) is None  # no default: transformers refuses; the gateway counts
+
+
+CONTINUED = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is  "}]
+TURNS = {
+    # an end of turn after each message: continuing the last one leaves it out
+    "eot": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    # contents trimmed (Llama 3's): the message's own trailing spaces go too
+    "trimmed": "{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}</s>{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(TURNS))
+def test_a_continued_last_message_is_cut_where_transformers_cuts_it(tmp_path, name):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from shared.token_limits import cut_at_continue, tagged
+
+    source = TURNS[name]
+    (expected,), _ = render_jinja_template([CONTINUED], chat_template=source, continue_final_message=True,
+                                           add_generation_prompt=False)
+    got = cut_at_continue(ours(tmp_path, source).render(messages=tagged(CONTINUED), add_generation_prompt=False),
+                          CONTINUED[-1]["content"])
+    assert got == expected and not got.endswith(("<|end|>\n", "</s>")), got
+    assert expected.endswith("The colour is  " if name == "eot" else "The colour is")
+
+
+def test_a_template_that_drops_the_continued_message_refuses_it_here_too(tmp_path):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from shared.token_limits import cut_at_continue, tagged
+
+    source = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"
+    with pytest.raises(ValueError, match="does not appear"):
+        render_jinja_template([CONTINUED], chat_template=source, continue_final_message=True)
+    rendered = ours(tmp_path, source).render(messages=tagged(CONTINUED))
+    with pytest.raises(TemplateRefusal, match="continue_final_message"):
+        cut_at_continue(rendered, CONTINUED[-1]["content"])
