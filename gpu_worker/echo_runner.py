@@ -207,11 +207,10 @@ class EchoRunner:
 
     def _finished(self, row: _Row) -> FinishReason | None:
         params = row.job.params if isinstance(row.job.params, GenerateParams) else GenerateParams()
-        if row.offset + len(row.tokens) < params.min_tokens:  # as a model's rows: nothing ends it below them
-            return FinishReason.LENGTH if len(row.tokens) >= row.new_tokens else None
-        if row.tokens and row.tokens[-1] in params.stop_token_ids:  # before stop strings
-            return FinishReason.STOP
-        if params.stop:
+        held = row.offset + len(row.tokens)  # as a model's rows: nothing ends it below min_tokens
+        if row.tokens and row.tokens[-1] in params.stop_token_ids and held >= params.min_tokens:
+            return FinishReason.STOP  # before stop strings
+        if params.stop and held > params.min_tokens:  # one a token past them completes
             # a stop string of n characters spans at most 4n bytes; 3 more for a character cut at the front
             back = 4 * max(len(s) for s in params.stop) + 3
             tail = decode_tokens(row.tokens[-back:])

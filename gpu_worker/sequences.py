@@ -163,7 +163,8 @@ def stop_tail_tokens(stop: tuple[str, ...]) -> int:
 def finish_reason(row: Row, decode_tail: Callable[[list[int]], str] | None) -> FinishReason | None:
     """Why `row` is done after its latest token (None: not done): EOS, its structured output complete, a stop
     string in the decoded tail, or its length. Below its `min_tokens`, neither EOS, a stop token nor a stop string
-    ends it; past them, a stop string ends it only where its latest token completes it (vLLM's)."""
+    ends it (its EOS and stop tokens are banned there); a stop string ends it only where a token past them completes
+    it (vLLM's: a later token does not end it for one the first `min_tokens` hold)."""
     spec = row.spec
     if spec.constraint is not None and spec.constraint.failed:  # drawn unmasked: never a complete answer
         return FinishReason.ERROR
@@ -174,7 +175,7 @@ def finish_reason(row: Row, decode_tail: Callable[[list[int]], str] | None) -> F
         return FinishReason.STOP
     if spec.constraint is not None and spec.constraint.done:  # its grammar takes no more tokens: complete
         return FinishReason.STOP
-    if spec.stop and decode_tail is not None and not short:
+    if spec.stop and decode_tail is not None and len(row.tokens) > spec.sampling.min_tokens:
         tail = decode_tail(row.tokens[-spec.stop_tail:])
         if spec.sampling.min_tokens == 0 and any(s in tail for s in spec.stop):
             return FinishReason.STOP

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 def cut_at_stop(token_ids: list[int], stops: Sequence[str], decode: Callable[[list[int]], str],
                 after: int = 0) -> tuple[str, list[int]]:
     """`(text, token_ids)` cut before the earliest stop string; unchanged when none occurs. `after` (a request's
-    min_tokens): only a stop string that a token past the first `after - 1` completes counts (vLLM's)."""
+    min_tokens): only a stop string that a token past the first `after` completes counts (vLLM's)."""
     text = decode(token_ids)
-    floor = len(decode(token_ids[:after - 1])) if after > 1 else 0  # an occurrence must end past it
+    floor = len(decode(token_ids[:after])) if after else 0  # an occurrence must end past it
     cut = min((i for s in stops if s and (i := text.find(s, max(0, floor - len(s) + 1))) >= 0), default=-1)
     if cut < 0:
         return text, token_ids

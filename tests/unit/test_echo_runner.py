@@ -263,8 +263,8 @@ def test_min_tokens_hold_a_row_open_past_its_stop_tokens_and_strings_as_a_models
         return out.output["token_ids"], out.output["text"], out.finish_reason
 
     assert run(stop_token_ids=[ord("b")], min_tokens=3) == ([*b"abcdefab"], "abcdefa", FinishReason.STOP)
-    assert run(stop=["bc"], min_tokens=3) == ([97], "a", FinishReason.STOP)  # the 3rd token completes it: counts
-    assert run(stop=["bc"], min_tokens=4) == ([*b"abcdefa"], "abcdefa", FinishReason.STOP)  # the next one cuts
+    assert run(stop=["bc"], min_tokens=2) == ([97], "a", FinishReason.STOP)  # the 3rd token completes it: past them
+    assert run(stop=["bc"], min_tokens=3) == ([*b"abcdefa"], "abcdefa", FinishReason.STOP)  # within: the next cuts
     assert run(stop=["bc"], min_tokens=12) == ([*b"abcdefabcdef"], "abcdefabcdef", FinishReason.LENGTH)
 
 

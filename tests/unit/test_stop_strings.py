@@ -62,16 +62,18 @@ def test_a_stop_string_is_seen_however_many_byte_tokens_it_takes(stop):
 @pytest.mark.parametrize(("ids", "after", "text", "kept"), [
     # min_tokens 3: the "\n" of the second token is kept; the one the fourth completes cuts
     ([1, 8, 2, 6, 4], 3, "Helx\nlo", [1, 8, 2]),
-    # one the min_tokens-th token (the third) completes counts already
-    ([1, 2, 6, 4], 3, "Hello", [1, 2]),
-    # a stop string started below min_tokens and completed past them: cut where it starts
-    ([1, 6, 7, 4], 3, "Hel", [1]),
-    # one completed below them, whole in one token: kept
-    ([1, 2, 9, 4], 4, "Hello\nEND wor", [1, 2, 9, 4]),
+    # the first token past them completes one: it counts
+    ([1, 2, 4, 6], 3, "Hello wor", [1, 2, 4]),
+    # one the min_tokens-th token completes does not (vLLM's)
+    ([1, 2, 6, 4], 3, "Hello\n wor", [1, 2, 6, 4]),
+    # a stop string begun within them and completed past them: cut where it begins
+    ([1, 2, 6, 7], 3, "Hello", [1, 2]),
+    # one completed within them, whole in one token: kept
+    ([1, 2, 9, 4], 3, "Hello\nEND wor", [1, 2, 9, 4]),
     # none completed past them: unchanged
     ([6, 1, 2], 3, "\nHello", [6, 1, 2]),
-    # 0 and 1: any occurrence counts, as without min_tokens
-    ([6, 1], 1, "", []),
+    ([6, 1], 1, "\nHel", [6, 1]),
+    # 0: any occurrence counts, as without min_tokens
     ([6, 1], 0, "", []),
 ])
 def test_cut_after_min_tokens(ids, after, text, kept):
@@ -94,9 +96,12 @@ def test_below_min_tokens_nothing_but_the_length_or_a_complete_grammar_ends_a_ro
     ends = {"eos_ids": frozenset({7}), "stop_ids": frozenset({3}), "stop": ("\n",)}
     for last in (7, 3, 6):  # EOS, a stop token, a stop string
         assert finish_reason(_row([1, last], 3, **ends), decode) is None
-        assert finish_reason(_row([1, 2, last], 3, **ends), decode) is not None  # the third: past them
+    # with min_tokens' own token: vLLM's check for EOS and stop tokens (which the sampler bans there), not for a
+    # stop string, which a token past them must complete
     assert finish_reason(_row([1, 2, 7], 3, **ends), decode) is FinishReason.EOS
     assert finish_reason(_row([1, 2, 3], 3, **ends), decode) is FinishReason.STOP
+    assert finish_reason(_row([1, 2, 6], 3, **ends), decode) is None
+    assert finish_reason(_row([1, 2, 4, 6], 3, **ends), decode) is FinishReason.STOP
     assert finish_reason(_row([1, 2, 6, 2, 6, 7], 6, stop=("\n",)), decode) is FinishReason.LENGTH
     grammar = SimpleNamespace(failed=None, done=True)
     assert finish_reason(_row([1, 2], 3, constraint=grammar), decode) is FinishReason.STOP
