@@ -31,11 +31,12 @@ def generation_result(job: Job, r: GenResult, now: float, *, worker: str, decode
     prompt_tokens = r.prompt_tokens - (job.stream.base if job.stream is not None else 0)
     params = job.params if isinstance(job.params, GenerateParams) else GenerateParams()
     if r.finish_reason is FinishReason.STOP and token_ids and token_ids[-1] in params.stop_token_ids:
-        # a stop token ends it (checked before stop strings): its id kept, its text not, as vLLM's, and as a stream
-        # sends it (the row leaves before its last token is released)
-        text = decode(token_ids[:-1])
-    elif r.finish_reason is FinishReason.STOP:  # text and tokens both end before the stop string
-        text, token_ids = cut_at_stop(token_ids, params.stop, decode, after=params.min_tokens)
+        # a stop token ends it (checked before stop strings): its id kept, its text only with
+        # include_stop_str_in_output, as vLLM's (a stream sends that text last: the row leaves before releasing it)
+        text = decode(token_ids if params.include_stop_str_in_output else token_ids[:-1])
+    elif r.finish_reason is FinishReason.STOP:  # text and tokens both end before the stop string (or after it)
+        text, token_ids = cut_at_stop(token_ids, params.stop, decode, after=params.min_tokens,
+                                      include=params.include_stop_str_in_output)
     else:
         text = decode(token_ids)
     output = {"text": text, "token_ids": token_ids, "prompt_tokens": prompt_tokens,

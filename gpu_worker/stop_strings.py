@@ -15,18 +15,18 @@ from collections.abc import Callable, Sequence
 
 
 def cut_at_stop(token_ids: list[int], stops: Sequence[str], decode: Callable[[list[int]], str],
-                after: int = 0) -> tuple[str, list[int]]:
-    """`(text, token_ids)` cut before the earliest stop string; unchanged when none occurs. `after` (a request's
-    min_tokens): only a stop string that a token past the first `after` completes counts (vLLM's)."""
+                after: int = 0, include: bool = False) -> tuple[str, list[int]]:
+    """`(text, token_ids)` cut before the earliest stop string (`include`, vLLM's include_stop_str_in_output: right
+    after the first one to complete); unchanged when none occurs. `after` (a request's min_tokens): only a stop
+    string that a token past the first `after` completes counts (vLLM's)."""
     text = decode(token_ids)
     floor = len(decode(token_ids[:after])) if after else 0  # an occurrence must end past it
-    cut = min((i for s in stops if s and (i := text.find(s, max(0, floor - len(s) + 1))) >= 0), default=-1)
-    if cut < 0:
+    found = [(i, i + len(s)) for s in stops if s and (i := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+    if not found:
         return text, token_ids
-    text = text[:cut]
-    # All the tokens spell the stop string, so start one shorter; the stop is found the step it
-    # completes, so only the last few tokens lie past the cut: walk back.
-    keep = len(token_ids) - 1
+    text = text[:min(end for _, end in found)] if include else text[:min(i for i, _ in found)]
+    # the stop is found the step it completes, so only the last few tokens lie past the cut: walk back
+    keep = len(token_ids)
     while keep > 0 and not _within(decode(token_ids[:keep]), text):
         keep -= 1
     return text, token_ids[:keep]

@@ -74,6 +74,9 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         "the fewest tokens the output holds: until then the model's EOS and stop_token_ids are not drawn and a stop "
         "string ends it only where it completes past them (vLLM's min_tokens); at most max_new_tokens, and a "
         "default max_new_tokens grows to it; a structured output still ends once complete; 0: off"))] = 0
+    include_stop_str_in_output: Annotated[bool, Meta(description=(
+        "the text goes on to the end of the stop string that ended it, or holds the stop token's text (vLLM's "
+        "include_stop_str_in_output); false: it ends before them"))] = False
     stop_token_ids: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_STOP_TOKEN_IDS, description=(
         "tokens that end the output where one is drawn, finish_reason stop, its id kept in token_ids and its text "
         "not (vLLM's stop_token_ids); ignore_eos leaves them in force"))] = ()
@@ -142,7 +145,7 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in PENALTY_FIELDS:
             if not out[name]:  # None, 0 or {}: the default (a repetition penalty is at least 0.01)
                 del out[name]
-        for name in ("logprobs", "prompt_logprobs", "echo", "response_format"):
+        for name in ("logprobs", "prompt_logprobs", "echo", "response_format", "include_stop_str_in_output"):
             if out[name] is None or out[name] is False:  # left out as the penalties are (0 is a count: kept)
                 del out[name]
         for name in ("min_p", "stop_token_ids", "min_tokens"):  # off: left out, so a worker that predates them

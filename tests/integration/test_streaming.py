@@ -163,6 +163,13 @@ async def test_a_stop_string_never_leaks_into_the_stream(redis_url, prefix, load
         assert final["finish_reason"] == "stop" and stop not in final["output"]["text"], (text, stop, final)
         assert all(stop not in d["text"] for d in deltas(events))
         assert text.startswith(final["output"]["text"])
+        # vLLM's include_stop_str_in_output: the stop string comes last, in the deltas as in the result
+        body["params"] = {**body["params"], "include_stop_str_in_output": True}
+        rid = (await gw.client.post("/v1/models/tiny-llama/requests", json=body)).json()["id"]
+        events = await events_of(gw.client, rid)
+        kept = check_adds_up(events)
+        assert kept["output"]["text"] == final["output"]["text"] + stop, (text, stop, kept)
+        assert "".join(d["text"] for d in deltas(events)).endswith(stop) and text.startswith(kept["output"]["text"])
 
 
 async def test_cancel_and_deadline_end_the_stream_with_a_terminal_event(redis_url, prefix, loaded_models):

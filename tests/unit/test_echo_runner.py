@@ -243,6 +243,10 @@ def test_stop_token_ids_end_a_row_before_stop_strings_id_kept_text_not():
     assert (out.output["token_ids"], out.output["text"]) == ([97, 98, 99], "ab")
     strings = run_to_end(runner, [job(runner, req)])["r1"].result  # the stop string alone: cut before it
     assert (strings.output["token_ids"], strings.output["text"]) == ([97], "a")
+    for params, ids, text in (({"stop_token_ids": [ord("c")]}, [97, 98, 99], "abc"), ({}, [97, 98, 99], "abc")):
+        kept = dataclasses.replace(req, params={**req.params, **params, "include_stop_str_in_output": True})
+        out = run_to_end(runner, [job(runner, kept)])["r1"].result  # vLLM's include_stop_str_in_output
+        assert (out.output["token_ids"], out.output["text"], out.finish_reason) == (ids, text, FinishReason.STOP)
     plain = request(prompt="abcdef", max_new_tokens=10)
     never = dataclasses.replace(plain, params={**plain.params, "stop_token_ids": [ord("z")]})
     assert run_to_end(runner, [job(runner, never)])["r1"].result.finish_reason == FinishReason.LENGTH

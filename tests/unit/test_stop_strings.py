@@ -115,3 +115,15 @@ def test_past_min_tokens_a_stop_string_ends_a_row_where_its_latest_token_complet
     assert finish_reason(_row([6, 1, 2, 6], 2, stop=("\n",)), decode) is FinishReason.STOP  # another one does
     assert finish_reason(_row([6, 1, 2, 9], 2, stop=("\nEND",)), decode) is FinishReason.STOP
     assert finish_reason(_row([6, 1], 0, stop=("\n",)), decode) is FinishReason.STOP  # off: any occurrence
+
+
+@pytest.mark.parametrize(("ids", "stops", "text", "kept"), [
+    ([1, 2, 3, 6], ["\n"], "Hello,\n", [1, 2, 3, 6]),  # the stop string kept, with its token
+    ([1, 2, 8], ["\n"], "Hellox\n", [1, 2, 8]),
+    ([1, 2, 9, 1], ["\n"], "Hello\n", [1, 2]),  # a token that goes past it leaves the ids, as before
+    ([1, 2, 9], ["\nEND", "\n"], "Hello\n", [1, 2]),  # the first to complete
+    ([1, 6, 4, 6], ["\n"], "Hel\n", [1, 6]),  # the earliest
+])
+def test_cut_with_the_stop_string_included(ids, stops, text, kept):
+    assert cut_at_stop(ids, stops, decode, include=True) == (text, kept)
+    assert cut_at_stop([1, 6, 2, 6], ["\n"], decode, after=2, include=True) == ("Hel\nlo\n", [1, 6, 2, 6])
