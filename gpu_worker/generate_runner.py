@@ -243,7 +243,10 @@ class GenerateRunner:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _decoder(self, job: Job) -> Callable[[list[int]], str]:
-        """How `job`'s output reads: with its model's tool-call tokens where it offers tools (`tool_tokens`)."""
+        """How `job`'s output reads: with every special token where it asks (`skip_special_tokens` false), else with
+        its model's tool-call tokens where it offers tools (`tool_tokens`)."""
+        if not cast(GenerateParams, job.params).skip_special_tokens:
+            return functools.partial(self.tokenizer.decode, skip_special_tokens=False)
         if self._tool_tokens and job.req.input.get("tools"):
             return functools.partial(decode_keeping, self.tokenizer, kept=self._tool_tokens)
         return self._decode

@@ -30,8 +30,9 @@ def generation_result(job: Job, r: GenResult, now: float, *, worker: str, decode
     token_ids = job.stream.output(r.token_ids) if job.stream is not None else r.token_ids
     prompt_tokens = r.prompt_tokens - (job.stream.base if job.stream is not None else 0)
     params = job.params if isinstance(job.params, GenerateParams) else GenerateParams()
-    if r.finish_reason is FinishReason.STOP and token_ids and token_ids[-1] in params.stop_token_ids:
-        # a stop token ends it (checked before stop strings): its id kept, its text only with
+    if token_ids and (r.finish_reason is FinishReason.EOS or (
+            r.finish_reason is FinishReason.STOP and token_ids[-1] in params.stop_token_ids)):
+        # an EOS or a stop token (checked before stop strings) ends it: its id kept, its text only with
         # include_stop_str_in_output, as vLLM's (a stream sends that text last: the row leaves before releasing it)
         text = decode(token_ids if params.include_stop_str_in_output else token_ids[:-1])
     elif r.finish_reason is FinishReason.STOP:  # text and tokens both end before the stop string (or after it)

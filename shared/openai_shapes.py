@@ -179,7 +179,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     logit_bias: dict[str, Any] | None = None  # checked as the native params.logit_bias
     service_tier: str | None = None
     # extensions: the deadline and priority of the native API; vLLM's top_k, min_p, stop_token_ids, min_tokens,
-    # include_stop_str_in_output, ignore_eos and repetition_penalty
+    # include_stop_str_in_output, skip_special_tokens, ignore_eos and repetition_penalty
     timeout_s: float | None = None
     priority: Priority | None = None
     top_k: int | None = None
@@ -187,6 +187,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     ignore_eos: bool | None = None
     repetition_penalty: float | None = None
     # structured output: OpenAI's response_format (completions too, as vLLM takes it), vLLM's guided decoding
@@ -370,7 +371,7 @@ def _params(req: _Sampling, max_tokens: int | None, fmt: dict[str, Any] | None) 
     if max_tokens is not None:
         params["max_new_tokens"] = max_tokens
     for name in ("top_p", "seed", "top_k", "min_p", "ignore_eos", "repetition_penalty", "stop_token_ids",
-                 "min_tokens", "include_stop_str_in_output"):
+                 "min_tokens", "include_stop_str_in_output", "skip_special_tokens"):
         if getattr(req, name) is not None:
             params[name] = getattr(req, name)
     for name in ("presence_penalty", "frequency_penalty", "logit_bias"):

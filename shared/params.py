@@ -74,6 +74,10 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         "the fewest tokens the output holds: until then the model's EOS and stop_token_ids are not drawn and a stop "
         "string ends it only where it completes past them (vLLM's min_tokens); at most max_new_tokens, and a "
         "default max_new_tokens grows to it; a structured output still ends once complete; 0: off"))] = 0
+    skip_special_tokens: Annotated[bool, Meta(description=(
+        "leave the tokenizer's special tokens out of the text (vLLM's and transformers' skip_special_tokens); "
+        "false: they are spelled in it (the EOS or stop token that ends it only with include_stop_str_in_output)"))
+    ] = True
     include_stop_str_in_output: Annotated[bool, Meta(description=(
         "the text goes on to the end of the stop string that ended it, or holds the stop token's text (vLLM's "
         "include_stop_str_in_output); false: it ends before them"))] = False
@@ -145,6 +149,8 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in PENALTY_FIELDS:
             if not out[name]:  # None, 0 or {}: the default (a repetition penalty is at least 0.01)
                 del out[name]
+        if out["skip_special_tokens"]:  # the default: left out (a worker that predates it reads it as before)
+            del out["skip_special_tokens"]
         for name in ("logprobs", "prompt_logprobs", "echo", "response_format", "include_stop_str_in_output"):
             if out[name] is None or out[name] is False:  # left out as the penalties are (0 is a count: kept)
                 del out[name]
