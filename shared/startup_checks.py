@@ -1,7 +1,8 @@
 """Start-up checks that look at the machine, made before a process serves anything: the port it is to listen on
-is free, the files directory is one it can write. Each failure is a ConfigError naming the setting (the
-`batchgate` command prints it as one line, exit status 2), where it used to be a traceback, a gateway that never
-listened, or 503s at request time. The settings' own ranges are checked before, by `Settings.from_environ`.
+is free, the files directory is one it can write (or the S3 bucket named instead is there to use). Each failure is
+a ConfigError naming the setting (the `batchgate` command prints it as one line, exit status 2), where it used to
+be a traceback, a gateway that never listened, or 503s at request time. The settings' own ranges are checked
+before, by `Settings.from_environ`.
 """
 
 from __future__ import annotations
@@ -10,9 +11,13 @@ import errno
 import secrets
 import socket
 from pathlib import Path
+from typing import Any
 
 from shared.config import Settings, default_files_dir
 from shared.errors import ConfigError
+from shared.logs import get_logger
+
+log = get_logger(__name__)
 
 
 def _address(host: str, port: int) -> tuple[int, int, int, tuple[object, ...]] | str:
@@ -86,10 +91,49 @@ def files_dir_problem(directory: str) -> str | None:
     return None
 
 
+S3_CHECK_TIMEOUT_S = 5.0  # the start-up check's own: an unreachable endpoint is not waited on with boto3's retries
+
+
+def s3_bucket_problem(client: Any, bucket: str) -> str | None:
+    """Why the S3 file store cannot use `bucket` through `client` (a boto3 S3 client), or None: it does not exist,
+    these credentials may not use it, or there are none. An endpoint that does not answer, or an error S3 may not
+    repeat, is no verdict (None, a warning): the bucket is reached again on every request."""
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    try:
+        client.head_bucket(Bucket=bucket)
+    except NoCredentialsError:
+        return "no AWS credentials were found (an instance or task role, AWS_ACCESS_KEY_ID, or a profile)"
+    except ClientError as exc:
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        if code in ("404", "NoSuchBucket", "NotFound"):
+            return f"there is no bucket {bucket!r} (create it first)"
+        if code in ("403", "AccessDenied", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            return f"these credentials may not use bucket {bucket!r} ({code})"
+        log.warning("the files bucket could not be checked at start", bucket=bucket, error=repr(exc))
+    except BotoCoreError as exc:  # the endpoint did not answer: checked again per request
+        log.warning("the files bucket could not be reached at start", bucket=bucket, error=repr(exc))
+    return None
+
+
 def check_file_store(settings: Settings) -> None:
-    """A ConfigError naming BATCHGATE_FILES_DIR when the Files and Batch APIs' directory is unusable (nothing to
-    check with an S3 bucket: the bucket is the store, reached at request time)."""
+    """A ConfigError naming BATCHGATE_FILES_DIR when the Files and Batch APIs' directory is unusable, or
+    BATCHGATE_FILES_S3_BUCKET when the bucket named instead does not exist or cannot be used with these
+    credentials (a misconfiguration that would otherwise be a 503 on every upload, asking callers to retry)."""
     if settings.files_s3_bucket:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise ConfigError(f"BATCHGATE_FILES_S3_BUCKET={settings.files_s3_bucket}: boto3 is not installed (pip "
+                              "install 'batchgate[aws]'); or leave it unset to keep files in BATCHGATE_FILES_DIR") \
+                from None
+        client = boto3.client("s3", endpoint_url=settings.files_s3_endpoint or None, config=Config(
+            connect_timeout=S3_CHECK_TIMEOUT_S, read_timeout=S3_CHECK_TIMEOUT_S, retries={"max_attempts": 1}))
+        problem = s3_bucket_problem(client, settings.files_s3_bucket)
+        if problem:
+            raise ConfigError(f"BATCHGATE_FILES_S3_BUCKET={settings.files_s3_bucket}: {problem}; or leave it unset "
+                              "to keep files in BATCHGATE_FILES_DIR")
         return
     directory = settings.files_dir or default_files_dir({})  # as shared.files.file_store picks it
     problem = files_dir_problem(directory)

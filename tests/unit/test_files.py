@@ -297,3 +297,33 @@ async def test_save_file_stores_then_records(redis: Any, tmp_path: Path):
     assert await read_all(store, m.key) == b"".join(lines)
     with pytest.raises(ValueError, match="purpose"):
         await files.save_file(redis, keys, store, chunks_of(b"x"), tenant="acme", purpose="other", filename="f")
+
+
+def test_a_bucket_that_is_not_there_or_not_ours_is_refused_at_start(s3: Any, monkeypatch: pytest.MonkeyPatch):
+    """As the files directory is: a ConfigError naming BATCHGATE_FILES_S3_BUCKET, not a 503 on every upload."""
+    from shared.errors import ConfigError
+    from shared.startup_checks import check_file_store, s3_bucket_problem
+
+    endpoint = s3.meta.endpoint_url
+    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                        ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    check_file_store(Settings(files_s3_bucket=BUCKET, files_s3_endpoint=endpoint))  # there: nothing to say
+    with pytest.raises(ConfigError) as err:
+        check_file_store(Settings(files_s3_bucket="no-such-bucket", files_s3_endpoint=endpoint))
+    assert str(err.value).startswith("BATCHGATE_FILES_S3_BUCKET=no-such-bucket: there is no bucket")
+
+    class Denied:
+        def head_bucket(self, Bucket: str) -> None:
+            from botocore.exceptions import ClientError
+
+            raise ClientError({"Error": {"Code": "403", "Message": "Forbidden"}}, "HeadBucket")
+
+    class Unreachable:
+        def head_bucket(self, Bucket: str) -> None:
+            from botocore.exceptions import EndpointConnectionError
+
+            raise EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
+
+    assert "may not use bucket 'b'" in (s3_bucket_problem(Denied(), "b") or "")
+    assert s3_bucket_problem(Unreachable(), "b") is None  # no verdict: reached again per request

@@ -130,7 +130,12 @@ def test_a_files_directory_without_write_permission_is_named(tmp_path, monkeypat
         check_file_store(Settings(files_dir=str(tmp_path)).validate())
     assert str(exc.value) == (f"BATCHGATE_FILES_DIR={tmp_path}: cannot write in {tmp_path} (Permission denied); name "
                               "a directory this process can write, or a bucket with BATCHGATE_FILES_S3_BUCKET")
+    import shared.startup_checks as checks
+
+    asked: list[str] = []
+    monkeypatch.setattr(checks, "s3_bucket_problem", lambda client, bucket: asked.append(bucket))
     check_file_store(Settings(files_dir=str(tmp_path), files_s3_bucket="b").validate())  # S3: no directory
+    assert asked == ["b"]  # the bucket is checked instead (tests/unit/test_files.py)
 
 
 def test_the_gateway_and_batch_runner_refuse_an_unusable_files_directory(tmp_path, monkeypatch, capsys):
