@@ -154,7 +154,8 @@ class GenerateRunner:
                                                           self.vocab), params.min_p,
                            max(0, params.min_tokens - len(prefix))),  # of the row's own tokens
                        stop=tuple(params.stop), eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
-                       stop_ids=frozenset(params.stop_token_ids),
+                       stop_ids=frozenset(params.stop_token_ids), ends=self.eos_ids | set(params.stop_token_ids),
+                       decode=None if (decode := self._decoder(job)) == self._decode else decode,
                        owner=job, resumed=len(prefix), constraint=job.constraint)
 
     def start(self, batch: list[Job], now: float) -> list[Outcome]:

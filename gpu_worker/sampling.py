@@ -138,7 +138,7 @@ class Penalties:
         """A joining row's state (its prompt and any output a resumed stream already sent), if it needs one. A row
         with a structured output bans nothing for min_tokens: its grammar says when it is complete."""
         p = spec.sampling
-        ends = () if spec.constraint is not None else {t for t in spec.eos_ids | spec.stop_ids if t < logits.shape[-1]}
+        ends = () if spec.constraint is not None else {t for t in spec.ends if t < logits.shape[-1]}
         return cls(p, *spec.history(), logits.shape[-1], logits.device, ends) if p.penalized else None
 
     def caught_up(self, tokens: Sequence[int]) -> Penalties:

@@ -59,6 +59,11 @@ class GenSpec:
     stop: tuple[str, ...] = ()
     eos_ids: frozenset[int] = frozenset()
     stop_ids: frozenset[int] = frozenset()  # the request's own stop tokens (finish_reason stop, kept in the output)
+    # banned below the sampling's min_tokens: the model's EOS (ignore_eos or not, as vLLM's) and the stop tokens
+    ends: frozenset[int] = frozenset()
+    # how its output reads where the engine's own reading is not the caller's (special tokens spelled, a tool
+    # parser's kept): its stop strings are looked for in the text its caller gets
+    decode: Callable[[list[int]], str] | None = None
     owner: Any = None  # the caller's object for this sequence (the worker's Job), handed back in the result
     # the last `resumed` of `prompt_ids` are output already (a streamed request run again continues after what
     # its caller was sent): output for the presence and frequency penalties
@@ -169,17 +174,18 @@ def finish_reason(row: Row, decode_tail: Callable[[list[int]], str] | None) -> F
     if spec.constraint is not None and spec.constraint.failed:  # drawn unmasked: never a complete answer
         return FinishReason.ERROR
     short = len(row.tokens) < spec.sampling.min_tokens
-    if row.tokens[-1] in spec.eos_ids and not short:
+    if row.tokens[-1] in spec.eos_ids and (not short or spec.constraint is not None):  # a grammar row bans none
         return FinishReason.EOS
     if row.tokens[-1] in spec.stop_ids and not short:  # before stop strings, as vLLM checks them
         return FinishReason.STOP
     if spec.constraint is not None and spec.constraint.done:  # its grammar takes no more tokens: complete
         return FinishReason.STOP
-    if spec.stop and decode_tail is not None and len(row.tokens) > spec.sampling.min_tokens:
-        tail = decode_tail(row.tokens[-spec.stop_tail:])
+    decode = spec.decode or decode_tail
+    if spec.stop and decode is not None and len(row.tokens) > spec.sampling.min_tokens:
+        tail = decode(row.tokens[-spec.stop_tail:])
         if spec.sampling.min_tokens == 0 and any(s in tail for s in spec.stop):
             return FinishReason.STOP
-        if spec.sampling.min_tokens and completes_stop(tail, decode_tail(row.tokens[-spec.stop_tail:-1]), spec.stop):
+        if spec.sampling.min_tokens and completes_stop(tail, decode(row.tokens[-spec.stop_tail:-1]), spec.stop):
             return FinishReason.STOP
     if len(row.tokens) >= spec.max_new_tokens:
         return FinishReason.LENGTH
@@ -187,6 +193,6 @@ def finish_reason(row: Row, decode_tail: Callable[[list[int]], str] | None) -> F
 
 
 def completes_stop(text: str, before: str, stops: Sequence[str]) -> bool:
-    """The latest token (`text` is `before` with it) completes an occurrence of one of `stops`: one more of it than
-    `before` holds (a row with min_tokens was not stopped by those it holds already)."""
-    return any(s and text.count(s) > before.count(s) for s in stops)
+    """The latest token (`text` is `before` with it) completes an occurrence of one of `stops`: one that ends past
+    `before`, overlapping what it holds or not (a row with min_tokens was not stopped by those it holds already)."""
+    return any(s and text.find(s, max(0, len(before) - len(s) + 1)) >= 0 for s in stops)

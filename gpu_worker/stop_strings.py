@@ -24,9 +24,14 @@ def cut_at_stop(token_ids: list[int], stops: Sequence[str], decode: Callable[[li
     found = [(i, i + len(s)) for s in stops if s and (i := text.find(s, max(0, floor - len(s) + 1))) >= 0]
     if not found:
         return text, token_ids
-    text = text[:min(end for _, end in found)] if include else text[:min(i for i, _ in found)]
     # the stop is found the step it completes, so only the last few tokens lie past the cut: walk back
     keep = len(token_ids)
+    if include:  # the text through the first stop string to complete, the ids through the token completing it
+        text = text[:min(end for _, end in found)]
+        while keep > 1 and len(decode(token_ids[:keep - 1])) >= len(text):
+            keep -= 1
+        return text, token_ids[:keep]
+    text = text[:min(i for i, _ in found)]
     while keep > 0 and not _within(decode(token_ids[:keep]), text):
         keep -= 1
     return text, token_ids[:keep]

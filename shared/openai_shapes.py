@@ -517,6 +517,8 @@ def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Tran
     echo, score_only = bool(req.echo), bool(req.echo) and req.max_tokens == 0
     if echo and stream:
         raise unsupported("echo", "not with stream: true (ask for the echo without streaming)")
+    if score_only and req.min_tokens:  # the prompt scored alone: no token is kept
+        raise invalid("min_tokens", f"must be at most max_tokens (0), got {req.min_tokens}")
     fmt, fmt_aliases = _constraint(req)
     params = _with_logprobs(_params(req, 1 if score_only else req.max_tokens, fmt), logprobs)
     if echo and logprobs is not None:  # the prompt's tokens scored (and their text)

@@ -3,6 +3,7 @@ greedy, it is `generate` with `min_new_tokens` token for token; its batch-mates 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shared import openai_shapes as oa
@@ -50,7 +51,22 @@ def test_a_forced_end_token_waits_for_min_tokens_greedy_and_sampled():
         assert len(ids) == 6 and ids[-1] == forced and forced not in ids[:5] and reason == "stop", (sampling, ids)
 
 
+def test_ignore_eos_still_bans_the_eos_below_min_tokens():
+    """vLLM bans the model's EOS below min_tokens whether or not it ends the output (ignore_eos): benchmark clients
+    send both, to have exactly so many tokens of text."""
+    model, tok = tiny_llama()
+    eos = tok.eos_token_id
+    model.generation_config.eos_token_id = eos
+    got = serve(model, tok, [request("a", logit_bias={str(eos): 100.0}, ignore_eos=True, min_tokens=3,
+                                     max_new_tokens=5)])
+    ids, reason = got["a"]
+    assert eos not in ids[:3] and ids[3:] == [eos, eos] and reason == "length", ids
+
+
 def test_the_openai_routes_pass_it():
     tr = oa.translate_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "min_tokens": 4})
     assert tr.body["params"]["min_tokens"] == 4
     assert "min_tokens" not in oa.translate_completion({"model": "m", "prompt": "hi"}).body["params"]
+    with pytest.raises(oa.OpenAIError) as err:  # the prompt scored alone: no token is kept
+        oa.translate_completion({"model": "m", "prompt": "hi", "echo": True, "max_tokens": 0, "min_tokens": 1})
+    assert err.value.param == "min_tokens"

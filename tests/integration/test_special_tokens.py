@@ -61,6 +61,11 @@ def test_special_tokens_are_spelled_where_asked():
     assert out["token_ids"] == [unk] * 3 and reason == "length" and out["text"] == ""  # special: left out
     out, _, sent = outputs(model, tok, **three, skip_special_tokens=False)
     assert out["text"] == "<unk>" * 3 and sent.startswith("<unk>")  # the stream spells them too
+    # a stop string is looked for in the text the caller gets, special tokens spelled
+    out, reason, sent = outputs(model, tok, **three, skip_special_tokens=False, stop=["k><u"])
+    assert (out["text"], out["token_ids"], reason, sent) == ("<un", [], "stop", "")  # the token it cuts: left out
+    out, reason, _ = outputs(model, tok, **three, stop=["k><u"])  # not spelled: no such text
+    assert (out["text"], reason) == ("", "length")
     model.generation_config.eos_token_id = eos
     ending = {"logit_bias": {str(eos): 100.0}, "min_tokens": 2, "skip_special_tokens": False}
     out, reason, _ = outputs(model, tok, **ending)

@@ -270,6 +270,17 @@ def test_min_tokens_hold_a_row_open_past_its_stop_tokens_and_strings_as_a_models
     assert run(stop=["bc"], min_tokens=2) == ([97], "a", FinishReason.STOP)  # the 3rd token completes it: past them
     assert run(stop=["bc"], min_tokens=3) == ([*b"abcdefa"], "abcdefa", FinishReason.STOP)  # within: the next cuts
     assert run(stop=["bc"], min_tokens=12) == ([*b"abcdefabcdef"], "abcdefabcdef", FinishReason.LENGTH)
+    req = request(prompt="a\n\n\nb\n\n", max_new_tokens=12, stop=("\n\n",), stream=True)
+    req = dataclasses.replace(req, params={**req.params, "min_tokens": 3})  # one "\n\n" overlapping one within
+    j = job(runner, req)
+    done = {o.request.id: o for o in runner.start([j], time.time())}
+    sent = "".join(d.delta.text for d in runner.take_deltas())
+    while runner.busy:
+        done.update({o.request.id: o for o in runner.step()})
+        sent += "".join(d.delta.text for d in runner.take_deltas())
+    result = done["r1"].result
+    assert (result.output["text"], result.finish_reason) == ("a\n", FinishReason.STOP)
+    assert sent == "a"  # nothing the result leaves out was sent (the gateway sends the held "\n" from the result)
 
 
 def test_a_stream_with_min_tokens_sends_what_the_result_holds_and_a_rerun_counts_what_it_was_sent():

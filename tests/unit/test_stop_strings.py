@@ -105,6 +105,8 @@ def test_below_min_tokens_nothing_but_the_length_or_a_complete_grammar_ends_a_ro
     assert finish_reason(_row([1, 2, 6, 2, 6, 7], 6, stop=("\n",)), decode) is FinishReason.LENGTH
     grammar = SimpleNamespace(failed=None, done=True)
     assert finish_reason(_row([1, 2], 3, constraint=grammar), decode) is FinishReason.STOP
+    # a grammar row bans nothing for min_tokens: an EOS it draws (its grammar complete) ends it as an EOS does
+    assert finish_reason(_row([1, 7], 3, constraint=grammar, **ends), decode) is FinishReason.EOS
 
 
 def test_past_min_tokens_a_stop_string_ends_a_row_where_its_latest_token_completes_it():
@@ -120,10 +122,21 @@ def test_past_min_tokens_a_stop_string_ends_a_row_where_its_latest_token_complet
 @pytest.mark.parametrize(("ids", "stops", "text", "kept"), [
     ([1, 2, 3, 6], ["\n"], "Hello,\n", [1, 2, 3, 6]),  # the stop string kept, with its token
     ([1, 2, 8], ["\n"], "Hellox\n", [1, 2, 8]),
-    ([1, 2, 9, 1], ["\n"], "Hello\n", [1, 2]),  # a token that goes past it leaves the ids, as before
-    ([1, 2, 9], ["\nEND", "\n"], "Hello\n", [1, 2]),  # the first to complete
+    ([1, 2, 9, 1], ["\n"], "Hello\n", [1, 2, 9]),  # the ids through the token completing it, past it or not
+    ([1, 2, 9], ["\nEND", "\n"], "Hello\n", [1, 2, 9]),  # the text through the first to complete
     ([1, 6, 4, 6], ["\n"], "Hel\n", [1, 6]),  # the earliest
 ])
 def test_cut_with_the_stop_string_included(ids, stops, text, kept):
     assert cut_at_stop(ids, stops, decode, include=True) == (text, kept)
     assert cut_at_stop([1, 6, 2, 6], ["\n"], decode, after=2, include=True) == ("Hel\nlo\n", [1, 6, 2, 6])
+
+
+def test_a_stop_string_overlapping_one_within_min_tokens_still_ends_the_row():
+    """"\n\n" within the first min_tokens, then a "\n" that makes another with the last of them: it ends the row
+    (vLLM looks for it from where the new text could begin it), as the cut finds it."""
+    from gpu_worker.sequences import completes_stop, finish_reason
+
+    assert completes_stop("a\n\n\n", "a\n\n", ["\n\n"]) and not completes_stop("a\n\nb", "a\n\n", ["\n\n"])
+    row = _row([1, 6, 6, 6], 3, stop=("\n\n",))  # "Hel", then three "\n": the third completes one past min_tokens
+    assert finish_reason(row, decode) is FinishReason.STOP
+    assert cut_at_stop([1, 6, 6, 6], ["\n\n"], decode, after=3) == ("Hel\n", [1, 6])
