@@ -167,6 +167,39 @@ async def test_chat_template_kwargs_are_taken_from_the_official_client(stack: Ru
     assert info.value.param == "chat_template_kwargs" and "set by the rendering itself" in info.value.message
 
 
+async def test_vllms_output_fields_from_the_official_client(stack: RunningGateway, loaded_models, clients: Clients):
+    """vLLM's `continue_final_message` (with `add_generation_prompt: false`), `min_tokens`,
+    `include_stop_str_in_output` and `skip_special_tokens`, as its users send them (`extra_body`), through the whole
+    stack: the continued answer is the greedy continuation of the conversation transformers renders so; min_tokens
+    holds a stop token off as generate's min_new_tokens does."""
+    _, client = clients(stack)
+    loaded = loaded_models["tiny-llama"]
+    begun: list[Any] = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi there, I"}]
+    ids = loaded.tokenizer.apply_chat_template(begun, add_generation_prompt=False, continue_final_message=True,
+                                               return_dict=False)
+    got = await client.chat.completions.create(model="tiny-llama", messages=begun, max_tokens=6, temperature=0,
+                                               extra_body={"ignore_eos": True, "add_generation_prompt": False,
+                                                           "continue_final_message": True})
+    assert got.usage is not None and got.usage.prompt_tokens == len(ids)
+    want = loaded.tokenizer.decode(reference_ids(loaded, list(ids), 6), skip_special_tokens=True)
+    assert got.choices[0].message.content == want
+    stop = reference_ids(loaded, PROMPT_IDS, 1)[0]  # drawn first, and biased to be drawn every step
+    kw: dict[str, Any] = dict(model="tiny-llama", prompt=PROMPT_IDS, max_tokens=8, temperature=0,
+                              logit_bias={str(stop): 100})
+    early = await client.completions.create(**kw, extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
+    assert early.choices[0].finish_reason == "stop" and early.usage and early.usage.completion_tokens == 1
+    assert early.choices[0].text == ""  # the stop token's text left out
+    held = await client.completions.create(**kw, extra_body={"ignore_eos": True, "stop_token_ids": [stop],
+                                                             "min_tokens": 4, "include_stop_str_in_output": True,
+                                                             "skip_special_tokens": False})
+    assert held.choices[0].finish_reason == "stop" and held.usage and held.usage.completion_tokens == 5, held
+    text = loaded.tokenizer.decode([stop])
+    assert held.choices[0].text.endswith(text) and len(held.choices[0].text) > len(text)
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(**kw, extra_body={"min_tokens": 9})
+    assert info.value.param == "min_tokens"
+
+
 async def test_a_stop_string_cut_inside_the_first_token_streams_the_same_text(stack: RunningGateway, loaded_models,
                                                                             clients: Clients):
     _, client = clients(stack)
