@@ -138,8 +138,10 @@ class Penalties:
         """A joining row's state (its prompt and any output a resumed stream already sent), if it needs one. A row
         with a structured output bans nothing for min_tokens: its grammar says when it is complete."""
         p = spec.sampling
-        ends = () if spec.constraint is not None else {t for t in spec.ends if t < logits.shape[-1]}
-        return cls(p, *spec.history(), logits.shape[-1], logits.device, ends) if p.penalized else None
+        if not p.penalized:
+            return None
+        ends = () if spec.constraint is not None or not p.min_tokens else [t for t in spec.ends if t < logits.shape[-1]]
+        return cls(p, *spec.history(), logits.shape[-1], logits.device, ends)
 
     def caught_up(self, tokens: Sequence[int]) -> Penalties:
         """Count in the row's generated `tokens` not yet counted (one a step); they only ever grow."""

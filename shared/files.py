@@ -147,7 +147,8 @@ def _commit(f: IO[bytes], last: bytes, tmp: Path, path: Path) -> None:
 # ------------------------------------------------------------------------------------------------ S3
 
 
-def _s3_code(exc: Exception) -> str:
+def s3_error_code(exc: Exception) -> str:
+    """The code S3 answered a failed call with (a boto3 ClientError's), or ''."""
     response = getattr(exc, "response", None)
     return str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
 
@@ -214,7 +215,7 @@ class S3FileStore:
         try:
             obj = await asyncio.to_thread(self.client.get_object, Bucket=self.bucket, Key=name, **ranged)
         except Exception as exc:
-            code = _s3_code(exc)
+            code = s3_error_code(exc)
             if code in ("NoSuchKey", "404", "NotFound"):
                 raise FileNotFoundError(f"s3://{self.bucket}/{name}") from exc
             if code == "InvalidRange" and await self.size(key) is not None:
@@ -235,7 +236,7 @@ class S3FileStore:
         try:
             head = await asyncio.to_thread(self.client.head_object, Bucket=self.bucket, Key=self._name(key))
         except Exception as exc:
-            if _s3_code(exc) in ("NoSuchKey", "404", "NotFound"):
+            if s3_error_code(exc) in ("NoSuchKey", "404", "NotFound"):
                 return None
             raise
         return int(head["ContentLength"])

@@ -100,12 +100,14 @@ def s3_bucket_problem(client: Any, bucket: str) -> str | None:
     repeat, is no verdict (None, a warning): the bucket is reached again on every request."""
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
+    from shared.files import s3_error_code
+
     try:
         client.head_bucket(Bucket=bucket)
     except NoCredentialsError:
         return "no AWS credentials were found (an instance or task role, AWS_ACCESS_KEY_ID, or a profile)"
     except ClientError as exc:
-        code = str(exc.response.get("Error", {}).get("Code", ""))
+        code = s3_error_code(exc)
         if code in ("404", "NoSuchBucket", "NotFound"):
             return f"there is no bucket {bucket!r} (create it first)"
         if code in ("403", "AccessDenied", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch"):

@@ -47,6 +47,16 @@ def spec_of(directory) -> ModelSpec:
                      max_input_tokens=200, max_new_tokens=16).validate()
 
 
+def runner_of(spec: ModelSpec, tok: PreTrainedTokenizerFast) -> GenerateRunner:
+    """A worker's runner for the template's model: a one-layer Llama of its vocabulary, seeded."""
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    torch.manual_seed(0)
+    loaded = LoadedModel(spec=spec, path=None, model=LlamaForCausalLM(cfg).eval(), tokenizer=tok,
+                         device=torch.device("cpu"), dtype=torch.float32)
+    return GenerateRunner(loaded, "w", max_rows=2, max_seq_len=256)
+
+
 def submit(kwargs: dict | None, spec: ModelSpec, limits: TokenLimits) -> InferenceRequest:
     inp = {"messages": CONVO, **({"chat_template_kwargs": kwargs} if kwargs is not None else {})}
     return build_request({"input": inp, "params": {"max_new_tokens": 4}}, spec, "t", time.time(), limits=limits)
@@ -56,12 +66,7 @@ def test_the_gateway_counts_and_the_worker_renders_with_the_requests_variables(m
     spec = spec_of(model_dir)
     tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
     limits = TokenLimits()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
-    torch.manual_seed(0)
-    loaded = LoadedModel(spec=spec, path=None, model=LlamaForCausalLM(cfg).eval(), tokenizer=tok,
-                         device=torch.device("cpu"), dtype=torch.float32)
-    runner = GenerateRunner(loaded, "w", max_rows=2, max_seq_len=256)
+    runner = runner_of(spec, tok)
     for kwargs in (None, {"enable_thinking": True}, {"enable_thinking": False},
                    {"enable_thinking": False, "greeting": "Sure! Here goes a longer greeting."}):
         expected = tok.apply_chat_template(CONVO, add_generation_prompt=True, return_dict=False, **(kwargs or {}))
@@ -112,11 +117,7 @@ def test_the_worker_checks_the_names_again(model_dir):
     loop answers as the request's `invalid_input` (`ModelLoop._add`), the worker going on."""
     spec = spec_of(model_dir)
     tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
-    loaded = LoadedModel(spec=spec, path=None, model=LlamaForCausalLM(cfg).eval(), tokenizer=tok,
-                         device=torch.device("cpu"), dtype=torch.float32)
-    runner = GenerateRunner(loaded, "w", max_rows=2, max_seq_len=256)
+    runner = runner_of(spec, tok)
     now = int(time.time() * 1000)
     req = InferenceRequest(id="r", tenant="t", model="thinking", task=Task.GENERATE,
                            input={"messages": CONVO, "chat_template_kwargs": {"tokenize": False}},

@@ -8,17 +8,14 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
-from gpu_worker.generate_runner import GenerateRunner
 from gpu_worker.job import Job
-from gpu_worker.models import LoadedModel
 from shared import openai_shapes as oa
 from shared.errors import ValidationError
 from shared.submit import build_request
 from shared.token_limits import TokenLimits
-from tests.integration.test_chat_template_kwargs import model_dir, spec_of  # noqa: F401 (a fixture)
+from tests.integration.test_chat_template_kwargs import model_dir, runner_of, spec_of  # noqa: F401 (a fixture)
 
 BEGUN = [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "It is"}]
 
@@ -31,12 +28,7 @@ def submit(spec, inp: dict) -> object:
 def test_the_gateway_counts_and_the_worker_renders_as_transformers_does(model_dir):  # noqa: F811
     spec = spec_of(model_dir)
     tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
-    torch.manual_seed(0)
-    loaded = LoadedModel(spec=spec, path=None, model=LlamaForCausalLM(cfg).eval(), tokenizer=tok,
-                         device=torch.device("cpu"), dtype=torch.float32)
-    runner = GenerateRunner(loaded, "w", max_rows=2, max_seq_len=256)
+    runner = runner_of(spec, tok)
     limits = TokenLimits()
     cases = [({}, dict(add_generation_prompt=True)),
              ({"add_generation_prompt": False}, dict(add_generation_prompt=False)),
