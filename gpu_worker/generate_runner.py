@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import structlog
 
+from gpu_worker.bad_words import bad_word_ids
 from gpu_worker.constraints import Grammars
 from gpu_worker.engine import GenerationEngine
 from gpu_worker.generation_config import warn_unapplied
@@ -152,7 +153,8 @@ class GenerateRunner:
                            params.presence_penalty, params.frequency_penalty, tuple(params.logit_bias.items()),
                            params.logprobs, scored_prompt(params, len(prefix), len(job.inputs[0] + prefix),
                                                           self.vocab), params.min_p,
-                           max(0, params.min_tokens - len(prefix))),  # of the row's own tokens
+                           max(0, params.min_tokens - len(prefix)),  # of the row's own tokens
+                           params.allowed_token_ids, bad_word_ids(params.bad_words, self._encode)),
                        stop=tuple(params.stop), eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
                        stop_ids=frozenset(params.stop_token_ids), ends=self.eos_ids | set(params.stop_token_ids),
                        decode=None if (decode := self._decoder(job)) == self._decode else decode,
@@ -242,6 +244,10 @@ class GenerateRunner:
     def _decode(self, ids: list[int]) -> str:
         """Token ids to text, as callers see it (the engine's stop-string check reads the same)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _encode(self, text: str) -> list[int]:
+        """Text to token ids as output spells it (no special tokens added): a bad word's."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _decoder(self, job: Job) -> Callable[[list[int]], str]:
         """How `job`'s output reads: with every special token where it asks (`skip_special_tokens` false), else with

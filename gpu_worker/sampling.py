@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from gpu_worker.bad_words import banned_next, longest_prefix
 from gpu_worker.sequences import GenSpec, Row, SamplingParams, TokenLogprob
 
 
@@ -111,15 +112,23 @@ class Penalties:
     every step cost a step O(prompt) Python and several host-to-device copies per row (a model whose own
     `generation_config` sets a repetition penalty penalizes every row)."""
 
-    __slots__ = ("banned", "bias_ids", "bias_values", "counts", "seen", "taken")
+    __slots__ = ("bad_words", "banned", "bias_ids", "bias_values", "counts", "disallowed", "seen", "tail", "taken")
 
     def __init__(self, params: SamplingParams, prompt: Sequence[int], output: Sequence[int], vocab: int,
                  device: torch.device, ends: Sequence[int] = ()) -> None:
         """`ends`: the tokens that would end the row (its EOS and stop tokens), banned below its `min_tokens`."""
-        self.seen = self.counts = self.bias_ids = self.bias_values = self.banned = None
+        self.seen = self.counts = self.bias_ids = self.bias_values = self.banned = self.disallowed = None
         self.taken = 0  # of the row's generated tokens, those counted in already
         if params.min_tokens and ends:
             self.banned = torch.tensor(sorted(ends), dtype=torch.long, device=device)
+        if params.allowed_token_ids is not None:
+            self.disallowed = torch.ones(vocab, dtype=torch.bool, device=device)
+            self.disallowed[torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long,
+                                         device=device)] = False
+        # a word whose last token the model cannot draw never completes
+        self.bad_words = tuple(w for w in params.bad_words if w[-1] < vocab)
+        keep = longest_prefix(self.bad_words)
+        self.tail = list(output[max(0, len(output) - keep):]) if keep else []
         if params.repetition_penalty != 1.0:
             self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
             if prompt or output:
@@ -152,6 +161,8 @@ class Penalties:
                 self.seen[t] = True
             if self.counts is not None:
                 self.counts[t] += 1.0
+        if self.bad_words and (keep := longest_prefix(self.bad_words)):  # the output's last tokens they look at
+            self.tail = [*self.tail, *tokens[self.taken:]][-keep:]
         self.taken = len(tokens)
         return self
 
@@ -161,10 +172,15 @@ def penalize(logits: torch.Tensor, rows: list[tuple[int, SamplingParams, Penalti
     order: OpenAI's `logit_bias` added; the repetition penalty as transformers' `RepetitionPenaltyLogitsProcessor`
     applies it (every token of prompt and output: a positive logit divided by it, a negative one multiplied);
     OpenAI's frequency and presence penalties over the output's tokens (`logit - count * frequency - presence`);
-    and, below its `min_tokens`, the tokens that would end it banned (vLLM's MinTokensLogitsProcessor)."""
+    below its `min_tokens`, the tokens that would end it banned (vLLM's MinTokensLogitsProcessor); and every token
+    outside its `allowed_token_ids` or completing one of its `bad_words` banned (vLLM's)."""
     out = logits.float().clone()
     for i, p, state in rows:
         row = out[i]
+        if state.disallowed is not None:
+            row.masked_fill_(state.disallowed, float("-inf"))
+        if state.bad_words and (bad := banned_next(state.bad_words, state.tail)):
+            row[bad] = float("-inf")
         if state.banned is not None and state.taken < p.min_tokens:
             row.index_fill_(0, state.banned, float("-inf"))
         if state.bias_ids is not None:

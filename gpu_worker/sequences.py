@@ -35,6 +35,10 @@ class SamplingParams:
     # vLLM's min_tokens, of this row's own tokens: until it holds this many, its EOS and stop tokens are banned
     # (`sampling.Penalties` holds which); 0: off
     min_tokens: int = 0
+    # vLLM's allowed_token_ids: every other token is banned; None: off
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's bad_words as token sequences (`gpu_worker.bad_words`): each one's last token is banned after the rest
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -45,7 +49,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "penalized", self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                           or self.frequency_penalty != 0.0 or bool(self.logit_bias) or self.min_tokens > 0)
+                           or self.frequency_penalty != 0.0 or bool(self.logit_bias) or self.min_tokens > 0
+                           or self.allowed_token_ids is not None or bool(self.bad_words))
 
 
 @dataclass(frozen=True, slots=True)

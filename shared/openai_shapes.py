@@ -179,7 +179,8 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     logit_bias: dict[str, Any] | None = None  # checked as the native params.logit_bias
     service_tier: str | None = None
     # extensions: the deadline and priority of the native API; vLLM's top_k, min_p, stop_token_ids, min_tokens,
-    # include_stop_str_in_output, skip_special_tokens, ignore_eos and repetition_penalty
+    # include_stop_str_in_output, skip_special_tokens, ignore_eos, repetition_penalty, allowed_token_ids and
+    # bad_words
     timeout_s: float | None = None
     priority: Priority | None = None
     top_k: int | None = None
@@ -190,6 +191,8 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     skip_special_tokens: bool | None = None
     ignore_eos: bool | None = None
     repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # structured output: OpenAI's response_format (completions too, as vLLM takes it), vLLM's guided decoding
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -371,11 +374,11 @@ def _params(req: _Sampling, max_tokens: int | None, fmt: dict[str, Any] | None) 
     if max_tokens is not None:
         params["max_new_tokens"] = max_tokens
     for name in ("top_p", "seed", "top_k", "min_p", "ignore_eos", "repetition_penalty", "stop_token_ids",
-                 "min_tokens", "include_stop_str_in_output", "skip_special_tokens"):
+                 "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids"):
         if getattr(req, name) is not None:
             params[name] = getattr(req, name)
-    for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
-        if getattr(req, name):  # 0 and {}, OpenAI's defaults, are the native defaults too
+    for name in ("presence_penalty", "frequency_penalty", "logit_bias", "bad_words"):
+        if getattr(req, name):  # 0, {} and [], OpenAI's (and vLLM's) defaults, are the native defaults too
             params[name] = getattr(req, name)
     # values OpenAI (and vLLM) take that the native params spell otherwise: top_p 0 keeps the likeliest token
     # alone (the native least top_p does), any int64 is a seed, vLLM's top_k -1 is off (native 0)

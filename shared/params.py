@@ -34,15 +34,19 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 1024  # tokens a request may bias
 MAX_BIAS = 100.0  # OpenAI's range, [-100, 100]: -100 bans a token, 100 all but forces it
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat top_logprobs range, [0, 20]
+MAX_ALLOWED_TOKEN_IDS = 65_536  # tokens a request may restrict its output to
+MAX_BAD_WORDS = 128  # vLLM's own bound (its GPU model runner's MAX_NUM_BAD_WORDS)
+MAX_BAD_WORD_LENGTH = 256
 # the sampling fields a request sets only to change them: on the wire only where set (a worker of the release
 # before them serves every request that leaves them out)
 PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 
 NonEmptyStr = Annotated[str, Meta(min_length=1)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LENGTH)]
+BadWord = Annotated[str, Meta(min_length=1, max_length=MAX_BAD_WORD_LENGTH)]
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 # lists of short values: an error on one item is reported at the list ("params.stop: item 0: ...")
-ITEM_LISTS = ("params.stop", "params.stop_token_ids", "input.input_ids")
+ITEM_LISTS = ("params.stop", "params.stop_token_ids", "params.allowed_token_ids", "params.bad_words", "input.input_ids")
 
 
 def finite_number(value: Any) -> float | None:
@@ -84,6 +88,14 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stop_token_ids: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_STOP_TOKEN_IDS, description=(
         "tokens that end the output where one is drawn, finish_reason stop, its id kept in token_ids and its text "
         "not (vLLM's stop_token_ids); ignore_eos leaves them in force"))] = ()
+    allowed_token_ids: Annotated[tuple[TokenId, ...], Meta(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS,
+                                                          description=(
+        "the only tokens the output may hold: every other token's logit is -inf before the penalties and sampling "
+        "(vLLM's allowed_token_ids); leave the EOS out and the output runs to max_new_tokens or a stop; not with "
+        "response_format; null: off"))] | None = None
+    bad_words: Annotated[tuple[BadWord, ...], Meta(max_length=MAX_BAD_WORDS, description=(
+        "words the output must not spell: each is tokenized as it is and after a space, and where the output "
+        "holds all of such a token sequence but its last token, that token is banned (vLLM's bad_words)"))] = ()
     presence_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
         "subtracted from the logit of every token the output holds so far (OpenAI's presence_penalty)"))] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
@@ -115,8 +127,9 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                           else tuple(self.stop))
         if self.top_k is None:
             msgspec.structs.force_setattr(self, "top_k", 0)
-        if not isinstance(self.stop_token_ids, tuple):  # a list from the wire dict
-            msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop_token_ids", "allowed_token_ids", "bad_words"):  # a list from the wire dict
+            if isinstance(value := getattr(self, name), list):
+                msgspec.structs.force_setattr(self, name, tuple(value))
         if any(isinstance(k, str) for k in self.logit_bias):  # the wire's JSON spells the ids as strings
             msgspec.structs.force_setattr(self, "logit_bias", {int(k): v for k, v in self.logit_bias.items()})
         if isinstance(self.response_format, dict):  # the wire's dict
@@ -131,10 +144,18 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """The first `stop_token_ids` id that is not in a vocabulary of `vocab` tokens (None: all are, or unknown)."""
         return next((t for t in self.stop_token_ids if t >= vocab), None) if vocab is not None else None
 
+    def allowed_beyond(self, vocab: int | None) -> int | None:
+        """The first `allowed_token_ids` id that is not in a vocabulary of `vocab` tokens (None: all are, or
+        unknown)."""
+        if vocab is None or self.allowed_token_ids is None:
+            return None
+        return next((t for t in self.allowed_token_ids if t >= vocab), None)
+
     def outside_vocabulary(self, vocab: int | None) -> tuple[str, int] | None:
-        """(field, token id) of the first of `logit_bias` and `stop_token_ids` to name a token outside a vocabulary of
-        `vocab` tokens; None: none does, or the size is unknown."""
-        for field, bad in (("logit_bias", self.bias_beyond(vocab)), ("stop_token_ids", self.stop_beyond(vocab))):
+        """(field, token id) of the first of `logit_bias`, `stop_token_ids` and `allowed_token_ids` to name a token
+        outside a vocabulary of `vocab` tokens; None: none does, or the size is unknown."""
+        for field, bad in (("logit_bias", self.bias_beyond(vocab)), ("stop_token_ids", self.stop_beyond(vocab)),
+                           ("allowed_token_ids", self.allowed_beyond(vocab))):
             if bad is not None:
                 return field, bad
         return None
@@ -151,15 +172,17 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 del out[name]
         if out["skip_special_tokens"]:  # the default: left out (a worker that predates it reads it as before)
             del out["skip_special_tokens"]
-        for name in ("logprobs", "prompt_logprobs", "echo", "response_format", "include_stop_str_in_output"):
+        for name in ("logprobs", "prompt_logprobs", "echo", "response_format", "include_stop_str_in_output",
+                     "allowed_token_ids"):
             if out[name] is None or out[name] is False:  # left out as the penalties are (0 is a count: kept)
                 del out[name]
-        for name in ("min_p", "stop_token_ids", "min_tokens"):  # off: left out, so a worker that predates them
-            # reads it as before
+        for name in ("min_p", "stop_token_ids", "min_tokens", "bad_words"):  # off: left out, so a worker that
+            # predates them reads it as before
             if not out[name]:
                 del out[name]
-        if "stop_token_ids" in out:
-            out["stop_token_ids"] = list(self.stop_token_ids)
+        for name in ("stop_token_ids", "allowed_token_ids", "bad_words"):
+            if name in out:
+                out[name] = list(out[name])
         if self.response_format is not None:
             out["response_format"] = msgspec.to_builtins(self.response_format)
         return out
@@ -185,6 +208,9 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """A `response_format` that cannot constrain anything (a schema or pattern llguidance cannot compile) is
         refused now, where llguidance is installed (else the worker refuses it)."""
         if self.response_format is not None:
+            if self.allowed_token_ids is not None:  # two constraints whose intersection may hold no token
+                raise ValidationError("params.allowed_token_ids", "cannot be combined with response_format: the "
+                                      "format's grammar already says which tokens may come next")
             checked(self.response_format)
 
     @classmethod

@@ -169,9 +169,9 @@ async def test_chat_template_kwargs_are_taken_from_the_official_client(stack: Ru
 
 async def test_vllms_output_fields_from_the_official_client(stack: RunningGateway, loaded_models, clients: Clients):
     """vLLM's `continue_final_message` (with `add_generation_prompt: false`), `min_tokens`,
-    `include_stop_str_in_output` and `skip_special_tokens`, as its users send them (`extra_body`), through the whole
-    stack: the continued answer is the greedy continuation of the conversation transformers renders so; min_tokens
-    holds a stop token off as generate's min_new_tokens does."""
+    `include_stop_str_in_output`, `skip_special_tokens` and `allowed_token_ids`, as its users send them
+    (`extra_body`), through the whole stack: the continued answer is the greedy continuation of the conversation
+    transformers renders so; min_tokens holds a stop token off as generate's min_new_tokens does."""
     _, client = clients(stack)
     loaded = loaded_models["tiny-llama"]
     begun: list[Any] = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi there, I"}]
@@ -198,6 +198,13 @@ async def test_vllms_output_fields_from_the_official_client(stack: RunningGatewa
     with pytest.raises(openai.BadRequestError) as info:
         await client.completions.create(**kw, extra_body={"min_tokens": 9})
     assert info.value.param == "min_tokens"
+    # allowed_token_ids outweighs the bias: the one token allowed, every step
+    only = await client.completions.create(**kw, extra_body={"ignore_eos": True, "allowed_token_ids": [stop + 1]})
+    assert only.choices[0].text == loaded.tokenizer.decode([stop + 1] * 8, skip_special_tokens=True)
+    for bad in ({"allowed_token_ids": []}, {"bad_words": [""]}):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(**kw, extra_body=bad)
+        assert info.value.param == next(iter(bad))
 
 
 async def test_a_stop_string_cut_inside_the_first_token_streams_the_same_text(stack: RunningGateway, loaded_models,

@@ -56,6 +56,14 @@ def test_generate_full():
     ({"min_tokens": 1.5}, "params.min_tokens"),
     ({"min_tokens": 9, "max_new_tokens": 8}, "params.min_tokens"),
     ({"min_tokens": 257}, "params.min_tokens"),  # past the model's limit, with a default max_new_tokens
+    ({"allowed_token_ids": []}, "params.allowed_token_ids"),  # vLLM refuses an empty list too
+    ({"allowed_token_ids": [1, -2]}, "params.allowed_token_ids"),
+    ({"allowed_token_ids": "1"}, "params.allowed_token_ids"),
+    ({"allowed_token_ids": [1], "response_format": {"type": "json_object"}}, "params.allowed_token_ids"),
+    ({"bad_words": "word"}, "params.bad_words"),
+    ({"bad_words": [""]}, "params.bad_words"),
+    ({"bad_words": ["x" * 257]}, "params.bad_words"),
+    ({"bad_words": ["w"] * 129}, "params.bad_words"),
 ])
 def test_generate_rejects(raw, field):
     with pytest.raises(ValidationError) as err:
@@ -134,3 +142,14 @@ def test_min_tokens_is_at_most_the_new_tokens_and_a_default_grows_to_it():
     with pytest.raises(ValidationError) as err:
         gen({"min_tokens": 300})
     assert err.value.message == "must be at most this model's limit of 256 new tokens, got 300"
+
+
+def test_allowed_token_ids_and_bad_words_are_on_the_wire_only_where_set():
+    assert not {"allowed_token_ids", "bad_words"} & set(gen({"bad_words": []}).to_dict())
+    p = gen({"allowed_token_ids": [5, 3], "bad_words": ["no", " way"]})
+    wire = json.loads(json.dumps(p.to_dict()))
+    assert wire["allowed_token_ids"] == [5, 3] and wire["bad_words"] == ["no", " way"]
+    back = GenerateParams(**wire)  # what the worker builds from the wire dict
+    assert back == p and back.allowed_token_ids == (5, 3) and back.bad_words == ("no", " way")
+    assert p.outside_vocabulary(5) == ("allowed_token_ids", 5) and p.outside_vocabulary(6) is None
+    assert gen({"bad_words": ["yes"], "response_format": {"type": "json_object"}}).bad_words == ("yes",)
