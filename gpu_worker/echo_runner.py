@@ -122,6 +122,7 @@ class EchoRunner:
             ids = encode_text("\n".join(m["content"] for m in req.input["messages"]))
         else:
             ids = encode_text(req.input["prompt"])
+        ids = params.cut_prompt(ids, self.spec.max_input_tokens)  # as a model's runner truncates it
         if not ids:
             return failed_outcome(req, self.worker, now, "invalid_input", "the prompt has no tokens")
         total = len(ids) + params.max_new_tokens

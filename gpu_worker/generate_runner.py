@@ -113,6 +113,7 @@ class GenerateRunner:
                 continue_final_message=req.input.get("continue_final_message", False)))
         else:
             ids = self.tokenizer(req.input["prompt"], add_special_tokens=True)["input_ids"]
+        ids = params.cut_prompt(ids, self.spec.max_input_tokens)  # truncate_prompt_tokens: its last tokens
         if len(ids) > self.spec.max_input_tokens:
             return failed_outcome(req, self.worker, now, "input_too_long",
                                   f"prompt is {len(ids)} tokens; this model takes at most "

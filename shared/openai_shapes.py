@@ -179,8 +179,8 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     logit_bias: dict[str, Any] | None = None  # checked as the native params.logit_bias
     service_tier: str | None = None
     # extensions: the deadline and priority of the native API; vLLM's top_k, min_p, stop_token_ids, min_tokens,
-    # include_stop_str_in_output, skip_special_tokens, ignore_eos, repetition_penalty, allowed_token_ids and
-    # bad_words
+    # include_stop_str_in_output, skip_special_tokens, ignore_eos, repetition_penalty, allowed_token_ids,
+    # bad_words and truncate_prompt_tokens
     timeout_s: float | None = None
     priority: Priority | None = None
     top_k: int | None = None
@@ -193,6 +193,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     repetition_penalty: float | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     # structured output: OpenAI's response_format (completions too, as vLLM takes it), vLLM's guided decoding
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -374,7 +375,8 @@ def _params(req: _Sampling, max_tokens: int | None, fmt: dict[str, Any] | None) 
     if max_tokens is not None:
         params["max_new_tokens"] = max_tokens
     for name in ("top_p", "seed", "top_k", "min_p", "ignore_eos", "repetition_penalty", "stop_token_ids",
-                 "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids"):
+                 "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids",
+                 "truncate_prompt_tokens"):
         if getattr(req, name) is not None:
             params[name] = getattr(req, name)
     for name in ("presence_penalty", "frequency_penalty", "logit_bias", "bad_words"):

@@ -96,6 +96,10 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bad_words: Annotated[tuple[BadWord, ...], Meta(max_length=MAX_BAD_WORDS, description=(
         "words the output must not spell: each is tokenized as it is and after a space, and where the output "
         "holds all of such a token sequence but its last token, that token is banned (vLLM's bad_words)"))] = ()
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, description=(
+        "keep only the prompt's last this many tokens (vLLM's truncate_prompt_tokens: the start of a long prompt, or "
+        "of a conversation as its template renders it, is cut); -1: the most the model takes; at most that; null: "
+        "a prompt over it is refused"))] | None = None
     presence_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
         "subtracted from the logit of every token the output holds so far (OpenAI's presence_penalty)"))] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
@@ -173,7 +177,7 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if out["skip_special_tokens"]:  # the default: left out (a worker that predates it reads it as before)
             del out["skip_special_tokens"]
         for name in ("logprobs", "prompt_logprobs", "echo", "response_format", "include_stop_str_in_output",
-                     "allowed_token_ids"):
+                     "allowed_token_ids", "truncate_prompt_tokens"):
             if out[name] is None or out[name] is False:  # left out as the penalties are (0 is a count: kept)
                 del out[name]
         for name in ("min_p", "stop_token_ids", "min_tokens", "bad_words"):  # off: left out, so a worker that
@@ -203,6 +207,25 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                      else f"this model's limit of {limit} new tokens")
             raise ValidationError("params.min_tokens", f"must be at most {bound}, got {params.min_tokens}")
         return params
+
+    def prompt_kept(self, max_input_tokens: int) -> int | None:
+        """How many of a prompt's last tokens it keeps (`truncate_prompt_tokens`, -1 the model's prompt limit);
+        None: all of them."""
+        t = self.truncate_prompt_tokens
+        return None if t is None else max_input_tokens if t == -1 else t
+
+    def cut_prompt(self, ids: list[int], max_input_tokens: int) -> list[int]:
+        """A prompt's token ids as the model reads them: its last `prompt_kept` (left truncation, as vLLM's)."""
+        keep = self.prompt_kept(max_input_tokens)
+        return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
+
+    def check_truncation(self, max_input_tokens: int) -> None:
+        """`truncate_prompt_tokens` keeps a prompt the model can take: 1 to its prompt limit, or -1."""
+        t = self.truncate_prompt_tokens
+        if t is not None and (t == 0 or t > max_input_tokens):
+            raise ValidationError("params.truncate_prompt_tokens", f"must be between 1 and this model's prompt limit "
+                                                                   f"of {max_input_tokens} tokens, or -1 (that limit); "
+                                                                   f"got {t}")
 
     def check_format(self) -> None:
         """A `response_format` that cannot constrain anything (a schema or pattern llguidance cannot compile) is
@@ -324,16 +347,17 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         "rendering ends inside it, with no end of turn after it (transformers' and vLLM's continue_final_message); "
         "with add_generation_prompt false"))] = False
 
-    def normalised(self, *, max_prompt_chars: int, max_input_tokens: int) -> dict[str, Any]:
-        """The wire form, {"prompt"}, {"input_ids"} or {"messages"}, under a model's limits."""
+    def normalised(self, *, max_prompt_chars: int | None, max_input_tokens: int | None) -> dict[str, Any]:
+        """The wire form, {"prompt"}, {"input_ids"} or {"messages"}, under a model's limits (None: unbounded, a
+        prompt the worker truncates: the body's size bounds it)."""
         given = [name for name in ("prompt", "input_ids", "messages") if getattr(self, name) is not UNSET]
         self._check_template_options(chat=given == ["messages"])
         if given == ["prompt"] and isinstance(self.prompt, str):
-            if len(self.prompt) > max_prompt_chars:
+            if max_prompt_chars is not None and len(self.prompt) > max_prompt_chars:
                 raise ValidationError("input.prompt", f"longer than {max_prompt_chars} characters")
             return {"prompt": self.prompt}
         if given == ["input_ids"] and isinstance(self.input_ids, list):
-            if len(self.input_ids) > max_input_tokens:
+            if max_input_tokens is not None and len(self.input_ids) > max_input_tokens:
                 raise ValidationError("input.input_ids", f"more than {max_input_tokens} tokens",
                                       code=CONTEXT_EXCEEDED)
             return {"input_ids": self.input_ids}
@@ -341,7 +365,7 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             out = self._chat_wire(self.messages)
             extra = [out.get("tools"), out.get("chat_template_kwargs"), *(m.get("tool_calls") for m in out["messages"])]
             chars = sum(len(m.content) for m in self.messages) + sum(len(json.dumps(x)) for x in extra if x)
-            if chars > max_prompt_chars:
+            if max_prompt_chars is not None and chars > max_prompt_chars:
                 raise ValidationError("input.messages", f"longer than {max_prompt_chars} characters in all")
             return out
         raise ValidationError("input", "give exactly one of `prompt`, `input_ids` or `messages`")

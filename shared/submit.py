@@ -114,17 +114,18 @@ def resolve_callback(spec: CallbackSpec, allow: AllowList) -> Callback:
 
 
 def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, truncate: bool = False,
-                 field: str = "") -> tuple[int | None, str]:
+                 field: str = "", keep: int | None = None) -> tuple[int | None, str]:
     """Token limits the gateway can know before queueing (the model's vocabulary, its tokenizer): a prompt
     or text too long for the model, a token id outside its vocabulary. Unknowable ones are the worker's.
-    Returns a prompt's token count where it could count it (else None), and its field."""
+    Returns a prompt's token count where it could count it (else None; at most `keep`, the last tokens a
+    truncated prompt keeps), and its field."""
     if "input_ids" in inp:
         vocab = limits.vocab_size(spec)
         bad = next(((i, t) for i, t in enumerate(inp["input_ids"]) if vocab is not None and t >= vocab), None)
         if bad is not None:
             raise ValidationError("input.input_ids", f"item {bad[0]}: {bad[1]} is not a token of this model "
                                                      f"(its vocabulary has {vocab} tokens: ids 0-{vocab - 1})")
-        return len(inp["input_ids"]), "input.input_ids"
+        return _kept(len(inp["input_ids"]), keep), "input.input_ids"
     if "prompt" in inp or "messages" in inp:
         if "prompt" in inp:
             counts = limits.count(spec, [inp["prompt"]])
@@ -138,6 +139,7 @@ def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, t
             except TemplateRefusal as exc:  # known now: the worker's template would refuse it the same way
                 raise ValidationError("input.messages", f"the model's chat template refuses this conversation: "
                                                         f"{exc}") from None
+        n = None if n is None else _kept(n, keep)
         if n is not None and n > spec.max_input_tokens:
             raise ValidationError(where, f"is {n} tokens; this model takes at most {spec.max_input_tokens}",
                                   code=CONTEXT_EXCEEDED)
@@ -151,6 +153,10 @@ def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, t
                 raise ValidationError(where, f"is {n} tokens; this model takes at most {cap} per text "
                                              "(or set params.truncate to cut it, reported in the result)")
     return None, ""
+
+
+def _kept(n: int, keep: int | None) -> int:
+    return n if keep is None else min(n, keep)
 
 
 def check_bias(params: GenerateParams, vocab: int | None) -> None:
@@ -194,13 +200,18 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
         params = (sub.params or GenerateParams()).within(
             given=given, limit=spec.max_new_tokens, default_max_new_tokens=spec.default_max_new_tokens)
         params.check_format()
-        inp = sub.input.normalised(max_prompt_chars=spec.max_input_tokens * 16,
-                                   max_input_tokens=spec.max_input_tokens)
+        params.check_truncation(spec.max_input_tokens)
+        # a prompt the worker truncates may be any length the body's size allows; else one far past the model's
+        # prompt limit is refused untokenized
+        keep = params.prompt_kept(spec.max_input_tokens)
+        inp = sub.input.normalised(max_prompt_chars=spec.max_input_tokens * 16 if keep is None else None,
+                                   max_input_tokens=spec.max_input_tokens if keep is None else None)
         if limits is not None:
-            prompt_tokens, where = check_tokens(inp, spec, limits)
+            prompt_tokens, where = check_tokens(inp, spec, limits, keep=keep)
             params = within_context(params, given, prompt_tokens, where, limits.context(spec))
             check_bias(params, limits.vocab_size(spec))
-        _, tokens = estimate_generate_tokens(inp, params.max_new_tokens)
+        prompt, _ = estimate_generate_tokens(inp, params.max_new_tokens)
+        tokens = _kept(prompt, keep) + params.max_new_tokens
         params_dict = params.to_dict()
         stream = sub.stream
     else:

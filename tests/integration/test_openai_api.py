@@ -169,9 +169,10 @@ async def test_chat_template_kwargs_are_taken_from_the_official_client(stack: Ru
 
 async def test_vllms_output_fields_from_the_official_client(stack: RunningGateway, loaded_models, clients: Clients):
     """vLLM's `continue_final_message` (with `add_generation_prompt: false`), `min_tokens`,
-    `include_stop_str_in_output`, `skip_special_tokens` and `allowed_token_ids`, as its users send them
-    (`extra_body`), through the whole stack: the continued answer is the greedy continuation of the conversation
-    transformers renders so; min_tokens holds a stop token off as generate's min_new_tokens does."""
+    `include_stop_str_in_output`, `skip_special_tokens`, `allowed_token_ids` and `truncate_prompt_tokens`, as its
+    users send them (`extra_body`), through the whole stack: the continued answer is the greedy continuation of
+    the conversation transformers renders so; min_tokens holds a stop token off as generate's min_new_tokens
+    does."""
     _, client = clients(stack)
     loaded = loaded_models["tiny-llama"]
     begun: list[Any] = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi there, I"}]
@@ -201,7 +202,12 @@ async def test_vllms_output_fields_from_the_official_client(stack: RunningGatewa
     # allowed_token_ids outweighs the bias: the one token allowed, every step
     only = await client.completions.create(**kw, extra_body={"ignore_eos": True, "allowed_token_ids": [stop + 1]})
     assert only.choices[0].text == loaded.tokenizer.decode([stop + 1] * 8, skip_special_tokens=True)
-    for bad in ({"allowed_token_ids": []}, {"bad_words": [""]}):
+    cut = await client.completions.create(model="tiny-llama", prompt=PROMPT_IDS * 3, max_tokens=4, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": len(PROMPT_IDS)})
+    assert cut.usage is not None and cut.usage.prompt_tokens == len(PROMPT_IDS)
+    want = loaded.tokenizer.decode(reference_ids(loaded, PROMPT_IDS, 4), skip_special_tokens=True)
+    assert cut.choices[0].text == want  # the kept tokens' continuation
+    for bad in ({"allowed_token_ids": []}, {"bad_words": [""]}, {"truncate_prompt_tokens": 0}):
         with pytest.raises(openai.BadRequestError) as info:
             await client.completions.create(**kw, extra_body=bad)
         assert info.value.param == next(iter(bad))

@@ -125,6 +125,16 @@ def test_a_format_is_refused_by_a_model_that_only_echoes():
     assert out.result.error.code == "invalid_input" and "response_format" in out.result.error.message
 
 
+def test_a_prompt_is_truncated_as_a_model_truncates_it():
+    req = request(input_ids=list(range(1, 71)))  # over the model's 64
+    out = EchoRunner(SPEC, "w", max_rows=4).prepare(req, time.time())
+    assert isinstance(out, Outcome) and out.result.error is not None and out.result.error.code == "input_too_long"
+    for keep, kept in ((3, (68, 69, 70)), (-1, tuple(range(7, 71)))):
+        req = dataclasses.replace(req, params={**req.params, "truncate_prompt_tokens": keep})
+        job = EchoRunner(SPEC, "w", max_rows=4).prepare(req, time.time())
+        assert not isinstance(job, Outcome) and job.inputs[0] == kept
+
+
 def test_a_cost_curve_sleeps_per_row_stepped_and_per_prompt_token_prefilled():
     slept: list[float] = []
     spec = dataclasses.replace(SPEC, step_ms=10.0, step_ms_per_row=2.0, prefill_ms_per_token=0.5).validate()

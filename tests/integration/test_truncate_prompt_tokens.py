@@ -1,0 +1,94 @@
+"""vLLM's `truncate_prompt_tokens`: a prompt keeps its last tokens (left truncation), whatever its length, the
+gateway counting and placing it as truncated; greedy, the output is that of the kept tokens sent alone; -1 keeps
+the most the model takes; a value the model cannot take is refused at submit."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from gpu_worker.generate_runner import GenerateRunner
+from gpu_worker.models import LoadedModel
+from gpu_worker.outcomes import Outcome
+from shared import openai_shapes as oa
+from shared.config import BUILTIN_MODELS, ModelSpec
+from shared.errors import ValidationError
+from shared.messages import InferenceRequest
+from shared.states import Priority, Task
+from shared.submit import build_request
+from shared.token_limits import TokenLimits
+from tests.integration.test_generation_config import NEW, PROMPTS, tiny_llama
+from tests.torch_device import DEVICE
+
+SPEC = ModelSpec(name="m", task=Task.GENERATE, source="/nowhere", device=str(DEVICE), dtype="float32",
+                 max_input_tokens=8)
+
+
+def request(rid: str, ids: list[int], **params) -> InferenceRequest:
+    now = int(time.time() * 1000)
+    return InferenceRequest(id=rid, tenant="t", model="m", task=Task.GENERATE, input={"input_ids": ids},
+                            params={"max_new_tokens": NEW, **params}, lane="short", priority=Priority.INTERACTIVE,
+                            created_ms=now, deadline_ms=now + 600_000, est_tokens=len(ids) + NEW)
+
+
+def serve(requests: list[InferenceRequest]) -> dict[str, tuple[list[int], int] | str]:
+    """Each request's (token ids, prompt tokens), or the error code of one refused before it is computed."""
+    model, tok = tiny_llama()
+    loaded = LoadedModel(spec=SPEC, path=None, model=model, tokenizer=tok, device=DEVICE, dtype=torch.float32)
+    runner = GenerateRunner(loaded, "w", max_rows=8, max_seq_len=128)
+    prepared = [runner.prepare(r, time.time()) for r in requests]
+    done = [p for p in prepared if isinstance(p, Outcome)]
+    done += runner.start([p for p in prepared if not isinstance(p, Outcome)], time.time())
+    while runner.busy:
+        done += runner.step()
+    return {o.result.id: (o.result.output["token_ids"], o.result.output["prompt_tokens"]) if o.result.output
+            else o.result.error.code for o in done if (isinstance(o, Outcome) and o.result.error) or o.result.output}
+
+
+def test_a_prompt_keeps_its_last_tokens_and_reads_as_they_read_alone():
+    long = PROMPTS["c"]  # 11 tokens, over this model's 8
+    got = serve([request("cut", long, truncate_prompt_tokens=5), request("whole", long[-5:]),
+                 request("limit", long, truncate_prompt_tokens=-1), request("eight", long[-8:]),
+                 request("short", PROMPTS["b"], truncate_prompt_tokens=5)])
+    assert got["cut"] == got["whole"] and got["cut"][1] == 5
+    assert got["limit"] == got["eight"] and got["limit"][1] == 8
+    assert got["short"][1] == len(PROMPTS["b"])  # shorter than what it keeps: whole
+    assert serve([request("over", long)]) == {"over": "input_too_long"}  # without it, the same prompt is refused
+
+
+def test_the_gateway_counts_and_places_a_truncated_prompt(model_cache, loaded_models):
+    spec = dataclasses.replace(BUILTIN_MODELS["tiny-llama"], max_input_tokens=64)
+    limits = TokenLimits(model_cache)
+    text = "many words in a long prompt " * 200  # far over the model's 64 tokens, and its 16 characters a token
+
+    def build(params: dict, inp: dict | None = None) -> InferenceRequest:
+        return build_request({"input": inp or {"prompt": text}, "params": params}, spec, "t", time.time(),
+                             limits=limits)
+
+    req = build({"truncate_prompt_tokens": 16, "max_new_tokens": 8})
+    assert req.est_tokens == 16 + 8 and req.lane == "short" and req.params["truncate_prompt_tokens"] == 16
+    assert build({"truncate_prompt_tokens": -1, "max_new_tokens": 8}).est_tokens == 64 + 8
+    assert build({"truncate_prompt_tokens": 4}, {"input_ids": list(range(100))}).est_tokens == 4 + 64
+    assert "truncate_prompt_tokens" not in build({}, {"prompt": "hi"}).params
+    for params in ({}, {"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": 65},
+                   {"truncate_prompt_tokens": -2}):
+        with pytest.raises(ValidationError) as err:
+            build(params)
+        assert err.value.field in ("params.truncate_prompt_tokens", "input.prompt"), err.value
+    context = limits.context(spec)
+    assert context is not None
+    spec = dataclasses.replace(spec, max_input_tokens=context - 4)  # the context holds the kept prompt and output
+    longer = {"input_ids": list(range(10)) * (context // 10 + 1)}
+    with pytest.raises(ValidationError) as err:
+        build({"truncate_prompt_tokens": -1, "max_new_tokens": 8}, longer)
+    assert err.value.field == "params.max_new_tokens" and err.value.code == "context_length_exceeded"
+    assert build({"truncate_prompt_tokens": -1}, longer).params["max_new_tokens"] == 4  # a default shrinks to fit
+
+
+def test_the_openai_routes_pass_it():
+    tr = oa.translate_completion({"model": "m", "prompt": "hi", "truncate_prompt_tokens": 3})
+    assert tr.body["params"]["truncate_prompt_tokens"] == 3
+    assert "truncate_prompt_tokens" not in oa.translate_completion({"model": "m", "prompt": "hi"}).body["params"]
