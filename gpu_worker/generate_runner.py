@@ -34,9 +34,9 @@ from shared.faults import Faults
 from shared.lanes import assign_lane
 from shared.messages import InferenceRequest, RequestResult
 from shared.model_context import CONTEXT_EXCEEDED, context_message, exact_context
-from shared.openai_tools import kept_tokens
 from shared.params import GenerateParams, template_kwargs
 from shared.states import FinishReason, Priority
+from shared.tool_call_formats import kept_tokens
 
 log = structlog.get_logger(__name__)
 

@@ -5,7 +5,7 @@ special tokens: Mistral's `[TOOL_CALLS]` before each call and, from its v11 toke
 and the arguments; Hermes 2 Pro's `<tool_call>` tags (Qwen's are text); Llama 3's `<|python_tag|>`. Dropped,
 `[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}` would reach the gateway as `get_weather{"city": "Paris"}`, which no
 parser can tell from text. So for a request that offers tools to a model whose file names such a format
-(`shared.openai_tools.kept_tokens`), those tokens are spelled out and every other special token is still dropped
+(`shared.tool_call_formats.kept_tokens`), those tokens are spelled out and every other special token is still dropped
 (vLLM instead keeps every special token for such requests). A request without tools decodes as before.
 """
 

@@ -180,7 +180,8 @@ class ModelSpec:
         }
 
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # the formats shared.openai_tools reads calls in
+# the formats shared.tool_call_formats reads calls in
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "llama4_pythonic")
 
 
 BUILTIN_MODELS: dict[str, ModelSpec] = {

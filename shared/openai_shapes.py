@@ -39,9 +39,9 @@ from shared.openai_tools import (
     legacy_plan,
     message_calls,
     plan,
-    streamable,
 )
 from shared.params import MAX_SEED, MAX_TOP_LOGPROBS, MIN_TOP_P
+from shared.tool_call_formats import streamable
 from shared.validation import check_text, convert
 
 OWNED_BY = "batchgate"

@@ -83,10 +83,13 @@ async def test_tool_choice_auto_reads_a_models_hermes_calls_from_its_text(redis_
                 '{"name": "get_time", "arguments": {"tz": "CET"}}]'),
     # Mistral's v11 tokenizers on: a tag before each call, [ARGS] after its name (the echo says them as text)
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}'),
+    ("pythonic", '[get_weather(city="Paris"), get_time(tz="CET")]'),
+    ("llama4_pythonic", '<|python_start|>[get_weather(city="Paris"), get_time(tz="CET")]<|python_end|>'),
 ])
-async def test_tool_choice_auto_reads_llama3_and_mistral_calls(redis_url, prefix, parser, said):
-    """Models whose files name `tool_call_parser: llama3_json` or `mistral`: an answer that is their calls comes
-    back as `tool_calls` (no content), streamed or not; a plain answer streams as text."""
+async def test_tool_choice_auto_reads_llama3_mistral_and_pythonic_calls(redis_url, prefix, parser, said):
+    """Models whose files name `tool_call_parser: llama3_json`, `mistral`, `pythonic` or `llama4_pythonic`: an
+    answer that is their calls comes back as `tool_calls` (no content), streamed or not; a plain answer streams as
+    text."""
     import dataclasses
     import json
 

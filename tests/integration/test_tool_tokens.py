@@ -15,8 +15,8 @@ from gpu_worker.models import LoadedModel
 from gpu_worker.outcomes import Outcome
 from gpu_worker.tool_tokens import decode_keeping, special_ids
 from shared.config import ModelSpec
-from shared.openai_tools import kept_tokens, mistral_calls
 from shared.states import Task
+from shared.tool_call_formats import kept_tokens, mistral_calls
 from tests.tiny_runner import TOKENIZER, request, run_alone, tiny_llama
 from tests.torch_device import DEVICE
 

@@ -391,25 +391,56 @@ def test_auto_reads_mistral_v11_calls_one_tag_each():
         '[TOOL_CALLS]get_weather[ARGS]{"city": "Ro', [], "stop")  # cut short: the text as it came
 
 
+def test_auto_reads_pythonic_calls():
+    """Llama 3.2's and 4's pythonic tool calls (vLLM's `pythonic`, `llama4_pythonic`): the answer is a Python list
+    of calls by keyword, each value a literal; Llama 4 writes it between `<|python_start|>` and `<|python_end|>`.
+    Anything else (text around it, positional arguments, an expression, a call cut short) is text."""
+    two = '[get_weather(city="Rome", days=3, units=None), get_time(tz=\'CET\', offset=-1.5, exact=True)]'
+    want = [("get_weather", {"city": "Rome", "days": 3, "units": None}),
+            ("get_time", {"tz": "CET", "offset": -1.5, "exact": True})]
+    for parser, text in (("pythonic", two), ("pythonic", f"  {two}\n"), ("llama4_pythonic", two),
+                         ("llama4_pythonic", f"<|python_start|>{two}<|python_end|>"),
+                         ("llama4_pythonic", f"<|python_start|>{two}")):
+        reason, content, calls = auto_answer(parser, text)
+        assert (reason, content) == ("tool_calls", None), (parser, text)
+        assert named(calls) == want and [c["id"] for c in calls] == ["call_f_0", "call_f_1"]
+    nested = '[search(query={"terms": ["a", "b"], "limit": 5}, tags=[])]'
+    assert named(auto_answer("pythonic", nested)[2]) == [("search", {"query": {"terms": ["a", "b"], "limit": 5},
+                                                                     "tags": []})]
+    assert named(auto_answer("pythonic", "[get_time()]")[2]) == [("get_time", {})]
+    assert named(auto_answer("pythonic", two, parallel_tool_calls=False)[2]) == want[:1]
+    for text in ("It is sunny.", f"Sure: {two}", f"{two} done", "[]", "[1, 2]", '[get_time("CET")]',
+                 "[get_time(tz=zone)]", "[get_time(tz=1 + 2)]", '[get_time(tz="CET"', "[a.b(x=1)]",
+                 "[get_time(**opts)]", '[f(x={1: "a"})]', '[f(x=(1, 2))]', '[f(x=-"a")]', "[f(x=b'raw')]",
+                 "[f(x=1)] [g(y=2)]", "[" * 500 + "]" * 500):
+        assert auto_answer("pythonic", text) == ("stop", text, []), text
+    # streamed: an answer that opens with "[" (or Llama 4's tag) may be calls, held to the end
+    content, calls, reason = streamed("llama4_pythonic", ["<|python_start|>[get_", 'time(tz="CET")]', "<|python_end|>"])
+    assert (content, reason) == ("", "tool_calls") and named(calls) == [("get_time", {"tz": "CET"})]
+    assert streamed("pythonic", ["[not ", "a call]"]) == ("[not a call]", [], "stop")
+    assert streamed("pythonic", ["Plain ", "[text]"]) == ("Plain [text]", [], "stop")
+
+
 def test_the_worker_keeps_the_control_tokens_a_format_writes_its_calls_with():
-    from shared.openai_tools import kept_tokens
+    from shared.tool_call_formats import kept_tokens
 
     assert kept_tokens("mistral") == ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
     assert kept_tokens("hermes") == ("<tool_call>", "</tool_call>")  # special in Hermes 2 Pro, text in Qwen's
     assert kept_tokens("llama3_json") == ("<|python_tag|>",)
-    assert kept_tokens("") == kept_tokens("pythonic") == ()
+    assert kept_tokens("llama4_pythonic") == ("<|python_start|>", "<|python_end|>")
+    assert kept_tokens("") == kept_tokens("pythonic") == kept_tokens("granite") == ()
 
 
 def test_every_parser_a_model_file_may_name_is_read():
     from shared.config import TOOL_CALL_PARSERS, ConfigError, ModelSpec
-    from shared.openai_tools import FORMATS
     from shared.states import Task
+    from shared.tool_call_formats import FORMATS
 
     assert set(FORMATS) == set(TOOL_CALL_PARSERS)
     for parser in TOOL_CALL_PARSERS:
         ModelSpec(name="m", task=Task.GENERATE, source="builtin:tiny-llama", tool_call_parser=parser).validate()
-    with pytest.raises(ConfigError, match="hermes, llama3_json, mistral"):
-        ModelSpec(name="m", task=Task.GENERATE, source="builtin:tiny-llama", tool_call_parser="pythonic").validate()
+    with pytest.raises(ConfigError, match="hermes, llama3_json, mistral, pythonic, llama4_pythonic"):
+        ModelSpec(name="m", task=Task.GENERATE, source="builtin:tiny-llama", tool_call_parser="granite").validate()
 
 
 WEATHER_FN = WEATHER["function"]
