@@ -114,7 +114,7 @@ class EchoRunner:
                                   f"response_format: model {self.spec.name} echoes its prompt; it cannot follow a "
                                   "format")
         if "input_ids" in req.input:
-            ids = list(req.input["input_ids"])
+            ids = params.cut_prompt(list(req.input["input_ids"]), self.spec.max_input_tokens)  # cut, then read
             if vocab is not None and any(i >= vocab for i in ids):
                 return failed_outcome(req, self.worker, now, "invalid_input",
                                       f"input_ids must be below the vocabulary size {vocab}")

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import structlog
 
-from gpu_worker.bad_words import bad_word_ids
+from gpu_worker.bad_words import MAX_BAD_WORD_TOKENS, bad_word_ids
 from gpu_worker.constraints import Grammars
 from gpu_worker.engine import GenerationEngine
 from gpu_worker.generation_config import warn_unapplied
@@ -97,23 +97,9 @@ class GenerateRunner:
         if (outside := params.outside_vocabulary(self.vocab)) is not None:
             return failed_outcome(req, self.worker, now, "invalid_input",
                                   f"{outside[0]}: token ids must be below the vocabulary size {self.vocab}")
-        if "input_ids" in req.input:
-            ids = list(req.input["input_ids"])
-            if any(i >= self.vocab for i in ids):
-                return failed_outcome(req, self.worker, now, "invalid_input",
-                                      f"input_ids must be below the vocabulary size {self.vocab}")
-        elif "messages" in req.input:
-            if not getattr(self.tokenizer, "chat_template", None):
-                return failed_outcome(req, self.worker, now, "no_chat_template",
-                                      f"model {self.spec.name} has no chat template: send a prompt instead")
-            ids = list(self.tokenizer.apply_chat_template(
-                req.input["messages"], tools=req.input.get("tools"),
-                **template_kwargs(req.input.get("chat_template_kwargs", {})), return_dict=False,
-                add_generation_prompt=req.input.get("add_generation_prompt", True),
-                continue_final_message=req.input.get("continue_final_message", False)))
-        else:
-            ids = self.tokenizer(req.input["prompt"], add_special_tokens=True)["input_ids"]
-        ids = params.cut_prompt(ids, self.spec.max_input_tokens)  # truncate_prompt_tokens: its last tokens
+        ids = self._prompt_ids(req, params)
+        if isinstance(ids, tuple):  # (code, message): refused
+            return failed_outcome(req, self.worker, now, *ids)
         if len(ids) > self.spec.max_input_tokens:
             return failed_outcome(req, self.worker, now, "input_too_long",
                                   f"prompt is {len(ids)} tokens; this model takes at most "
@@ -136,12 +122,37 @@ class GenerateRunner:
         grammar = self.grammars.compile(params.response_format) if params.response_format is not None else None
         if isinstance(grammar, str):
             return failed_outcome(req, self.worker, now, "invalid_input", grammar)
+        bad_words = bad_word_ids(params.bad_words, self._encode)
+        if (n := sum(map(len, bad_words))) > MAX_BAD_WORD_TOKENS:  # each checked at every step
+            return failed_outcome(req, self.worker, now, "invalid_input",
+                                  f"bad_words: {n} tokens in all (as is and after a space); at most "
+                                  f"{MAX_BAD_WORD_TOKENS}")
         # a streaming request run again (a crash, a hand-back) continues after what its caller was sent
         stream = Release(params.stop, released=list(req.streamed)) if req.stream else None
         return Job(id=req.id, lane=assign_lane(total, self.spec.lanes).name, rank=Priority(req.priority).rank,
                    deadline=req.deadline_ms / 1000, arrived=now, tokens=total,
                    prompt_tokens=len(ids) + len(req.streamed), new_tokens=params.max_new_tokens, request=req,
-                   params=params, inputs=(tuple(ids),), stream=stream, grammar=grammar)
+                   params=params, inputs=(tuple(ids),), stream=stream, grammar=grammar, bad_words=bad_words)
+
+    def _prompt_ids(self, req: InferenceRequest, params: GenerateParams) -> list[int] | tuple[str, str]:
+        """The prompt's token ids as the model reads them (`truncate_prompt_tokens` cut), or (code, message) where
+        they cannot be had."""
+        if "input_ids" in req.input:
+            ids = params.cut_prompt(list(req.input["input_ids"]), self.spec.max_input_tokens)  # cut, then read
+            if any(i >= self.vocab for i in ids):
+                return "invalid_input", f"input_ids must be below the vocabulary size {self.vocab}"
+            return ids
+        if "messages" in req.input:
+            if not getattr(self.tokenizer, "chat_template", None):
+                return "no_chat_template", f"model {self.spec.name} has no chat template: send a prompt instead"
+            ids = list(self.tokenizer.apply_chat_template(
+                req.input["messages"], tools=req.input.get("tools"),
+                **template_kwargs(req.input.get("chat_template_kwargs", {})), return_dict=False,
+                add_generation_prompt=req.input.get("add_generation_prompt", True),
+                continue_final_message=req.input.get("continue_final_message", False)))
+        else:
+            ids = self.tokenizer(req.input["prompt"], add_special_tokens=True)["input_ids"]
+        return params.cut_prompt(ids, self.spec.max_input_tokens)  # truncate_prompt_tokens: its last tokens
 
     def _spec(self, job: Job) -> GenSpec:
         params = cast(GenerateParams, job.params)  # prepare builds a generation job's params so
@@ -155,7 +166,7 @@ class GenerateRunner:
                            params.logprobs, scored_prompt(params, len(prefix), len(job.inputs[0] + prefix),
                                                           self.vocab), params.min_p,
                            max(0, params.min_tokens - len(prefix)),  # of the row's own tokens
-                           params.allowed_token_ids, bad_word_ids(params.bad_words, self._encode)),
+                           params.allowed_token_ids, job.bad_words),
                        stop=tuple(params.stop), eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
                        stop_ids=frozenset(params.stop_token_ids), ends=self.eos_ids | set(params.stop_token_ids),
                        decode=None if (decode := self._decoder(job)) == self._decode else decode,

@@ -43,6 +43,7 @@ class Job:
     stream: Release | None = None  # a streaming generation: what its caller was sent
     grammar: Any = None  # a structured output's matcher, compiled at prepare, before any token (gpu_worker.constraints)
     constraint: Any = None  # its row's grammar state, this admission (`Constraint`): failed or not
+    bad_words: tuple[tuple[int, ...], ...] = ()  # vLLM's bad_words as token sequences, tokenized at prepare
 
     @property
     def due(self) -> float:

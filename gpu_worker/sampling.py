@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from gpu_worker.bad_words import banned_next, longest_prefix
+from gpu_worker.bad_words import always_banned, banned_after, by_prefix_end, longest_prefix
 from gpu_worker.sequences import GenSpec, Row, SamplingParams, TokenLogprob
 
 
@@ -112,7 +112,8 @@ class Penalties:
     every step cost a step O(prompt) Python and several host-to-device copies per row (a model whose own
     `generation_config` sets a repetition penalty penalizes every row)."""
 
-    __slots__ = ("bad_words", "banned", "bias_ids", "bias_values", "counts", "disallowed", "seen", "tail", "taken")
+    __slots__ = ("always", "banned", "bias_ids", "bias_values", "counts", "disallowed", "keep", "seen", "tail", "taken",
+                 "words_after")
 
     def __init__(self, params: SamplingParams, prompt: Sequence[int], output: Sequence[int], vocab: int,
                  device: torch.device, ends: Sequence[int] = ()) -> None:
@@ -125,10 +126,13 @@ class Penalties:
             self.disallowed = torch.ones(vocab, dtype=torch.bool, device=device)
             self.disallowed[torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long,
                                          device=device)] = False
-        # a word whose last token the model cannot draw never completes
-        self.bad_words = tuple(w for w in params.bad_words if w[-1] < vocab)
-        keep = longest_prefix(self.bad_words)
-        self.tail = list(output[max(0, len(output) - keep):]) if keep else []
+        # bad words: a word whose last token the model cannot draw never completes
+        words = tuple(w for w in params.bad_words if w[-1] < vocab)
+        always = always_banned(words)
+        self.always = torch.tensor(always, dtype=torch.long, device=device) if always else None
+        self.words_after = by_prefix_end(words)  # the longer ones, looked at where the output ends with their prefix
+        self.keep = longest_prefix(words)  # the output's last tokens they need to see
+        self.tail = list(output[max(0, len(output) - self.keep):]) if self.keep else []
         if params.repetition_penalty != 1.0:
             self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
             if prompt or output:
@@ -161,8 +165,8 @@ class Penalties:
                 self.seen[t] = True
             if self.counts is not None:
                 self.counts[t] += 1.0
-        if self.bad_words and (keep := longest_prefix(self.bad_words)):  # the output's last tokens they look at
-            self.tail = [*self.tail, *tokens[self.taken:]][-keep:]
+        if self.keep:
+            self.tail = [*self.tail, *tokens[self.taken:]][-self.keep:]
         self.taken = len(tokens)
         return self
 
@@ -179,7 +183,9 @@ def penalize(logits: torch.Tensor, rows: list[tuple[int, SamplingParams, Penalti
         row = out[i]
         if state.disallowed is not None:
             row.masked_fill_(state.disallowed, float("-inf"))
-        if state.bad_words and (bad := banned_next(state.bad_words, state.tail)):
+        if state.always is not None:
+            row.index_fill_(0, state.always, float("-inf"))
+        if state.words_after and (bad := banned_after(state.words_after, state.tail)):
             row[bad] = float("-inf")
         if state.banned is not None and state.taken < p.min_tokens:
             row.index_fill_(0, state.banned, float("-inf"))

@@ -540,8 +540,10 @@ def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Tran
         raise invalid("best_of", f"must be between n ({n}) and {MAX_CHOICES}, got {best_of}")
     if best_of > n and stream:  # as OpenAI answers: the best is known only once every candidate is done
         raise invalid("best_of", "best_of above 1 cannot be streamed")
+    # echoed as sent, unless truncated: then as the worker read it (the tokens kept)
+    sent = prompt.get("prompt") if req.truncate_prompt_tokens is None else None
     return Translated("completion", req.model, body, stream, usage, aliases=aliases, n=n, logprobs=logprobs,
-                      echo=echo, prompt=prompt.get("prompt"), score_only=score_only, best_of=best_of)
+                      echo=echo, prompt=sent, score_only=score_only, best_of=best_of)
 
 
 def _with_logprobs(params: dict[str, Any], logprobs: int | None) -> dict[str, Any]:

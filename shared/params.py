@@ -91,15 +91,17 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     allowed_token_ids: Annotated[tuple[TokenId, ...], Meta(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS,
                                                           description=(
         "the only tokens the output may hold: every other token's logit is -inf before the penalties and sampling "
-        "(vLLM's allowed_token_ids); leave the EOS out and the output runs to max_new_tokens or a stop; not with "
-        "response_format; null: off"))] | None = None
+        "(vLLM's allowed_token_ids); leave the EOS out and the output runs to max_new_tokens or a stop; with "
+        "response_format, a format that can only go on through a token left out fails the request; null: off"))
+    ] | None = None
     bad_words: Annotated[tuple[BadWord, ...], Meta(max_length=MAX_BAD_WORDS, description=(
-        "words the output must not spell: each is tokenized as it is and after a space, and where the output "
-        "holds all of such a token sequence but its last token, that token is banned (vLLM's bad_words)"))] = ()
+        "words banned as vLLM bans them (bad_words): each is tokenized as it is and after a space, and where the "
+        "output holds all of such a token sequence but its last token, that token is banned (a word the model "
+        "spells with other tokens gets through)"))] = ()
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1, description=(
         "keep only the prompt's last this many tokens (vLLM's truncate_prompt_tokens: the start of a long prompt, or "
         "of a conversation as its template renders it, is cut); -1: the most the model takes; at most that; null: "
-        "a prompt over it is refused"))] | None = None
+        "no cut (a prompt longer than the model takes is refused)"))] | None = None
     presence_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
         "subtracted from the logit of every token the output holds so far (OpenAI's presence_penalty)"))] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
@@ -231,9 +233,6 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """A `response_format` that cannot constrain anything (a schema or pattern llguidance cannot compile) is
         refused now, where llguidance is installed (else the worker refuses it)."""
         if self.response_format is not None:
-            if self.allowed_token_ids is not None:  # two constraints whose intersection may hold no token
-                raise ValidationError("params.allowed_token_ids", "cannot be combined with response_format: the "
-                                      "format's grammar already says which tokens may come next")
             checked(self.response_format)
 
     @classmethod

@@ -121,7 +121,9 @@ def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, t
     truncated prompt keeps), and its field."""
     if "input_ids" in inp:
         vocab = limits.vocab_size(spec)
-        bad = next(((i, t) for i, t in enumerate(inp["input_ids"]) if vocab is not None and t >= vocab), None)
+        start = max(0, len(inp["input_ids"]) - keep) if keep is not None else 0  # cut first, then read (vLLM's)
+        bad = next(((i, t) for i, t in enumerate(inp["input_ids"][start:], start) if vocab is not None and t >= vocab),
+                   None)
         if bad is not None:
             raise ValidationError("input.input_ids", f"item {bad[0]}: {bad[1]} is not a token of this model "
                                                      f"(its vocabulary has {vocab} tokens: ids 0-{vocab - 1})")
@@ -160,7 +162,8 @@ def _kept(n: int, keep: int | None) -> int:
 
 
 def check_bias(params: GenerateParams, vocab: int | None) -> None:
-    """`logit_bias` and `stop_token_ids` name tokens of the model's vocabulary (where the gateway knows its size)."""
+    """`logit_bias`, `stop_token_ids` and `allowed_token_ids` name tokens of the model's vocabulary (where the gateway
+    knows its size)."""
     if (outside := params.outside_vocabulary(vocab)) is not None:
         field, bad = outside
         raise ValidationError(f"params.{field}", f"{bad} is not a token of this model (its vocabulary has {vocab} "
@@ -208,6 +211,8 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
                                    max_input_tokens=spec.max_input_tokens if keep is None else None)
         if limits is not None:
             prompt_tokens, where = check_tokens(inp, spec, limits, keep=keep)
+            if keep is not None and prompt_tokens == keep:  # the prompt as cut: what to lower is the cut
+                where = "params.truncate_prompt_tokens"
             params = within_context(params, given, prompt_tokens, where, limits.context(spec))
             check_bias(params, limits.vocab_size(spec))
         prompt, _ = estimate_generate_tokens(inp, params.max_new_tokens)

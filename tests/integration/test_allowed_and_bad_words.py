@@ -10,16 +10,21 @@ import time
 import pytest
 import torch
 
-from gpu_worker.bad_words import bad_word_ids
+from gpu_worker.bad_words import MAX_BAD_WORD_TOKENS, bad_word_ids
+from gpu_worker.generate_runner import GenerateRunner
+from gpu_worker.models import LoadedModel
+from gpu_worker.outcomes import Outcome
 from gpu_worker.sampling import Penalties, penalize, select_tokens
 from gpu_worker.sequences import SamplingParams
 from shared import openai_shapes as oa
-from shared.config import BUILTIN_MODELS
+from shared.config import BUILTIN_MODELS, ModelSpec
 from shared.errors import ValidationError
+from shared.states import Task
 from shared.submit import build_request
 from shared.token_limits import TokenLimits
 from tests.integration.test_generation_config import NEW, PROMPTS, generated, tiny_llama
 from tests.integration.test_stop_token_ids import request, serve
+from tests.torch_device import DEVICE
 
 
 def reference(model, ids: list[int], **kwargs) -> list[int]:
@@ -81,6 +86,19 @@ def test_a_resumed_row_bans_after_the_output_it_already_sent():
     assert tokens == [9]
 
 
+def test_more_bad_word_tokens_than_a_step_checks_fail_the_request_before_it_is_computed():
+    model, tok = tiny_llama()
+    spec = ModelSpec(name="m", task=Task.GENERATE, source="/nowhere", device=str(DEVICE), dtype="float32")
+    runner = GenerateRunner(LoadedModel(spec=spec, path=None, model=model, tokenizer=tok, device=DEVICE,
+                                        dtype=torch.float32), "w", max_rows=4, max_seq_len=128)
+    few = runner.prepare(request("a", bad_words=["w1" * 40] * 4), time.time())
+    assert not isinstance(few, Outcome) and sum(map(len, few.bad_words)) <= MAX_BAD_WORD_TOKENS
+    words = [f"w{i}" * 40 for i in range(128)]  # many tokens each, twice (as is and after a space)
+    out = runner.prepare(request("a", bad_words=words), time.time())  # failed at prepare: nothing computed
+    assert isinstance(out, Outcome) and out.result.error is not None
+    assert out.result.error.code == "invalid_input" and "at most 1024" in out.result.error.message
+
+
 def test_bad_values_are_refused_at_submit(model_cache, loaded_models):
     spec = BUILTIN_MODELS["tiny-llama"]
     limits = TokenLimits(model_cache)
@@ -98,9 +116,7 @@ def test_bad_values_are_refused_at_submit(model_cache, loaded_models):
                           ({"allowed_token_ids": []}, "params.allowed_token_ids"),
                           ({"allowed_token_ids": [-1]}, "params.allowed_token_ids"),
                           ({"bad_words": [""]}, "params.bad_words"),
-                          ({"bad_words": ["w"] * 129}, "params.bad_words"),
-                          ({"allowed_token_ids": [1], "response_format": {"type": "json_object"}},
-                           "params.allowed_token_ids")):
+                          ({"bad_words": ["w"] * 129}, "params.bad_words")):
         with pytest.raises(ValidationError) as err:
             build(params)
         assert err.value.field == field, (params, err.value)

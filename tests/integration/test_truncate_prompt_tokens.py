@@ -52,8 +52,9 @@ def test_a_prompt_keeps_its_last_tokens_and_reads_as_they_read_alone():
     long = PROMPTS["c"]  # 11 tokens, over this model's 8
     got = serve([request("cut", long, truncate_prompt_tokens=5), request("whole", long[-5:]),
                  request("limit", long, truncate_prompt_tokens=-1), request("eight", long[-8:]),
-                 request("short", PROMPTS["b"], truncate_prompt_tokens=5)])
-    assert got["cut"] == got["whole"] and got["cut"][1] == 5
+                 request("short", PROMPTS["b"], truncate_prompt_tokens=5),
+                 request("outside", [10**6, *long[-5:]], truncate_prompt_tokens=5)])  # cut, then read
+    assert got["cut"] == got["whole"] == got["outside"] and got["cut"][1] == 5
     assert got["limit"] == got["eight"] and got["limit"][1] == 8
     assert got["short"][1] == len(PROMPTS["b"])  # shorter than what it keeps: whole
     assert serve([request("over", long)]) == {"over": "input_too_long"}  # without it, the same prompt is refused
@@ -73,11 +74,17 @@ def test_the_gateway_counts_and_places_a_truncated_prompt(model_cache, loaded_mo
     assert build({"truncate_prompt_tokens": -1, "max_new_tokens": 8}).est_tokens == 64 + 8
     assert build({"truncate_prompt_tokens": 4}, {"input_ids": list(range(100))}).est_tokens == 4 + 64
     assert "truncate_prompt_tokens" not in build({}, {"prompt": "hi"}).params
-    for params in ({}, {"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": 65},
-                   {"truncate_prompt_tokens": -2}):
+    # cut first, then read: an id outside the vocabulary in the part cut off does not count (vLLM's)
+    assert build({"truncate_prompt_tokens": 4}, {"input_ids": [10**6, *range(10)]}).est_tokens == 4 + 64
+    with pytest.raises(ValidationError) as err:
+        build({"truncate_prompt_tokens": 4}, {"input_ids": [*range(10), 10**6]})
+    assert err.value.field == "input.input_ids"
+    for params, field in (({}, "input.prompt"), ({"truncate_prompt_tokens": 0}, "params.truncate_prompt_tokens"),
+                          ({"truncate_prompt_tokens": 65}, "params.truncate_prompt_tokens"),
+                          ({"truncate_prompt_tokens": -2}, "params.truncate_prompt_tokens")):
         with pytest.raises(ValidationError) as err:
             build(params)
-        assert err.value.field in ("params.truncate_prompt_tokens", "input.prompt"), err.value
+        assert err.value.field == field, (params, err.value)
     context = limits.context(spec)
     assert context is not None
     spec = dataclasses.replace(spec, max_input_tokens=context - 4)  # the context holds the kept prompt and output
@@ -86,6 +93,10 @@ def test_the_gateway_counts_and_places_a_truncated_prompt(model_cache, loaded_mo
         build({"truncate_prompt_tokens": -1, "max_new_tokens": 8}, longer)
     assert err.value.field == "params.max_new_tokens" and err.value.code == "context_length_exceeded"
     assert build({"truncate_prompt_tokens": -1}, longer).params["max_new_tokens"] == 4  # a default shrinks to fit
+    spec = dataclasses.replace(spec, max_input_tokens=context)  # the cut prompt alone fills it: lower the cut
+    with pytest.raises(ValidationError) as err:
+        build({"truncate_prompt_tokens": -1}, longer)
+    assert err.value.field == "params.truncate_prompt_tokens" and err.value.code == "context_length_exceeded"
 
 
 def test_the_openai_routes_pass_it():

@@ -59,7 +59,6 @@ def test_generate_full():
     ({"allowed_token_ids": []}, "params.allowed_token_ids"),  # vLLM refuses an empty list too
     ({"allowed_token_ids": [1, -2]}, "params.allowed_token_ids"),
     ({"allowed_token_ids": "1"}, "params.allowed_token_ids"),
-    ({"allowed_token_ids": [1], "response_format": {"type": "json_object"}}, "params.allowed_token_ids"),
     ({"bad_words": "word"}, "params.bad_words"),
     ({"bad_words": [""]}, "params.bad_words"),
     ({"bad_words": ["x" * 257]}, "params.bad_words"),
@@ -153,3 +152,4 @@ def test_allowed_token_ids_and_bad_words_are_on_the_wire_only_where_set():
     assert back == p and back.allowed_token_ids == (5, 3) and back.bad_words == ("no", " way")
     assert p.outside_vocabulary(5) == ("allowed_token_ids", 5) and p.outside_vocabulary(6) is None
     assert gen({"bad_words": ["yes"], "response_format": {"type": "json_object"}}).bad_words == ("yes",)
+    assert gen({"allowed_token_ids": [1], "response_format": {"type": "json_object"}}).allowed_token_ids == (1,)
