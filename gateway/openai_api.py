@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: `POST /v1/completions`, `/v1/chat/completions`, `/v1/embeddings` and
+"""OpenAI-compatible routes: `POST /v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/v1/embeddings` and
 `GET /v1/models/{model}`, so OpenAI's SDKs work with `base_url` set to the gateway's `/v1`.
 
 Each translates its body into the native submit body (`shared.openai_shapes`) and goes through
@@ -22,6 +22,7 @@ from gateway import metrics
 from gateway.api import ApiError, ApiRequest, ApiResponse
 from gateway.parsing import parse_body, parse_idempotency_key
 from gateway.service import GatewayService
+from shared import openai_responses as oar
 from shared import openai_shapes as oa
 from shared import operations as ops
 from shared.config import ModelSpec
@@ -232,6 +233,63 @@ async def _generate(svc: GatewayService, req: ApiRequest, translate: Callable[..
         return ApiResponse(200, oa.completion_response(tr, await _answers(svc, req, answers), created), headers)
 
     return await _answer(work, lambda: state["tr"].aliases if "tr" in state else {})
+
+
+async def responses(svc: GatewayService, req: ApiRequest) -> ApiResponse:
+    """OpenAI's Responses API, served as a chat completion (`shared.openai_responses`)."""
+    state: dict[str, oa.Translated] = {}
+
+    async def work() -> ApiResponse:
+        call = oar.translate_response(parse_body(req, svc.settings.max_body_bytes),
+                                      timeout_header=req.header(oa.TIMEOUT_HEADER),
+                                      parser_of=lambda m: _tool_parser(svc, m))
+        state["tr"] = call.chat
+        created = int(svc.clock())
+        answers = await _submit_choices(svc, req, call.chat)
+        request_id = str(answers[0].body["id"])
+        if call.chat.stream:
+            try:
+                rec = await ops.visible(svc, req.tenant, request_id)
+            except BaseException:  # no stream will follow it
+                _abandon_all(svc, req.tenant, answers)
+                raise
+            events = oar.ResponseEvents(call, request_id, created)
+            return ApiResponse(200, headers={"X-Request-Id": request_id}, events=_response_stream(svc, req.tenant,
+                                                                                               rec, events),
+                               cut=lambda: _typed(events.failed(_cut(svc, [request_id]))[0]))
+        (view,) = await _answers(svc, req, answers)
+        return ApiResponse(200, oar.response_object(call, view, created), {"X-Request-Id": request_id})
+
+    return await _answer(work, lambda: state["tr"].aliases if "tr" in state else {})
+
+
+def _typed(event: dict[str, Any]) -> ServerEvent:
+    """A Responses API event, named by its type as OpenAI sends it."""
+    return ServerEvent(str(event["type"]), event, "")
+
+
+async def _response_stream(svc: GatewayService, tenant: str, rec: StoredRecord,
+                           events: oar.ResponseEvents) -> AsyncIterator[ServerEvent]:
+    """A request's events as the Responses API's: created, the text and calls as they come, completed; a result
+    without an answer ends it with `response.failed`."""
+    finished = False
+    try:
+        for event in events.first():
+            yield _typed(event)
+        async with contextlib.aclosing(follow(svc, rec)) as followed:
+            async for event in followed:
+                if event.event == "delta":
+                    for out in events.delta(event.data):
+                        yield _typed(out)
+                elif event.event == "done":
+                    finished = True
+                    error = oa.result_error(event.data)
+                    for out in events.failed(error) if error is not None else events.final(event.data):
+                        yield _typed(out)
+                    return
+    finally:
+        if not finished:  # the caller went away, or the stream broke: stop computing
+            _abandon(svc, tenant, rec.id)
 
 
 def _cut(svc: GatewayService, ids: list[str]) -> oa.OpenAIError:

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from shared.config import Settings
+from shared.openai_responses import ResponseRequest
 from shared.openai_shapes import ChatRequest, CompletionRequest, EmbeddingRequest
 from shared.submit import EmbedSubmit, GenerateSubmit
 from shared.views import Accepted, ErrorBody, RequestView
@@ -48,7 +49,7 @@ def _json(schema: dict[str, Any], desc: str) -> dict[str, Any]:
 def components() -> dict[str, Any]:
     """The schemas, generated from the types the gateway validates with and answers with."""
     _, schemas = msgspec.json.schema_components([GenerateSubmit, EmbedSubmit, RequestView, Accepted, ErrorBody,
-                                                 CompletionRequest, ChatRequest, EmbeddingRequest],
+                                                 CompletionRequest, ChatRequest, EmbeddingRequest, ResponseRequest],
                                                 ref_template=REF)
     return {**schemas, **OPENAI_SCHEMAS}
 
@@ -81,6 +82,16 @@ OPENAI_SCHEMAS: dict[str, Any] = {
             "code": _NULLABLE_STR}}}},
     "Completion": _completion_schema("text_completion", chat=False),
     "ChatCompletion": _completion_schema("chat.completion", chat=True),
+    "Response": {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output"],
+                 "properties": {
+        "id": {"type": "string"}, "object": {"const": "response"}, "created_at": {"type": "integer"},
+        "status": {"enum": ["completed", "incomplete"]}, "model": {"type": "string"},
+        "output": {"type": "array", "items": {"type": "object", "required": ["type", "id"], "properties": {
+            "type": {"enum": ["message", "function_call"]}, "id": {"type": "string"}}}},
+        "usage": {"type": "object", "required": ["input_tokens", "output_tokens", "total_tokens"], "properties": {
+            "input_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"},
+            "total_tokens": {"type": "integer"}}},
+        "batchgate": {"type": "object", "description": "the native request id, status and finish_reason"}}},
     "EmbeddingList": {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
         "object": {"const": "list"}, "model": {"type": "string"}, "usage": _USAGE,
         "data": {"type": "array", "items": {"type": "object", "required": ["object", "index", "embedding"],
@@ -148,6 +159,8 @@ def openai_paths() -> dict[str, Any]:
                                 "Completion", streams=True),
         "/v1/chat/completions": post("openaiChatCompletions", "OpenAI-compatible chat completion", "ChatRequest",
                                      "ChatCompletion", streams=True),
+        "/v1/responses": post("openaiResponses", "OpenAI-compatible response (the Responses API, served as a chat "
+                              "completion; stream: typed events)", "ResponseRequest", "Response", streams=True),
         "/v1/embeddings": post("openaiEmbeddings", "OpenAI-compatible embeddings", "EmbeddingRequest",
                                "EmbeddingList", streams=False),
         "/v1/models/{model}": {"get": {

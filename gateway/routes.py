@@ -66,6 +66,7 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec.make("GET", "/v1/models/{model}", openai_api.retrieve_model, **OPENAI),
     RouteSpec.make("POST", "/v1/completions", openai_api.completions, with_body=True, **OPENAI),
     RouteSpec.make("POST", "/v1/chat/completions", openai_api.chat_completions, with_body=True, **OPENAI),
+    RouteSpec.make("POST", "/v1/responses", openai_api.responses, with_body=True, **OPENAI),
     RouteSpec.make("POST", "/v1/embeddings", openai_api.embeddings, with_body=True, **OPENAI),
     RouteSpec.make("POST", "/v1/files", files_api.create_file, streamed_body=True, **OPENAI),
     RouteSpec.make("GET", "/v1/files", files_api.list_files, **OPENAI),

@@ -307,7 +307,8 @@ class Translated:
 # ----------------------------------------------------------------------------------------- translation
 
 
-def _parse(raw: Any, typ: type[Any]) -> Any:
+def parse_request(raw: Any, typ: type[Any]) -> Any:
+    """An OpenAI route's body as its type; a 400 naming the field that does not fit."""
     if not isinstance(raw, dict):
         raise invalid(None, "the body must be a JSON object")
     try:
@@ -514,7 +515,7 @@ def _top(param: str, value: int) -> int:
 
 
 def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Translated:
-    req: CompletionRequest = _parse(raw, CompletionRequest)
+    req: CompletionRequest = parse_request(raw, CompletionRequest)
     _refuse_non_defaults(req, (*_COMMON_CHECKS, *_COMPLETION_CHECKS))
     stream, usage = _stream_flags(req)
     logprobs = None if req.logprobs is None else _top("logprobs", req.logprobs)
@@ -635,7 +636,7 @@ def _tools(build: Callable[[], Any]) -> Any:
 def translate_chat(raw: Any, *, timeout_header: str | None = None,
                    parser_of: Callable[[str], str] | None = None) -> Translated:
     """`parser_of(model)`: the model's tool-call format, which `tool_choice` "auto" needs ("": none)."""
-    req: ChatRequest = _parse(raw, ChatRequest)
+    req: ChatRequest = parse_request(raw, ChatRequest)
     _refuse_non_defaults(req, (*_COMMON_CHECKS, *_CHAT_CHECKS))
     max_param = "max_tokens"
     limit = req.max_tokens
@@ -681,7 +682,7 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None,
 
 
 def translate_embeddings(raw: Any, *, timeout_header: str | None = None) -> Translated:
-    req: EmbeddingRequest = _parse(raw, EmbeddingRequest)
+    req: EmbeddingRequest = parse_request(raw, EmbeddingRequest)
     if req.dimensions is not None:
         raise unsupported("dimensions", "this model's vectors have a fixed size: leave dimensions out")
     if isinstance(req.input, str):
