@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BUDGET_S = 30.0
 
 
+@pytest.mark.alone  # timed: `make test` runs it by itself, before the passes that run side by side
 def test_make_test_fast_passes_in_under_30_s_without_torch():
     make = shutil.which("make")
     assert make, "`make` is needed to run the test-fast target"
