@@ -34,7 +34,7 @@ _TEXT_PARTS = {"input_text", "output_text", "text"}
 
 class TextOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
-    verbosity: str | None = None  # accepted; the output's length is max_output_tokens's
+    verbosity: Literal["medium"] | None = None  # the default alone: the output's length is max_output_tokens's
 
 
 class ResponseRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -119,8 +119,8 @@ def translate_response(raw: Any, *, timeout_header: str | None = None,
         chat["max_tokens"] = req.max_output_tokens
     if req.truncation == "auto":  # the conversation's start is dropped to fit
         chat.setdefault("truncate_prompt_tokens", -1)
-    if req.top_logprobs is not None:
-        chat["logprobs"], chat["top_logprobs"] = True, req.top_logprobs
+    if req.top_logprobs is not None or "message.output_text.logprobs" in (req.include or ()):
+        chat["logprobs"], chat["top_logprobs"] = True, req.top_logprobs or 0
     if req.text is not None and (fmt := _format(req.text.format)) is not None:
         chat["response_format"] = fmt
     if req.tools is not None:
@@ -158,8 +158,9 @@ def _refuse_state(req: ResponseRequest) -> None:
         raise unsupported("prompt", "stored prompt templates are not kept: send the instructions and input")
     if req.reasoning and any(v is not None for v in req.reasoning.values()):
         raise unsupported("reasoning", "reasoning settings are not served: leave reasoning out")
-    if req.include:
-        raise unsupported("include", "no extra output to include (no built-in tools, no reasoning items)")
+    if set(req.include or ()) - {"message.output_text.logprobs"}:
+        raise unsupported("include", "only message.output_text.logprobs (the text's token log probabilities, with "
+                                     "top_logprobs); no built-in tools or reasoning items to include")
     if req.max_tool_calls is not None:
         raise unsupported("max_tool_calls", "not served: use parallel_tool_calls false for one call")
 
@@ -185,15 +186,14 @@ def _conversation(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "function_call":
             call = {"id": _text(f"{where}.call_id", item.get("call_id")), "type": "function",
                     "function": {"name": _text(f"{where}.name", item.get("name")),
-                                 "arguments": _text(f"{where}.arguments", item.get("arguments"))}}
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and not out[-1]["content"]:
-                out[-1]["tool_calls"].append(call)
+                                 "arguments": _arguments(f"{where}.arguments", item.get("arguments"))}}
+            if out and out[-1]["role"] == "assistant":  # the same turn: its text, then its calls
+                out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output")
             out.append({"role": "tool", "tool_call_id": _text(f"{where}.call_id", item.get("call_id")),
-                        "content": output if isinstance(output, str) else json.dumps(output)})
+                        "content": _joined(f"{where}.output", item.get("output"))})
         elif kind == "reasoning":
             continue  # a reasoning model's item sent back: no reasoning is served, nothing to render
         else:
@@ -204,18 +204,34 @@ def _conversation(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _message(where: str, item: dict[str, Any]) -> dict[str, Any]:
     role = item.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:
         raise invalid(f"{where}.role", f"must be one of {', '.join(sorted(_ROLES))}, got {role!r}")
-    content = item.get("content")
+    return {"role": role, "content": _joined(f"{where}.content", item.get("content"))}
+
+
+def _joined(where: str, content: Any) -> str:
+    """A string, or text parts joined as the chat route joins them (by newlines)."""
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in _TEXT_PARTS:
-                raise unsupported(f"{where}.content[{j}].type", f"{kind!r} parts are not served (text is)")
-            texts.append(_text(f"{where}.content[{j}].text", part.get("text")))
-        content = "".join(texts)
-    return {"role": role, "content": _text(f"{where}.content", content)}
+            if not isinstance(kind, str) or kind not in _TEXT_PARTS:
+                raise unsupported(f"{where}[{j}].type", f"{kind!r} parts are not served (text is)")
+            texts.append(_text(f"{where}[{j}].text", part.get("text")))
+        content = "\n".join(texts)
+    return _text(where, content)
+
+
+def _arguments(where: str, value: Any) -> str:
+    """A call's arguments: a JSON object, as text (a chat template renders them as an object)."""
+    text = _text(where, value)
+    try:
+        ok = isinstance(json.loads(text), dict)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise invalid(where, "must be a JSON object, as text")
+    return text
 
 
 def _text(where: str, value: Any) -> str:
@@ -229,6 +245,8 @@ def _format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
     if fmt is None:
         return None
     if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise invalid("text.format.schema", "required with type json_schema: a JSON Schema object")
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
     return {"type": fmt.get("type")}
@@ -253,9 +271,11 @@ def _tool_choice(choice: str | dict[str, Any]) -> Any:
     return choice
 
 
+# chat's parameter names as a response's (a message's index is not an input item's: the input, without one)
 _CHAT_PARAMS = ((re.compile(r"^messages(\[\d+\])?"), "input"), (re.compile(r"^max_tokens"), "max_output_tokens"),
                 (re.compile(r"^response_format(\.json_schema)?"), "text.format"),
-                (re.compile(r"^tools(\[\d+\])\.function"), r"tools\1"), (re.compile(r"^top_logprobs"), "top_logprobs"))
+                (re.compile(r"^tools(\[\d+\])\.function"), r"tools\1"), (re.compile(r"^logprobs"), "top_logprobs"),
+                (re.compile(r"^tool_choice\.function"), "tool_choice"))
 
 
 def _rename(param: str) -> str:
@@ -270,11 +290,15 @@ def _renamed(err: OpenAIError) -> OpenAIError:
         return err
     new = _rename(err.param)
     message = new + err.message[len(err.param):] if err.message.startswith(err.param) else err.message
+    message = message.replace("response_format", "text.format")
     return OpenAIError(err.status, message, code=err.code, param=new, retry=err.retry, retry_after=err.retry_after,
                        headers=err._headers)
 
 
 # ------------------------------------------------------------------------------------------- responses
+
+# the error codes a Responses API client knows for a failed response: the caller's input, or the server's
+_INPUT_FAILURES = frozenset({"invalid_input", "input_too_long", "no_chat_template", "context_length_exceeded"})
 
 
 def response_id(request_id: str) -> str:
@@ -282,25 +306,34 @@ def response_id(request_id: str) -> str:
 
 
 def response_object(call: ResponseCall, view: dict[str, Any], created: int) -> dict[str, Any]:
-    """A finished generation as a Responses API `response`."""
+    """A finished generation as a Responses API `response`: a message item for its text (an empty one where it
+    has neither text nor calls), a function_call item per call."""
     chat = completion_response(call.chat, [view], created)
     (choice,) = chat["choices"]
     message = choice["message"]
     request_id = str(view.get("id"))
-    items: list[dict[str, Any]] = []
     incomplete = choice["finish_reason"] == "length"
+    status = "incomplete" if incomplete else "completed"
+    items: list[dict[str, Any]] = []
     if message.get("content") is not None and (message["content"] or not message.get("tool_calls")):
-        items.append(message_item(request_id, message["content"], "incomplete" if incomplete else "completed"))
-    items += [call_item(request_id, i, made) for i, made in enumerate(message.get("tool_calls") or ())]
+        items.append(message_item(request_id, message["content"], status, _logprobs(choice)))
+    items += [call_item(request_id, i, made, status) for i, made in enumerate(message.get("tool_calls") or ())]
     return _response(call, request_id, created, items, chat["usage"], incomplete, view)
 
 
-def message_item(request_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+def _logprobs(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat choice's token log probabilities, as an output_text part holds them (the same entries)."""
+    return list((choice.get("logprobs") or {}).get("content") or ())
+
+
+def message_item(request_id: str, text: str, status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": "msg_" + request_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
 def call_item(request_id: str, index: int, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    """A function_call item; `incomplete` where max_output_tokens cut it (its arguments as far as they got)."""
     return {"type": "function_call", "id": f"fc_{request_id}_{index}", "call_id": call["id"],
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
@@ -313,7 +346,8 @@ def _response(call: ResponseCall, request_id: str, created: int, items: list[dic
            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
            "model": call.chat.model, "output": items, **call.echo,
            "usage": None if usage is None else {
-               "input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+               "input_tokens": usage["prompt_tokens"],
+               "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                "total_tokens": usage["total_tokens"]}}
     if view is not None:
@@ -325,7 +359,8 @@ def _response(call: ResponseCall, request_id: str, created: int, items: list[dic
 class ResponseEvents:
     """The typed events of one streamed response, from the chat route's chunks of the same generation: the
     response created, its message item opened at its first text and its text deltas, each function call whole as
-    the chat stream gives it, then each item done and the response completed (or incomplete)."""
+    the chat stream gives it, then each item done and the response completed (or incomplete); the items streamed
+    are the final response's output, in the same order."""
 
     call: ResponseCall
     request_id: str
@@ -333,6 +368,7 @@ class ResponseEvents:
     chunks: ChunkMaker = field(init=False)
     seq: int = 0
     text: str | None = None  # the message item's text so far; None: not opened
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # its tokens', where asked for
     items: list[dict[str, Any]] = field(default_factory=list)  # finished items, in order
     calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # a stream's tool calls by index
 
@@ -354,23 +390,31 @@ class ResponseEvents:
     def final(self, view: dict[str, Any]) -> list[dict[str, Any]]:
         out = [e for chunk in self.chunks.final(view, with_usage=False) for e in self._from_chunk(chunk)]
         done = response_object(self.call, view, self.created)
-        incomplete = done["status"] == "incomplete"
-        out += self._close_text("incomplete" if incomplete else "completed")
+        status = done["status"]
+        if self.text is None and not self.calls:  # no text and no call: an empty message, as unstreamed
+            out += self._open()
+        out += self._close_text(status)
         for i in sorted(self.calls):
-            out += self._call_events(i, self.calls[i])
-        return [*out, self._event("response.incomplete" if incomplete else "response.completed", response=done)]
+            out += self._call_events(i, self.calls[i], status)
+        done["output"] = list(self.items)
+        return [*out, self._event(f"response.{status}", response=done)]
 
     def failed(self, error: OpenAIError) -> list[dict[str, Any]]:
-        failed = _response(self.call, self.request_id, self.created, self.items, None, False, None, status="failed")
-        failed["error"] = {"code": error.code or "server_error", "message": error.message}
-        return [self._event("response.failed", response=failed)]
+        """The response failed (its request failed, expired before any output, or was cancelled): its error, and
+        what was streamed of it."""
+        out = self._close_text("incomplete")
+        failed = _response(self.call, self.request_id, self.created, list(self.items), None, False, None,
+                           status="failed")
+        code = "invalid_prompt" if error.code in _INPUT_FAILURES else "server_error"
+        failed["error"] = {"code": code, "message": f"{error.message} ({error.code or error.status})"}
+        return [*out, self._event("response.failed", response=failed)]
 
     def _from_chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("content"):
-                out += self._text(delta["content"])
+                out += self._text(delta["content"], _logprobs(choice))
             for call in delta.get("tool_calls") or ():
                 held = self.calls.setdefault(call["index"], {"id": "", "function": {"name": "", "arguments": ""}})
                 held["id"] = call.get("id") or held["id"]
@@ -379,32 +423,35 @@ class ResponseEvents:
                 held["function"]["arguments"] += fn.get("arguments") or ""
         return out
 
-    def _text(self, text: str) -> list[dict[str, Any]]:
-        out = []
-        index = len(self.items)
-        if self.text is None:
-            self.text = ""
-            item = {**message_item(self.request_id, "", "in_progress"), "content": []}
-            out += [self._event("response.output_item.added", output_index=index, item=item),
-                    self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                                content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
-        self.text += text
-        return [*out, self._event("response.output_text.delta", item_id="msg_" + self.request_id, output_index=index,
-                                  content_index=0, delta=text, logprobs=[])]
+    def _open(self) -> list[dict[str, Any]]:
+        self.text, index = "", len(self.items)
+        item = {**message_item(self.request_id, "", "in_progress"), "content": []}
+        return [self._event("response.output_item.added", output_index=index, item=item),
+                self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                            content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+
+    def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = self._open() if self.text is None else []
+        self.text = (self.text or "") + text
+        self.logprobs += logprobs
+        return [*out, self._event("response.output_text.delta", item_id="msg_" + self.request_id,
+                                  output_index=len(self.items), content_index=0, delta=text, logprobs=logprobs)]
 
     def _close_text(self, status: str) -> list[dict[str, Any]]:
         if self.text is None:
             return []
-        index, item = len(self.items), message_item(self.request_id, self.text, status)
+        index, item = len(self.items), message_item(self.request_id, self.text, status, self.logprobs)
+        self.text = None
         part = item["content"][0]
         self.items.append(item)
         ids = {"item_id": item["id"], "output_index": index}
-        return [self._event("response.output_text.done", **ids, content_index=0, text=self.text, logprobs=[]),
+        return [self._event("response.output_text.done", **ids, content_index=0, text=part["text"],
+                            logprobs=part["logprobs"]),
                 self._event("response.content_part.done", **ids, content_index=0, part=part),
                 self._event("response.output_item.done", output_index=index, item=item)]
 
-    def _call_events(self, i: int, call: dict[str, Any]) -> list[dict[str, Any]]:
-        index, item = len(self.items), call_item(self.request_id, i, call)
+    def _call_events(self, i: int, call: dict[str, Any], status: str) -> list[dict[str, Any]]:
+        index, item = len(self.items), call_item(self.request_id, i, call, status)
         self.items.append(item)
         opened = {**item, "arguments": "", "status": "in_progress"}
         return [self._event("response.output_item.added", output_index=index, item=opened),

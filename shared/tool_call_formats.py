@@ -189,7 +189,9 @@ def pythonic_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None
                 return None
             if any(k.arg is None for k in call.keywords):  # **kwargs
                 return None
-            made.append((call.func.id, json.dumps({k.arg: _literal(k.value) for k in call.keywords})))
+            # as vLLM writes them (non-ASCII kept); an infinite number is no JSON: the answer stays text
+            made.append((call.func.id, json.dumps({k.arg: _literal(k.value) for k in call.keywords},
+                                                  ensure_ascii=False, allow_nan=False)))
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return None
     return None, made

@@ -30,10 +30,10 @@ async def test_the_official_client_gets_responses_streamed_or_not(redis_url, pre
         assert r.object == "response" and r.id.startswith("resp_req_") and r.output_text == "hellohel"
         assert r.status == "incomplete" and r.incomplete_details and r.incomplete_details.reason == "max_output_tokens"
         assert r.usage and (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (5, 8, 13)
-        # instructions are the conversation's system message; text parts are joined (the echo says them all)
-        r = await client.responses.create(model="echo", instructions="sys", max_output_tokens=6, input=[
+        # instructions are the conversation's system message; text parts are joined as chat's (the echo says all)
+        r = await client.responses.create(model="echo", instructions="sys", max_output_tokens=7, input=[
             {"role": "user", "content": [{"type": "input_text", "text": "h"}, {"type": "input_text", "text": "i"}]}])
-        assert r.output_text == "sys\nhi" and r.instructions == "sys"
+        assert r.output_text == "sys\nh\ni" and r.instructions == "sys"
         # streamed: the typed events, in order; cut by max_output_tokens, the stream ends response.incomplete
         events = [e async for e in await client.responses.create(model="echo", input="hello", max_output_tokens=8,
                                                                  stream=True)]

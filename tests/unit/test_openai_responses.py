@@ -26,14 +26,16 @@ def test_input_items_become_the_conversation():
         {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Rome"}'},
         {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
-        {"type": "function_call_output", "call_id": "c2", "output": {"tz": "CET"}},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "CET"}]},
         {"type": "reasoning", "summary": []},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "It is sunny."}]}])
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me see."}]},
+        {"type": "function_call", "call_id": "c3", "name": "get_time", "arguments": "{}"}])
     messages = call.chat.body["input"]["messages"]
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "tool", "assistant"]
-    assert messages[0]["content"] == "be brief" and messages[1]["content"] == "weather?"
+    assert messages[0]["content"] == "be brief" and messages[1]["content"] == "wea\nther?"  # as chat joins parts
     assert [c["function"]["name"] for c in messages[2]["tool_calls"]] == ["get_weather", "get_time"]  # one turn
-    assert messages[3]["content"] == "sunny" and json.loads(messages[4]["content"]) == {"tz": "CET"}
+    assert messages[3]["content"] == "sunny" and messages[4]["content"] == "CET"
+    assert messages[5]["content"] == "Let me see." and messages[5]["tool_calls"][0]["id"] == "c3"  # its text, calls
     assert call.chat.body["params"]["max_new_tokens"] == 7 and call.echo["instructions"] == "be brief"
 
 
@@ -57,6 +59,15 @@ def test_format_tools_and_options_become_the_chat_routes():
      "input[0].content[0].type"),
     ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1"}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
+    ({"input": [{"role": ["user"], "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": {"a": 1}}]}]}, "input[0].content[0].type"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"include": ["file_search_call.results"]}, "include"),
+    ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [{"type": "function", "name": "f"}]},
+     "tool_choice.name"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
@@ -122,6 +133,46 @@ def test_a_stream_is_the_typed_events_of_the_same_response():
     assert item["type"] == "function_call" and json.loads(item["arguments"]) == {"city": "Rome"}
     assert item == out[-1]["response"]["output"][0]  # the streamed item is the response's
     failed = oar.ResponseEvents(translate(stream=True), "req_4", 100)
-    (event,) = failed.failed(oa.OpenAIError(500, "the model failed", code="model_error"))
-    assert event["type"] == "response.failed" and event["response"]["error"] == {"code": "model_error",
-                                                                                 "message": "the model failed"}
+    events = failed.first() + failed.delta({"text": "Par"})
+    *closed, event = failed.failed(oa.OpenAIError(500, "the model failed", code="model_error"))
+    assert event["type"] == "response.failed" and event["response"]["error"] == {
+        "code": "server_error", "message": "the model failed (model_error)"}  # a code the client knows
+    assert [c["type"] for c in closed][-1] == "response.output_item.done"
+    assert event["response"]["output"] == [oar.message_item("req_4", "Par", "incomplete")]  # what was streamed
+
+
+def stream_of(call: oar.ResponseCall, pieces: list[str], done: dict[str, Any]) -> list[dict[str, Any]]:
+    events = oar.ResponseEvents(call, str(done["id"]), 100)
+    return [*events.first(), *(e for p in pieces for e in events.delta({"text": p})), *events.final(done)]
+
+
+def test_the_items_streamed_are_the_final_responses_in_the_same_order():
+    tools = [{"type": "function", "name": "get_weather"}]
+    said = '\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    out = stream_of(translate(stream=True, tools=tools), ["\n", said[1:]], view(said, rid="req_5"))
+    done = [e["item"] for e in out if e["type"] == "response.output_item.done"]
+    assert [i["type"] for i in done] == ["message", "function_call"] and out[-1]["response"]["output"] == done
+    # an empty answer: an empty message item, announced and done, as unstreamed
+    out = stream_of(translate(stream=True), [], view("", rid="req_6"))
+    assert [e["type"] for e in out][2:] == ["response.output_item.added", "response.content_part.added",
+                                            "response.output_text.done", "response.content_part.done",
+                                            "response.output_item.done", "response.completed"]
+    assert out[-1]["response"]["output"] == [oar.message_item("req_6", "")]
+    assert oar.response_object(translate(), view("", rid="req_6"), 100)["output"] == out[-1]["response"]["output"]
+    # a forced call cut by max_output_tokens: the call item is incomplete, its arguments as far as they got
+    forced = translate(tools=tools, tool_choice={"type": "function", "name": "get_weather"})
+    r = oar.response_object(forced, view('{"city": "Ro', "length"), 100)
+    assert r["status"] == "incomplete" and r["output"][0]["status"] == "incomplete"
+    assert r["output"][0]["arguments"] == '{"city": "Ro'
+
+
+def test_log_probabilities_are_the_output_texts():
+    call = translate(top_logprobs=1, include=["message.output_text.logprobs"])
+    assert call.chat.body["params"]["logprobs"] == 1
+    assert translate(include=["message.output_text.logprobs"]).chat.body["params"]["logprobs"] == 0
+    entry = {"token": "Hi", "logprob": -0.5, "top_logprobs": [{"token": "Hi", "logprob": -0.5}]}
+    lp_view = view("Hi")
+    lp_view["output"]["logprobs"] = [{"token_id": 1, "token": "Hi", "logprob": -0.5,
+                                      "top_logprobs": [{"token_id": 1, "token": "Hi", "logprob": -0.5}]}]
+    part = oar.response_object(call, lp_view, 100)["output"][0]["content"][0]
+    assert [(e["token"], e["logprob"]) for e in part["logprobs"]] == [(entry["token"], entry["logprob"])]

@@ -408,11 +408,13 @@ def test_auto_reads_pythonic_calls():
     assert named(auto_answer("pythonic", nested)[2]) == [("search", {"query": {"terms": ["a", "b"], "limit": 5},
                                                                      "tags": []})]
     assert named(auto_answer("pythonic", "[get_time()]")[2]) == [("get_time", {})]
+    (call,) = auto_answer("pythonic", '[get_weather(city="Zürich\\n")]')[2]
+    assert call["function"]["arguments"] == '{"city": "Zürich\\n"}'  # as vLLM writes it: non-ASCII kept
     assert named(auto_answer("pythonic", two, parallel_tool_calls=False)[2]) == want[:1]
     for text in ("It is sunny.", f"Sure: {two}", f"{two} done", "[]", "[1, 2]", '[get_time("CET")]',
                  "[get_time(tz=zone)]", "[get_time(tz=1 + 2)]", '[get_time(tz="CET"', "[a.b(x=1)]",
                  "[get_time(**opts)]", '[f(x={1: "a"})]', '[f(x=(1, 2))]', '[f(x=-"a")]', "[f(x=b'raw')]",
-                 "[f(x=1)] [g(y=2)]", "[" * 500 + "]" * 500):
+                 "[f(x=1)] [g(y=2)]", "[" * 500 + "]" * 500, "[f(x=1e999)]"):
         assert auto_answer("pythonic", text) == ("stop", text, []), text
     # streamed: an answer that opens with "[" (or Llama 4's tag) may be calls, held to the end
     content, calls, reason = streamed("llama4_pythonic", ["<|python_start|>[get_", 'time(tz="CET")]', "<|python_end|>"])
