@@ -668,6 +668,11 @@ async def test_structured_output_from_the_clients_own_helpers(stack: RunningGate
     choice = parsed.choices[0]
     assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Person), choice
     assert Person.model_validate_json(choice.message.content) == choice.message.parsed
+    # the Responses API's own helper: text.format from the model, the answer parsed back into it
+    answered = await client.responses.parse(model="tiny-llama", input="Who are you?", text_format=Person,
+                                            max_output_tokens=80, temperature=0)
+    assert answered.status == "completed" and isinstance(answered.output_parsed, Person), answered
+    assert answered.output_text == choice.message.content  # the same generation as chat's, greedy
 
     stream = await client.chat.completions.create(
         model="tiny-llama", messages=messages, max_tokens=30, stream=True, temperature=0,
