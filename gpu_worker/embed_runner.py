@@ -81,15 +81,16 @@ class EmbedRunner:
     def prepare(self, req, now: float) -> Job | Outcome:  # type: ignore[no-untyped-def]
         texts = req.input["texts"]
         params = EmbedParams(**req.params)
+        cap = params.text_tokens(self.max_len)  # truncate_prompt_tokens: each text's first tokens
         enc = self.loaded.tokenizer(texts, add_special_tokens=True, truncation=False)
-        over = [(i, len(ids)) for i, ids in enumerate(enc["input_ids"]) if len(ids) > self.max_len]
-        if over and not params.truncate:
+        over = [(i, len(ids)) for i, ids in enumerate(enc["input_ids"]) if len(ids) > cap]
+        if over and not params.cuts():
             i, n = over[0]
             return failed_outcome(req, self.worker, now, "input_too_long",
                                   f"text {i} is {n} tokens; this model takes at most {self.max_len} per text "
                                   "(set params.truncate to cut it)")
         if over:
-            enc = self.loaded.tokenizer(texts, add_special_tokens=True, truncation=True, max_length=self.max_len)
+            enc = self.loaded.tokenizer(texts, add_special_tokens=True, truncation=True, max_length=cap)
         inputs = tuple(tuple(ids) for ids in enc["input_ids"])
         lens = [len(ids) for ids in inputs]
         tokens = sum(lens)
@@ -98,11 +99,12 @@ class EmbedRunner:
                    size=len(texts), request=req, params=params, inputs=inputs)
 
     def _truncated(self, job: Job) -> list[bool]:
-        """Which texts of a `truncate` request were cut: those at the cap whose whole text is longer."""
+        """Which texts of a request that cuts them were cut: those at the cap whose whole text is longer."""
         texts = job.req.input["texts"]
-        return [len(ids) >= self.max_len
+        cap = job.params.text_tokens(self.max_len) if isinstance(job.params, EmbedParams) else self.max_len
+        return [len(ids) >= cap
                 and len(self.loaded.tokenizer(text, add_special_tokens=True, truncation=False)["input_ids"])
-                > self.max_len for ids, text in zip(job.inputs, texts, strict=True)]
+                > cap for ids, text in zip(job.inputs, texts, strict=True)]
 
     def start(self, batch: list[Job], now: float) -> list[Outcome]:
         try:
@@ -143,7 +145,7 @@ class EmbedRunner:
             vecs = (normed if normalize else pooled)[row: row + n].float().cpu().tolist()
             row += n
             output = {"embeddings": vecs, "dim": len(vecs[0]), "tokens": [len(e) for e in job.inputs]}
-            if isinstance(job.params, EmbedParams) and job.params.truncate:
+            if isinstance(job.params, EmbedParams) and job.params.cuts():
                 output["truncated"] = self._truncated(job)
             outcomes.append(Outcome(job.req, result_for(job.req, Status.SUCCEEDED, worker=self.worker, now=done,
                                                         output=output, reason=FinishReason.DONE,

@@ -77,6 +77,7 @@ def estimate_generate_tokens(inp: dict[str, Any], max_new_tokens: int) -> tuple[
     return prompt, prompt + max_new_tokens
 
 
-def estimate_embed_tokens(inp: dict[str, Any]) -> int:
-    """Input tokens of a validated embed input (+2 per text for the special tokens)."""
-    return sum(estimate_text_tokens(t) + 2 for t in inp["texts"])
+def estimate_embed_tokens(inp: dict[str, Any], per_text: int | None = None) -> int:
+    """Input tokens of a validated embed input (+2 per text for the special tokens; at most `per_text` each, where
+    texts are cut)."""
+    return sum(min(estimate_text_tokens(t) + 2, per_text or 2**62) for t in inp["texts"])

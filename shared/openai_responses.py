@@ -88,12 +88,13 @@ class ResponseRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 _PASSED = ("timeout_s", "priority", "seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "logit_bias", "stop_token_ids", "min_tokens", "ignore_eos", "skip_special_tokens",
-           "include_stop_str_in_output", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+           "include_stop_str_in_output", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "truncation_side",
            "chat_template_kwargs", "temperature", "top_p", "parallel_tool_calls", "user", "metadata", "store",
            "service_tier", "prompt_cache_key", "safety_identifier", "stream")
 

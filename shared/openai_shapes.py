@@ -180,7 +180,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     service_tier: str | None = None
     # extensions: the deadline and priority of the native API; vLLM's top_k, min_p, stop_token_ids, min_tokens,
     # include_stop_str_in_output, skip_special_tokens, ignore_eos, repetition_penalty, allowed_token_ids,
-    # bad_words and truncate_prompt_tokens
+    # bad_words, truncate_prompt_tokens and truncation_side
     timeout_s: float | None = None
     priority: Priority | None = None
     top_k: int | None = None
@@ -194,6 +194,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
     # structured output: OpenAI's response_format (completions too, as vLLM takes it), vLLM's guided decoding
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -264,6 +265,7 @@ class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     user: str | None = None
     timeout_s: float | None = None
     priority: Priority | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: each text's first tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,7 +379,7 @@ def _params(req: _Sampling, max_tokens: int | None, fmt: dict[str, Any] | None) 
         params["max_new_tokens"] = max_tokens
     for name in ("top_p", "seed", "top_k", "min_p", "ignore_eos", "repetition_penalty", "stop_token_ids",
                  "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids",
-                 "truncate_prompt_tokens"):
+                 "truncate_prompt_tokens", "truncation_side"):
         if getattr(req, name) is not None:
             params[name] = getattr(req, name)
     for name in ("presence_penalty", "frequency_penalty", "logit_bias", "bad_words"):
@@ -694,6 +696,8 @@ def translate_embeddings(raw: Any, *, timeout_header: str | None = None) -> Tran
     else:
         raise unsupported("input", "only text input (a string or a list of strings); token ids are not accepted")
     body = {"input": {"texts": texts}, **_deadline(req, timeout_header)}
+    if req.truncate_prompt_tokens is not None:
+        body["params"] = {"truncate_prompt_tokens": req.truncate_prompt_tokens}
     aliases = {"input.texts": "input", "input.text": "input", "input": "input"}
     return Translated("embedding", req.model, body, encoding_format=req.encoding_format or "float",
                       aliases=aliases)

@@ -102,6 +102,9 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         "keep only the prompt's last this many tokens (vLLM's truncate_prompt_tokens: the start of a long prompt, or "
         "of a conversation as its template renders it, is cut); -1: the most the model takes; at most that; null: "
         "no cut (a prompt longer than the model takes is refused)"))] | None = None
+    truncation_side: Annotated[Literal["left", "right"], Meta(description=(
+        "which end of the prompt truncate_prompt_tokens keeps (vLLM's): left cuts the start and keeps its last "
+        "tokens, right keeps its first"))] = "left"
     presence_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
         "subtracted from the logit of every token the output holds so far (OpenAI's presence_penalty)"))] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
@@ -182,6 +185,8 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                      "allowed_token_ids", "truncate_prompt_tokens"):
             if out[name] is None or out[name] is False:  # left out as the penalties are (0 is a count: kept)
                 del out[name]
+        if out["truncation_side"] == "left":  # the default: left out (a worker that predates it reads it as before)
+            del out["truncation_side"]
         for name in ("min_p", "stop_token_ids", "min_tokens", "bad_words"):  # off: left out, so a worker that
             # predates them reads it as before
             if not out[name]:
@@ -217,9 +222,12 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return None if t is None else max_input_tokens if t == -1 else t
 
     def cut_prompt(self, ids: list[int], max_input_tokens: int) -> list[int]:
-        """A prompt's token ids as the model reads them: its last `prompt_kept` (left truncation, as vLLM's)."""
+        """A prompt's token ids as the model reads them: its last `prompt_kept` (left truncation, vLLM's default
+        for generation), or its first (`truncation_side` right)."""
         keep = self.prompt_kept(max_input_tokens)
-        return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
+        if keep is None or len(ids) <= keep:
+            return ids
+        return ids[:keep] if self.truncation_side == "right" else ids[len(ids) - keep:]
 
     def check_truncation(self, max_input_tokens: int) -> None:
         """`truncate_prompt_tokens` keeps a prompt the model can take: 1 to its prompt limit, or -1."""
@@ -249,9 +257,31 @@ class EmbedParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     normalize: bool = True
     truncate: Annotated[bool, Meta(description="cut texts longer than the model takes (the result's `truncated` "
                                                "says which); false: such a text is refused (422)")] = False
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, description=(
+        "cut each text to its first this many tokens, special tokens included (vLLM's truncate_prompt_tokens on "
+        "embeddings; the result's `truncated` says which were cut); -1: the most the model takes; null: off"))
+    ] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return msgspec.structs.asdict(self)
+        out = msgspec.structs.asdict(self)
+        if out["truncate_prompt_tokens"] is None:  # off: left out, so a worker that predates it reads it as before
+            del out["truncate_prompt_tokens"]
+        return out
+
+    def cuts(self) -> bool:
+        """Texts longer than the model takes are cut, not refused (`truncate` or `truncate_prompt_tokens`)."""
+        return self.truncate or self.truncate_prompt_tokens is not None
+
+    def text_tokens(self, cap: int) -> int:
+        """The most tokens a text keeps under a model that takes `cap` per text."""
+        t = self.truncate_prompt_tokens
+        return cap if t is None or t == -1 else min(t, cap)
+
+    def check_truncation(self, cap: int) -> None:
+        t = self.truncate_prompt_tokens
+        if t is not None and (t == 0 or t > cap):
+            raise ValidationError("params.truncate_prompt_tokens", f"must be between 1 and this model's {cap} tokens "
+                                                                   f"per text, or -1 (that limit); got {t}")
 
     @classmethod
     def parse(cls, raw: Any) -> EmbedParams:

@@ -114,16 +114,17 @@ def resolve_callback(spec: CallbackSpec, allow: AllowList) -> Callback:
 
 
 def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, truncate: bool = False,
-                 field: str = "", keep: int | None = None) -> tuple[int | None, str]:
+                 field: str = "", keep: int | None = None, side: str = "left") -> tuple[int | None, str]:
     """Token limits the gateway can know before queueing (the model's vocabulary, its tokenizer): a prompt
     or text too long for the model, a token id outside its vocabulary. Unknowable ones are the worker's.
     Returns a prompt's token count where it could count it (else None; at most `keep`, the last tokens a
-    truncated prompt keeps), and its field."""
+    truncated prompt keeps, at its `side`'s end cut), and its field."""
     if "input_ids" in inp:
         vocab = limits.vocab_size(spec)
-        start = max(0, len(inp["input_ids"]) - keep) if keep is not None else 0  # cut first, then read (vLLM's)
-        bad = next(((i, t) for i, t in enumerate(inp["input_ids"][start:], start) if vocab is not None and t >= vocab),
-                   None)
+        ids, start = inp["input_ids"], 0
+        if keep is not None and len(ids) > keep:  # cut first, then read (vLLM's)
+            ids, start = (ids[:keep], 0) if side == "right" else (ids[len(ids) - keep:], len(ids) - keep)
+        bad = next(((i, t) for i, t in enumerate(ids, start) if vocab is not None and t >= vocab), None)
         if bad is not None:
             raise ValidationError("input.input_ids", f"item {bad[0]}: {bad[1]} is not a token of this model "
                                                      f"(its vocabulary has {vocab} tokens: ids 0-{vocab - 1})")
@@ -210,7 +211,7 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
         inp = sub.input.normalised(max_prompt_chars=spec.max_input_tokens * 16 if keep is None else None,
                                    max_input_tokens=spec.max_input_tokens if keep is None else None)
         if limits is not None:
-            prompt_tokens, where = check_tokens(inp, spec, limits, keep=keep)
+            prompt_tokens, where = check_tokens(inp, spec, limits, keep=keep, side=params.truncation_side)
             if keep is not None and prompt_tokens == keep:  # the prompt as cut: what to lower is the cut
                 where = "params.truncate_prompt_tokens"
             params = within_context(params, given, prompt_tokens, where, limits.context(spec))
@@ -221,14 +222,17 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
         stream = sub.stream
     else:
         embed_params = sub.params or EmbedParams()
-        # with params.truncate, a text over the model's tokens is accepted, whatever its length (the body's size
-        # bounds it), and cut by the worker, which reports it; without, one far past them is refused untokenized
+        embed_params.check_truncation(limits.max_text_tokens(spec) if limits is not None else spec.max_input_tokens)
+        # with params.truncate (or truncate_prompt_tokens), a text over the model's tokens is accepted, whatever its
+        # length (the body's size bounds it), and cut by the worker, which reports it; without, one far past them is
+        # refused untokenized
         inp = sub.input.normalised(max_texts=spec.max_texts,
-                                   max_text_chars=None if embed_params.truncate else spec.max_input_tokens * 16)
+                                   max_text_chars=None if embed_params.cuts() else spec.max_input_tokens * 16)
         if limits is not None:
-            check_tokens(inp, spec, limits, truncate=embed_params.truncate,
+            check_tokens(inp, spec, limits, truncate=embed_params.cuts(),
                          field="input.text" if isinstance(sub.input.text, str) else "input.texts")
-        tokens = estimate_embed_tokens(inp)
+        tokens = estimate_embed_tokens(inp, embed_params.text_tokens(spec.max_input_tokens) if embed_params.cuts()
+                                       else None)
         params_dict = embed_params.to_dict()
         stream = False
     callback = resolve_callback(sub.callback, allow or AllowList()) if sub.callback is not UNSET else None

@@ -100,6 +100,54 @@ def test_the_gateway_counts_and_places_a_truncated_prompt(model_cache, loaded_mo
 
 
 def test_the_openai_routes_pass_it():
-    tr = oa.translate_completion({"model": "m", "prompt": "hi", "truncate_prompt_tokens": 3})
-    assert tr.body["params"]["truncate_prompt_tokens"] == 3
+    tr = oa.translate_completion({"model": "m", "prompt": "hi", "truncate_prompt_tokens": 3,
+                                  "truncation_side": "right"})
+    assert tr.body["params"]["truncate_prompt_tokens"] == 3 and tr.body["params"]["truncation_side"] == "right"
     assert "truncate_prompt_tokens" not in oa.translate_completion({"model": "m", "prompt": "hi"}).body["params"]
+
+
+def test_truncation_side_right_keeps_the_first_tokens():
+    long = PROMPTS["c"]
+    got = serve([request("right", long, truncate_prompt_tokens=5, truncation_side="right"),
+                 request("first", long[:5]), request("tail", [*long[:5], 10**6], truncate_prompt_tokens=5,
+                                                     truncation_side="right")])
+    assert got["right"] == got["first"] == got["tail"] and got["right"][1] == 5
+
+
+def embed(loaded, texts: list[str], **params) -> dict:
+    from gpu_worker.embed_runner import EmbedRunner
+
+    now = int(time.time() * 1000)
+    req = InferenceRequest(id="e", tenant="t", model="minilm", task=Task.EMBED, input={"texts": texts},
+                           params={"normalize": True, "truncate": False, **params}, lane="short",
+                           priority=Priority.INTERACTIVE, created_ms=now, deadline_ms=now + 60_000, est_tokens=10)
+    runner = EmbedRunner(loaded, "w")
+    job = runner.prepare(req, time.time())
+    (out,) = [job] if isinstance(job, Outcome) else runner.start([job], time.time())  # type: ignore[list-item]
+    return out.result.output if out.result.output else {"error": out.result.error.code}
+
+
+def test_an_embedding_keeps_each_texts_first_tokens(model_cache, loaded_models):
+    """vLLM's truncate_prompt_tokens on embeddings: each text's first tokens, special tokens included (right
+    truncation, as vLLM cuts for pooling models); the result says which texts were cut."""
+    minilm = loaded_models["minilm"]
+    a, b = "one two three four five six seven", "one two three four five nine ten"
+    cut = embed(minilm, [a, b, "one"], truncate_prompt_tokens=7)  # [CLS] one .. five [SEP]
+    assert cut["tokens"] == [7, 7, 3] and cut["truncated"] == [True, True, False]
+    assert cut["embeddings"][0] == cut["embeddings"][1]  # the same first five words: the same vector
+    whole = embed(minilm, [a, b])
+    assert whole["embeddings"][0] != whole["embeddings"][1] and "truncated" not in whole
+    assert embed(minilm, ["hello " * 600], truncate_prompt_tokens=-1)["tokens"] == [512]  # the model's most
+    assert embed(minilm, ["hello " * 600]) == {"error": "input_too_long"}
+    spec = BUILTIN_MODELS["minilm"]
+    limits = TokenLimits(model_cache)
+    body = {"input": {"texts": ["hello " * 2000]}, "params": {"truncate_prompt_tokens": 16}}
+    req = build_request(body, spec, "t", time.time(), limits=limits)  # any length: the worker cuts it
+    assert req.params["truncate_prompt_tokens"] == 16 and req.est_tokens == 16
+    assert "truncate_prompt_tokens" not in build_request({"input": {"text": "x"}}, spec, "t", time.time()).params
+    for bad in (0, -2, limits.max_text_tokens(spec) + 1):
+        with pytest.raises(ValidationError) as err:
+            build_request({**body, "params": {"truncate_prompt_tokens": bad}}, spec, "t", time.time(), limits=limits)
+        assert err.value.field == "params.truncate_prompt_tokens"
+    tr = oa.translate_embeddings({"model": "minilm", "input": "x", "truncate_prompt_tokens": -1})
+    assert tr.body["params"] == {"truncate_prompt_tokens": -1}
