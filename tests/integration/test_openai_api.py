@@ -513,7 +513,7 @@ async def test_what_a_new_openai_user_meets_at_the_edges(stack: RunningGateway, 
     """An OpenAI endpoint this gateway lacks, a batch parameter it has no policy for, a prompt past the model's
     context: each an error the openai client reads, in OpenAI's shape and with OpenAI's code."""
     sync, _ = clients(stack, max_retries=0)
-    r = await stack.client.post("/v1/responses", json={"model": "tiny-llama", "input": "hi"})
+    r = await stack.client.post("/v1/moderations", json={"model": "tiny-llama", "input": "hi"})
     assert r.status_code == 404
     assert r.json()["error"] | {"message": ""} == {"code": "not_found", "message": "", "type": "invalid_request_error",
                                                    "param": None}
