@@ -1,4 +1,7 @@
-"""The benchmark scripts run and write the JSON keys the checks read (figures are not asserted here)."""
+"""The benchmark scripts run and write the JSON keys the checks read (figures are not asserted here).
+
+Marked `alone`: a benchmark saturates the machine and its requests meet admission as load allows, so `make test`
+runs these by themselves (on one Redis), not beside the passes that run side by side."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 
 def run_bench(script: str, out, *args: str, model_cache=None,
