@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import random
+import sys
 import time
 from typing import Any
 
@@ -111,6 +112,9 @@ def main() -> None:
                                       concurrency=args.capacity_clients, warm_s=args.capacity_warm_s,
                                       measure_s=args.capacity_s, progress="idle "))
         print(f"  {cap:.2f} req/s", flush=True)
+        if cap <= 0:  # every ratio below is to it
+            sys.exit(f"no request finished in the {args.capacity_s:g} s idle-capacity window: the machine is too "
+                     "busy for it, or give a longer --capacity-s")
         print(f"the batch alone: {args.items} items", flush=True)
         b = wait_batch(st.url, start_batch(st.url, args.items, args.seed), "batch alone")
         span = max(1e-9, b["completed_at"] - b["in_progress_at"])
