@@ -66,7 +66,8 @@ DISCOVER_S = 1.0  # how often the runner looks for batches to take
 LEASE_S = 15.0  # a runner that stops renewing loses its batches after this long
 DEADLINE_RETRY_S = 2.0  # an item refused for the queue its window's end leaves it is tried again after at most this
 MAX_ERRORS = 100
-TASK_OF = {"completion": Task.GENERATE, "chat": Task.GENERATE, "native": None, "embedding": Task.EMBED}
+TASK_OF = {"completion": Task.GENERATE, "chat": Task.GENERATE, "response": Task.GENERATE, "native": None,
+           "embedding": Task.EMBED}
 
 
 async def lines_from(store: files.FileStore, key: str, start: int, first: int) -> AsyncIterator[tuple[int, bytes, int]]:

@@ -21,12 +21,13 @@ from typing import Any
 
 import msgspec
 
+from shared import openai_responses as oar
 from shared import openai_shapes as oa
 from shared import strict_json
 from shared.ids import new_request_id
 from shared.openai_tools import Calls
 
-OPENAI_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+OPENAI_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
 NATIVE_ENDPOINT = re.compile(r"^/v1/models/([^/]+)/requests$")
 MIN_WINDOW_S = 60.0
 MAX_WINDOW_S = 7 * 86_400.0
@@ -111,7 +112,7 @@ class Item:
     custom_id: str
     model: str
     body: dict[str, Any]  # the native submit body (no deadline yet)
-    kind: str  # "completion" | "chat" | "embedding" | "native"
+    kind: str  # "completion" | "chat" | "response" | "embedding" | "native"
     encoding_format: str = "float"
     aliases: dict[str, str] = field(default_factory=dict)  # native field -> the endpoint's parameter (OpenAI's)
     answer: Answer | None = None  # what its OpenAI answer shows beyond the output (log probabilities, echo)
@@ -148,6 +149,8 @@ class Answer(msgspec.Struct, frozen=True, array_like=True):
     parser: str = ""
     single: bool = False
     short_ids: bool = False
+    # a /v1/responses line's fields its response echoes back (instructions, tools, ...)
+    response: dict[str, Any] | None = None
 
 
 class ItemRef(msgspec.Struct, frozen=True, array_like=True):
@@ -164,6 +167,17 @@ class ItemRef(msgspec.Struct, frozen=True, array_like=True):
 
 _TRANSLATE = {"/v1/completions": oa.translate_completion, "/v1/chat/completions": oa.translate_chat,
               "/v1/embeddings": oa.translate_embeddings}
+
+
+def _translate(endpoint: str, body: dict[str, Any],
+               parser_of: Callable[[str], str] | None) -> tuple[oa.Translated, str, dict[str, Any] | None]:
+    """A line's body as the native translation: (it, the item's kind, a response's echoed fields)."""
+    if endpoint == "/v1/responses":  # served as a chat completion, answered as a response
+        call = oar.translate_response(body, parser_of=parser_of)
+        return call.chat, "response", call.echo
+    translate = _TRANSLATE[endpoint]
+    tr = translate(body, parser_of=parser_of) if translate is oa.translate_chat else translate(body)
+    return tr, tr.kind, None
 
 
 def _refuse_per_request_delivery(body: dict[str, Any], native: bool, line: int) -> None:
@@ -206,8 +220,7 @@ def parse_line(raw: bytes | str, line: int, endpoint: str, parser_of: Callable[[
         inner = {k: v for k, v in body.items() if k not in ("timeout_s", "deadline", "priority")}
         return Item(line, custom_id, native.group(1), inner, "native")
     try:
-        translate = _TRANSLATE[endpoint]
-        tr = translate(body, parser_of=parser_of) if translate is oa.translate_chat else translate(body)
+        tr, kind, echo = _translate(endpoint, body, parser_of)
     except oa.OpenAIError as err:
         raise BatchError(err.message, code=err.code or "invalid_request",
                          param=f"body.{err.param}" if err.param else "body", line=line) from None
@@ -217,8 +230,8 @@ def parse_line(raw: bytes | str, line: int, endpoint: str, parser_of: Callable[[
     inner = {k: v for k, v in tr.body.items() if k not in ("timeout_s", "deadline", "priority", "stream")}
     c = tr.calls
     answer = Answer(tr.logprobs, tr.echo, tr.prompt, tr.score_only, c is not None, c.forced if c else None,
-                    *((c.legacy, c.parser, c.single, c.short_ids) if c else ()))
-    return Item(line, custom_id, tr.model, inner, tr.kind, tr.encoding_format, tr.aliases,
+                    *((c.legacy, c.parser, c.single, c.short_ids) if c else (False, "", False, False)), echo)
+    return Item(line, custom_id, tr.model, inner, kind, tr.encoding_format, tr.aliases,
                 answer if answer != Answer() else None)
 
 
@@ -231,11 +244,14 @@ def _response_body(ref: ItemRef, view: dict[str, Any], created: int) -> dict[str
     if ref.kind == "native":
         return view
     a = ref.answer or Answer()
-    tr = oa.Translated(kind=ref.kind, model=ref.model, body={}, encoding_format=ref.encoding_format,  # type: ignore[arg-type]
+    kind = "chat" if ref.kind == "response" else ref.kind
+    tr = oa.Translated(kind=kind, model=ref.model, body={}, encoding_format=ref.encoding_format,  # type: ignore[arg-type]
                        logprobs=a.logprobs, echo=a.echo, prompt=a.prompt, score_only=a.score_only,
                        calls=Calls(a.forced, a.parser, a.single, a.short_ids, a.legacy) if a.calls else None)
     if ref.kind == "embedding":
         return oa.embedding_response(tr, view)
+    if ref.kind == "response":
+        return oar.response_object(oar.ResponseCall(tr, a.response or {}), view, created)
     return oa.completion_response(tr, [view], created)
 
 

@@ -92,6 +92,18 @@ async def test_a_batch_runs_every_line_once_and_answers_in_openais_format(redis_
         assert native["priority"] == "batch" and native["status"] == "succeeded"
         listed = await client.batches.list(limit=10)
         assert b.id in [x.id for x in listed.data]
+        # the Responses API's lines: each answered with a response, as POST /v1/responses answers it
+        lines = [json.dumps({"custom_id": f"r-{i}", "method": "POST", "url": "/v1/responses", "body": {
+            "model": "tiny-llama", "input": f"hi {i}", "instructions": "be brief", "max_output_tokens": 4}})
+            for i in range(3)]
+        f = await client.files.create(file=("r.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
+        done = await until_done(client, (await client.batches.create(
+            input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")).id)
+        assert done.status == "completed" and done.request_counts.completed == 3, done
+        out = await lines_of(client, done.output_file_id)
+        bodies = [x["response"]["body"] for x in out]
+        assert [b["object"] for b in bodies] == ["response"] * 3 and bodies[0]["instructions"] == "be brief"
+        assert all(b["usage"]["output_tokens"] == 4 and b["output"][0]["type"] == "message" for b in bodies)
 
 
 async def test_an_item_refused_for_the_queue_is_tried_again_and_only_a_hopeless_one_is_written_off(
@@ -158,7 +170,7 @@ async def test_an_invalid_line_fails_the_batch_before_anything_runs(redis_url, p
                                                                                ("short", "medium", "long"))])
         assert queued == 0  # nothing was submitted
         with pytest.raises(BadRequestError):
-            await client.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
+            await client.batches.create(input_file_id=f.id, endpoint="/v1/moderations", completion_window="24h")
         with pytest.raises(NotFoundError):
             await client.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
         with pytest.raises(NotFoundError):

@@ -97,8 +97,9 @@ def test_windows_endpoints_metadata():
         with pytest.raises(BatchError):
             window_seconds(bad)
     assert check_endpoint("/v1/embeddings") and check_endpoint("/v1/models/m/requests")
+    assert check_endpoint("/v1/responses")
     with pytest.raises(BatchError):
-        check_endpoint("/v1/responses")
+        check_endpoint("/v1/moderations")
     assert check_metadata({"k": "v"}) == {"k": "v"} and check_metadata(None) is None
     with pytest.raises(BatchError):
         check_metadata({"k": 1})
@@ -253,6 +254,33 @@ def test_a_lines_log_probabilities_and_echo_reach_its_output_line_through_the_ke
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=ItemRef).answer is None
     assert msgspec.msgpack.decode(msgspec.msgpack.encode([0, "a", "req_o", "chat", "m", "float"]),
                                   type=ItemRef).answer is None
+
+
+def test_a_responses_line_is_answered_as_a_response_through_the_kept_ref():
+    """A /v1/responses line is served as a chat completion and its output line's body is a `response`, the fields it
+    echoes (instructions, max_output_tokens) kept with the item in flight; its checks name the Responses API's
+    parameters."""
+    import msgspec
+
+    from shared.batches import ItemRef
+
+    url = "/v1/responses"
+    item = parse_line(line(url=url, body={"model": "m", "input": "hi", "instructions": "be brief",
+                                          "max_output_tokens": 4}), 0, url)
+    assert item.kind == "response" and item.body["input"]["messages"][0] == {"role": "system", "content": "be brief"}
+    assert item.body["params"]["max_new_tokens"] == 4 and item.param("params.max_new_tokens", "x")[0] == (
+        "body.max_output_tokens")
+    ref = msgspec.msgpack.decode(msgspec.msgpack.encode(item.ref("req_r")), type=ItemRef)
+    view = {"id": "req_r", "status": "succeeded", "finish_reason": "eos",
+            "output": {"text": "Hello", "token_ids": [1, 2], "prompt_tokens": 3, "completion_tokens": 2}}
+    ok, out = result_line(ref, view, 100)
+    body = out["response"]["body"]
+    assert ok and body["object"] == "response" and body["id"] == "resp_req_r" and body["status"] == "completed"
+    assert body["output"][0]["content"][0]["text"] == "Hello" and body["instructions"] == "be brief"
+    assert body["usage"]["output_tokens"] == 2 and body["max_output_tokens"] == 4
+    with pytest.raises(BatchError) as err:
+        parse_line(line(url=url, body={"model": "m", "input": "hi", "previous_response_id": "resp_x"}), 7, url)
+    assert err.value.param == "body.previous_response_id"
 
 
 def test_a_lines_tool_calls_reach_its_output_line_through_the_kept_ref():
