@@ -22,6 +22,7 @@ from shared.openai_shapes import (
     OpenAIError,
     Translated,
     completion_response,
+    extensions,
     invalid,
     parse_request,
     translate_chat,
@@ -352,7 +353,7 @@ def _response(call: ResponseCall, request_id: str, created: int, items: list[dic
                "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                "total_tokens": usage["total_tokens"]}}
     if view is not None:
-        out[EXTENSION] = completion_response(call.chat, [view], created)[EXTENSION]
+        out[EXTENSION] = extensions([view])
     return out
 
 

@@ -60,6 +60,14 @@ def finite_number(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
+def check_kept_tokens(t: int | None, limit: int, what: str) -> None:
+    """A `truncate_prompt_tokens` keeps what the model can take: 1 to `limit` (`what`, as the error names it), or -1
+    (that limit); None: no cut."""
+    if t is not None and (t == 0 or t > limit):
+        raise ValidationError("params.truncate_prompt_tokens", f"must be between 1 and this model's {what}, or -1 "
+                                                               f"(that limit); got {t}")
+
+
 class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Sampling and stopping for a generation (`params` of a generate request)."""
 
@@ -231,11 +239,7 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def check_truncation(self, max_input_tokens: int) -> None:
         """`truncate_prompt_tokens` keeps a prompt the model can take: 1 to its prompt limit, or -1."""
-        t = self.truncate_prompt_tokens
-        if t is not None and (t == 0 or t > max_input_tokens):
-            raise ValidationError("params.truncate_prompt_tokens", f"must be between 1 and this model's prompt limit "
-                                                                   f"of {max_input_tokens} tokens, or -1 (that limit); "
-                                                                   f"got {t}")
+        check_kept_tokens(self.truncate_prompt_tokens, max_input_tokens, f"prompt limit of {max_input_tokens} tokens")
 
     def check_format(self) -> None:
         """A `response_format` that cannot constrain anything (a schema or pattern llguidance cannot compile) is
@@ -278,10 +282,7 @@ class EmbedParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return cap if t is None or t == -1 else min(t, cap)
 
     def check_truncation(self, cap: int) -> None:
-        t = self.truncate_prompt_tokens
-        if t is not None and (t == 0 or t > cap):
-            raise ValidationError("params.truncate_prompt_tokens", f"must be between 1 and this model's {cap} tokens "
-                                                                   f"per text, or -1 (that limit); got {t}")
+        check_kept_tokens(self.truncate_prompt_tokens, cap, f"{cap} tokens per text")
 
     @classmethod
     def parse(cls, raw: Any) -> EmbedParams:
