@@ -146,7 +146,7 @@ class GenerateRunner:
             if not getattr(self.tokenizer, "chat_template", None):
                 return "no_chat_template", f"model {self.spec.name} has no chat template: send a prompt instead"
             ids = list(self.tokenizer.apply_chat_template(
-                req.input["messages"], tools=req.input.get("tools"),
+                req.input["messages"], tools=req.input.get("tools"), documents=req.input.get("documents"),
                 **template_kwargs(req.input.get("chat_template_kwargs", {})), return_dict=False,
                 add_generation_prompt=req.input.get("add_generation_prompt", True),
                 continue_final_message=req.input.get("continue_final_message", False)))

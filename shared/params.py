@@ -295,6 +295,7 @@ MAX_MESSAGES = 256
 
 MAX_TOOLS = 128
 MAX_TEMPLATE_KWARGS = 32
+MAX_DOCUMENTS = 64
 # what `apply_chat_template` takes as its own arguments, and what the template is rendered with already: a
 # template variable of one of these names cannot be set by a request
 RESERVED_TEMPLATE_NAMES = frozenset({
@@ -369,6 +370,10 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         description=(
         "variables the chat template is rendered with besides the conversation (vLLM's `chat_template_kwargs`), "
         "e.g. {\"enable_thinking\": false} for Qwen3's; null: none"))] | UnsetType | None = UNSET
+    documents: Annotated[list[dict[str, str]], Meta(max_length=MAX_DOCUMENTS, description=(
+        "documents a retrieval-augmented chat template shows the model (transformers' and vLLM's `documents`: "
+        "each a dict of strings, usually `title` and `text`); a template that does not read them leaves them "
+        "out"))] | UnsetType | None = UNSET
     add_generation_prompt: Annotated[bool, Meta(description=(
         "render the template's opening of the assistant's turn after the conversation (transformers' and vLLM's "
         "add_generation_prompt); false: the rendering ends with the last message"))] = True
@@ -393,7 +398,8 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return {"input_ids": self.input_ids}
         if given == ["messages"] and isinstance(self.messages, list):
             out = self._chat_wire(self.messages)
-            extra = [out.get("tools"), out.get("chat_template_kwargs"), *(m.get("tool_calls") for m in out["messages"])]
+            extra = [out.get("tools"), out.get("chat_template_kwargs"), out.get("documents"),
+                     *(m.get("tool_calls") for m in out["messages"])]
             chars = sum(len(m.content) for m in self.messages) + sum(len(json.dumps(x)) for x in extra if x)
             if max_prompt_chars is not None and chars > max_prompt_chars:
                 raise ValidationError("input.messages", f"longer than {max_prompt_chars} characters in all")
@@ -404,8 +410,9 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """What the chat template's rendering takes comes with `messages` alone, and its options agree."""
         if self.tools is not UNSET and not chat:
             raise ValidationError("input.tools", "only with `messages` (the chat template renders them)")
-        if self.chat_template_kwargs not in (UNSET, None) and not chat:
-            raise ValidationError("input.chat_template_kwargs", "only with `messages` (the chat template takes them)")
+        for name in ("chat_template_kwargs", "documents"):
+            if getattr(self, name) not in (UNSET, None) and not chat:
+                raise ValidationError(f"input.{name}", "only with `messages` (the chat template takes them)")
         for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
             if getattr(self, name) is not default and not chat:
                 raise ValidationError(f"input.{name}", "only with `messages` (the chat template's rendering)")
@@ -422,6 +429,8 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             out["tools"] = [msgspec.to_builtins(t) for t in self.tools]
         if isinstance(self.chat_template_kwargs, dict) and self.chat_template_kwargs:
             out["chat_template_kwargs"] = template_kwargs(self.chat_template_kwargs)
+        if isinstance(self.documents, list) and self.documents:
+            out["documents"] = [dict(d) for d in self.documents]
         if not self.add_generation_prompt:
             out["add_generation_prompt"] = False
         if self.continue_final_message:

@@ -138,7 +138,8 @@ def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, t
                 n, where = limits.count_chat(
                     spec, inp["messages"], inp.get("tools"), inp.get("chat_template_kwargs"),
                     add_generation_prompt=inp.get("add_generation_prompt", True),
-                    continue_final_message=inp.get("continue_final_message", False)), "input.messages"
+                    continue_final_message=inp.get("continue_final_message", False),
+                    documents=inp.get("documents")), "input.messages"
             except TemplateRefusal as exc:  # known now: the worker's template would refuse it the same way
                 raise ValidationError("input.messages", f"the model's chat template refuses this conversation: "
                                                         f"{exc}") from None

@@ -283,7 +283,7 @@ class TokenLimits:
 
     def count_chat(self, spec: ModelSpec, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                    template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
-                   continue_final_message: bool = False) -> int | None:
+                   continue_final_message: bool = False, documents: list[dict[str, str]] | None = None) -> int | None:
         """Tokens of a conversation as the worker will count them: the chat template rendered (with the
         generation prompt, or ending inside the last message it continues), then tokenized without special tokens
         added again (the contents joined where the template cannot be rendered here); None if unknown."""
@@ -300,9 +300,9 @@ class TokenLimits:
         found = self._templates[spec.name]
         template = None if found is None else pick_template(found[0], tools)
         if tok is not None and found is not None and template is not None:
-            try:  # as transformers' `render_jinja_template` renders it (`documents` given, as None)
+            try:  # as transformers' `render_jinja_template` renders it
                 shown = tagged(messages) if continue_final_message else messages
-                text = template.render(**(template_kwargs or {}), messages=shown, tools=tools, documents=None,
+                text = template.render(**(template_kwargs or {}), messages=shown, tools=tools, documents=documents,
                                        add_generation_prompt=add_generation_prompt, **found[1])
                 if continue_final_message:
                     text = cut_at_continue(text, messages[-1]["content"])

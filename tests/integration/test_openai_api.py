@@ -149,7 +149,7 @@ async def test_chat_completion_streamed_and_not(stack: RunningGateway, clients: 
     assert usage.choices == [] and usage.usage is not None and usage.usage.completion_tokens == 10
 
 
-async def test_chat_template_kwargs_are_taken_from_the_official_client(stack: RunningGateway, clients: Clients):
+async def test_chat_template_kwargs_and_documents_are_taken_from_the_official_client(stack: RunningGateway, clients: Clients):
     """vLLM's `chat_template_kwargs`, as its users send them (`extra_body`): accepted and served through the whole
     stack (the built-in template reads no such variable, so the answer is the plain one; that they reach a template
     that reads them is `test_chat_template_kwargs.py`'s); a name the rendering sets itself is a 400 naming the
@@ -165,6 +165,13 @@ async def test_chat_template_kwargs_are_taken_from_the_official_client(stack: Ru
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"add_generation_prompt": 0}})
     assert info.value.param == "chat_template_kwargs" and "set by the rendering itself" in info.value.message
+    # vLLM's `documents` alike (that a template reading them shows them is `test_documents.py`'s)
+    docs = [{"title": "t", "text": "the bridge opened in 1932"}]
+    grounded = await client.chat.completions.create(**kw, extra_body={"ignore_eos": True, "documents": docs})
+    assert grounded.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(**kw, extra_body={"documents": [{"text": 1932}]})
+    assert str(info.value.param).startswith("documents")
 
 
 async def test_vllms_output_fields_from_the_official_client(stack: RunningGateway, loaded_models, clients: Clients):
