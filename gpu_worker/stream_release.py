@@ -34,6 +34,7 @@ class Release:
     tail: str = ""  # the last characters released, as long as the longest stop string
     first: bool = True  # no delta published by this attempt yet
     base: int = 0  # released tokens the running row was started after (they are part of its prompt)
+    prompt: int | None = None  # the request's prompt tokens (its caller's usage counts them), told with each delta
     keep: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -70,7 +71,7 @@ def next_delta(rel: Release, tokens: Sequence[int], decode: Callable[[list[int]]
     text = window[len(before):]
     if rel.stops and holds_stop_start(rel.tail + text, rel.stops):
         return None
-    delta = StreamDelta(start=rel.sent, token_ids=tuple(tokens[rel.sent:]), text=text)
+    delta = StreamDelta(start=rel.sent, token_ids=tuple(tokens[rel.sent:]), text=text, prompt_tokens=rel.prompt)
     rel.released.extend(tokens[rel.sent:])
     if rel.keep:
         rel.tail = (rel.tail + text)[-rel.keep:]

@@ -88,6 +88,8 @@ class _Cursor:
         data: dict[str, Any] = {"index": delta.start, "text": delta.text, "token_ids": list(delta.token_ids)}
         if delta.logprobs is not None:
             data["logprobs"] = list(delta.logprobs)
+        if delta.prompt_tokens is not None:
+            data["prompt_tokens"] = delta.prompt_tokens
         return ServerEvent("delta", data, str(end))
 
     def tail(self, output: dict[str, Any] | None) -> ServerEvent | None:
@@ -105,6 +107,8 @@ class _Cursor:
         data = {"index": start, "text": rest_text, "token_ids": rest_ids}
         if isinstance(output.get("logprobs"), list):
             data["logprobs"] = output["logprobs"][start:]
+        if isinstance(output.get("prompt_tokens"), int):
+            data["prompt_tokens"] = output["prompt_tokens"]
         return ServerEvent("delta", data, str(len(ids)))
 
 

@@ -97,6 +97,8 @@ class StreamDelta:
     text: str
     # with `params.logprobs`: one entry per token, as the result's `output.logprobs` holds them
     logprobs: tuple[dict[str, Any], ...] | None = None
+    # the prompt's tokens as the model read it (the result's `output.prompt_tokens`); None: not told (an older worker)
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

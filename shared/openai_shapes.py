@@ -147,6 +147,7 @@ def from_api_error(exc: ApiError, aliases: dict[str, str] | None = None) -> Open
 class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # accepted; chunks are never padded
+    continuous_usage_stats: bool | None = None  # vLLM's: with include_usage, every chunk's usage so far
 
 
 class JsonSchemaFormat(msgspec.Struct, frozen=True):
@@ -278,6 +279,7 @@ class Translated:
     body: dict[str, Any]
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # with include_usage, vLLM's continuous_usage_stats: each chunk's usage so far
     encoding_format: str = "float"
     aliases: dict[str, str] = field(default_factory=dict)  # native field -> OpenAI parameter
     n: int = 1  # choices asked for: each its own native request
@@ -477,11 +479,14 @@ def _choices(req: _Sampling) -> int:
     return req.n
 
 
-def _stream_flags(req: _Sampling) -> tuple[bool, bool]:
-    stream = bool(req.stream)
-    if req.stream_options is not None and not stream:  # as OpenAI answers: options of a stream not asked for
+def _stream_flags(req: _Sampling) -> tuple[bool, bool, bool]:
+    """Streamed; with the usage chunk; with usage in every chunk (vLLM's `continuous_usage_stats`, which counts
+    only with `include_usage`, as vLLM reads it)."""
+    stream, options = bool(req.stream), req.stream_options
+    if options is not None and not stream:  # as OpenAI answers: options of a stream not asked for
         raise invalid("stream_options", "only allowed when stream is true")
-    return stream, bool(stream and req.stream_options is not None and req.stream_options.include_usage)
+    usage = bool(stream and options is not None and options.include_usage)
+    return stream, usage, bool(usage and options is not None and options.continuous_usage_stats)
 
 
 def _prompt_input(prompt: str | list[Any]) -> dict[str, Any]:
@@ -520,7 +525,7 @@ def _top(param: str, value: int) -> int:
 def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Translated:
     req: CompletionRequest = parse_request(raw, CompletionRequest)
     _refuse_non_defaults(req, (*_COMMON_CHECKS, *_COMPLETION_CHECKS))
-    stream, usage = _stream_flags(req)
+    stream, usage, continuous = _stream_flags(req)
     logprobs = None if req.logprobs is None else _top("logprobs", req.logprobs)
     prompt = _prompt_input(req.prompt)
     echo, score_only = bool(req.echo), bool(req.echo) and req.max_tokens == 0
@@ -546,8 +551,8 @@ def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Tran
         raise invalid("best_of", "best_of above 1 cannot be streamed")
     # echoed as sent, unless truncated: then as the worker read it (the tokens kept)
     sent = prompt.get("prompt") if req.truncate_prompt_tokens is None else None
-    return Translated("completion", req.model, body, stream, usage, aliases=aliases, n=n, logprobs=logprobs,
-                      echo=echo, prompt=sent, score_only=score_only, best_of=best_of)
+    return Translated("completion", req.model, body, stream, usage, continuous, aliases=aliases, n=n,
+                      logprobs=logprobs, echo=echo, prompt=sent, score_only=score_only, best_of=best_of)
 
 
 def _with_logprobs(params: dict[str, Any], logprobs: int | None) -> dict[str, Any]:
@@ -647,7 +652,7 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None,
         if req.max_tokens is not None and req.max_tokens != req.max_completion_tokens:
             raise invalid("max_completion_tokens", "differs from max_tokens: give one of them")
         limit, max_param = req.max_completion_tokens, "max_completion_tokens"
-    stream, usage = _stream_flags(req)
+    stream, usage, continuous = _stream_flags(req)
     top = None if req.top_logprobs is None else _top("top_logprobs", req.top_logprobs)
     if top and not req.logprobs:  # as OpenAI answers
         raise invalid("top_logprobs", "requires logprobs: true")
@@ -682,8 +687,8 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None,
                "input.chat_template_kwargs": "chat_template_kwargs", "input.documents": "documents",
                "input.add_generation_prompt": "add_generation_prompt",
                "input.continue_final_message": "continue_final_message", **fmt_aliases}
-    return Translated("chat", req.model, body, stream, usage, aliases=aliases, n=_choices(req), logprobs=logprobs,
-                      calls=calls)
+    return Translated("chat", req.model, body, stream, usage, continuous, aliases=aliases, n=_choices(req),
+                      logprobs=logprobs, calls=calls)
 
 
 def translate_embeddings(raw: Any, *, timeout_header: str | None = None) -> Translated:
@@ -826,14 +831,23 @@ class ChunkMaker:
     # a list of tool calls ("required"), or "auto" text from a call's tag on (or what may begin one): sent at the end
     held: str = ""
     own_id: str = ""  # the choice's own request (its tool calls' ids name it); "": `request_id`
+    # continuous usage: the prompt's tokens (as the worker tells them) and the output's so far, and whether the
+    # opening chunk (held until the prompt's tokens are known) was sent
+    prompt_tokens: int = 0
+    tokens: int = 0
+    opened: bool = False
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         out = {"id": completion_id(self.tr.kind, self.request_id),
                "object": "chat.completion.chunk" if self.tr.kind == "chat" else "text_completion",
                "created": self.created, "model": self.tr.model, "choices": choices, "system_fingerprint": None}
         if self.tr.include_usage:
-            out["usage"] = None
+            out["usage"] = self._so_far(self.tokens) if self.tr.continuous_usage else None
         return {**out, **extra}
+
+    def _so_far(self, tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": tokens,
+                "total_tokens": self.prompt_tokens + tokens}
 
     def _choice(self, content: str | None, role: bool = False, reason: str | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self.index, "finish_reason": reason, "logprobs": None}
@@ -847,15 +861,31 @@ class ChunkMaker:
         return choice
 
     def first(self) -> dict[str, Any] | None:
-        """Chat streams open with the assistant's role and empty content; completions have no such chunk."""
-        return self._chunk([self._choice("", role=True)]) if self.tr.kind == "chat" else None
+        """Chat streams open with the assistant's role and empty content; completions have no such chunk. With
+        continuous usage the opening waits for the first output, which tells the prompt's tokens (as vLLM's)."""
+        if self.tr.kind != "chat" or self.tr.continuous_usage:
+            return None
+        self.opened = True
+        return self._chunk([self._choice("", role=True)])
+
+    def _opening(self) -> list[dict[str, Any]]:
+        """The opening chunk held for continuous usage, once (its usage: the prompt's tokens, no output yet)."""
+        if self.opened or self.tr.kind != "chat" or not self.tr.continuous_usage:
+            return []
+        self.opened = True
+        return [self._chunk([self._choice("", role=True)], usage=self._so_far(0))]
 
     def delta(self, data: dict[str, Any]) -> list[dict[str, Any]]:
-        """A native delta event's chunks: none for one with no text nor log probabilities, or held back."""
+        """A native delta event's chunks: none for one with no text nor log probabilities, or held back (with
+        continuous usage, the opening chunk before the first)."""
+        if isinstance(data.get("prompt_tokens"), int):
+            self.prompt_tokens = data["prompt_tokens"]
+        out = self._opening()
+        self.tokens = max(self.tokens, int(data.get("index") or 0) + len(data.get("token_ids") or ()))
         if not (data.get("text") or data.get("logprobs")):
-            return []
+            return out
         chunk = self.text(str(data["text"]), data.get("logprobs"))
-        return [] if chunk is None else [chunk]
+        return out if chunk is None else [*out, chunk]
 
     def text(self, text: str, logprobs: list[Any] | None = None) -> dict[str, Any] | None:
         """A delta's chunk; with `logprobs` asked for, its tokens' (`logprobs`: the delta's entries). A forced tool
@@ -900,7 +930,10 @@ class ChunkMaker:
     def final(self, view: dict[str, Any], *, with_usage: bool = True) -> list[dict[str, Any]]:
         """The chunk with the finish_reason, then (with stream_options.include_usage, unless other choices are still
         to finish: `with_usage` false) the usage chunk."""
-        reason, out = finish_reason(view), []
+        counted = usage(view)
+        self.prompt_tokens = counted["prompt_tokens"]
+        reason, out = finish_reason(view), self._opening()
+        self.tokens = counted["completion_tokens"]
         if self.tr.calls is not None and self.tr.calls.forced is None:  # what was held, read whole
             content, made = answer(self.tr.calls, self.held, str(view.get("id")))
             if content:  # a list cut short, "auto" text that held no call: as a plain answer's

@@ -149,7 +149,32 @@ async def test_chat_completion_streamed_and_not(stack: RunningGateway, clients: 
     assert usage.choices == [] and usage.usage is not None and usage.usage.completion_tokens == 10
 
 
-async def test_chat_template_kwargs_and_documents_are_taken_from_the_official_client(stack: RunningGateway, clients: Clients):
+async def test_continuous_usage_stats_from_the_official_client(stack: RunningGateway, clients: Clients):
+    """vLLM's `stream_options.continuous_usage_stats` (with `include_usage`), as its users send it: every chunk's
+    usage counts the prompt and the output so far, chat and completions, and ends at the final usage."""
+    sync, _ = clients(stack)
+    options: Any = {"include_usage": True, "continuous_usage_stats": True}
+
+    def streamed(create: Any, **kw: Any) -> list[Any]:
+        with create(model="tiny-llama", max_tokens=9, temperature=0, stream=True, stream_options=options,
+                    extra_body={"ignore_eos": True}, **kw) as stream:
+            return list(stream)
+
+    for create, kw in ((sync.chat.completions.create, {"messages": [{"role": "user", "content": "count"}]}),
+                       (sync.completions.create, {"prompt": "Once upon a time"})):
+        chunks = await asyncio.to_thread(streamed, create, **kw)
+        final = chunks[-1].usage
+        assert chunks[-1].choices == [] and final is not None and final.completion_tokens == 9
+        assert all(c.usage is not None and c.usage.prompt_tokens == final.prompt_tokens > 0 for c in chunks)
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 9 and len(set(counts)) > 2, counts
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+        if create == sync.chat.completions.create:
+            assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage.completion_tokens == 0
+
+
+async def test_chat_template_kwargs_and_documents_are_taken_from_the_official_client(stack: RunningGateway,
+                                                                                    clients: Clients):
     """vLLM's `chat_template_kwargs`, as its users send them (`extra_body`): accepted and served through the whole
     stack (the built-in template reads no such variable, so the answer is the plain one; that they reach a template
     that reads them is `test_chat_template_kwargs.py`'s); a name the rendering sets itself is a 400 naming the

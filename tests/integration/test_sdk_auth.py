@@ -211,6 +211,8 @@ async def test_sdk_streams_tokens_over_http_sync_async_and_direct(redis_url, pre
             assert text == events[-1].data["output"]["text"] and sum(e.event == "delta" for e in events) >= 4
             # resuming after the id of a delta gives exactly what came after it
             deltas = [e for e in events if e.event == "delta"]
+            # each delta tells the prompt's tokens, as the result counts them
+            assert {e.data["prompt_tokens"] for e in deltas} == {events[-1].data["output"]["prompt_tokens"]}
             rest = [e async for e in c.events(sub.id, last_event_id=deltas[2].id)]
             assert "".join(e.text for e in rest) == "".join(e.text for e in deltas[3:])
         async with AsyncBatchgateClient(gw.base_url, api_key=other) as c:

@@ -347,6 +347,40 @@ def test_chat_chunks():
     assert used["choices"] == [] and used["usage"]["total_tokens"] == 5
 
 
+def test_continuous_usage_counts_every_chunk():
+    """vLLM's `continuous_usage_stats`: with `include_usage`, every chunk carries the usage so far (the prompt's
+    tokens as the worker tells them, the output's tokens up to the chunk); the opening chunk waits for the first
+    output (it tells the prompt's tokens) and counts none of it; the last chunks count the final output's."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    tr = oa.translate_chat(chat(stream=True, stream_options=options))
+    assert tr.include_usage and tr.continuous_usage
+    maker = oa.ChunkMaker(tr, "req_x", 7)
+    assert maker.first() is None  # held: the prompt's tokens are not known yet
+    opening, one = maker.delta({"index": 0, "text": "he", "token_ids": [5], "prompt_tokens": 3})
+    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert opening["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+    assert one["choices"][0]["delta"] == {"content": "he"}
+    assert one["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    assert maker.delta({"index": 1, "text": "", "token_ids": [6], "prompt_tokens": 3}) == []  # nothing to show
+    (two,) = maker.delta({"index": 2, "text": "llo", "token_ids": [7, 8], "prompt_tokens": 3})
+    assert two["usage"]["completion_tokens"] == 4
+    last, used = maker.final(view(tokens=5, text="hello"))
+    assert last["usage"] == used["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    # a generation with no delta before its end opens with its final chunk
+    maker = oa.ChunkMaker(tr, "req_x", 7)
+    opening, last, used = maker.final(view(tokens=2))
+    assert opening["choices"][0]["delta"]["role"] == "assistant" and opening["usage"]["completion_tokens"] == 0
+    assert last["usage"]["completion_tokens"] == 2 and used["choices"] == []
+    # completions alike (no opening chunk); without include_usage the option counts for nothing, as vLLM reads it
+    tr = oa.translate_completion({"model": "m", "prompt": "x", "stream": True, "stream_options": options})
+    (chunk,) = oa.ChunkMaker(tr, "req_x", 7).delta({"index": 0, "text": "a", "token_ids": [1], "prompt_tokens": 2})
+    assert chunk["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    tr = oa.translate_chat(chat(stream=True, stream_options={"continuous_usage_stats": True}))
+    assert not tr.include_usage and not tr.continuous_usage
+    maker = oa.ChunkMaker(tr, "req_x", 7)
+    assert maker.first() is not None and "usage" not in maker.text("he")
+
+
 def test_completion_chunks():
     tr = oa.translate_completion({"model": "m", "prompt": "x", "stream": True})
     maker = oa.ChunkMaker(tr, "req_x", 7)

@@ -78,6 +78,17 @@ def test_a_restarted_row_continues_after_what_was_sent():
     assert d is not None and d.start == 2 and d.token_ids == (3,) and d.text == " wor"
 
 
+def test_each_delta_tells_the_prompts_tokens():
+    """A caller's usage so far (vLLM's continuous_usage_stats) needs the prompt's tokens from the first delta on;
+    an older worker's deltas tell none."""
+    rel, deltas = Release((), prompt=7), []
+    for n in range(1, 4):
+        if (d := next_delta(rel, [1, 2, 3][:n], decode)) is not None:
+            deltas.append(d)
+    assert deltas and all(d.prompt_tokens == 7 for d in deltas)
+    assert all(d.prompt_tokens is None for d in run([1, 2])[1])
+
+
 def test_holds_stop_start():
     assert holds_stop_start("abc\nE", ("\nEND",)) and not holds_stop_start("abc\nEND", ("\nEND",))
     assert not holds_stop_start("abc", ("\nEND",)) and not holds_stop_start("abc", ())
