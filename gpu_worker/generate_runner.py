@@ -144,7 +144,8 @@ class GenerateRunner:
             return ids
         if "messages" in req.input:
             if not getattr(self.tokenizer, "chat_template", None):
-                return "no_chat_template", f"model {self.spec.name} has no chat template: send a prompt instead"
+                return "no_chat_template", (f"model {self.spec.name} has no chat template: send a prompt instead, "
+                                            "or give the model one (its model file's chat_template)")
             ids = list(self.tokenizer.apply_chat_template(
                 req.input["messages"], tools=req.input.get("tools"), documents=req.input.get("documents"),
                 **template_kwargs(req.input.get("chat_template_kwargs", {})), return_dict=False,

@@ -22,6 +22,7 @@ import structlog
 
 from shared.config import SIMPLE_CHAT_TEMPLATE, ModelSpec
 from shared.errors import ConfigError
+from shared.token_limits import template_env
 
 log = structlog.get_logger(__name__)
 
@@ -192,6 +193,21 @@ def attention_kernels(device: Any) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def checked_template(spec: ModelSpec, template: str) -> str:
+    """A model file's chat template, refused at load where it does not compile (jinja2's syntax error, with its
+    line), not at the first conversation."""
+    import jinja2
+
+    env = template_env()  # transformers' globals, filters and tags
+    try:
+        if env is not None:  # (transformers itself needs jinja2: it is there)
+            env.from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"model {spec.name}: chat_template does not compile: {exc.message} (line {exc.lineno})") \
+            from None
+    return template
+
+
 def load(spec: ModelSpec, cache_dir: str | Path) -> LoadedModel:
     """Load a model and its tokenizer from a local directory, on CUDA when present."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -211,6 +227,8 @@ def load(spec: ModelSpec, cache_dir: str | Path) -> LoadedModel:
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if spec.task is Task.GENERATE and spec.source.startswith("builtin:"):
         tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
+    if (template := spec.chat_template_text()) is not None:  # the model file's, over the tokenizer's own
+        tokenizer.chat_template = checked_template(spec, template)
     log.info("model loaded", model=spec.name, path=str(path), device=str(device), dtype=str(dtype),
              params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 1))
     return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer, device=device, dtype=dtype)

@@ -105,6 +105,9 @@ class ModelSpec:
     # generate: the format its chat answers make tool calls in, which OpenAI's tool_choice "auto" needs read from
     # its text: "hermes" (<tool_call>{"name", "arguments"}</tool_call>: Hermes, Qwen 2.5 and 3); "": none
     tool_call_parser: str = ""  # one of TOOL_CALL_PARSERS
+    # generate: a Jinja chat template that renders conversations instead of the tokenizer's own (vLLM's
+    # --chat-template): its text (anything holding "{", "}" or a line break), else the path of a file holding it
+    chat_template: str = ""
 
     @property
     def deadline_aware(self) -> bool:
@@ -160,6 +163,23 @@ class ModelSpec:
                               f"or empty, got {self.tool_call_parser!r}")
         if self.echo and self.task is not Task.GENERATE:
             raise ConfigError(f"model {self.name}: kind echo is a generation model (task: generate)")
+        if self.chat_template and self.task is not Task.GENERATE:
+            raise ConfigError(f"model {self.name}: chat_template is for generation models (task: generate)")
+
+    def chat_template_text(self) -> str | None:
+        """The model file's chat template (`chat_template`: its text, or read from the file it names, as vLLM reads
+        --chat-template); None where it sets none. `ConfigError` where the file cannot be read."""
+        value = self.chat_template
+        if not value:
+            return None
+        if any(c in value for c in "{}\n"):
+            return value
+        path = Path(value).expanduser()
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"model {self.name}: chat_template {value!r} is not a template (it holds no '{{') and "
+                              f"not a file that can be read: {exc}") from None
 
     def to_public(self) -> dict[str, Any]:
         return {

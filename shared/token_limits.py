@@ -143,6 +143,29 @@ def load_chat_template(directory: Path, source: str | None = None) -> tuple[dict
     sources = {"default": source} if source else _template_sources(directory, config)
     if not sources:
         return None
+    env = template_env()
+    if env is None:
+        return None
+    import jinja2
+
+    templates = {}
+    for name, text in sources.items():
+        try:
+            templates[name] = env.from_string(text)
+        except jinja2.TemplateError as exc:
+            log.info("a chat template does not compile for the gateway", template=name, error=repr(exc))
+    special = {}
+    for name in SPECIAL_TOKENS:
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            special[name] = value
+    return templates, special
+
+
+def template_env() -> Any:
+    """A sandbox that compiles and renders chat templates as transformers' `apply_chat_template` does (its globals,
+    filters and tags); None where jinja2 is not installed or older than transformers takes."""
     try:
         import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -159,19 +182,7 @@ def load_chat_template(directory: Path, source: str | None = None) -> tuple[dict
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _namespace(jinja2)
     env.filters["tojson"] = _tojson  # transformers' own: not HTML-escaped, keys in their order
-    templates = {}
-    for name, text in sources.items():
-        try:
-            templates[name] = env.from_string(text)
-        except jinja2.TemplateError as exc:
-            log.info("a chat template does not compile for the gateway", template=name, error=repr(exc))
-    special = {}
-    for name in SPECIAL_TOKENS:
-        value = config.get(name)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            special[name] = value
-    return templates, special
+    return env
 
 
 class _TemplateDict:
@@ -292,8 +303,10 @@ class TokenLimits:
         if spec.name not in self._templates:
             path = None if tok is None else tokenizer_path(spec, self.cache_dir)
             try:
-                builtin = SIMPLE_CHAT_TEMPLATE if spec.source.startswith("builtin:") else None  # as the worker's
-                self._templates[spec.name] = None if path is None else load_chat_template(path.parent, builtin)
+                # as the worker's: the model file's template, else the built-in models' own, else the tokenizer's
+                source = spec.chat_template_text() or (SIMPLE_CHAT_TEMPLATE if spec.source.startswith("builtin:")
+                                                       else None)
+                self._templates[spec.name] = None if path is None else load_chat_template(path.parent, source)
             except Exception as exc:  # a template jinja2 cannot compile here: the worker's check stays
                 log.info("chat template not usable by the gateway", model=spec.name, error=repr(exc))
                 self._templates[spec.name] = None

@@ -1,0 +1,120 @@
+"""A model file's `chat_template` (vLLM's --chat-template): a base model without a template of its own, or one whose
+template a deployment replaces, renders conversations with the given one. Inline or from a file; the gateway counts
+with it as the worker renders with it; a file that cannot be read or a template that does not compile is refused at
+load, naming the model."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from gpu_worker.generate_runner import GenerateRunner
+from gpu_worker.job import Job
+from gpu_worker.models import build_bpe_tokenizer, load
+from shared.config import ModelSpec, load_models
+from shared.errors import ConfigError
+from shared.states import Task
+from shared.submit import build_request
+from shared.token_limits import TokenLimits
+
+TEMPLATE = ("{% for m in messages %}### {{ m.role | upper }}:\n{{ m.content }}\n\n{% endfor %}"
+            "{% if add_generation_prompt %}### ASSISTANT:\n{% endif %}")
+OWN = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+CONVO = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the capital of Peru?"}]
+
+
+def model_dir(tmp_path, own_template: str | None):
+    """A one-layer Llama of the built-in tokenizer, with `own_template` as its tokenizer's (None: none, a base
+    model's)."""
+    tok = PreTrainedTokenizerFast(tokenizer_object=build_bpe_tokenizer(), bos_token="<s>", eos_token="</s>",
+                                  unk_token="<unk>", pad_token="<pad>")
+    if own_template is not None:
+        tok.chat_template = own_template
+    tok.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+                     ).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def spec_of(directory, chat_template: str = "") -> ModelSpec:
+    return ModelSpec(name="base", task=Task.GENERATE, source=str(directory), device="cpu", dtype="float32",
+                     max_input_tokens=200, max_new_tokens=16, chat_template=chat_template).validate()
+
+
+def prepared(spec: ModelSpec) -> tuple[list[int], int | None]:
+    """The worker's prompt for CONVO under `spec` (loaded as a worker loads it), and the gateway's count of it."""
+    loaded = load(spec, "")
+    runner = GenerateRunner(loaded, "w", max_rows=2, max_seq_len=256)
+    limits = TokenLimits()
+    req = build_request({"input": {"messages": CONVO}, "params": {"max_new_tokens": 4}}, spec, "t", time.time(),
+                        limits=limits)
+    job = runner.prepare(req, time.time())
+    assert isinstance(job, Job), job
+    return list(job.inputs[0]), limits.count_chat(spec, CONVO)
+
+
+@pytest.mark.parametrize("own", [None, OWN])
+@pytest.mark.parametrize("given", ["inline", "file"])
+def test_the_model_files_template_renders_and_counts_the_conversation(tmp_path, own, given):
+    """A base model (no template) or a model with its own: the model file's template is the one rendered, by the
+    worker and by the gateway's count."""
+    directory = model_dir(tmp_path / "model", own)
+    value = TEMPLATE
+    if given == "file":
+        (tmp_path / "chat.jinja").write_text(TEMPLATE, encoding="utf-8")
+        value = str(tmp_path / "chat.jinja")
+    ids, counted = prepared(spec_of(directory, value))
+    tok = PreTrainedTokenizerFast.from_pretrained(directory)
+    expected = tok.apply_chat_template(CONVO, chat_template=TEMPLATE, add_generation_prompt=True, return_dict=False)
+    assert ids == expected and counted == len(expected)
+    assert "### ASSISTANT:" in tok.decode(ids)
+    if own is not None:  # the tokenizer's own renders otherwise: the equality above can fail
+        assert tok.apply_chat_template(CONVO, add_generation_prompt=True, return_dict=False) != expected
+
+
+def test_without_one_a_base_model_answers_no_chat_template(tmp_path):
+    loaded = load(spec_of(model_dir(tmp_path, None)), "")
+    runner = GenerateRunner(loaded, "w", max_rows=2, max_seq_len=256)
+    req = build_request({"input": {"messages": CONVO}}, loaded.spec, "t", time.time())
+    outcome = runner.prepare(req, time.time())
+    assert not isinstance(outcome, Job)
+    assert outcome.result.error.code == "no_chat_template" and "chat_template" in outcome.result.error.message
+
+
+def test_a_file_that_cannot_be_read_is_refused_naming_the_model(tmp_path):
+    directory = model_dir(tmp_path, None)
+    spec = spec_of(directory, str(tmp_path / "missing.jinja"))
+    with pytest.raises(ConfigError, match=r"model base: chat_template '.*missing\.jinja' is not a template"):
+        load(spec, "")
+    assert TokenLimits().count_chat(spec, CONVO) is not None  # the gateway counts the contents: the worker refuses
+
+
+def test_a_template_that_does_not_compile_is_refused_at_load(tmp_path):
+    spec = spec_of(model_dir(tmp_path, None), "{% for m in messages %}{{ m.content }}")  # no endfor
+    with pytest.raises(ConfigError, match=r"model base: chat_template does not compile: .*line 1"):
+        load(spec, "")
+
+
+def test_transformers_tags_compile(tmp_path):
+    """`{% generation %}` (transformers' assistant mask tag) and loop controls are a template's to use."""
+    template = ("{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+                "{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}")
+    loaded = load(spec_of(model_dir(tmp_path, None), template), "")
+    assert loaded.tokenizer.chat_template == template
+
+
+def test_from_the_model_file_and_the_environment(tmp_path):
+    path = tmp_path / "models.yaml"
+    path.write_text(f"models:\n  - name: base\n    task: generate\n    source: {tmp_path}\n    chat_template: |\n"
+                    + "".join(f"      {line}\n" for line in TEMPLATE.split("\n")), encoding="utf-8")
+    (spec,) = load_models({"BATCHGATE_CONFIG": str(path)})
+    assert spec.chat_template_text() == TEMPLATE + "\n"
+    (spec,) = load_models({"BATCHGATE_CONFIG": str(path), "BATCHGATE_MODEL__BASE__CHAT_TEMPLATE": "/x/chat.jinja"})
+    assert spec.chat_template == "/x/chat.jinja"
+    with pytest.raises(ConfigError, match="chat_template is for generation models"):
+        ModelSpec(name="e", task=Task.EMBED, source="builtin:minilm", chat_template=TEMPLATE).validate()
