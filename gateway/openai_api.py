@@ -148,8 +148,9 @@ async def _answers(svc: GatewayService, req: ApiRequest, answers: list[ops.Answe
                                      headers={"X-Request-Id": ids[0], CHOICE_IDS_HEADER: ",".join(ids)}) from None
             _abandon_all(svc, req.tenant, answers[i + 1:])  # (a caller gone: `_result` cancelled its own)
             raise
-        except BaseException:  # the queue unreachable, the call's task cancelled: nobody will read them
-            _abandon_all(svc, req.tenant, answers[i:])
+        except BaseException:  # the queue unreachable, the call's task cancelled: nobody will read them (but a retry)
+            if not _keyed(req):
+                _abandon_all(svc, req.tenant, answers[i:])
             raise
         views.append(view)
     return views
@@ -192,8 +193,18 @@ async def _wait_while_there(svc: GatewayService, req: ApiRequest, request_id: st
         await asyncio.gather(waiting, gone, return_exceptions=True)
     if not waiting.cancelled():  # a result (or the wait's error) wins over a caller gone at the same moment
         return waiting.result()
+    if _keyed(req):
+        raise oa.OpenAIError(499, f"the client closed its connection; request {request_id} goes on, for a retry "
+                                  "with the same Idempotency-Key to find", code="client_closed")
     _abandon(svc, req.tenant, request_id)
     raise oa.OpenAIError(499, "the client closed its connection: the request was cancelled", code="client_closed")
+
+
+def _keyed(req: ApiRequest) -> bool:
+    """The call carries an Idempotency-Key: its retry finds its requests (going on, or with their result), so a
+    caller gone (a timeout, a dropped connection, a stream closed) leaves them running instead of cancelling them
+    for nobody, which would answer every retry with the cancellation."""
+    return req.header("idempotency-key") is not None
 
 
 async def completions(svc: GatewayService, req: ApiRequest) -> ApiResponse:
@@ -224,12 +235,14 @@ async def _generate(svc: GatewayService, req: ApiRequest, translate: Callable[..
         if tr.stream:
             try:
                 recs = [await ops.visible(svc, req.tenant, request_id) for request_id in ids]
-            except BaseException:  # no stream will follow them
-                _abandon_all(svc, req.tenant, answers)
+            except BaseException:  # no stream will follow them (but a retry's)
+                if not _keyed(req):
+                    _abandon_all(svc, req.tenant, answers)
                 raise
             makers = [oa.ChunkMaker(tr, ids[0], created, i, own_id=ids[i]) for i in range(len(ids))]
-            return ApiResponse(200, headers=headers, events=_stream(svc, req.tenant, recs, makers),
-                               cut=lambda: _data(_cut(svc, ids).body()))
+            keyed = _keyed(req)
+            return ApiResponse(200, headers=headers, events=_stream(svc, req.tenant, recs, makers, keyed=keyed),
+                               cut=lambda: _data(_cut(svc, ids, keyed).body()))
         return ApiResponse(200, oa.completion_response(tr, await _answers(svc, req, answers), created), headers)
 
     return await _answer(work, lambda: state["tr"].aliases if "tr" in state else {})
@@ -250,13 +263,15 @@ async def responses(svc: GatewayService, req: ApiRequest) -> ApiResponse:
         if call.chat.stream:
             try:
                 rec = await ops.visible(svc, req.tenant, request_id)
-            except BaseException:  # no stream will follow it
-                _abandon_all(svc, req.tenant, answers)
+            except BaseException:  # no stream will follow it (but a retry's)
+                if not _keyed(req):
+                    _abandon_all(svc, req.tenant, answers)
                 raise
             events = oar.ResponseEvents(call, request_id, created)
-            return ApiResponse(200, headers={"X-Request-Id": request_id}, events=_response_stream(svc, req.tenant,
-                                                                                               rec, events),
-                               cut=lambda: _typed(events.failed(_cut(svc, [request_id]))[0]))
+            keyed = _keyed(req)
+            return ApiResponse(200, headers={"X-Request-Id": request_id},
+                               events=_response_stream(svc, req.tenant, rec, events, keyed=keyed),
+                               cut=lambda: _typed(events.failed(_cut(svc, [request_id], keyed))[0]))
         (view,) = await _answers(svc, req, answers)
         return ApiResponse(200, oar.response_object(call, view, created), {"X-Request-Id": request_id})
 
@@ -268,10 +283,11 @@ def _typed(event: dict[str, Any]) -> ServerEvent:
     return ServerEvent(str(event["type"]), event, "")
 
 
-async def _response_stream(svc: GatewayService, tenant: str, rec: StoredRecord,
-                           events: oar.ResponseEvents) -> AsyncIterator[ServerEvent]:
+async def _response_stream(svc: GatewayService, tenant: str, rec: StoredRecord, events: oar.ResponseEvents, *,
+                           keyed: bool = False) -> AsyncIterator[ServerEvent]:
     """A request's events as the Responses API's: created, the text and calls as they come, completed; a result
-    without an answer ends it with `response.failed`."""
+    without an answer ends it with `response.failed`. A caller gone cancels the request, unless the call is
+    `keyed` (`_keyed`)."""
     finished = False
     try:
         for event in events.first():
@@ -288,16 +304,18 @@ async def _response_stream(svc: GatewayService, tenant: str, rec: StoredRecord,
                         yield _typed(out)
                     return
     finally:
-        if not finished:  # the caller went away, or the stream broke: stop computing
+        if not finished and not keyed:  # the caller went away, or the stream broke: stop computing
             _abandon(svc, tenant, rec.id)
 
 
-def _cut(svc: GatewayService, ids: list[str]) -> oa.OpenAIError:
+def _cut(svc: GatewayService, ids: list[str], keyed: bool = False) -> oa.OpenAIError:
     """What ends a stream a transport that answers once (Lambda, Cloud Functions) cuts at the gateway's longest
-    wait: OpenAI's clients cannot reconnect, so its requests are cancelled, and the caller is told how to fit."""
+    wait: OpenAI's clients cannot reconnect, so its requests are cancelled (unless the call's Idempotency-Key lets a
+    retry find them), and the caller is told how to fit."""
+    fate = "going on for a retry with the same Idempotency-Key" if keyed else "cancelled"
     return oa.OpenAIError(504, f"this gateway answers a stream once, with what its longest wait "
                                f"({svc.settings.max_wait_s:g} s) brings: the stream was cut there and its request "
-                               f"{', '.join(ids)} cancelled; ask for fewer tokens, or run the gateway with a longer "
+                               f"{', '.join(ids)} {fate}; ask for fewer tokens, or run the gateway with a longer "
                                "BATCHGATE_MAX_WAIT_S (and function timeout)", code="wait_exceeded", retry=False)
 
 
@@ -305,12 +323,13 @@ def _data(chunk: dict[str, Any]) -> ServerEvent:
     return ServerEvent("", chunk, "")
 
 
-async def _stream(svc: GatewayService, tenant: str, recs: list[StoredRecord],
-                  makers: list[oa.ChunkMaker]) -> AsyncIterator[ServerEvent]:
+async def _stream(svc: GatewayService, tenant: str, recs: list[StoredRecord], makers: list[oa.ChunkMaker], *,
+                  keyed: bool = False) -> AsyncIterator[ServerEvent]:
     """The events of a call's requests (one per choice) as OpenAI's chunks: the first of each choice (chat),
     one per text delta as they come, each choice's last with its finish_reason, then (with include_usage) the
     usage chunk and `[DONE]`. A result without an answer (cancelled, failed, expired before any output) ends
-    the stream with `{"error": ...}`, which OpenAI's clients raise."""
+    the stream with `{"error": ...}`, which OpenAI's clients raise, and cancels the other choices. A caller gone
+    cancels the requests, unless the call is `keyed` (`_keyed`)."""
     finished: dict[int, dict[str, Any]] = {}
     try:
         for first in [chunk for maker in makers if (chunk := maker.first()) is not None]:
@@ -323,6 +342,7 @@ async def _stream(svc: GatewayService, tenant: str, recs: list[StoredRecord],
                 elif event.event == "done":
                     finished[i] = event.data
                     if (error := oa.result_error(event.data)) is not None:
+                        keyed = False  # the call failed: a retry fails alike, so the other choices compute for nobody
                         yield _data(error.body())
                         yield DONE
                         return
@@ -335,8 +355,8 @@ async def _stream(svc: GatewayService, tenant: str, recs: list[StoredRecord],
         yield DONE
     finally:
         for i, rec in enumerate(recs):
-            if i not in finished:  # the caller went away (or the stream broke, or a choice failed): stop computing
-                _abandon(svc, tenant, rec.id)
+            if i not in finished and not keyed:  # the caller went away (or the stream broke, or a choice failed):
+                _abandon(svc, tenant, rec.id)  # stop computing
 
 
 async def _merged(svc: GatewayService, recs: list[StoredRecord]) -> AsyncIterator[tuple[int, ServerEvent]]:

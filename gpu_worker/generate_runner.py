@@ -143,11 +143,15 @@ class GenerateRunner:
                 return "invalid_input", f"input_ids must be below the vocabulary size {self.vocab}"
             return ids
         if "messages" in req.input:
-            if not getattr(self.tokenizer, "chat_template", None):
+            own = req.input.get("chat_template")
+            if own is not None and not self.spec.trust_request_chat_template:  # a producer past the gateway's check
+                return "invalid_input", f"model {self.spec.name} does not take a request's chat template"
+            if own is None and not getattr(self.tokenizer, "chat_template", None):
                 return "no_chat_template", (f"model {self.spec.name} has no chat template: send a prompt instead, "
                                             "or give the model one (its model file's chat_template)")
             ids = list(self.tokenizer.apply_chat_template(
                 req.input["messages"], tools=req.input.get("tools"), documents=req.input.get("documents"),
+                chat_template=own,
                 **template_kwargs(req.input.get("chat_template_kwargs", {})), return_dict=False,
                 add_generation_prompt=req.input.get("add_generation_prompt", True),
                 continue_final_message=req.input.get("continue_final_message", False)))

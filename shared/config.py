@@ -108,6 +108,10 @@ class ModelSpec:
     # generate: a Jinja chat template that renders conversations instead of the tokenizer's own (vLLM's
     # --chat-template): its text (anything holding "{", "}" or a line break), else the path of a file holding it
     chat_template: str = ""
+    # generate: a request may bring a chat template of its own (`input.chat_template`, vLLM's request field, which
+    # vLLM takes only with --trust-request-chat-template): the worker runs the caller's Jinja (sandboxed, but its
+    # loops can take the worker's time), so it is refused unless the model's file trusts its callers with it
+    trust_request_chat_template: bool = False
 
     @property
     def deadline_aware(self) -> bool:
@@ -163,8 +167,9 @@ class ModelSpec:
                               f"or empty, got {self.tool_call_parser!r}")
         if self.echo and self.task is not Task.GENERATE:
             raise ConfigError(f"model {self.name}: kind echo is a generation model (task: generate)")
-        if self.chat_template and self.task is not Task.GENERATE:
-            raise ConfigError(f"model {self.name}: chat_template is for generation models (task: generate)")
+        for name in ("chat_template", "trust_request_chat_template"):
+            if getattr(self, name) and self.task is not Task.GENERATE:
+                raise ConfigError(f"model {self.name}: {name} is for generation models (task: generate)")
 
     def chat_template_text(self) -> str | None:
         """The model file's chat template (`chat_template`: its text, or read from the file it names, as vLLM reads
@@ -516,15 +521,7 @@ def _coerce(where: str, model: str, name: str, value: Any) -> Any:
         known = ", ".join(sorted(_FIELD_TYPES))
         raise ConfigError(f"{where}: unknown field {name!r}; known: {known}")
     if name == "lanes":
-        if isinstance(value, str):
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"{where}: lanes do not parse as YAML or JSON: {' '.join(str(exc).split())}") \
-                    from None
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: lanes must be a list of lanes, got {value!r}")
-        return tuple(lane_from(lane, where) for lane in value)
+        return _lanes(where, value)
     if name == "task":
         try:
             return Task(str(value))
@@ -537,9 +534,33 @@ def _coerce(where: str, model: str, name: str, value: Any) -> Any:
         raise ConfigError(f"{where}: {name} needs a value")
     if name in MODEL_RULES:
         return coerce_number(where, name, value, MODEL_RULES[name])
+    if kind == "bool":
+        return _flag(where, name, value)
     if isinstance(value, Mapping | list | bool):
         raise ConfigError(f"{where}: {name} must be a string, got {value!r}")
     return str(value)
+
+
+def _lanes(where: str, value: Any) -> tuple[LaneSpec, ...]:
+    if isinstance(value, str):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{where}: lanes do not parse as YAML or JSON: {' '.join(str(exc).split())}") from None
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: lanes must be a list of lanes, got {value!r}")
+    return tuple(lane_from(lane, where) for lane in value)
+
+
+FLAGS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def _flag(where: str, name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str | int) and str(value).strip().lower() in FLAGS:
+        return FLAGS[str(value).strip().lower()]
+    raise ConfigError(f"{where}: {name} must be true or false, got {value!r}")
 
 
 def _spec_from(name: str, fields: Mapping[str, Any], base: ModelSpec | None,

@@ -243,6 +243,7 @@ class ChatRequest(_Sampling, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
     documents: list[dict[str, str]] | None = None  # vLLM's: what a retrieval-augmented template shows the model
+    chat_template: str | None = None  # vLLM's: the request's own template (where the model's file trusts it)
     add_generation_prompt: bool | None = None  # vLLM's, as the native input's
     continue_final_message: bool | None = None
     functions: FunctionDefs | None = None  # deprecated, as `tools`
@@ -676,7 +677,8 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None,
         fmt, fmt_aliases = call_format, {"params.response_format": "tools", "params.response_format.schema": "tools"}
     inp: dict[str, Any] = {"messages": messages, **({"tools": tools} if tools else {}),
                            **({"chat_template_kwargs": req.chat_template_kwargs} if req.chat_template_kwargs else {}),
-                           **({"documents": req.documents} if req.documents else {})}
+                           **({"documents": req.documents} if req.documents else {}),
+                           **({"chat_template": req.chat_template} if req.chat_template is not None else {})}
     for name in ("add_generation_prompt", "continue_final_message"):
         if getattr(req, name) is not None:
             inp[name] = getattr(req, name)
@@ -685,6 +687,7 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None,
     aliases = {"input": "messages", "input.messages": "messages", "params.max_new_tokens": max_param,
                "params.logprobs": "top_logprobs", "input.tools": "tools",
                "input.chat_template_kwargs": "chat_template_kwargs", "input.documents": "documents",
+               "input.chat_template": "chat_template",
                "input.add_generation_prompt": "add_generation_prompt",
                "input.continue_final_message": "continue_final_message", **fmt_aliases}
     return Translated("chat", req.model, body, stream, usage, continuous, aliases=aliases, n=_choices(req),

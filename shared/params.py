@@ -296,6 +296,7 @@ MAX_MESSAGES = 256
 MAX_TOOLS = 128
 MAX_TEMPLATE_KWARGS = 32
 MAX_DOCUMENTS = 64
+MAX_TEMPLATE_CHARS = 65_536
 # what `apply_chat_template` takes as its own arguments, and what the template is rendered with already: a
 # template variable of one of these names cannot be set by a request
 RESERVED_TEMPLATE_NAMES = frozenset({
@@ -374,6 +375,9 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         "documents a retrieval-augmented chat template shows the model (transformers' and vLLM's `documents`: "
         "each a dict of strings, usually `title` and `text`); a template that does not read them leaves them "
         "out"))] | UnsetType | None = UNSET
+    chat_template: Annotated[str, Meta(min_length=1, max_length=MAX_TEMPLATE_CHARS, description=(
+        "a Jinja chat template to render this conversation with instead of the model's (vLLM's request field): "
+        "only for a model whose file sets trust_request_chat_template"))] | UnsetType | None = UNSET
     add_generation_prompt: Annotated[bool, Meta(description=(
         "render the template's opening of the assistant's turn after the conversation (transformers' and vLLM's "
         "add_generation_prompt); false: the rendering ends with the last message"))] = True
@@ -382,11 +386,13 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         "rendering ends inside it, with no end of turn after it (transformers' and vLLM's continue_final_message); "
         "with add_generation_prompt false"))] = False
 
-    def normalised(self, *, max_prompt_chars: int | None, max_input_tokens: int | None) -> dict[str, Any]:
+    def normalised(self, *, max_prompt_chars: int | None, max_input_tokens: int | None,
+                   templates_trusted: bool = False) -> dict[str, Any]:
         """The wire form, {"prompt"}, {"input_ids"} or {"messages"}, under a model's limits (None: unbounded, a
-        prompt the worker truncates: the body's size bounds it)."""
+        prompt the worker truncates: the body's size bounds it); `templates_trusted`: the model takes a request's
+        own chat template."""
         given = [name for name in ("prompt", "input_ids", "messages") if getattr(self, name) is not UNSET]
-        self._check_template_options(chat=given == ["messages"])
+        self._check_template_options(chat=given == ["messages"], trusted=templates_trusted)
         if given == ["prompt"] and isinstance(self.prompt, str):
             if max_prompt_chars is not None and len(self.prompt) > max_prompt_chars:
                 raise ValidationError("input.prompt", f"longer than {max_prompt_chars} characters")
@@ -406,13 +412,17 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return out
         raise ValidationError("input", "give exactly one of `prompt`, `input_ids` or `messages`")
 
-    def _check_template_options(self, *, chat: bool) -> None:
+    def _check_template_options(self, *, chat: bool, trusted: bool) -> None:
         """What the chat template's rendering takes comes with `messages` alone, and its options agree."""
         if self.tools is not UNSET and not chat:
             raise ValidationError("input.tools", "only with `messages` (the chat template renders them)")
-        for name in ("chat_template_kwargs", "documents"):
+        for name in ("chat_template_kwargs", "documents", "chat_template"):
             if getattr(self, name) not in (UNSET, None) and not chat:
                 raise ValidationError(f"input.{name}", "only with `messages` (the chat template takes them)")
+        if self.chat_template not in (UNSET, None) and not trusted:  # as vLLM without --trust-request-chat-template
+            raise ValidationError("input.chat_template", "this model renders conversations with its own chat "
+                                                         "template: its model file does not set "
+                                                         "trust_request_chat_template, so a request's is refused")
         for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
             if getattr(self, name) is not default and not chat:
                 raise ValidationError(f"input.{name}", "only with `messages` (the chat template's rendering)")
@@ -431,6 +441,8 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             out["chat_template_kwargs"] = template_kwargs(self.chat_template_kwargs)
         if isinstance(self.documents, list) and self.documents:
             out["documents"] = [dict(d) for d in self.documents]
+        if isinstance(self.chat_template, str):
+            out["chat_template"] = self.chat_template
         if not self.add_generation_prompt:
             out["add_generation_prompt"] = False
         if self.continue_final_message:

@@ -25,7 +25,7 @@ from shared.model_context import CONTEXT_EXCEEDED, context_message
 from shared.params import ITEM_LISTS, EmbedInput, EmbedParams, GenerateInput, GenerateParams, exactly_one
 from shared.ssrf import AllowList, RefusedURL, check_url
 from shared.states import Priority, Task
-from shared.token_limits import TemplateRefusal, TokenLimits
+from shared.token_limits import TemplateRefusal, TokenLimits, template_env
 from shared.validation import check_text, convert
 
 MAX_TIMEOUT_S = 10**9  # a bound only to keep the number finite; each model's max_timeout_s is checked after
@@ -139,7 +139,7 @@ def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, t
                     spec, inp["messages"], inp.get("tools"), inp.get("chat_template_kwargs"),
                     add_generation_prompt=inp.get("add_generation_prompt", True),
                     continue_final_message=inp.get("continue_final_message", False),
-                    documents=inp.get("documents")), "input.messages"
+                    documents=inp.get("documents"), chat_template=inp.get("chat_template")), "input.messages"
             except TemplateRefusal as exc:  # known now: the worker's template would refuse it the same way
                 raise ValidationError("input.messages", f"the model's chat template refuses this conversation: "
                                                         f"{exc}") from None
@@ -157,6 +157,19 @@ def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, t
                 raise ValidationError(where, f"is {n} tokens; this model takes at most {cap} per text "
                                              "(or set params.truncate to cut it, reported in the result)")
     return None, ""
+
+
+def check_template(template: str) -> None:
+    """A request's own chat template compiles (where jinja2 is here to tell; else the worker's check stays)."""
+    env = template_env()
+    if env is None:
+        return
+    import jinja2
+
+    try:
+        env.from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValidationError("input.chat_template", f"does not compile: {exc.message} (line {exc.lineno})") from None
 
 
 def _kept(n: int, keep: int | None) -> int:
@@ -210,7 +223,10 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
         # prompt limit is refused untokenized
         keep = params.prompt_kept(spec.max_input_tokens)
         inp = sub.input.normalised(max_prompt_chars=spec.max_input_tokens * 16 if keep is None else None,
-                                   max_input_tokens=spec.max_input_tokens if keep is None else None)
+                                   max_input_tokens=spec.max_input_tokens if keep is None else None,
+                                   templates_trusted=spec.trust_request_chat_template)
+        if "chat_template" in inp:
+            check_template(inp["chat_template"])
         if limits is not None:
             prompt_tokens, where = check_tokens(inp, spec, limits, keep=keep, side=params.truncation_side)
             if keep is not None and prompt_tokens == keep:  # the prompt as cut: what to lower is the cut

@@ -80,6 +80,7 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+REQUEST_TEMPLATES_KEPT = 32  # requests' own chat templates kept compiled per process
 JINJA2_LEAST = (3, 1, 6)  # transformers' floor too: older versions have known sandbox escapes
 
 
@@ -132,17 +133,16 @@ def pick_template(templates: dict[str, Any], tools: list[dict[str, Any]] | None)
 
 
 def load_chat_template(directory: Path, source: str | None = None) -> tuple[dict[str, Any], dict[str, str]] | None:
-    """The compiled chat templates in `directory` by name (or `source`, a built-in model's, as `default`) and the
-    special tokens they are rendered with; None where there is none, or jinja2 is not installed or older than
-    transformers takes. A template that does not compile here is left out (its conversations counted by contents)."""
+    """The compiled chat templates in `directory` by name (or `source`, a model file's or a built-in model's, as
+    `default`; none where there is none) and the special tokens they are rendered with; None where jinja2 is not
+    installed or older than transformers takes. A template that does not compile here is left out (its
+    conversations counted by contents)."""
     try:
         config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         config = {}
     config = config if isinstance(config, dict) else {}
     sources = {"default": source} if source else _template_sources(directory, config)
-    if not sources:
-        return None
     env = template_env()
     if env is None:
         return None
@@ -252,6 +252,7 @@ class TokenLimits:
         self._tokenizers: dict[str, Any] = {}
         self._configs: dict[str, dict[str, Any]] = {}
         self._templates: dict[str, tuple[Any, dict[str, str]] | None] = {}
+        self._request_templates: dict[str, Any] = {}  # requests' own templates, compiled (a few kept)
         self._lock = threading.Lock()
 
     def tokenizer(self, spec: ModelSpec) -> Any:
@@ -294,24 +295,18 @@ class TokenLimits:
 
     def count_chat(self, spec: ModelSpec, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                    template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
-                   continue_final_message: bool = False, documents: list[dict[str, str]] | None = None) -> int | None:
-        """Tokens of a conversation as the worker will count them: the chat template rendered (with the
-        generation prompt, or ending inside the last message it continues), then tokenized without special tokens
-        added again (the contents joined where the template cannot be rendered here); None if unknown."""
-        joined = "\n".join(m["content"] for m in messages)
+                   continue_final_message: bool = False, documents: list[dict[str, str]] | None = None,
+                   chat_template: str | None = None) -> int | None:
+        """Tokens of a conversation as the worker will count them: the chat template (the request's own where it
+        brings one) rendered with the generation prompt, or ending inside the last message it continues, then
+        tokenized without special tokens added again (the contents joined where the template cannot be rendered
+        here); None if unknown."""
         tok = None if spec.echo else self.tokenizer(spec)
-        if spec.name not in self._templates:
-            path = None if tok is None else tokenizer_path(spec, self.cache_dir)
-            try:
-                # as the worker's: the model file's template, else the built-in models' own, else the tokenizer's
-                source = spec.chat_template_text() or (SIMPLE_CHAT_TEMPLATE if spec.source.startswith("builtin:")
-                                                       else None)
-                self._templates[spec.name] = None if path is None else load_chat_template(path.parent, source)
-            except Exception as exc:  # a template jinja2 cannot compile here: the worker's check stays
-                log.info("chat template not usable by the gateway", model=spec.name, error=repr(exc))
-                self._templates[spec.name] = None
-        found = self._templates[spec.name]
-        template = None if found is None else pick_template(found[0], tools)
+        found = self._chat_templates(spec, tok)
+        if chat_template is not None:
+            template = self._request_template(chat_template)
+        else:
+            template = None if found is None else pick_template(found[0], tools)
         if tok is not None and found is not None and template is not None:
             try:  # as transformers' `render_jinja_template` renders it
                 shown = tagged(messages) if continue_final_message else messages
@@ -325,8 +320,35 @@ class TokenLimits:
                 text = None
             if text is not None:
                 return len(tok.encode(text, add_special_tokens=False).ids)
-        counts = self.count(spec, [joined])
+        counts = self.count(spec, ["\n".join(m["content"] for m in messages)])
         return counts[0] if counts is not None else None
+
+    def _chat_templates(self, spec: ModelSpec, tok: Any) -> tuple[dict[str, Any], dict[str, str]] | None:
+        """A model's compiled chat templates and special tokens, as the worker renders with them: the model file's
+        template, else the built-in models' own, else the tokenizer's (None: not known here)."""
+        if spec.name not in self._templates:
+            path = None if tok is None else tokenizer_path(spec, self.cache_dir)
+            try:
+                source = spec.chat_template_text() or (SIMPLE_CHAT_TEMPLATE if spec.source.startswith("builtin:")
+                                                       else None)
+                self._templates[spec.name] = None if path is None else load_chat_template(path.parent, source)
+            except Exception as exc:  # a template jinja2 cannot compile here: the worker's check stays
+                log.info("chat template not usable by the gateway", model=spec.name, error=repr(exc))
+                self._templates[spec.name] = None
+        return self._templates[spec.name]
+
+    def _request_template(self, text: str) -> Any:
+        """A request's own template, compiled (None where it cannot be here: the worker's check stays)."""
+        if text not in self._request_templates:
+            env = template_env()
+            try:
+                compiled = None if env is None else env.from_string(text)
+            except Exception:
+                compiled = None
+            if len(self._request_templates) >= REQUEST_TEMPLATES_KEPT:
+                self._request_templates.clear()
+            self._request_templates[text] = compiled
+        return self._request_templates[text]
 
     def config(self, spec: ModelSpec) -> dict[str, Any]:
         if spec.name not in self._configs:

@@ -5,6 +5,7 @@ load, naming the model."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -14,8 +15,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from gpu_worker.generate_runner import GenerateRunner
 from gpu_worker.job import Job
 from gpu_worker.models import build_bpe_tokenizer, load
+from shared import openai_shapes as oa
 from shared.config import ModelSpec, load_models
-from shared.errors import ConfigError
+from shared.errors import ConfigError, ValidationError
+from shared.params import MAX_TEMPLATE_CHARS
 from shared.states import Task
 from shared.submit import build_request
 from shared.token_limits import TokenLimits
@@ -118,3 +121,82 @@ def test_from_the_model_file_and_the_environment(tmp_path):
     assert spec.chat_template == "/x/chat.jinja"
     with pytest.raises(ConfigError, match="chat_template is for generation models"):
         ModelSpec(name="e", task=Task.EMBED, source="builtin:minilm", chat_template=TEMPLATE).validate()
+
+
+REQUEST_TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def submit(spec: ModelSpec, limits: TokenLimits | None = None, **inp) -> object:
+    return build_request({"input": {"messages": CONVO, **inp}, "params": {"max_new_tokens": 4}}, spec, "t",
+                         time.time(), limits=limits)
+
+
+@pytest.mark.parametrize("file_template", ["", TEMPLATE])
+def test_a_trusting_model_renders_a_requests_own_template(tmp_path, file_template):
+    """vLLM's request `chat_template`, where the model's file trusts its callers with it: the request's template
+    renders the conversation, over the tokenizer's own and the model file's, counted by the gateway alike."""
+    directory = model_dir(tmp_path, OWN)
+    spec = dataclasses.replace(spec_of(directory, file_template), trust_request_chat_template=True)
+    runner = GenerateRunner(load(spec, ""), "w", max_rows=2, max_seq_len=256)
+    limits = TokenLimits()
+    req = submit(spec, limits, chat_template=REQUEST_TEMPLATE)
+    assert req.input["chat_template"] == REQUEST_TEMPLATE
+    job = runner.prepare(req, time.time())
+    tok = PreTrainedTokenizerFast.from_pretrained(directory)
+    expected = tok.apply_chat_template(CONVO, chat_template=REQUEST_TEMPLATE, add_generation_prompt=True,
+                                       return_dict=False)
+    assert isinstance(job, Job) and list(job.inputs[0]) == expected
+    assert limits.count_chat(spec, CONVO, chat_template=REQUEST_TEMPLATE) == len(expected)
+    assert "[assistant]" in tok.decode(expected)
+    plain = runner.prepare(submit(spec, limits), time.time())  # without one: the model's, which differs
+    assert isinstance(plain, Job) and list(plain.inputs[0]) != expected
+
+
+def test_a_requests_template_is_refused_unless_the_model_trusts_it(tmp_path):
+    spec = spec_of(model_dir(tmp_path, OWN))
+    with pytest.raises(ValidationError) as err:
+        submit(spec, chat_template=REQUEST_TEMPLATE)
+    assert err.value.field == "input.chat_template" and "trust_request_chat_template" in err.value.message
+    # an entry another producer wrote past that check: the worker refuses it as well
+    runner = GenerateRunner(load(spec, ""), "w", max_rows=2, max_seq_len=256)
+    trusting = dataclasses.replace(spec, trust_request_chat_template=True)
+    outcome = runner.prepare(submit(trusting, chat_template=REQUEST_TEMPLATE), time.time())
+    assert not isinstance(outcome, Job) and outcome.result.error.code == "invalid_input"
+    assert "does not take a request's chat template" in outcome.result.error.message
+
+
+@pytest.mark.parametrize(("inp", "says"), [
+    ({"chat_template": "{% for m in messages %}"}, "does not compile"),
+    ({"chat_template": ""}, "non-empty"),
+    ({"chat_template": "x" * (MAX_TEMPLATE_CHARS + 1)}, f"at most {MAX_TEMPLATE_CHARS}"),
+    ({"messages": None, "prompt": "hi", "chat_template": REQUEST_TEMPLATE}, "only with `messages`"),
+])
+def test_a_requests_template_that_cannot_be_rendered_is_refused_at_submit(tmp_path, inp, says):
+    spec = ModelSpec(name="base", task=Task.GENERATE, source=str(tmp_path), trust_request_chat_template=True)
+    body = {"messages": CONVO, **inp}
+    body = {k: v for k, v in body.items() if v is not None}
+    with pytest.raises(ValidationError) as err:
+        build_request({"input": body}, spec.validate(), "t", time.time())
+    assert err.value.field == "input.chat_template" and says in err.value.message, err.value.message
+
+
+def test_the_trust_from_the_model_file_and_the_environment(tmp_path):
+    path = tmp_path / "models.yaml"
+    path.write_text(f"models:\n  - name: base\n    task: generate\n    source: {tmp_path}\n"
+                    "    trust_request_chat_template: true\n", encoding="utf-8")
+    (spec,) = load_models({"BATCHGATE_CONFIG": str(path)})
+    assert spec.trust_request_chat_template is True
+    for value, trusted in (("off", False), ("true", True), ("0", False)):
+        env = {"BATCHGATE_CONFIG": str(path), "BATCHGATE_MODEL__BASE__TRUST_REQUEST_CHAT_TEMPLATE": value}
+        assert load_models(env)[0].trust_request_chat_template is trusted
+    with pytest.raises(ConfigError, match="TRUST_REQUEST_CHAT_TEMPLATE: trust_request_chat_template must be true "
+                                          "or false, got 'maybe'"):
+        load_models({"BATCHGATE_CONFIG": str(path), "BATCHGATE_MODEL__BASE__TRUST_REQUEST_CHAT_TEMPLATE": "maybe"})
+    assert ModelSpec(name="b", task=Task.GENERATE, source="x").trust_request_chat_template is False  # the default
+
+
+def test_the_openai_route_passes_it_through():
+    tr = oa.translate_chat({"model": "m", "messages": CONVO, "chat_template": REQUEST_TEMPLATE})
+    assert tr.body["input"]["chat_template"] == REQUEST_TEMPLATE
+    assert tr.aliases["input.chat_template"] == "chat_template"

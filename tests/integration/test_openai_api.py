@@ -197,6 +197,11 @@ async def test_chat_template_kwargs_and_documents_are_taken_from_the_official_cl
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(**kw, extra_body={"documents": [{"text": 1932}]})
     assert str(info.value.param).startswith("documents")
+    # a template of the request's own: refused where the model's file does not trust it, as vLLM without
+    # --trust-request-chat-template (that a trusting model renders it is `test_model_chat_template.py`'s)
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(**kw, extra_body={"chat_template": "{{ messages[0].content }}"})
+    assert info.value.param == "chat_template" and "trust_request_chat_template" in info.value.message
 
 
 async def test_vllms_output_fields_from_the_official_client(stack: RunningGateway, loaded_models, clients: Clients):
@@ -539,6 +544,41 @@ async def test_a_caller_that_times_out_has_its_request_cancelled(stack: RunningG
     views = [(await stack.client.get(f"/v1/requests/{rid}", params={"wait": 10})).json() for rid in ids]  # long-polls
     assert [v["status"] for v in views] == ["cancelled", "cancelled"], views
     assert all(v["output"] is None or v["output"]["completion_tokens"] < 256 for v in views)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_keyed_call_its_caller_leaves_goes_on_for_the_retry(stack: RunningGateway, clients: Clients,
+                                                                     streamed: bool):
+    """A call with an Idempotency-Key whose caller times out, or closes its stream, is not cancelled: the retry with
+    that key finds the same request and gets its whole answer (cancelled, every retry was a 409 for good)."""
+    sync, client = clients(stack, max_retries=0)
+    short, _ = clients(stack, timeout=0.5, max_retries=0)
+    kw: dict[str, Any] = dict(model="tiny-llama", prompt="hi", max_tokens=256, temperature=0,
+                              extra_body={"ignore_eos": True}, extra_headers={"Idempotency-Key": f"left-{streamed}"})
+    if streamed:
+        stream = await client.completions.create(**kw, stream=True)
+        first = stream.response.headers["x-request-id"]
+        async for _ in stream:
+            break
+        await stream.close()
+    else:
+        with pytest.raises(openai.APITimeoutError):
+            await asyncio.to_thread(short.completions.create, **kw)
+    await asyncio.sleep(0.3)  # the gateway has seen the caller go
+    if streamed:
+        again = await client.completions.create(**kw, stream=True)
+        assert again.response.headers["x-request-id"] == first
+        chunks = [c async for c in again]
+        assert chunks[-1].choices[0].finish_reason == "length"
+        text = "".join(c.choices[0].text for c in chunks)
+        rid = first
+    else:
+        raw = await asyncio.to_thread(sync.completions.with_raw_response.create, **kw)
+        resp, rid = raw.parse(), raw.headers["x-request-id"]
+        assert resp.choices[0].finish_reason == "length" and resp.usage and resp.usage.completion_tokens == 256
+        text = resp.choices[0].text
+    record = (await stack.client.get(f"/v1/requests/{rid}", params={"wait": 10})).json()
+    assert record["status"] == "succeeded" and record["output"]["text"] == text
 
 
 async def test_what_a_new_openai_user_meets_at_the_edges(stack: RunningGateway, clients: Clients):
