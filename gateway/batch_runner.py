@@ -33,7 +33,7 @@ from typing import Any
 
 import structlog
 
-from shared import files
+from shared import files, jsonl
 from shared import operations as ops
 from shared.api_errors import ApiError, TooManyRequests
 from shared.batch_store import BatchState, BatchStore
@@ -72,19 +72,24 @@ TASK_OF = {"completion": Task.GENERATE, "chat": Task.GENERATE, "response": Task.
 
 async def lines_from(store: files.FileStore, key: str, start: int, first: int) -> AsyncIterator[tuple[int, bytes, int]]:
     """(line number, line, the byte offset after it) from byte offset `start` (which is line `first`);
-    blank lines are skipped but counted."""
+    blank lines are skipped but counted, and a byte order mark before the file's first line is not part of it."""
     buf = b""
     offset, line = start, first
     async for chunk in store.read(key, start):
         buf += chunk
         while (nl := buf.find(b"\n")) >= 0:
             raw, buf = buf[:nl], buf[nl + 1:]
+            if offset == 0:
+                raw = raw.removeprefix(jsonl.BOM)
             offset += nl + 1
             if raw.strip():
                 yield line, raw, offset
             line += 1
+    end = offset + len(buf)
+    if offset == 0:
+        buf = buf.removeprefix(jsonl.BOM)
     if buf.strip():
-        yield line, buf, offset + len(buf)
+        yield line, buf, end
 
 
 class BatchRunner:

@@ -5,7 +5,7 @@ A file is accepted when:
 - every line is one JSON object in UTF-8 (msgspec's decoder: invalid UTF-8 and lone surrogate escapes are
   refused), at most `max_line_bytes` long: a line becomes one request, whose body has the same limit;
 - no line is empty or blank; the last line may end with a newline or not; a line may end with `\\r\\n`;
-- it is not empty.
+- it is not empty; a UTF-8 byte order mark before its first line (Windows editors write one) is not part of it.
 What each object must hold (`custom_id`, `method`, `url`, `body`) is the Batch API's to check.
 
 The errors name the line (1-based) and say what is wrong with it.
@@ -20,6 +20,7 @@ import msgspec
 from shared.api_errors import BadRequest, PayloadTooLarge
 
 _SNIPPET = 120  # the characters of a decoder's message kept in an error
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark
 _JSON_NAMES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
                type(None): "null"}
 
@@ -74,6 +75,8 @@ class LineCheck:
 
     def _line(self, line: bytes) -> None:
         number = self.lines + 1
+        if number == 1:
+            line = line.removeprefix(BOM)
         if number > self.max_lines:
             raise BadRequest(f"the file has more than {self.max_lines} lines", code="too_many_lines")
         if not line.strip():

@@ -343,8 +343,11 @@ def call_item(request_id: str, index: int, call: dict[str, Any], status: str = "
 def _response(call: ResponseCall, request_id: str, created: int, items: list[dict[str, Any]],
               usage: dict[str, int] | None, incomplete: bool, view: dict[str, Any] | None,
               status: str | None = None) -> dict[str, Any]:
-    out = {"id": response_id(request_id), "object": "response", "created_at": created,
-           "status": status or ("incomplete" if incomplete else "completed"), "error": None,
+    status = status or ("incomplete" if incomplete else "completed")
+    finished = (view or {}).get("finished_at")
+    out = {"id": response_id(request_id), "object": "response", "created_at": created, "status": status,
+           "completed_at": int(finished) if status == "completed" and isinstance(finished, int | float) else None,
+           "error": None,
            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
            "model": call.chat.model, "output": items, **call.echo,
            "usage": None if usage is None else {

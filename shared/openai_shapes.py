@@ -124,8 +124,9 @@ def in_openai_terms(native: str, message: str, aliases: dict[str, str]) -> tuple
     param = openai_param(native, aliases)
     if native and param and message.startswith(native + ":"):
         message = param + message[len(native):]
-    # a hint to set a native parameter this route has no counterpart of (`params.truncate`) would mislead
-    message = _NATIVE_HINT.sub(lambda m: m.group(0) if m.group(1) in aliases else "", message)
+    # a hint to set a native parameter is given in the route's terms; one it has no counterpart of would mislead
+    message = _NATIVE_HINT.sub(lambda m: m.group(0).replace(m.group(1), aliases[m.group(1)]) if m.group(1) in aliases
+                               else "", message)
     return param, message
 
 
@@ -709,7 +710,8 @@ def translate_embeddings(raw: Any, *, timeout_header: str | None = None) -> Tran
     body = {"input": {"texts": texts}, **_deadline(req, timeout_header)}
     if req.truncate_prompt_tokens is not None:
         body["params"] = {"truncate_prompt_tokens": req.truncate_prompt_tokens}
-    aliases = {"input.texts": "input", "input.text": "input", "input": "input"}
+    aliases = {"input.texts": "input", "input.text": "input", "input": "input",
+               "params.truncate_prompt_tokens": "truncate_prompt_tokens"}
     return Translated("embedding", req.model, body, encoding_format=req.encoding_format or "float",
                       aliases=aliases)
 

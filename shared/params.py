@@ -297,6 +297,9 @@ MAX_TOOLS = 128
 MAX_TEMPLATE_KWARGS = 32
 MAX_DOCUMENTS = 64
 MAX_TEMPLATE_CHARS = 65_536
+# how a text longer than an embedding model takes is cut instead of refused (`params.truncate` too, natively)
+TRUNCATE_HINT = ("(or set params.truncate_prompt_tokens to cut it: -1 keeps what the model takes, reported in the "
+                 "result)")
 # what `apply_chat_template` takes as its own arguments, and what the template is rendered with already: a
 # template variable of one of these names cannot be set by a request
 RESERVED_TEMPLATE_NAMES = frozenset({
@@ -482,8 +485,8 @@ class EmbedInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for i, text in enumerate(texts):
             if max_text_chars is not None and len(text) > max_text_chars:
                 raise ValidationError(field if field == "input.text" else f"{field}[{i}]",
-                                      f"longer than {max_text_chars} characters (without params.truncate, a text "
-                                      f"is refused past 16 characters per token the model takes, before tokenizing)")
+                                      f"longer than {max_text_chars} characters, refused before tokenizing (16 "
+                                      f"per token the model takes) {TRUNCATE_HINT}", code=CONTEXT_EXCEEDED)
         return {"texts": list(texts)}
 
 

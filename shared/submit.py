@@ -22,7 +22,15 @@ from shared.ids import new_request_id
 from shared.lanes import assign_lane, estimate_embed_tokens, estimate_generate_tokens
 from shared.messages import Callback, InferenceRequest
 from shared.model_context import CONTEXT_EXCEEDED, context_message
-from shared.params import ITEM_LISTS, EmbedInput, EmbedParams, GenerateInput, GenerateParams, exactly_one
+from shared.params import (
+    ITEM_LISTS,
+    TRUNCATE_HINT,
+    EmbedInput,
+    EmbedParams,
+    GenerateInput,
+    GenerateParams,
+    exactly_one,
+)
 from shared.ssrf import AllowList, RefusedURL, check_url
 from shared.states import Priority, Task
 from shared.token_limits import TemplateRefusal, TokenLimits, template_env
@@ -155,7 +163,7 @@ def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, t
             if n > cap:
                 where = "input.text" if field == "input.text" else f"input.texts[{i}]"
                 raise ValidationError(where, f"is {n} tokens; this model takes at most {cap} per text "
-                                             "(or set params.truncate to cut it, reported in the result)")
+                                             f"{TRUNCATE_HINT}", code=CONTEXT_EXCEEDED)
     return None, ""
 
 

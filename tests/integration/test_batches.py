@@ -96,7 +96,9 @@ async def test_a_batch_runs_every_line_once_and_answers_in_openais_format(redis_
         lines = [json.dumps({"custom_id": f"r-{i}", "method": "POST", "url": "/v1/responses", "body": {
             "model": "tiny-llama", "input": f"hi {i}", "instructions": "be brief", "max_output_tokens": 4}})
             for i in range(3)]
-        f = await client.files.create(file=("r.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
+        # (written as Windows' editors write it: a byte order mark first, CRLF line ends)
+        f = await client.files.create(file=("r.jsonl", io.BytesIO(b"\xef\xbb\xbf" + "\r\n".join(lines).encode())),
+                                      purpose="batch")
         done = await until_done(client, (await client.batches.create(
             input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")).id)
         assert done.status == "completed" and done.request_counts.completed == 3, done

@@ -340,6 +340,7 @@ async def test_too_long_prompts_and_out_of_vocabulary_ids_are_422_at_submit(redi
         r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"texts": ["short", words]}})
         assert r.status_code == 422 and r.json()["error"]["field"] == "input.texts[1]", r.text
         assert "602 tokens" in r.json()["error"]["message"] and "truncate" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "context_length_exceeded"
         r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": words}})
         assert r.status_code == 422 and r.json()["error"]["field"] == "input.text"
         # what fits is accepted as before

@@ -280,6 +280,14 @@ async def test_embeddings_float_and_base64(stack: RunningGateway, clients: Clien
         assert resp.usage.prompt_tokens == resp.usage.total_tokens > 0
     one = await client.embeddings.create(model="minilm", input="hello")
     assert len(one.data) == 1 and len(one.data[0].embedding) == 384
+    # a text longer than the model takes: the context error, with the route's own way to cut it
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.embeddings.create(model="minilm", input=["hi", "words " * 2000])
+    assert info.value.code == "context_length_exceeded" and info.value.param == "input[1]"
+    assert "truncate_prompt_tokens" in info.value.message and "params." not in info.value.message
+    cut = await client.embeddings.create(model="minilm", input=["hi", "words " * 2000],
+                                         extra_body={"truncate_prompt_tokens": -1})
+    assert len(cut.data) == 2 and cut.usage.prompt_tokens == 512 + 3  # the long text cut to what MiniLM takes
 
 
 async def test_the_deadline_header_and_body_field_reach_the_native_request(stack: RunningGateway, clients: Clients):

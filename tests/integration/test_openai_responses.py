@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import openai
 import pytest
@@ -53,6 +54,7 @@ async def test_the_official_client_gets_responses_streamed_or_not(redis_url, pre
         (call,) = r.output
         assert call.type == "function_call" and call.name == "get_weather" and r.status == "completed"
         assert json.loads(call.arguments) == {"city": "Paris"} and call.call_id
+        assert r.completed_at is not None and r.created_at <= r.completed_at <= time.time()
         stream_events = [e async for e in await client.responses.create(
             model="echo", input=SAID, tools=TOOLS, max_output_tokens=len(SAID), stream=True)]
         done = [e.item for e in stream_events if e.type == "response.output_item.done"]

@@ -185,6 +185,7 @@ async def run_check(lc: LineCheck, *parts: bytes) -> bytes:
     (b'{"a": 1}\n{"b": 2}',),  # no final newline
     (b'{"a": 1}\r\n{"b": 2}\r\n',),  # CRLF
     tuple(bytes([b]) for b in b'{"a": 1}\n{"b": "\xc3\xa9"}\n'),  # byte by byte: lines and characters split
+    (b'\xef\xbb', b'\xbf{"a": 1}\r\n{"b": 2}\r\n'),  # a byte order mark first (Windows' editors), split too
 ])
 async def test_valid_files_pass_through_counted(parts: tuple[bytes, ...]):
     lc = check()
@@ -201,6 +202,7 @@ async def test_valid_files_pass_through_counted(parts: tuple[bytes, ...]):
     (b'{"a": 1}\n{"a": \n', "line 2 is not valid JSON"),
     (b'{"a": "\xff"}\n', "line 1 is not valid JSON in UTF-8"),
     (b'{"a": "\\ud800"}\n', "line 1 is not valid JSON"),  # a lone surrogate: no UTF-8 can carry it
+    (b'{}\n\xef\xbb\xbf{}\n', "line 2 is not valid JSON"),  # a byte order mark is one only before the first line
     (b'{}\n' * 11, "more than 10 lines"),
     (b'{"a": "' + b"x" * 300 + b'"}\n', "line 1 is longer than 200 bytes"),
     (b'{}\n{"a": "' + b"x" * 300, "line 2 is longer than 200 bytes"),  # refused before its end arrives

@@ -102,8 +102,11 @@ def test_a_finished_generation_is_a_response():
     assert (r["id"], r["object"], r["status"], r["created_at"]) == ("resp_req_1", "response", "completed", 100)
     assert r["output"] == [oar.message_item("req_1", "Hello")] and r["incomplete_details"] is None
     assert r["usage"]["input_tokens"] == 3 and r["usage"]["output_tokens"] == 2 and r["usage"]["total_tokens"] == 5
-    cut = oar.response_object(call, view("Hel", "length"), 100)
+    assert r["completed_at"] is None  # a view without its finishing time
+    assert oar.response_object(call, {**view("Hello"), "finished_at": 104.7}, 100)["completed_at"] == 104
+    cut = oar.response_object(call, {**view("Hel", "length"), "finished_at": 104.7}, 100)
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert cut["completed_at"] is None  # only a completed response has one, as OpenAI's
     said = 'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
     r = oar.response_object(translate(tools=[{"type": "function", "name": "get_weather"}]), view(said), 100)
     assert [i["type"] for i in r["output"]] == ["message", "function_call"]

@@ -253,7 +253,7 @@ def test_native_errors_name_the_openai_parameter():
         "invalid_request_error"
 
 
-def test_a_refused_prompt_or_text_names_the_openai_parameter_and_no_native_hint():
+def test_a_refused_prompt_or_text_names_the_openai_parameter_and_hints_in_its_terms():
     comp = oa.translate_completion({"model": "m", "prompt": "x"})
     for native in ("input.prompt", "input.input_ids"):
         err = oa.from_api_error(Unprocessable(f"{native}: is 3000 tokens; this model takes at most 2048",
@@ -264,6 +264,12 @@ def test_a_refused_prompt_or_text_names_the_openai_parameter_and_no_native_hint(
         "input.texts[1]: is 602 tokens; this model takes at most 512 per text (or set params.truncate to cut it, "
         "reported in the result)", extra={"field": "input.texts[1]"}), emb.aliases)
     assert err.param == "input[1]" and err.message == "input[1]: is 602 tokens; this model takes at most 512 per text"
+    # a hint the route has a counterpart of is given in its terms
+    err = oa.from_api_error(Unprocessable(
+        "input.texts[1]: is 602 tokens; this model takes at most 512 per text (or set params.truncate_prompt_tokens "
+        "to cut it: -1 keeps what the model takes)", extra={"field": "input.texts[1]"}), emb.aliases)
+    assert err.message == ("input[1]: is 602 tokens; this model takes at most 512 per text (or set "
+                           "truncate_prompt_tokens to cut it: -1 keeps what the model takes)"), err.message
 
 
 def test_a_conflict_no_wait_resolves_is_not_retried_and_one_that_a_wait_does_is():
