@@ -98,21 +98,17 @@ def _admin_settings(args: argparse.Namespace) -> Settings:
     from shared.config import redis_url_from
 
     env = _environ(args)
-    stale = None
-    if not redis_url_from(env):
-        state = recorded_state(env)
-        if state is not None and is_running(state):
-            env["BATCHGATE_REDIS_URL"] = str(state["redis_url"])
-            if "BATCHGATE_KEY_PREFIX" not in env and state.get("key_prefix"):
-                env["BATCHGATE_KEY_PREFIX"] = str(state["key_prefix"])
-        else:
-            stale = state
-    settings = Settings.from_environ(env)
-    if stale is not None:  # an `up` killed outright leaves its file behind: say so rather than guess silently
-        print(f"batchgate: the `batchgate up` recorded in {state_path(env)} (pid {stale.get('pid')}) is not "
-              f"running; using Redis at {settings.redis_url} (key prefix {settings.key_prefix}) instead",
-              file=sys.stderr)
-    return settings
+    if not redis_url_from(env) and (state := recorded_state(env)) is not None:
+        if not is_running(state):  # an `up` killed outright left its file: its Redis is gone with it, and writing
+            # to another one (the default) would put the keys or limits where that stack, started again, never looks
+            raise RedisUnreachable(
+                f"batchgate: the `batchgate up` recorded in {state_path(env)} (pid {state.get('pid')}) is not "
+                "running, and its Redis went with it: start it again, or name the Redis to use (--redis-url, "
+                "BATCHGATE_REDIS_URL or REDIS_URL); deleting that file makes these commands use the default one")
+        env["BATCHGATE_REDIS_URL"] = str(state["redis_url"])
+        if "BATCHGATE_KEY_PREFIX" not in env and state.get("key_prefix"):
+            env["BATCHGATE_KEY_PREFIX"] = str(state["key_prefix"])
+    return Settings.from_environ(env)
 
 
 class RedisUnreachable(Exception):

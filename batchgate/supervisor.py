@@ -221,8 +221,10 @@ class Stack:
                 while p.poll() is None and time.monotonic() < end and self.signals == signals_before:
                     time.sleep(0.05)
                 if p.poll() is None:
-                    why = "asked to stop at once" if self.signals != signals_before else "did not stop in time"
-                    print(f"batchgate up: the {part} {why}; killing it", file=sys.stderr, flush=True)
+                    why = ("still running at a second Ctrl+C" if self.signals != signals_before
+                           else "did not stop in time")
+                    print(f"batchgate up: the {PART_NAMES.get(part, part)} {why}; killing it", file=sys.stderr,
+                          flush=True)
                     p.kill()
                     p.wait()
                     clean = False

@@ -20,7 +20,7 @@ from gpu_worker.outcomes import Delta, Outcome, failed_outcome, result_for
 from gpu_worker.runner import count_calls
 from shared.faults import Faults
 from shared.lanes import assign_lane
-from shared.params import EmbedParams
+from shared.params import TRUNCATE_HINT, EmbedParams
 from shared.states import FinishReason, Priority, Status
 
 log = structlog.get_logger(__name__)
@@ -82,13 +82,15 @@ class EmbedRunner:
         texts = req.input["texts"]
         params = EmbedParams(**req.params)
         cap = params.text_tokens(self.max_len)  # truncate_prompt_tokens: each text's first tokens
-        enc = self.loaded.tokenizer(texts, add_special_tokens=True, truncation=False)
+        # counted whole (verbose off: transformers would warn of a text longer than the model takes, which is
+        # answered here, refused or cut)
+        enc = self.loaded.tokenizer(texts, add_special_tokens=True, truncation=False, verbose=False)
         over = [(i, len(ids)) for i, ids in enumerate(enc["input_ids"]) if len(ids) > cap]
         if over and not params.cuts():
             i, n = over[0]
             return failed_outcome(req, self.worker, now, "input_too_long",
                                   f"text {i} is {n} tokens; this model takes at most {self.max_len} per text "
-                                  "(set params.truncate to cut it)")
+                                  f"{TRUNCATE_HINT}")
         if over:
             enc = self.loaded.tokenizer(texts, add_special_tokens=True, truncation=True, max_length=cap)
         inputs = tuple(tuple(ids) for ids in enc["input_ids"])

@@ -195,10 +195,10 @@ class ModelSpec:
             "lanes": [{"name": lane.name, "max_tokens": lane.max_tokens, "window_ms": lane.window_ms,
                        "max_backlog": lane.max_backlog, "max_share": lane.max_share, "engine": lane.engine}
                       for lane in self.lanes],
-            "limits": {
+            "limits": {  # each task's own: new tokens for a generation model, texts per request for an encoder
                 "max_input_tokens": self.max_input_tokens,
-                "max_new_tokens": self.max_new_tokens,
-                "max_texts": self.max_texts,
+                **({"max_new_tokens": self.max_new_tokens} if self.task is Task.GENERATE else
+                   {"max_texts": self.max_texts}),
                 "default_timeout_s": self.default_timeout_s,
                 "max_timeout_s": self.max_timeout_s,
             },

@@ -184,13 +184,22 @@ async def streamed_tokens(redis: Any, keys: Keys, request_ids: Sequence[str]) ->
 
 def _status_now(sent: str | None, tokens_came: bool, fresh: StoredRecord | None) -> str | None:
     """The status to announce now, if it moves past the one `sent`: running once tokens come (the record may
-    lag), else what a fresh non-terminal record says (a terminal one is announced by `done`)."""
+    lag), else what a fresh non-terminal record says (a terminal one is announced by `done`); nothing after a
+    terminal one (a finished request's replay)."""
     now = "running" if tokens_came else None
     if now is None and fresh is not None and not fresh.terminal:
         now = fresh.state.value
-    if now is None or STATUS_ORDER.get(now, 2) <= STATUS_ORDER.get(sent or "", -1):
+    if now is None or STATUS_ORDER.get(now, 2) <= (STATUS_ORDER.get(sent, 2) if sent else -1):
         return None
     return now
+
+
+def _wait_s(q: QueueClient, rec: StoredRecord) -> float:
+    """How long a stream waits for a wake-up before reading the record: never past the point where `get()` expires
+    the request."""
+    if rec.meta is None:
+        return 5.0
+    return max(0.0, rec.meta.deadline_ms / 1000 + q.settings.expiry_grace_s - q.clock()) + 0.05
 
 
 async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None,
@@ -207,9 +216,10 @@ async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None,
     status = sent
     try:
         async with q.hub.subscribe(q.keys.done_channel(request_id)) as sub:
-            if status is None and not rec.terminal:  # opens with what the caller saw (queued, from a submit)
-                status = rec.state.value
-                yield ServerEvent("status", {"id": request_id, "status": status}, cursor.position)
+            if status is None:  # opens with what the caller saw (queued, from a submit); a finished request's
+                status = rec.state.value  # replay with its deltas, then `done` saying how it ended, as a request
+                if not rec.terminal:  # that did not stream gets them (its deltas are not "running" again)
+                    yield ServerEvent("status", {"id": request_id, "status": status}, cursor.position)
             while True:
                 raise_if_cancelling()  # a caller gone while a read completed: stop here, not at the deadline
                 # the deltas come with their wake-ups: the stream is read only when some may have been missed
@@ -235,11 +245,7 @@ async def follow(q: QueueClient, rec: StoredRecord, after: int | None = None,
                     yield ServerEvent("done", record_view(rec), cursor.position)
                     return
                 sub.raise_if_released()  # the gateway is shutting down: what there was went out
-                timeout = 5.0
-                if rec.meta is not None:  # never past the point where get() expires it
-                    expiry = rec.meta.deadline_ms / 1000 + q.settings.expiry_grace_s - q.clock()
-                    timeout = max(0.0, expiry) + 0.05
-                if not await sub.wait(timeout):
+                if not await sub.wait(_wait_s(q, rec)):
                     sub.record_due = sub.missed = True
     except SubscriptionUnavailable:
         # no pub/sub: read at a slow pace instead of not at all (Redis is unreachable or overloaded)

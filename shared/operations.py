@@ -267,7 +267,7 @@ async def _batch_item(q: QueueClient, spec: ModelSpec, tenant: str, i: int, item
                 raise Conflict(f"requests[{i}].idempotency_key: used by requests[{earlier.index}] of this batch "
                                "with a different body", code="idempotency_conflict")
             return {"index": i, "status": 202, "id": earlier.inference.id, "replayed": True,
-                    "links": links(earlier.inference.id)}
+                    "request_status": "queued", "links": links(earlier.inference.id)}  # stored by this call
         existing = await q.idempotency.get(tenant, key)
         if existing is not None:
             return await _batch_replay(q, i, existing, digest, inference)

@@ -398,7 +398,8 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         self._check_template_options(chat=given == ["messages"], trusted=templates_trusted)
         if given == ["prompt"] and isinstance(self.prompt, str):
             if max_prompt_chars is not None and len(self.prompt) > max_prompt_chars:
-                raise ValidationError("input.prompt", f"longer than {max_prompt_chars} characters")
+                raise ValidationError("input.prompt", f"longer than {max_prompt_chars} characters",
+                                      code=CONTEXT_EXCEEDED)
             return {"prompt": self.prompt}
         if given == ["input_ids"] and isinstance(self.input_ids, list):
             if max_input_tokens is not None and len(self.input_ids) > max_input_tokens:
@@ -411,7 +412,8 @@ class GenerateInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                      *(m.get("tool_calls") for m in out["messages"])]
             chars = sum(len(m.content) for m in self.messages) + sum(len(json.dumps(x)) for x in extra if x)
             if max_prompt_chars is not None and chars > max_prompt_chars:
-                raise ValidationError("input.messages", f"longer than {max_prompt_chars} characters in all")
+                raise ValidationError("input.messages", f"longer than {max_prompt_chars} characters in all",
+                                      code=CONTEXT_EXCEEDED)
             return out
         raise ValidationError("input", "give exactly one of `prompt`, `input_ids` or `messages`")
 

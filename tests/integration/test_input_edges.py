@@ -127,7 +127,7 @@ async def test_the_same_key_twice_in_one_batch_is_a_replay(redis_url, prefix):
         ]})
         res = r.json()["results"]
         assert res[0]["status"] == 202 and res[1]["status"] == 202, res
-        assert res[1]["id"] == res[0]["id"] and res[1]["replayed"] is True
+        assert res[1]["id"] == res[0]["id"] and res[1]["replayed"] is True and res[1]["request_status"] == "queued"
         assert res[2]["status"] == 409 and res[2]["error"]["code"] == "idempotency_conflict"
         assert r.json()["accepted"] == 2 and r.json()["replayed"] == 1 and r.json()["refused"] == 1
         assert sum((await gw.service.backlog("minilm", ("short", "long"))).values()) == 1
@@ -458,6 +458,8 @@ async def test_the_model_list_gives_the_limits_a_request_can_meet(redis_url, pre
         assert (limits["tiny-llama"]["max_input_tokens"], limits["tiny-llama"]["max_new_tokens"],
                 limits["tiny-llama"]["context_length"]) == (LLAMA.max_input_tokens, LLAMA.max_new_tokens, context)
         assert limits["minilm"]["max_input_tokens"] == min(512, MINILM.max_input_tokens)  # its positions
+        assert limits["minilm"]["max_texts"] == MINILM.max_texts and "max_new_tokens" not in limits["minilm"]
+        assert "max_texts" not in limits["tiny-llama"]  # each task's own limits
         entries = {m["id"]: m for m in listed["data"]}
         assert entries["short-context"]["max_model_len"] == 128 and entries["tiny-llama"]["max_model_len"] == context
         assert "max_model_len" not in entries["minilm"]

@@ -127,6 +127,10 @@ async def test_reconnecting_with_last_event_id_loses_and_repeats_nothing(redis_u
                 break
         final = check_adds_up(seen)
         assert final["status"] == "succeeded" and len(final["output"]["token_ids"]) == 40
+        # the finished request's stream again: the same deltas and `done`, as a request that did not stream gets
+        # them (no "running" status: it no longer runs)
+        replay = await events_of(gw.client, rid)
+        assert {e["event"] for e in replay} == {"delta", "done"} and check_adds_up(replay) == final
         bad = await gw.client.get(f"/v1/requests/{rid}/events", headers={"Last-Event-ID": "x1"})
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_last_event_id"
 

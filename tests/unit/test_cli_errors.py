@@ -190,7 +190,9 @@ def test_up_refuses_a_server_that_is_not_redis(not_redis):
 # --- a stale up.json -------------------------------------------------------------------------------
 
 @pytest.mark.spawns
-def test_a_stale_state_file_is_named_with_the_redis_used_instead(tmp_path, monkeypatch, capsys):
+def test_a_stale_state_file_is_refused_naming_it_not_replaced_by_another_redis(tmp_path, monkeypatch, capsys):
+    """An `up` killed outright leaves its file: the operations commands refuse (exit 1, one line) rather than write
+    keys or limits to the default Redis, where that stack never looks; a Redis named, or a live `up`, is used."""
     from batchgate.state import read_state, write_state
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -201,11 +203,12 @@ def test_a_stale_state_file_is_named_with_the_redis_used_instead(tmp_path, monke
     path = write_state(os.environ, {"redis_url": "redis://127.0.0.1:7777/0", "key_prefix": "upx"})
     path.write_text(path.read_text().replace(f'"pid": {os.getpid()}', f'"pid": {dead.pid}'))
     assert read_state(os.environ) is None
-    settings = cli._admin_settings(build_parser().parse_args(["keys", "list"]))
-    assert settings.redis_url == "redis://127.0.0.1:6379/0"
+    assert cli.main(["keys", "list"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"pid {dead.pid}" in err[0] and "not running" in err[0], err
-    assert "redis://127.0.0.1:6379/0" in err[0]
+    assert str(path) in err[0] and "--redis-url" in err[0]
+    named = cli._admin_settings(build_parser().parse_args(["keys", "list", "--redis-url", "redis://127.0.0.1:7/0"]))
+    assert named.redis_url == "redis://127.0.0.1:7/0" and capsys.readouterr().err == ""
 
     path.write_text(path.read_text().replace(f'"pid": {dead.pid}', f'"pid": {os.getpid()}'))  # a live one
     settings = cli._admin_settings(build_parser().parse_args(["keys", "list"]))

@@ -115,6 +115,15 @@ def test_generate_input():
                 {"input_ids": "12"}, "text", None, {"other": 1}):
         with pytest.raises(ValidationError):
             parse_generate_input(bad, **kw)
+    # past the model's prompt, however it is measured, is the context error (OpenAI's code)
+    for long in ({"prompt": "x" * 101}, {"input_ids": [1] * 5},
+                 {"messages": [{"role": "user", "content": "x" * 60}, {"role": "user", "content": "y" * 60}]}):
+        with pytest.raises(ValidationError) as err:
+            parse_generate_input(long, **kw)
+        assert err.value.code == "context_length_exceeded", long
+    with pytest.raises(ValidationError) as err:
+        parse_embed_input({"text": "x" * 11}, max_texts=2, max_text_chars=10)
+    assert err.value.code == "context_length_exceeded" and "truncate_prompt_tokens" in err.value.message
 
 
 def test_embed_input():

@@ -27,6 +27,8 @@ def record(state: Status) -> StoredRecord:
     (None, False, None, None),  # nothing read: nothing to say
     (None, False, Status.SUCCEEDED, None),  # a terminal state is `done`'s to announce
     ("queued", False, Status.CANCELLED, None),
+    ("succeeded", True, Status.SUCCEEDED, None),  # a finished request's replay (its status taken, not announced):
+    ("cancelled", True, None, None),  # the deltas it replays are not "running" again
 ])
 def test_the_status_moves_forward_once_before_the_deltas(sent, tokens, fresh, expected):
     assert _status_now(sent, tokens, None if fresh is None else record(fresh)) == expected
