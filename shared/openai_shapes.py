@@ -180,6 +180,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None  # checked as the native params.logit_bias
     service_tier: str | None = None
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs' tokens named `token_id:N`
     # extensions: the deadline and priority of the native API; vLLM's top_k, min_p, stop_token_ids, min_tokens,
     # include_stop_str_in_output, skip_special_tokens, ignore_eos, repetition_penalty, allowed_token_ids,
     # bad_words, truncate_prompt_tokens and truncation_side
@@ -286,6 +287,7 @@ class Translated:
     aliases: dict[str, str] = field(default_factory=dict)  # native field -> OpenAI parameter
     n: int = 1  # choices asked for: each its own native request
     logprobs: int | None = None  # alternatives asked for with each token's log probability; None: none
+    as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens named by their ids
     echo: bool = False  # completions: the prompt before the completion (its tokens' log probabilities too)
     prompt: str | None = None  # the prompt as sent, when a string (echoed as it is)
     score_only: bool = False  # `echo` with `max_tokens` 0: the prompt alone (the one token generated is dropped)
@@ -554,7 +556,8 @@ def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Tran
     # echoed as sent, unless truncated: then as the worker read it (the tokens kept)
     sent = prompt.get("prompt") if req.truncate_prompt_tokens is None else None
     return Translated("completion", req.model, body, stream, usage, continuous, aliases=aliases, n=n,
-                      logprobs=logprobs, echo=echo, prompt=sent, score_only=score_only, best_of=best_of)
+                      logprobs=logprobs, echo=echo, as_ids=bool(req.return_tokens_as_token_ids), prompt=sent,
+                      score_only=score_only, best_of=best_of)
 
 
 def _with_logprobs(params: dict[str, Any], logprobs: int | None) -> dict[str, Any]:
@@ -692,7 +695,7 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None,
                "input.add_generation_prompt": "add_generation_prompt",
                "input.continue_final_message": "continue_final_message", **fmt_aliases}
     return Translated("chat", req.model, body, stream, usage, continuous, aliases=aliases, n=_choices(req),
-                      logprobs=logprobs, calls=calls)
+                      logprobs=logprobs, calls=calls, as_ids=bool(req.return_tokens_as_token_ids))
 
 
 def translate_embeddings(raw: Any, *, timeout_header: str | None = None) -> Translated:
@@ -781,7 +784,7 @@ def completion_response(tr: Translated, views: list[dict[str, Any]], created: in
         reason = "length" if tr.score_only else finish_reason(view)  # max_tokens 0: nothing generated is kept
         choice: dict[str, Any] = {"index": i, "finish_reason": reason, "logprobs": None}
         if tr.logprobs is not None:
-            choice["logprobs"] = openai_logprobs(tr.kind, entries)
+            choice["logprobs"] = openai_logprobs(tr.kind, entries, as_ids=tr.as_ids)
         content, made = answer(tr.calls, text, str(view.get("id"))) if tr.calls is not None else (text, None)
         if made is not None and tr.calls is not None:
             calls = {"function_call": made[0]["function"]} if tr.calls.legacy else {"tool_calls": made}
@@ -913,7 +916,7 @@ class ChunkMaker:
             return self._calls_chunk([call])
         choice = self._choice(text)
         if self.tr.logprobs is not None:
-            choice["logprobs"] = openai_logprobs(self.tr.kind, logprobs, self.chars)
+            choice["logprobs"] = openai_logprobs(self.tr.kind, logprobs, self.chars, self.tr.as_ids)
         self.chars += len(text)
         return self._chunk([choice])
 

@@ -660,6 +660,12 @@ async def test_log_probabilities_streamed_and_not(stack: RunningGateway, loaded_
     assert [t for lp in streamed for t in lp.tokens or ()] == tokens
     assert [o for lp in streamed for o in lp.text_offset or ()] == whole.text_offset
     assert [x for lp in streamed for x in lp.token_logprobs or ()] == whole.token_logprobs
+    # vLLM's return_tokens_as_token_ids: the same tokens, named by their ids
+    named = (await client.completions.create(**{**kw, "extra_body": {"ignore_eos": True,
+                                                                    "return_tokens_as_token_ids": True}},
+                                             logprobs=3)).choices[0].logprobs
+    assert named is not None and named.tokens == [f"token_id:{t}" for t in ref]
+    assert named.token_logprobs == whole.token_logprobs and named.text_offset == whole.text_offset
 
     messages: list[Any] = [{"role": "user", "content": "hello"}]
     chat_kw: dict[str, Any] = dict(model="tiny-llama", messages=messages, max_tokens=6, temperature=0,

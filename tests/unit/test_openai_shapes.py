@@ -488,6 +488,28 @@ def test_completion_logprobs_with_text_offsets_that_go_on_across_chunks():
         "choices"][0]["logprobs"] is None
 
 
+def test_return_tokens_as_token_ids_names_every_token_by_its_id():
+    """vLLM's `return_tokens_as_token_ids`: the logprobs' tokens and alternatives are `token_id:N`, with that
+    name's bytes, chat and completions, whole and streamed; a completion's text_offset still counts the text."""
+    v = {**view(), "output": {**view()["output"], "logprobs": ENTRIES}}
+    tr = oa.translate_chat(chat(logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True))
+    (choice,) = oa.completion_response(tr, [v], 1)["choices"]
+    first = choice["logprobs"]["content"][0]
+    assert (first["token"], first["bytes"]) == ("token_id:7", list(b"token_id:7"))
+    assert [t["token"] for t in first["top_logprobs"]] == ["token_id:7", "token_id:9"]
+    assert choice["message"]["content"] == "hello"  # the text itself is as always
+    chunk = oa.ChunkMaker(tr, "req_x", 7).text("he", ENTRIES[:1])
+    assert chunk["choices"][0]["logprobs"]["content"][0]["token"] == "token_id:7"
+    tr = oa.translate_completion({"model": "m", "prompt": "x", "logprobs": 1, "return_tokens_as_token_ids": True})
+    (choice,) = oa.completion_response(tr, [v], 1)["choices"]
+    assert choice["logprobs"] == {"tokens": ["token_id:7", "token_id:8"], "token_logprobs": [-0.5, -0.1],
+                                  "top_logprobs": [{"token_id:7": -0.5, "token_id:9": -1.25},
+                                                   {"token_id:3": -0.05, "token_id:8": -0.1}],
+                                  "text_offset": [0, 2]}
+    plain = oa.translate_completion({"model": "m", "prompt": "x", "logprobs": 1, "return_tokens_as_token_ids": False})
+    assert oa.completion_response(plain, [v], 1)["choices"][0]["logprobs"]["tokens"] == ["he", "llo"]
+
+
 PROMPT_ENTRIES = [{"token_id": 1, "token": "", "logprob": None, "top_logprobs": []},
                   {"token_id": 5, "token": "hi", "logprob": -2.0, "top_logprobs": [{"token_id": 6, "token": "yo",
                                                                                    "logprob": -1.0}]}]
