@@ -332,7 +332,7 @@ async def _stream(svc: GatewayService, tenant: str, recs: list[StoredRecord], ma
     cancels the requests, unless the call is `keyed` (`_keyed`)."""
     finished: dict[int, dict[str, Any]] = {}
     try:
-        for first in [chunk for maker in makers if (chunk := maker.first()) is not None]:
+        for first in [chunk for maker in makers for chunk in maker.opening()]:
             yield _data(first)
         async with contextlib.aclosing(_merged(svc, recs)) as merged:
             async for i, event in merged:

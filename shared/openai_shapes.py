@@ -245,6 +245,7 @@ class ChatRequest(_Sampling, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
     documents: list[dict[str, str]] | None = None  # vLLM's: what a retrieval-augmented template shows the model
+    echo: bool | None = None  # vLLM's: the answer begins with the last message, where it is the answering role's
     chat_template: str | None = None  # vLLM's: the request's own template (where the model's file trusts it)
     add_generation_prompt: bool | None = None  # vLLM's, as the native input's
     continue_final_message: bool | None = None
@@ -288,6 +289,7 @@ class Translated:
     n: int = 1  # choices asked for: each its own native request
     logprobs: int | None = None  # alternatives asked for with each token's log probability; None: none
     as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens named by their ids
+    prefix: str = ""  # chat's `echo` (vLLM's): the last message, which the answer's content begins with
     echo: bool = False  # completions: the prompt before the completion (its tokens' log probabilities too)
     prompt: str | None = None  # the prompt as sent, when a string (echoed as it is)
     score_only: bool = False  # `echo` with `max_tokens` 0: the prompt alone (the one token generated is dropped)
@@ -663,6 +665,9 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None,
         raise invalid("top_logprobs", "requires logprobs: true")
     logprobs = (top or 0) if req.logprobs else None
     messages = _messages(req.messages)
+    # vLLM's `echo`: the answering role is the assistant's, or without a generation prompt the last message's own
+    role = "assistant" if req.add_generation_prompt is not False else messages[-1]["role"]
+    prefix = str(messages[-1]["content"]) if req.echo and messages[-1]["role"] == role else ""
     fmt, fmt_aliases = _constraint(req)
     parser = parser_of(req.model) if parser_of is not None and (req.tools or req.functions) else ""
     if req.functions is not None or req.function_call is not None:
@@ -695,7 +700,7 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None,
                "input.add_generation_prompt": "add_generation_prompt",
                "input.continue_final_message": "continue_final_message", **fmt_aliases}
     return Translated("chat", req.model, body, stream, usage, continuous, aliases=aliases, n=_choices(req),
-                      logprobs=logprobs, calls=calls, as_ids=bool(req.return_tokens_as_token_ids))
+                      logprobs=logprobs, calls=calls, as_ids=bool(req.return_tokens_as_token_ids), prefix=prefix)
 
 
 def translate_embeddings(raw: Any, *, timeout_header: str | None = None) -> Translated:
@@ -788,10 +793,11 @@ def completion_response(tr: Translated, views: list[dict[str, Any]], created: in
         content, made = answer(tr.calls, text, str(view.get("id"))) if tr.calls is not None else (text, None)
         if made is not None and tr.calls is not None:
             calls = {"function_call": made[0]["function"]} if tr.calls.legacy else {"tool_calls": made}
+            content = tr.prefix + (content or "") if tr.prefix else content
             choice["message"] = {"role": "assistant", "content": content, "refusal": None, **calls}
             choice["finish_reason"] = finish(tr.calls, reason)
         elif tr.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+            choice["message"] = {"role": "assistant", "content": tr.prefix + text, "refusal": None}
         else:
             choice["text"] = text
         choices.append(choice)
@@ -844,6 +850,7 @@ class ChunkMaker:
     prompt_tokens: int = 0
     tokens: int = 0
     opened: bool = False
+    echoed: bool = False  # chat's `echo`: the last message was sent (after the opening chunk)
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         out = {"id": completion_id(self.tr.kind, self.request_id),
@@ -876,12 +883,24 @@ class ChunkMaker:
         self.opened = True
         return self._chunk([self._choice("", role=True)])
 
+    def opening(self) -> list[dict[str, Any]]:
+        """What a stream opens with: `first`, then with chat's `echo` the last message the answer begins with."""
+        first = self.first()
+        return [] if first is None else [first, *self._echo()]
+
+    def _echo(self) -> list[dict[str, Any]]:
+        if not self.tr.prefix or self.echoed:
+            return []
+        self.echoed = True
+        return [self._chunk([self._choice(self.tr.prefix)])]
+
     def _opening(self) -> list[dict[str, Any]]:
-        """The opening chunk held for continuous usage, once (its usage: the prompt's tokens, no output yet)."""
+        """The opening chunk held for continuous usage, once (its usage: the prompt's tokens, no output yet), and
+        the echo after it."""
         if self.opened or self.tr.kind != "chat" or not self.tr.continuous_usage:
             return []
         self.opened = True
-        return [self._chunk([self._choice("", role=True)], usage=self._so_far(0))]
+        return [self._chunk([self._choice("", role=True)], usage=self._so_far(0)), *self._echo()]
 
     def delta(self, data: dict[str, Any]) -> list[dict[str, Any]]:
         """A native delta event's chunks: none for one with no text nor log probabilities, or held back (with

@@ -221,6 +221,13 @@ async def test_vllms_output_fields_from_the_official_client(stack: RunningGatewa
     assert got.usage is not None and got.usage.prompt_tokens == len(ids)
     want = loaded.tokenizer.decode(reference_ids(loaded, list(ids), 6), skip_special_tokens=True)
     assert got.choices[0].message.content == want
+    # with vLLM's chat `echo`, the answer is the begun message and its continuation, whole and streamed
+    echo: dict[str, Any] = dict(model="tiny-llama", messages=begun, max_tokens=6, temperature=0, extra_body={
+        "ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True, "echo": True})
+    whole = await client.chat.completions.create(**echo)
+    assert whole.choices[0].message.content == "Hi there, I" + want
+    streamed = [c async for c in await client.chat.completions.create(**echo, stream=True)]
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "Hi there, I" + want
     stop = reference_ids(loaded, PROMPT_IDS, 1)[0]  # drawn first, and biased to be drawn every step
     kw: dict[str, Any] = dict(model="tiny-llama", prompt=PROMPT_IDS, max_tokens=8, temperature=0,
                               logit_bias={str(stop): 100})

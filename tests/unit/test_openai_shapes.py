@@ -387,6 +387,36 @@ def test_continuous_usage_counts_every_chunk():
     assert maker.first() is not None and "usage" not in maker.text("he")
 
 
+def test_chats_echo_begins_the_answer_with_the_last_message():
+    """vLLM's chat `echo`: where the last message is the answering role's (the assistant's; without a generation
+    prompt, the last message's own), the answer's content begins with it, whole and streamed (right after the
+    opening chunk); otherwise nothing is added."""
+    begun = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "one, two,"}]
+    tr = oa.translate_chat({"model": "m", "messages": begun, "echo": True, "add_generation_prompt": False,
+                            "continue_final_message": True})
+    assert tr.prefix == "one, two,"
+    (choice,) = oa.completion_response(tr, [view(text=" three")], 1)["choices"]
+    assert choice["message"]["content"] == "one, two, three"
+    opening = oa.ChunkMaker(tr, "req_x", 7).opening()
+    assert [c["choices"][0]["delta"] for c in opening] == [{"role": "assistant", "content": ""},
+                                                           {"content": "one, two,"}]
+    assert oa.translate_chat({"model": "m", "messages": begun, "echo": True}).prefix == "one, two,"
+    asked = [{"role": "user", "content": "Count"}]
+    assert oa.translate_chat({"model": "m", "messages": asked, "echo": True}).prefix == ""  # not the assistant's
+    assert oa.translate_chat({"model": "m", "messages": asked, "echo": True,
+                              "add_generation_prompt": False}).prefix == "Count"  # the last message's own role
+    assert oa.translate_chat({"model": "m", "messages": begun}).prefix == ""
+    plain = oa.ChunkMaker(oa.translate_chat({"model": "m", "messages": begun, "stream": True}), "req_x", 7)
+    assert len(plain.opening()) == 1
+    # with continuous usage the opening waits for the first output; the echo comes right after it
+    tr = oa.translate_chat({"model": "m", "messages": begun, "echo": True, "stream": True,
+                            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    maker = oa.ChunkMaker(tr, "req_x", 7)
+    assert maker.opening() == []
+    chunks = maker.delta({"index": 0, "text": " three", "token_ids": [4], "prompt_tokens": 6})
+    assert [c["choices"][0]["delta"].get("content") for c in chunks] == ["", "one, two,", " three"]
+
+
 def test_completion_chunks():
     tr = oa.translate_completion({"model": "m", "prompt": "x", "stream": True})
     maker = oa.ChunkMaker(tr, "req_x", 7)
