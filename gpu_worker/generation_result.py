@@ -30,6 +30,7 @@ def generation_result(job: Job, r: GenResult, now: float, *, worker: str, decode
     token_ids = job.stream.output(r.token_ids) if job.stream is not None else r.token_ids
     prompt_tokens = r.prompt_tokens - (job.stream.base if job.stream is not None else 0)
     params = job.params if isinstance(job.params, GenerateParams) else GenerateParams()
+    generated = len(token_ids)
     if token_ids and (r.finish_reason is FinishReason.EOS or (
             r.finish_reason is FinishReason.STOP and token_ids[-1] in params.stop_token_ids)):
         # an EOS or a stop token (checked before stop strings) ends it: its id kept, its text only with
@@ -42,6 +43,8 @@ def generation_result(job: Job, r: GenResult, now: float, *, worker: str, decode
         text = decode(token_ids)
     output = {"text": text, "token_ids": token_ids, "prompt_tokens": prompt_tokens,
               "completion_tokens": len(token_ids)}
+    if generated != len(token_ids):  # what the stop string's cut left out was computed (and is billed) all the same
+        output["generated_tokens"] = generated
     if (logprobs := output_logprobs(job, token_ids, r.logprobs, token, r.prompt_logprobs)) is not None:
         output["logprobs"] = logprobs
     output.update(prompt_output(job, r.prompt_logprobs, decode, token))

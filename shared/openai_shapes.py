@@ -749,8 +749,10 @@ def result_error(view: dict[str, Any]) -> OpenAIError | None:
 
 
 def _completion_tokens(view: dict[str, Any]) -> int:
+    """The tokens a generation computed, as OpenAI and vLLM count them: those a stop string's cut left out of the
+    output too (`generated_tokens`)."""
     output = view.get("output") or {}
-    return int(output.get("completion_tokens") or len(output.get("token_ids") or ()))
+    return int(output.get("generated_tokens") or output.get("completion_tokens") or len(output.get("token_ids") or ()))
 
 
 def finish_reason(view: dict[str, Any]) -> str:

@@ -95,6 +95,9 @@ def test_input_ids_text_stop_strings_and_multibyte_text():
     assert done["ids"].result.output["text"] == "hih"  # ids over 255 spell nothing
     stop = done["stop"].result
     assert stop.finish_reason is FinishReason.STOP and stop.output["text"] == "one "
+    # the tokens the cut left out ("tw", which completed the stop string) were generated all the same
+    assert (stop.output["completion_tokens"], stop.output["generated_tokens"]) == (4, 6)
+    assert "generated_tokens" not in done["ids"].result.output  # no cut: the same count
     assert done["utf8"].result.output["text"] == "é\ufffd"  # the third byte starts a character cut short
     assert encode_text("é") == [195, 169] and decode_tokens([195, 169]) == "é"
 

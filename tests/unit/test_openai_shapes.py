@@ -353,6 +353,19 @@ def test_chat_chunks():
     assert used["choices"] == [] and used["usage"]["total_tokens"] == 5
 
 
+def test_usage_counts_the_tokens_a_stop_strings_cut_left_out():
+    """OpenAI and vLLM bill every token generated: usage counts those a stop string's cut left out of the output
+    (`generated_tokens`), whole and in the usage chunk."""
+    cut = view(reason="stop", text="con", tokens=1)
+    cut["output"]["generated_tokens"] = 3
+    body = oa.completion_response(oa.translate_chat(chat()), [cut], 1)
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["choices"][0]["message"]["content"] == "con"
+    maker = oa.ChunkMaker(oa.translate_chat(chat(stream=True, stream_options={"include_usage": True})), "req_x", 7)
+    assert maker.final(cut)[-1]["usage"]["completion_tokens"] == 3
+    assert oa.usage(view(tokens=2))["completion_tokens"] == 2  # no cut: the output's tokens
+
+
 def test_continuous_usage_counts_every_chunk():
     """vLLM's `continuous_usage_stats`: with `include_usage`, every chunk carries the usage so far (the prompt's
     tokens as the worker tells them, the output's tokens up to the chunk); the opening chunk waits for the first
