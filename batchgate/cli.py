@@ -99,12 +99,17 @@ def _admin_settings(args: argparse.Namespace) -> Settings:
 
     env = _environ(args)
     if not redis_url_from(env) and (state := recorded_state(env)) is not None:
-        if not is_running(state):  # an `up` killed outright left its file: its Redis is gone with it, and writing
-            # to another one (the default) would put the keys or limits where that stack, started again, never looks
+        if not is_running(state) and state.get("redis") != "external":  # an `up` killed outright left its file:
+            # its embedded Redis went with it, and writing to another one (the default) would put the keys or
+            # limits where that stack, started again, never looks
             raise RedisUnreachable(
                 f"batchgate: the `batchgate up` recorded in {state_path(env)} (pid {state.get('pid')}) is not "
-                "running, and its Redis went with it: start it again, or name the Redis to use (--redis-url, "
-                "BATCHGATE_REDIS_URL or REDIS_URL); deleting that file makes these commands use the default one")
+                "running, and its embedded Redis went with it: start it again, or name the Redis to use "
+                "(--redis-url, BATCHGATE_REDIS_URL or REDIS_URL); deleting that file makes these commands use the "
+                "default one")
+        if not is_running(state):  # its Redis was the user's own, which outlives it: still where its data is
+            print(f"batchgate: the `batchgate up` recorded in {state_path(env)} (pid {state.get('pid')}) is not "
+                  f"running; using the Redis it ran on, {state['redis_url']}", file=sys.stderr)
         env["BATCHGATE_REDIS_URL"] = str(state["redis_url"])
         if "BATCHGATE_KEY_PREFIX" not in env and state.get("key_prefix"):
             env["BATCHGATE_KEY_PREFIX"] = str(state["key_prefix"])

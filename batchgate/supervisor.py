@@ -278,6 +278,7 @@ def run_stack(settings: Settings, environ: Mapping[str, str]) -> int:
                 print(f"batchgate up: the stack did not become ready: {why}; stopping the stack", file=sys.stderr)
         else:
             write_state(environ, {"redis_url": redis_url, "key_prefix": settings.key_prefix, "gateway": base,
+                                  "redis": embedded.kind if embedded else "external",
                                   "worker_metrics_port": int(env["BATCHGATE_WORKER_METRICS_PORT"]),
                                   "dispatcher_metrics_port": int(env["BATCHGATE_DISPATCHER_METRICS_PORT"])})
             _banner(base, redis_url, embedded.kind if embedded else "external", env, settings)

@@ -131,7 +131,8 @@ def _wait_budget(svc: GatewayService, answers: list[ops.Answer]) -> float:
 async def _answers(svc: GatewayService, req: ApiRequest, answers: list[ops.Answer]) -> list[dict[str, Any]]:
     """The record view of each submitted request once it has an answer (see `_result`), within one budget. The
     first without one (an error) is the call's error: the others, and all of them when the caller goes away
-    meanwhile, are cancelled, since they compute for nobody."""
+    meanwhile, are cancelled, since they compute for nobody (a caller gone from a keyed call leaves them all for
+    its retry, `_keyed`)."""
     until = _wait_budget(svc, answers)
     views = []
     for i, answer in enumerate(answers):
@@ -146,7 +147,8 @@ async def _answers(svc: GatewayService, req: ApiRequest, answers: list[ops.Answe
                                           f"{', '.join(ids)} go on: GET /v1/requests/{{id}} for their results",
                                      code="wait_exceeded", retry=False,
                                      headers={"X-Request-Id": ids[0], CHOICE_IDS_HEADER: ",".join(ids)}) from None
-            _abandon_all(svc, req.tenant, answers[i + 1:])  # (a caller gone: `_result` cancelled its own)
+            if not (err.code == "client_closed" and _keyed(req)):  # (a caller gone: `_result` cancelled its own)
+                _abandon_all(svc, req.tenant, answers[i + 1:])
             raise
         except BaseException:  # the queue unreachable, the call's task cancelled: nobody will read them (but a retry)
             if not _keyed(req):

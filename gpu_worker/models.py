@@ -205,6 +205,8 @@ def checked_template(spec: ModelSpec, template: str) -> str:
     except jinja2.TemplateSyntaxError as exc:
         raise ConfigError(f"model {spec.name}: chat_template does not compile: {exc.message} (line {exc.lineno})") \
             from None
+    except Exception as exc:  # nested past what the compiler takes (a RecursionError), say
+        raise ConfigError(f"model {spec.name}: chat_template does not compile: {type(exc).__name__}") from None
     return template
 
 

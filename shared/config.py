@@ -110,7 +110,8 @@ class ModelSpec:
     chat_template: str = ""
     # generate: a request may bring a chat template of its own (`input.chat_template`, vLLM's request field, which
     # vLLM takes only with --trust-request-chat-template): the worker runs the caller's Jinja (sandboxed, but its
-    # loops can take the worker's time), so it is refused unless the model's file trusts its callers with it
+    # loops and strings can take the worker's time and memory), so it is refused unless the model's file trusts
+    # its callers with it; the gateway only compiles it (it counts such a conversation by its contents)
     trust_request_chat_template: bool = False
 
     @property

@@ -6,6 +6,7 @@ with the model's real tokenizer and files the request under the lane its true si
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,8 +71,9 @@ def estimate_generate_tokens(inp: dict[str, Any], max_new_tokens: int) -> tuple[
     """(prompt tokens, prompt + max_new_tokens) from a validated generate input."""
     if "input_ids" in inp:
         prompt = len(inp["input_ids"])
-    elif "messages" in inp:  # the chat template adds a few tokens per message
+    elif "messages" in inp:  # the chat template adds a few tokens per message, and renders the tools and documents
         prompt = sum(estimate_text_tokens(m["content"]) + MESSAGE_TOKENS for m in inp["messages"]) + 1
+        prompt += sum(estimate_text_tokens(json.dumps(inp[k])) for k in ("tools", "documents") if inp.get(k))
     else:
         prompt = estimate_text_tokens(inp["prompt"]) + 1
     return prompt, prompt + max_new_tokens

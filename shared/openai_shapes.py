@@ -742,8 +742,10 @@ def result_error(view: dict[str, Any]) -> OpenAIError | None:
     if status == "cancelled":
         return OpenAIError(409, f"the request was cancelled: {message}", code=code, retry=False)
     if status == "failed" and code in TEXT_FAILURES:
-        if code == "input_too_long" and view.get("task") == "generate":
+        if code == "input_too_long" and view.get("task") in ("generate", "embed"):
             code = CONTEXT_EXCEEDED
+        # the worker's hint names the native field: in the routes' terms (both take vLLM's truncate_prompt_tokens)
+        _, message = in_openai_terms("", str(message), {"params.truncate_prompt_tokens": "truncate_prompt_tokens"})
         return OpenAIError(400, message, code=code, retry=False)
     return OpenAIError(500, f"the request failed: {message}", code=code or "failed", retry=False)
 

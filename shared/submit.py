@@ -168,7 +168,8 @@ def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, t
 
 
 def check_template(template: str) -> None:
-    """A request's own chat template compiles (where jinja2 is here to tell; else the worker's check stays)."""
+    """A request's own chat template compiles (where jinja2 is here to tell; else the worker's check stays). It is
+    compiled only: rendering a caller's template runs its loops, which the worker alone is trusted with."""
     env = template_env()
     if env is None:
         return
@@ -178,6 +179,8 @@ def check_template(template: str) -> None:
         env.from_string(template)
     except jinja2.TemplateSyntaxError as exc:
         raise ValidationError("input.chat_template", f"does not compile: {exc.message} (line {exc.lineno})") from None
+    except Exception as exc:  # nested past what the compiler takes (a RecursionError), say
+        raise ValidationError("input.chat_template", f"does not compile: {type(exc).__name__}") from None
 
 
 def _kept(n: int, keep: int | None) -> int:
@@ -235,14 +238,16 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
                                    templates_trusted=spec.trust_request_chat_template)
         if "chat_template" in inp:
             check_template(inp["chat_template"])
+        prompt_tokens = None
         if limits is not None:
             prompt_tokens, where = check_tokens(inp, spec, limits, keep=keep, side=params.truncation_side)
             if keep is not None and prompt_tokens == keep:  # the prompt as cut: what to lower is the cut
                 where = "params.truncate_prompt_tokens"
             params = within_context(params, given, prompt_tokens, where, limits.context(spec))
             check_bias(params, limits.vocab_size(spec))
-        prompt, _ = estimate_generate_tokens(inp, params.max_new_tokens)
-        tokens = _kept(prompt, keep) + params.max_new_tokens
+        if prompt_tokens is None:  # not counted here: estimated from the characters
+            prompt_tokens = _kept(estimate_generate_tokens(inp, params.max_new_tokens)[0], keep)
+        tokens = prompt_tokens + params.max_new_tokens
         params_dict = params.to_dict()
         stream = sub.stream
     else:

@@ -80,7 +80,6 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-REQUEST_TEMPLATES_KEPT = 32  # requests' own chat templates kept compiled per process
 JINJA2_LEAST = (3, 1, 6)  # transformers' floor too: older versions have known sandbox escapes
 
 
@@ -252,7 +251,6 @@ class TokenLimits:
         self._tokenizers: dict[str, Any] = {}
         self._configs: dict[str, dict[str, Any]] = {}
         self._templates: dict[str, tuple[Any, dict[str, str]] | None] = {}
-        self._request_templates: dict[str, Any] = {}  # requests' own templates, compiled (a few kept)
         self._lock = threading.Lock()
 
     def tokenizer(self, spec: ModelSpec) -> Any:
@@ -297,16 +295,15 @@ class TokenLimits:
                    template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
                    continue_final_message: bool = False, documents: list[dict[str, str]] | None = None,
                    chat_template: str | None = None) -> int | None:
-        """Tokens of a conversation as the worker will count them: the chat template (the request's own where it
-        brings one) rendered with the generation prompt, or ending inside the last message it continues, then
-        tokenized without special tokens added again (the contents joined where the template cannot be rendered
-        here); None if unknown."""
+        """Tokens of a conversation as the worker will count them: the chat template rendered with the generation
+        prompt, or ending inside the last message it continues, then tokenized without special tokens added again
+        (the contents joined where the template cannot be rendered here, or is the request's own); None if
+        unknown."""
         tok = None if spec.echo else self.tokenizer(spec)
         found = self._chat_templates(spec, tok)
-        if chat_template is not None:
-            template = self._request_template(chat_template)
-        else:
-            template = None if found is None else pick_template(found[0], tools)
+        # a request's own template is the worker's alone to render (its loops are the caller's, trusted by the
+        # model's file with the worker's time only): counted here by the contents, a lower bound
+        template = None if found is None or chat_template is not None else pick_template(found[0], tools)
         if tok is not None and found is not None and template is not None:
             try:  # as transformers' `render_jinja_template` renders it
                 shown = tagged(messages) if continue_final_message else messages
@@ -336,19 +333,6 @@ class TokenLimits:
                 log.info("chat template not usable by the gateway", model=spec.name, error=repr(exc))
                 self._templates[spec.name] = None
         return self._templates[spec.name]
-
-    def _request_template(self, text: str) -> Any:
-        """A request's own template, compiled (None where it cannot be here: the worker's check stays)."""
-        if text not in self._request_templates:
-            env = template_env()
-            try:
-                compiled = None if env is None else env.from_string(text)
-            except Exception:
-                compiled = None
-            if len(self._request_templates) >= REQUEST_TEMPLATES_KEPT:
-                self._request_templates.clear()
-            self._request_templates[text] = compiled
-        return self._request_templates[text]
 
     def config(self, spec: ModelSpec) -> dict[str, Any]:
         if spec.name not in self._configs:

@@ -30,16 +30,21 @@ THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{%
 CONVO = [{"role": "user", "content": "What is two plus two?"}]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("thinking")
+def templated_dir(directory, template: str):
+    """A model directory of the built-in tokenizer with `template` as its chat template, and a config (the gateway
+    counts with these files)."""
     tok = PreTrainedTokenizerFast(tokenizer_object=build_bpe_tokenizer(), bos_token="<s>", eos_token="</s>",
                                   unk_token="<unk>", pad_token="<pad>")
-    tok.chat_template = THINKING_TEMPLATE
+    tok.chat_template = template
     tok.save_pretrained(directory)
     (directory / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": len(tok),
                                                        "max_position_embeddings": 256}))
     return directory
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return templated_dir(tmp_path_factory.mktemp("thinking"), THINKING_TEMPLATE)
 
 
 def spec_of(directory) -> ModelSpec:

@@ -4,14 +4,12 @@ worker renders them, the OpenAI route passes them through; they come with `messa
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 from transformers import PreTrainedTokenizerFast
 
 from gpu_worker.job import Job
-from gpu_worker.models import build_bpe_tokenizer
 from shared import openai_shapes as oa
 from shared.config import ModelSpec
 from shared.errors import ValidationError
@@ -19,7 +17,7 @@ from shared.params import MAX_DOCUMENTS
 from shared.states import Task
 from shared.submit import build_request
 from shared.token_limits import TokenLimits
-from tests.integration.test_chat_template_kwargs import runner_of
+from tests.integration.test_chat_template_kwargs import runner_of, templated_dir
 
 # a RAG template as Granite's and Command R's write theirs, reduced: the documents in a system turn of their own
 RAG_TEMPLATE = ("{% if documents %}<|documents|>{% for d in documents %}[{{ loop.index }}] {{ d.title | default('') }}"
@@ -33,14 +31,7 @@ DOCS = [{"title": "Bridge", "text": "The bridge was opened in 1932 after six yea
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("rag")
-    tok = PreTrainedTokenizerFast(tokenizer_object=build_bpe_tokenizer(), bos_token="<s>", eos_token="</s>",
-                                  unk_token="<unk>", pad_token="<pad>")
-    tok.chat_template = RAG_TEMPLATE
-    tok.save_pretrained(directory)
-    (directory / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": len(tok),
-                                                       "max_position_embeddings": 256}))
-    return directory
+    return templated_dir(tmp_path_factory.mktemp("rag"), RAG_TEMPLATE)
 
 
 def spec_of(directory) -> ModelSpec:
@@ -70,6 +61,19 @@ def test_the_gateway_counts_and_the_worker_renders_the_documents(model_dir):
     plain = tok.apply_chat_template(CONVO, add_generation_prompt=True, return_dict=False)
     assert len(tok.apply_chat_template(CONVO, documents=DOCS, add_generation_prompt=True, return_dict=False)) > len(
         plain)
+
+
+def test_the_documents_count_in_the_requests_size(model_dir):
+    """Lanes and admission read a request's size: the prompt as the gateway counted it, documents included, and
+    where it cannot count, an estimate that takes the documents in too."""
+    spec = spec_of(model_dir)
+    counted = TokenLimits().count_chat(spec, CONVO, documents=DOCS)
+    with_docs = submit(model_dir, documents=DOCS)
+    assert counted is not None and with_docs.est_tokens == counted + 4
+    assert with_docs.est_tokens > submit(model_dir).est_tokens
+    unlimited = [build_request({"input": {"messages": CONVO, **docs}, "params": {"max_new_tokens": 4}}, spec, "t",
+                               time.time()).est_tokens for docs in ({}, {"documents": DOCS})]
+    assert unlimited[1] > unlimited[0] + 20  # two documents of ~60 characters each
 
 
 def test_the_documents_count_against_the_prompt_limit(model_dir):

@@ -564,11 +564,12 @@ async def test_a_caller_that_times_out_has_its_request_cancelled(stack: RunningG
 @pytest.mark.parametrize("streamed", [False, True])
 async def test_a_keyed_call_its_caller_leaves_goes_on_for_the_retry(stack: RunningGateway, clients: Clients,
                                                                      streamed: bool):
-    """A call with an Idempotency-Key whose caller times out, or closes its stream, is not cancelled: the retry with
-    that key finds the same request and gets its whole answer (cancelled, every retry was a 409 for good)."""
+    """A call with an Idempotency-Key whose caller times out, or closes its stream, is not cancelled, none of its
+    choices: the retry with that key finds the same requests and gets the whole answer (cancelled, every retry was
+    a 409 for good)."""
     sync, client = clients(stack, max_retries=0)
     short, _ = clients(stack, timeout=0.5, max_retries=0)
-    kw: dict[str, Any] = dict(model="tiny-llama", prompt="hi", max_tokens=256, temperature=0,
+    kw: dict[str, Any] = dict(model="tiny-llama", prompt="hi", max_tokens=256, temperature=0, n=2,
                               extra_body={"ignore_eos": True}, extra_headers={"Idempotency-Key": f"left-{streamed}"})
     if streamed:
         stream = await client.completions.create(**kw, stream=True)
@@ -583,17 +584,19 @@ async def test_a_keyed_call_its_caller_leaves_goes_on_for_the_retry(stack: Runni
     if streamed:
         again = await client.completions.create(**kw, stream=True)
         assert again.response.headers["x-request-id"] == first
+        ids = again.response.headers["x-batchgate-request-ids"].split(",")
         chunks = [c async for c in again]
-        assert chunks[-1].choices[0].finish_reason == "length"
-        text = "".join(c.choices[0].text for c in chunks)
-        rid = first
+        texts = ["".join(ch.text for c in chunks for ch in c.choices if ch.index == i) for i in range(2)]
+        assert sorted(ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason) == ["length"] * 2
     else:
         raw = await asyncio.to_thread(sync.completions.with_raw_response.create, **kw)
-        resp, rid = raw.parse(), raw.headers["x-request-id"]
-        assert resp.choices[0].finish_reason == "length" and resp.usage and resp.usage.completion_tokens == 256
-        text = resp.choices[0].text
-    record = (await stack.client.get(f"/v1/requests/{rid}", params={"wait": 10})).json()
-    assert record["status"] == "succeeded" and record["output"]["text"] == text
+        resp, ids = raw.parse(), raw.headers["x-batchgate-request-ids"].split(",")
+        assert [c.finish_reason for c in resp.choices] == ["length"] * 2
+        assert resp.usage and resp.usage.completion_tokens == 2 * 256
+        texts = [c.text for c in resp.choices]
+    for rid, text in zip(ids, texts, strict=True):  # every choice went on, none cancelled for the retry to replay
+        record = (await stack.client.get(f"/v1/requests/{rid}", params={"wait": 10})).json()
+        assert record["status"] == "succeeded" and record["output"]["text"] == text
 
 
 async def test_what_a_new_openai_user_meets_at_the_edges(stack: RunningGateway, clients: Clients):

@@ -191,8 +191,9 @@ def test_up_refuses_a_server_that_is_not_redis(not_redis):
 
 @pytest.mark.spawns
 def test_a_stale_state_file_is_refused_naming_it_not_replaced_by_another_redis(tmp_path, monkeypatch, capsys):
-    """An `up` killed outright leaves its file: the operations commands refuse (exit 1, one line) rather than write
-    keys or limits to the default Redis, where that stack never looks; a Redis named, or a live `up`, is used."""
+    """An `up` killed outright leaves its file: where its Redis was embedded (gone with it), the operations commands
+    refuse (exit 1, one line) rather than write keys or limits to the default Redis, where that stack never looks;
+    a Redis named, a live `up`'s, or the user's own Redis a dead `up` ran on, is used."""
     from batchgate.state import read_state, write_state
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -209,6 +210,12 @@ def test_a_stale_state_file_is_refused_naming_it_not_replaced_by_another_redis(t
     assert str(path) in err[0] and "--redis-url" in err[0]
     named = cli._admin_settings(build_parser().parse_args(["keys", "list", "--redis-url", "redis://127.0.0.1:7/0"]))
     assert named.redis_url == "redis://127.0.0.1:7/0" and capsys.readouterr().err == ""
+    # an `up` that ran on the user's own Redis: that Redis outlives it, and still holds its data
+    path.write_text(path.read_text().replace('"key_prefix"', '"redis": "external", "key_prefix"'))
+    settings = cli._admin_settings(build_parser().parse_args(["keys", "list"]))
+    assert (settings.redis_url, settings.key_prefix) == ("redis://127.0.0.1:7777/0", "upx")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not running; using the Redis it ran on, redis://127.0.0.1:7777/0" in err[0], err
 
     path.write_text(path.read_text().replace(f'"pid": {dead.pid}', f'"pid": {os.getpid()}'))  # a live one
     settings = cli._admin_settings(build_parser().parse_args(["keys", "list"]))

@@ -310,12 +310,23 @@ def view(status: str = "succeeded", reason: str | None = "eos", text: str = "hel
     ({**view("failed", "error", "", 0, {"code": "input_too_long", "message": "m"}), "task": "generate"}, 400,
      "context_length_exceeded"),
     ({**view("failed", "error", "", 0, {"code": "input_too_long", "message": "m"}), "task": "embed"}, 400,
-     "input_too_long"),
+     "context_length_exceeded"),  # as the gateway's refusal of the same text, where it can count
+    (view("failed", "error", "", 0, {"code": "input_too_long", "message": "m"}), 400, "input_too_long"),  # no task
 ])
 def test_results_without_an_answer_are_errors_that_are_not_retried(v: dict[str, Any], status: int, code: str):
     err = oa.result_error(v)
     assert err is not None and (err.status, err.code) == (status, code)
     assert err.headers()["x-should-retry"] == "false"
+
+
+def test_a_workers_hint_names_the_routes_field():
+    from shared.params import TRUNCATE_HINT
+
+    failed = {**view("failed", "error", "", 0, {"code": "input_too_long",
+                                                "message": f"text 1 is 602 tokens; at most 512 {TRUNCATE_HINT}"}),
+              "task": "embed"}
+    err = oa.result_error(failed)
+    assert err is not None and "set truncate_prompt_tokens to cut it" in err.message and "params." not in err.message
 
 
 def test_finish_reasons():
