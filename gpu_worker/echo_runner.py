@@ -130,7 +130,7 @@ class EchoRunner:
             return failed_outcome(req, self.worker, now, "input_too_long",
                                   f"prompt is {len(ids)} tokens; with max_new_tokens {total}, over this model's "
                                   f"{self.spec.max_input_tokens} prompt / {self.spec.max_seq_len} total")
-        stream = Release(params.stop, released=list(req.streamed), prompt=len(ids)) if req.stream else None
+        stream = Release.of(params, req.streamed, ids) if req.stream else None
         return Job(id=req.id, lane=assign_lane(total, self.spec.lanes).name, rank=Priority(req.priority).rank,
                    deadline=req.deadline_ms / 1000, arrived=now, tokens=total,
                    prompt_tokens=len(ids) + len(req.streamed), new_tokens=params.max_new_tokens, request=req,

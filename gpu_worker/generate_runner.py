@@ -128,7 +128,7 @@ class GenerateRunner:
                                   f"bad_words: {n} tokens in all (as is and after a space); at most "
                                   f"{MAX_BAD_WORD_TOKENS}")
         # a streaming request run again (a crash, a hand-back) continues after what its caller was sent
-        stream = Release(params.stop, released=list(req.streamed), prompt=len(ids)) if req.stream else None
+        stream = Release.of(params, req.streamed, ids) if req.stream else None
         return Job(id=req.id, lane=assign_lane(total, self.spec.lanes).name, rank=Priority(req.priority).rank,
                    deadline=req.deadline_ms / 1000, arrived=now, tokens=total,
                    prompt_tokens=len(ids) + len(req.streamed), new_tokens=params.max_new_tokens, request=req,

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shared.messages import StreamDelta
+from shared.params import GenerateParams
 
 CONTEXT_TOKENS = 5  # tokens decoded before the new ones so that word boundaries decode as in the whole text
 INCOMPLETE = "\ufffd"
@@ -35,10 +36,18 @@ class Release:
     first: bool = True  # no delta published by this attempt yet
     base: int = 0  # released tokens the running row was started after (they are part of its prompt)
     prompt: int | None = None  # the request's prompt tokens (its caller's usage counts them), told with each delta
+    prompt_ids: tuple[int, ...] | None = None  # with `params.echo`: the prompt's ids, told with the first delta
     keep: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.keep = max((len(s) for s in self.stops), default=0)
+
+    @classmethod
+    def of(cls, params: GenerateParams, streamed: Sequence[int], prompt: Sequence[int]) -> Release:
+        """A streaming request's: after what its caller was sent (`streamed`), telling its `prompt`'s size (and
+        with `params.echo` its ids)."""
+        return cls(params.stop, released=list(streamed), prompt=len(prompt),  # (a tuple once parsed)
+                   prompt_ids=tuple(prompt) if params.echo else None)
 
     @property
     def sent(self) -> int:
@@ -71,7 +80,8 @@ def next_delta(rel: Release, tokens: Sequence[int], decode: Callable[[list[int]]
     text = window[len(before):]
     if rel.stops and holds_stop_start(rel.tail + text, rel.stops):
         return None
-    delta = StreamDelta(start=rel.sent, token_ids=tuple(tokens[rel.sent:]), text=text, prompt_tokens=rel.prompt)
+    delta = StreamDelta(start=rel.sent, token_ids=tuple(tokens[rel.sent:]), text=text, prompt_tokens=rel.prompt,
+                        prompt_token_ids=rel.prompt_ids if rel.first else None)
     rel.released.extend(tokens[rel.sent:])
     if rel.keep:
         rel.tail = (rel.tail + text)[-rel.keep:]

@@ -90,6 +90,8 @@ class _Cursor:
             data["logprobs"] = list(delta.logprobs)
         if delta.prompt_tokens is not None:
             data["prompt_tokens"] = delta.prompt_tokens
+        if delta.prompt_token_ids is not None:
+            data["prompt_token_ids"] = list(delta.prompt_token_ids)
         return ServerEvent("delta", data, str(end))
 
     def tail(self, output: dict[str, Any] | None) -> ServerEvent | None:
@@ -107,8 +109,9 @@ class _Cursor:
         data = {"index": start, "text": rest_text, "token_ids": rest_ids}
         if isinstance(output.get("logprobs"), list):
             data["logprobs"] = output["logprobs"][start:]
-        if isinstance(output.get("prompt_tokens"), int):
-            data["prompt_tokens"] = output["prompt_tokens"]
+        for name in ("prompt_tokens", "prompt_token_ids"):
+            if output.get(name) is not None:
+                data[name] = output[name]
         return ServerEvent("delta", data, str(len(ids)))
 
 

@@ -99,6 +99,8 @@ class StreamDelta:
     logprobs: tuple[dict[str, Any], ...] | None = None
     # the prompt's tokens as the model read it (the result's `output.prompt_tokens`); None: not told (an older worker)
     prompt_tokens: int | None = None
+    # with `params.echo`, an attempt's first delta: the prompt's token ids (the result's `output.prompt_token_ids`)
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

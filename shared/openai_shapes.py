@@ -181,6 +181,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     logit_bias: dict[str, Any] | None = None  # checked as the native params.logit_bias
     service_tier: str | None = None
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs' tokens named `token_id:N`
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids with the text
     # extensions: the deadline and priority of the native API; vLLM's top_k, min_p, stop_token_ids, min_tokens,
     # include_stop_str_in_output, skip_special_tokens, ignore_eos, repetition_penalty, allowed_token_ids,
     # bad_words, truncate_prompt_tokens and truncation_side
@@ -290,6 +291,7 @@ class Translated:
     logprobs: int | None = None  # alternatives asked for with each token's log probability; None: none
     as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens named by their ids
     prefix: str = ""  # chat's `echo` (vLLM's): the last message, which the answer's content begins with
+    with_ids: bool = False  # vLLM's return_token_ids: the prompt's and the output's token ids beside the text
     echo: bool = False  # completions: the prompt before the completion (its tokens' log probabilities too)
     prompt: str | None = None  # the prompt as sent, when a string (echoed as it is)
     score_only: bool = False  # `echo` with `max_tokens` 0: the prompt alone (the one token generated is dropped)
@@ -545,6 +547,8 @@ def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Tran
         params["prompt_logprobs"] = logprobs
     elif echo and "input_ids" in prompt:  # the text of the prompt's tokens
         params["echo"] = True
+    if req.return_token_ids:  # the prompt's ids come with the output (native echo)
+        params["echo"] = True
     body = {"input": prompt, "params": params, "stream": stream, **_deadline(req, timeout_header)}
     aliases = {"input.prompt": "prompt", "input.input_ids": "prompt", "input": "prompt",
                "params.max_new_tokens": "max_tokens", "params.logprobs": "logprobs",
@@ -559,7 +563,7 @@ def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Tran
     sent = prompt.get("prompt") if req.truncate_prompt_tokens is None else None
     return Translated("completion", req.model, body, stream, usage, continuous, aliases=aliases, n=n,
                       logprobs=logprobs, echo=echo, as_ids=bool(req.return_tokens_as_token_ids), prompt=sent,
-                      score_only=score_only, best_of=best_of)
+                      score_only=score_only, best_of=best_of, with_ids=bool(req.return_token_ids))
 
 
 def _with_logprobs(params: dict[str, Any], logprobs: int | None) -> dict[str, Any]:
@@ -693,6 +697,8 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None,
             inp[name] = getattr(req, name)
     body = {"input": inp, "params": _with_logprobs(_params(req, limit, fmt), logprobs),
             "stream": stream, **_deadline(req, timeout_header)}
+    if req.return_token_ids:  # the prompt's ids come with the output (native echo)
+        body["params"]["echo"] = True
     aliases = {"input": "messages", "input.messages": "messages", "params.max_new_tokens": max_param,
                "params.logprobs": "top_logprobs", "input.tools": "tools",
                "input.chat_template_kwargs": "chat_template_kwargs", "input.documents": "documents",
@@ -700,7 +706,8 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None,
                "input.add_generation_prompt": "add_generation_prompt",
                "input.continue_final_message": "continue_final_message", **fmt_aliases}
     return Translated("chat", req.model, body, stream, usage, continuous, aliases=aliases, n=_choices(req),
-                      logprobs=logprobs, calls=calls, as_ids=bool(req.return_tokens_as_token_ids), prefix=prefix)
+                      logprobs=logprobs, calls=calls, as_ids=bool(req.return_tokens_as_token_ids), prefix=prefix,
+                      with_ids=bool(req.return_token_ids))
 
 
 def translate_embeddings(raw: Any, *, timeout_header: str | None = None) -> Translated:
@@ -804,12 +811,18 @@ def completion_response(tr: Translated, views: list[dict[str, Any]], created: in
             choice["message"] = {"role": "assistant", "content": tr.prefix + text, "refusal": None}
         else:
             choice["text"] = text
+        if tr.with_ids:  # vLLM's return_token_ids: a completion's choices carry the prompt's too, chat's response
+            choice |= ({} if tr.kind == "chat" else {"prompt_token_ids": output.get("prompt_token_ids")}) | {
+                "token_ids": list(output.get("token_ids") or ())}
         choices.append(choice)
-    return {"id": completion_id(tr.kind, str(every[0]["id"])),
-            "object": "chat.completion" if tr.kind == "chat" else "text_completion",
-            "created": created, "model": tr.model, "choices": choices,
-            "usage": usage(*every) if not tr.score_only else usage(*[_prompt_only(v) for v in every]),
-            "system_fingerprint": None, EXTENSION: extensions(views)}
+    out = {"id": completion_id(tr.kind, str(every[0]["id"])),
+           "object": "chat.completion" if tr.kind == "chat" else "text_completion",
+           "created": created, "model": tr.model, "choices": choices,
+           "usage": usage(*every) if not tr.score_only else usage(*[_prompt_only(v) for v in every]),
+           "system_fingerprint": None, EXTENSION: extensions(views)}
+    if tr.with_ids and tr.kind == "chat":
+        out["prompt_token_ids"] = (views[0].get("output") or {}).get("prompt_token_ids")
+    return out
 
 
 def _mean_logprob(view: dict[str, Any]) -> float:
@@ -855,6 +868,11 @@ class ChunkMaker:
     tokens: int = 0
     opened: bool = False
     echoed: bool = False  # chat's `echo`: the last message was sent (after the opening chunk)
+    # vLLM's return_token_ids: the prompt's ids (told with the first output), the output's not yet on a chunk, and
+    # whether a completion's chunk carried the prompt's (chat's opening chunk carries them)
+    prompt_ids: list[int] | None = None
+    pending_ids: list[int] = field(default_factory=list)
+    ids_told: bool = False
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         out = {"id": completion_id(self.tr.kind, self.request_id),
@@ -879,10 +897,16 @@ class ChunkMaker:
             choice["text"] = content or ""
         return choice
 
+    @property
+    def _deferred(self) -> bool:
+        """The opening waits for the first output, which tells the prompt (continuous usage, token ids)."""
+        return self.tr.continuous_usage or self.tr.with_ids
+
     def first(self) -> dict[str, Any] | None:
         """Chat streams open with the assistant's role and empty content; completions have no such chunk. With
-        continuous usage the opening waits for the first output, which tells the prompt's tokens (as vLLM's)."""
-        if self.tr.kind != "chat" or self.tr.continuous_usage:
+        continuous usage or token ids the opening waits for the first output, which tells the prompt's tokens (as
+        vLLM's)."""
+        if self.tr.kind != "chat" or self._deferred:
             return None
         self.opened = True
         return self._chunk([self._choice("", role=True)])
@@ -899,24 +923,39 @@ class ChunkMaker:
         return [self._chunk([self._choice(self.tr.prefix)])]
 
     def _opening(self) -> list[dict[str, Any]]:
-        """The opening chunk held for continuous usage, once (its usage: the prompt's tokens, no output yet), and
-        the echo after it."""
-        if self.opened or self.tr.kind != "chat" or not self.tr.continuous_usage:
+        """The opening chunk held for continuous usage or token ids, once (its usage: the prompt's tokens, no output
+        yet; its `prompt_token_ids`), and the echo after it."""
+        if self.opened or self.tr.kind != "chat" or not self._deferred:
             return []
         self.opened = True
-        return [self._chunk([self._choice("", role=True)], usage=self._so_far(0)), *self._echo()]
+        extra: dict[str, Any] = {"usage": self._so_far(0)} if self.tr.continuous_usage else {}
+        if self.tr.with_ids:
+            extra["prompt_token_ids"], self.ids_told = self.prompt_ids, True
+        return [self._chunk([self._choice("", role=True)], **extra), *self._echo()]
+
+    def _told(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """`chunk` with the output's token ids not yet on a chunk (and a completion's first, the prompt's)."""
+        if self.tr.with_ids and chunk["choices"]:
+            choice = chunk["choices"][0]
+            if not self.ids_told and self.tr.kind != "chat":
+                choice["prompt_token_ids"], self.ids_told = self.prompt_ids, True
+            choice["token_ids"], self.pending_ids = self.pending_ids, []
+        return chunk
 
     def delta(self, data: dict[str, Any]) -> list[dict[str, Any]]:
         """A native delta event's chunks: none for one with no text nor log probabilities, or held back (with
-        continuous usage, the opening chunk before the first)."""
+        continuous usage or token ids, the opening chunk before the first)."""
         if isinstance(data.get("prompt_tokens"), int):
             self.prompt_tokens = data["prompt_tokens"]
+        if self.prompt_ids is None and data.get("prompt_token_ids") is not None:
+            self.prompt_ids = list(data["prompt_token_ids"])
+        self.pending_ids += list(data.get("token_ids") or ()) if self.tr.with_ids else []
         out = self._opening()
         self.tokens = max(self.tokens, int(data.get("index") or 0) + len(data.get("token_ids") or ()))
         if not (data.get("text") or data.get("logprobs")):
             return out
         chunk = self.text(str(data["text"]), data.get("logprobs"))
-        return out if chunk is None else [*out, chunk]
+        return out if chunk is None else [*out, self._told(chunk)]
 
     def text(self, text: str, logprobs: list[Any] | None = None) -> dict[str, Any] | None:
         """A delta's chunk; with `logprobs` asked for, its tokens' (`logprobs`: the delta's entries). A forced tool
@@ -963,6 +1002,8 @@ class ChunkMaker:
         to finish: `with_usage` false) the usage chunk."""
         counted = usage(view)
         self.prompt_tokens = counted["prompt_tokens"]
+        if self.prompt_ids is None:
+            self.prompt_ids = (view.get("output") or {}).get("prompt_token_ids")
         reason, out = finish_reason(view), self._opening()
         self.tokens = counted["completion_tokens"]
         if self.tr.calls is not None and self.tr.calls.forced is None:  # what was held, read whole
@@ -973,8 +1014,8 @@ class ChunkMaker:
                 out.append(self._calls_chunk(made[0]["function"] if self.tr.calls.legacy else
                                              [{"index": i, **call} for i, call in enumerate(made)]))
                 reason = finish(self.tr.calls, reason)
-        last = self._chunk([self._choice(None if self.tr.kind == "chat" else "", reason=reason)],
-                           **{EXTENSION: extension(view)})
+        last = self._told(self._chunk([self._choice(None if self.tr.kind == "chat" else "", reason=reason)],
+                                      **{EXTENSION: extension(view)}))
         if not (self.tr.include_usage and with_usage):
             return [*out, last]
         return [*out, last, self.usage_chunk([view])]

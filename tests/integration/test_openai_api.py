@@ -173,6 +173,35 @@ async def test_continuous_usage_stats_from_the_official_client(stack: RunningGat
             assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage.completion_tokens == 0
 
 
+async def test_return_token_ids_from_the_official_client(stack: RunningGateway, loaded_models, clients: Clients):
+    """vLLM's `return_token_ids`, as RL and agent frameworks send it: the prompt's token ids and the output's beside
+    the text, chat and completions, whole and streamed (the prompt's with the first chunk, each chunk its text's)."""
+    sync, _ = clients(stack)
+    loaded = loaded_models["tiny-llama"]
+    messages: list[Any] = [{"role": "user", "content": "count"}]
+    prompt = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    kw: dict[str, Any] = dict(model="tiny-llama", max_tokens=7, temperature=0,
+                              extra_body={"ignore_eos": True, "return_token_ids": True})
+    raw = await asyncio.to_thread(sync.chat.completions.with_raw_response.create, messages=messages, **kw)
+    body = json.loads(raw.text)
+    out = reference_ids(loaded, list(prompt), 7)
+    assert body["prompt_token_ids"] == list(prompt) and body["choices"][0]["token_ids"] == out
+    assert body["choices"][0]["message"]["content"] == loaded.tokenizer.decode(out, skip_special_tokens=True)
+
+    def streamed(create: Any, **more: Any) -> list[dict[str, Any]]:
+        with create(stream=True, **kw, **more) as stream:
+            return [chunk.model_dump() for chunk in stream]
+
+    chunks = await asyncio.to_thread(streamed, sync.chat.completions.create, messages=messages)
+    assert chunks[0]["prompt_token_ids"] == list(prompt)
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or ()] == out
+    chunks = await asyncio.to_thread(streamed, sync.completions.create, prompt=PROMPT_IDS)
+    firsts = [ch for c in chunks for ch in c["choices"] if ch.get("prompt_token_ids")]
+    assert len(firsts) == 1 and firsts[0]["prompt_token_ids"] == PROMPT_IDS
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or ()] == reference_ids(
+        loaded, PROMPT_IDS, 7)
+
+
 async def test_chat_template_kwargs_and_documents_are_taken_from_the_official_client(stack: RunningGateway,
                                                                                     clients: Clients):
     """vLLM's `chat_template_kwargs`, as its users send them (`extra_body`): accepted and served through the whole

@@ -441,6 +441,37 @@ def test_chats_echo_begins_the_answer_with_the_last_message():
     assert [c["choices"][0]["delta"].get("content") for c in chunks] == ["", "one, two,", " three"]
 
 
+def test_return_token_ids_gives_the_prompts_and_the_outputs_ids():
+    """vLLM's `return_token_ids`: chat answers the prompt's ids on the response and each choice's output ids;
+    completions both on each choice. Streamed, the prompt's come first (chat's opening chunk, held for the first
+    output, which tells them; a completion's first chunk) and each chunk carries the ids of its text."""
+    v = {**view(), "output": {**view()["output"], "prompt_token_ids": [1, 5, 9]}}
+    tr = oa.translate_chat(chat(return_token_ids=True))
+    assert tr.with_ids and tr.body["params"]["echo"] is True  # the worker tells the prompt's ids
+    body = oa.completion_response(tr, [v], 1)
+    assert body["prompt_token_ids"] == [1, 5, 9] and body["choices"][0]["token_ids"] == [0, 1]
+    tr = oa.translate_completion({"model": "m", "prompt": "x", "return_token_ids": True})
+    (choice,) = oa.completion_response(tr, [v], 1)["choices"]
+    assert (choice["prompt_token_ids"], choice["token_ids"]) == ([1, 5, 9], [0, 1])
+    assert "token_ids" not in oa.completion_response(oa.translate_chat(chat()), [v], 1)["choices"][0]
+    # streamed chat
+    maker = oa.ChunkMaker(oa.translate_chat(chat(stream=True, return_token_ids=True)), "req_x", 7)
+    assert maker.opening() == []
+    opening, one = maker.delta({"index": 0, "text": "he", "token_ids": [0], "prompt_token_ids": [1, 5, 9]})
+    assert opening["prompt_token_ids"] == [1, 5, 9] and opening["choices"][0]["delta"]["role"] == "assistant"
+    assert one["choices"][0]["token_ids"] == [0]
+    assert maker.delta({"index": 1, "text": "", "token_ids": [1]}) == []  # its text is not decided: its id waits
+    (last,) = maker.final(v)
+    assert last["choices"][0]["token_ids"] == [1] and last["choices"][0]["finish_reason"] == "stop"
+    # streamed completion: the prompt's ids on the first chunk's choice
+    maker = oa.ChunkMaker(oa.translate_completion({"model": "m", "prompt": "x", "stream": True,
+                                                   "return_token_ids": True}), "req_x", 7)
+    (first,) = maker.delta({"index": 0, "text": "he", "token_ids": [0], "prompt_token_ids": [1, 5, 9]})
+    assert first["choices"][0]["prompt_token_ids"] == [1, 5, 9] and first["choices"][0]["token_ids"] == [0]
+    (second,) = maker.delta({"index": 1, "text": "llo", "token_ids": [1]})
+    assert "prompt_token_ids" not in second["choices"][0] and second["choices"][0]["token_ids"] == [1]
+
+
 def test_completion_chunks():
     tr = oa.translate_completion({"model": "m", "prompt": "x", "stream": True})
     maker = oa.ChunkMaker(tr, "req_x", 7)

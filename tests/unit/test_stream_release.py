@@ -89,6 +89,19 @@ def test_each_delta_tells_the_prompts_tokens():
     assert all(d.prompt_tokens is None for d in run([1, 2])[1])
 
 
+def test_with_echo_the_first_delta_of_an_attempt_tells_the_prompts_ids():
+    from shared.params import GenerateParams
+
+    rel = Release.of(GenerateParams(echo=True), [], [4, 5, 6])
+    first = next_delta(rel, [1], decode)
+    rel.first = False  # as the runner marks it once published
+    later = next_delta(rel, [1, 2], decode)
+    assert first is not None and later is not None
+    assert (first.prompt_token_ids, first.prompt_tokens, later.prompt_token_ids) == ((4, 5, 6), 3, None)
+    plain = Release.of(GenerateParams(), [], [4, 5, 6])
+    assert next_delta(plain, [1], decode).prompt_token_ids is None  # not asked: not sent
+
+
 def test_holds_stop_start():
     assert holds_stop_start("abc\nE", ("\nEND",)) and not holds_stop_start("abc\nEND", ("\nEND",))
     assert not holds_stop_start("abc", ("\nEND",)) and not holds_stop_start("abc", ())
