@@ -233,6 +233,43 @@ def test_cloud_functions_adapter(stack_env, monkeypatch):
     assert page.status_code == 200 and page.mimetype == "text/html" and b"/openapi.json" in page.data
 
 
+def test_cloud_functions_served_as_cloud_functions_serves_it(stack_env, tmp_path):
+    """The functions-framework command Cloud Functions runs (gunicorn, which imports the handler and then forks
+    its workers), not a test client: requests are answered in the forked worker (its event loop's thread started
+    there; one started at import stayed in the parent, and every request waited forever)."""
+    pytest.importorskip("functions_framework")
+    import socket
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "gcf.log"
+    proc = subprocess.Popen([sys.executable, "-m", "functions_framework", "--target", "batchgate", "--source",
+                             str(Path("gateway/gcf_handler.py").resolve()), "--host", "127.0.0.1", "--port",
+                             str(port)], env={**os.environ, **stack_env, "PYTHONPATH": str(Path.cwd())},
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        base, end = f"http://127.0.0.1:{port}", time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/openapi.json", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < end, log.read_text()[-2000:]
+            time.sleep(0.2)
+        assert httpx.get(f"{base}/healthz", timeout=10).status_code == 200, log.read_text()[-2000:]
+        key = api_key(stack_env, "t-gcf-served")
+        r = httpx.post(f"{base}/v1/models/minilm/requests?wait=20", json={"input": {"text": "hello"}},
+                       headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 @pytest.mark.parametrize("module", ["gateway.lambda_handler", "gateway.gcf_handler", "shared.sdk", "batchgate.cli"])
 def test_handler_modules_import_no_torch(stack_env, module):
     code = (f"import sys, time; t = time.perf_counter(); import {module}; "
