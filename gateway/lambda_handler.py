@@ -13,7 +13,8 @@
   message does not create a second request.
 
 Direct and SQS invocations are authenticated by IAM; they act for `BATCHGATE_LAMBDA_TENANT` (default
-`default`) unless the event carries an `api_key`.
+`default`) unless the event (an SQS message, each its own) carries an `api_key`: then for that key's tenant,
+and a key that is not one is refused.
 """
 
 from __future__ import annotations
@@ -138,27 +139,28 @@ def sqs_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         return {"batchItemFailures": []}
     records = event.get("Records") or []
     failures: list[dict[str, str]] = []
-    by_model: dict[str, list[tuple[str, dict[str, Any]]]] = defaultdict(list)
+    # one batch submit per model and key (a message's `api_key` acts for its tenant, as a direct invocation's)
+    by_model: dict[tuple[str, str], list[tuple[str, dict[str, Any]]]] = defaultdict(list)
     for rec in records:
         mid = rec.get("messageId", "") if isinstance(rec, dict) else ""
         try:
             msg = json.loads(rec.get("body") or "")
-            model = msg["model"]
-            if not isinstance(model, str):
+            model, key = msg["model"], msg.get("api_key") or ""
+            if not isinstance(model, str) or not isinstance(key, str):
                 raise TypeError("model")
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             failures.append({"itemIdentifier": mid})
             continue
         item = {k: msg[k] for k in SUBMIT_KEYS if k in msg}
         item["idempotency_key"] = f"sqs:{mid}"
-        by_model[model].append((mid, item))
-    for model, all_items in by_model.items():
+        by_model[(model, key)].append((mid, item))
+    for (model, key), all_items in by_model.items():
         step = SETTINGS.max_batch_items
         for start in range(0, len(all_items), step):  # a batching window can deliver more than one call takes
             items = all_items[start:start + step]
             try:
                 resp = _dispatch("POST", f"/v1/models/{model}/requests:batch",
-                                 {"requests": [i for _, i in items]}, event)
+                                 {"requests": [i for _, i in items]}, {"api_key": key})
                 results = (resp.body or {}).get("results") if resp.status == 200 else None
             except Exception:  # these messages only: SQS retries them, the others of the batch stay done
                 log.exception("sqs batch submit failed", model=model, messages=len(items))

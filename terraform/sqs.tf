@@ -34,7 +34,7 @@ resource "aws_lambda_function" "sqs" {
     security_group_ids = [aws_security_group.outbound_only["lambdas"].id]
   }
   environment {
-    variables = merge(local.lambda_env, { BATCHGATE_AUTH = "api_key" })
+    variables = merge(local.lambda_env, { BATCHGATE_AUTH = "api_key", BATCHGATE_LAMBDA_TENANT = var.lambda_tenant })
   }
 }
 

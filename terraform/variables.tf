@@ -9,8 +9,9 @@ variable "name" {
 }
 
 variable "aws_region" {
-  type    = string
-  default = "us-east-1"
+  description = "The AWS region of the deployment."
+  type        = string
+  default     = "us-east-1"
 }
 
 variable "aws_endpoint_url" {
@@ -20,8 +21,9 @@ variable "aws_endpoint_url" {
 }
 
 variable "tags" {
-  type    = map(string)
-  default = {}
+  description = "Tags added to every resource that takes tags."
+  type        = map(string)
+  default     = {}
 }
 
 # --- network ---------------------------------------------------------------------------------
@@ -54,8 +56,9 @@ variable "redis_url" {
 }
 
 variable "redis_node_type" {
-  type    = string
-  default = "cache.r7g.large"
+  description = "ElastiCache node type of the primary and replicas (when redis_url is not given)."
+  type        = string
+  default     = "cache.r7g.large"
 }
 
 variable "redis_replicas" {
@@ -65,8 +68,9 @@ variable "redis_replicas" {
 }
 
 variable "redis_engine_version" {
-  type    = string
-  default = "7.1"
+  description = "ElastiCache Redis engine version (7.0 or later: the scripts use its commands)."
+  type        = string
+  default     = "7.1"
 }
 
 # --- GPU workers -----------------------------------------------------------------------------
@@ -89,8 +93,9 @@ variable "worker_spot" {
 }
 
 variable "worker_min" {
-  type    = number
-  default = 0
+  description = "Fewest workers the Auto Scaling group keeps (0: none while there is nothing to do; the scaler starts the first)."
+  type        = number
+  default     = 0
   validation {
     condition     = var.worker_min >= 0 && var.worker_min <= var.worker_max
     error_message = "worker_min is at least 0 and at most worker_max."
@@ -98,8 +103,9 @@ variable "worker_min" {
 }
 
 variable "worker_max" {
-  type    = number
-  default = 4
+  description = "Most workers the Auto Scaling group may run."
+  type        = number
+  default     = 4
   validation {
     condition     = var.worker_max >= 1
     error_message = "worker_max is at least 1: no worker would ever run."
@@ -107,8 +113,9 @@ variable "worker_max" {
 }
 
 variable "worker_volume_gb" {
-  type    = number
-  default = 100
+  description = "Size of each worker's encrypted gp3 root volume (the AMI, the virtual environment, the model weights)."
+  type        = number
+  default     = 100
 }
 
 variable "batchgate_pip_spec" {
@@ -151,8 +158,9 @@ variable "gateway_zip" {
 }
 
 variable "gateway_memory_mb" {
-  type    = number
-  default = 512
+  description = "Memory of the gateway Lambdas (HTTP and SQS), which also sets their CPU share."
+  type        = number
+  default     = 512
 }
 
 variable "gateway_timeout_s" {
@@ -172,8 +180,9 @@ variable "gateway_url_auth" {
 }
 
 variable "result_ttl_s" {
-  type    = number
-  default = 86400
+  description = "How long a finished request's record (its result) is kept in Redis."
+  type        = number
+  default     = 86400
 }
 
 variable "sqs_queue_arn" {
@@ -182,9 +191,16 @@ variable "sqs_queue_arn" {
   default     = ""
 }
 
+variable "lambda_tenant" {
+  description = "The tenant the SQS Lambda's messages act for, unless a message carries its own api_key (whose tenant it then acts for)."
+  type        = string
+  default     = "default"
+}
+
 variable "sqs_batch_size" {
-  type    = number
-  default = 10
+  description = "Messages the SQS Lambda takes per invocation (its partial batch failures are redelivered alone)."
+  type        = number
+  default     = 10
 }
 
 # --- files (the Files and Batch APIs) ---------------------------------------------------------

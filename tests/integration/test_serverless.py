@@ -172,6 +172,7 @@ def test_lambda_direct_invocation_and_deadline_from_context(stack_env, monkeypat
 
 
 def test_lambda_sqs_batch_with_partial_failures_and_redelivery(stack_env, monkeypatch):
+    key = api_key(stack_env, "t-sqs")  # (before the handler's loop: asyncio.run ends with no loop set)
     mod = load("gateway.lambda_handler", stack_env, monkeypatch)
 
     def record(mid: str, body: str) -> dict:
@@ -187,9 +188,17 @@ def test_lambda_sqs_batch_with_partial_failures_and_redelivery(stack_env, monkey
         record("m4", json.dumps({"model": "minilm", "input": {"texts": [1]}})),
         record("m5", json.dumps({"model": "nope", "input": {"text": "c"}})),
         record("m6", json.dumps({"model": "tiny-llama", "input": {"prompt": "d"}, "params": {"max_new_tokens": 2}})),
+        # a message's own key acts for its tenant; one that is not a key is refused, never taken as the Lambda's
+        record("m7", json.dumps({"model": "minilm", "input": {"text": "e"}, "api_key": key})),
+        record("m8", json.dumps({"model": "minilm", "input": {"text": "f"}, "api_key": "bogus"})),
     ]}
     out = mod.sqs_handler(event, FakeContext(30_000))
-    assert sorted(f["itemIdentifier"] for f in out["batchItemFailures"]) == ["m3", "m4", "m5"]
+    assert sorted(f["itemIdentifier"] for f in out["batchItemFailures"]) == ["m3", "m4", "m5", "m8"]
+    tenants = {}
+    r0 = make_sync_redis(stack_env["BATCHGATE_REDIS_URL"])
+    for key in r0.scan_iter(match=f"{stack_env['BATCHGATE_KEY_PREFIX']}:{{i:*", count=1000):
+        tenants[key.decode().split("{i:")[1].split(":")[0]] = True
+    assert "t-sqs" in tenants, tenants  # m7's idempotency key is its tenant's
     r = make_sync_redis(stack_env["BATCHGATE_REDIS_URL"])
     p = stack_env["BATCHGATE_KEY_PREFIX"]
     idem = list(r.scan_iter(match=f"{p}:{{i:*", count=1000))
