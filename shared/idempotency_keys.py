@@ -5,11 +5,13 @@ to fix, not a connection failure to retry."""
 from __future__ import annotations
 
 MAX_KEY_CHARS = 255
-KEY_RULE = f"Idempotency-Key must be 1-{MAX_KEY_CHARS} printable characters"
+KEY_RULE = f"Idempotency-Key must be 1-{MAX_KEY_CHARS} printable ASCII characters"
 
 
 def valid_idempotency_key(key: str) -> bool:
-    return 1 <= len(key) <= MAX_KEY_CHARS and key.isprintable()
+    """1 to MAX_KEY_CHARS printable ASCII characters: what an HTTP header carries as it is (a header's other bytes
+    arrive as whatever the server decodes them to), in a header or a body alike."""
+    return 1 <= len(key) <= MAX_KEY_CHARS and key.isascii() and key.isprintable()
 
 
 def derived_key(key: str, index: int) -> str:

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -198,6 +199,27 @@ class _Common:
         return result
 
 
+def _seg(value: str) -> str:
+    """A model name or request id as one path segment: a caller's `?`, `/` or `..` cannot change the route."""
+    return quote(str(value), safe="")
+
+
+def _json_body(value: Any) -> bytes | None:
+    """A request body as JSON, or `InvalidRequest` where JSON cannot carry it (NaN, bytes), before anything is
+    sent (the gateway refuses the same values)."""
+    if value is None:
+        return None
+    try:
+        return json.dumps(value, allow_nan=False, separators=(",", ":")).encode()
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest(f"the request cannot be sent as JSON: {exc}", status=400, code="invalid_request") \
+            from None
+
+
+def _json_type(value: Any) -> dict[str, str]:
+    return {} if value is None else {"content-type": "application/json"}
+
+
 class AsyncBatchgateClient(_Common):
     def __init__(self, base_url: str = "http://127.0.0.1:8000", **kw: Any) -> None:
         transport = kw.pop("transport", None)
@@ -222,7 +244,8 @@ class AsyncBatchgateClient(_Common):
         if self._direct is not None:
             return self._parse(*await self._direct.request(method, path, json, params or {}, headers or {}))
         try:
-            r = await self._http.request(method, path, json=json, params=params, headers=headers or self._headers())
+            r = await self._http.request(method, path, content=_json_body(json), params=params,
+                                         headers={**(headers or self._headers()), **_json_type(json)})
         except httpx.TransportError as exc:
             raise Unavailable(f"cannot reach batchgate: {exc!r}") from exc
         try:
@@ -238,7 +261,7 @@ class AsyncBatchgateClient(_Common):
         """`stream`: tokens are published as they are decoded; read them with `events(id)`."""
         body = self._body(input, params, timeout_s, deadline, priority, callback, stream)
         q = {"wait": self._wait_cap(wait)} if wait else None
-        out = await self._request("POST", f"/v1/models/{model}/requests", json=body, params=q,
+        out = await self._request("POST", f"/v1/models/{_seg(model)}/requests", json=body, params=q,
                                   headers=self._headers(idempotency_key))
         return self._submission(out)
 
@@ -248,19 +271,19 @@ class AsyncBatchgateClient(_Common):
         items = list(items)
         for i in range(0, len(items), MAX_BATCH):
             chunk = self._batch_bodies(items[i:i + MAX_BATCH])
-            out += self._batch_outcomes(await self._request("POST", f"/v1/models/{model}/requests:batch",
+            out += self._batch_outcomes(await self._request("POST", f"/v1/models/{_seg(model)}/requests:batch",
                                                             json={"requests": chunk}))
         return out
 
     async def get(self, request_id: str) -> Result:
-        return Result.of(await self._request("GET", f"/v1/requests/{request_id}"))
+        return Result.of(await self._request("GET", f"/v1/requests/{_seg(request_id)}"))
 
     async def wait(self, request_id: str, timeout: float = 60.0) -> Result:
         """Long-poll until the request is terminal or `timeout` passes (returns its state either way)."""
         end = time.monotonic() + (self._wait_cap(timeout) or 0.0)
         while True:
             left = max(0.0, end - time.monotonic())
-            res = Result.of(await self._request("GET", f"/v1/requests/{request_id}",
+            res = Result.of(await self._request("GET", f"/v1/requests/{_seg(request_id)}",
                                                 params={"wait": min(left, LONG_POLL_S)}))
             if res.done or left <= 0:
                 return res
@@ -274,7 +297,7 @@ class AsyncBatchgateClient(_Common):
         return self._checked(res)
 
     async def cancel(self, request_id: str) -> Result:
-        return Result.of(await self._request("DELETE", f"/v1/requests/{request_id}"))
+        return Result.of(await self._request("DELETE", f"/v1/requests/{_seg(request_id)}"))
 
     async def events(self, request_id: str, last_event_id: str | None = None) -> AsyncIterator[Event]:
         """The request's events until its `done` event: status changes, token deltas (of a request submitted
@@ -288,7 +311,7 @@ class AsyncBatchgateClient(_Common):
         retries = EVENT_RETRIES
         while True:
             try:
-                async with self._http.stream("GET", f"/v1/requests/{request_id}/events",
+                async with self._http.stream("GET", f"/v1/requests/{_seg(request_id)}/events",
                                              headers=self._events_headers(last_event_id)) as r:
                     if r.status_code >= 400:
                         await r.aread()
@@ -317,10 +340,12 @@ class AsyncBatchgateClient(_Common):
                 t.cancel()
 
     @classmethod
-    def direct(cls, redis_url: str, *, tenant: str = "default", key_prefix: str = "bg",
+    def direct(cls, redis_url: str, *, tenant: str = "default", key_prefix: str | None = None,
                env: dict[str, str] | None = None, **kw: Any) -> AsyncBatchgateClient:
         """A client that goes straight into Redis (inside the VPC), through the same caller operations as the
-        gateway (`shared.sdk.direct`)."""
+        gateway (`shared.sdk.direct`), with the deployment's settings: `env`, else the process environment (its
+        models file, callback allow-list, limits), as the gateway reads them; `key_prefix` over its
+        BATCHGATE_KEY_PREFIX (default `bg`)."""
         from shared.sdk.direct import DirectTransport  # only direct mode needs redis
 
         return cls("http://direct", direct=DirectTransport(redis_url, tenant=tenant, key_prefix=key_prefix, env=env),
@@ -347,7 +372,8 @@ class BatchgateClient(_Common):
     def _request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
                  headers: dict[str, str] | None = None) -> Any:
         try:
-            r = self._http.request(method, path, json=json, params=params, headers=headers or self._headers())
+            r = self._http.request(method, path, content=_json_body(json), params=params,
+                                   headers={**(headers or self._headers()), **_json_type(json)})
         except httpx.TransportError as exc:
             raise Unavailable(f"cannot reach batchgate: {exc!r}") from exc
         try:
@@ -362,7 +388,7 @@ class BatchgateClient(_Common):
                wait: float | None = None, stream: bool = False) -> Submission | Result:
         body = self._body(input, params, timeout_s, deadline, priority, callback, stream)
         q = {"wait": self._wait_cap(wait)} if wait else None
-        return self._submission(self._request("POST", f"/v1/models/{model}/requests", json=body, params=q,
+        return self._submission(self._request("POST", f"/v1/models/{_seg(model)}/requests", json=body, params=q,
                                               headers=self._headers(idempotency_key)))
 
     def submit_many(self, model: str, items: Iterable[dict[str, Any]]) -> list[Submission | BatchgateError]:
@@ -370,12 +396,12 @@ class BatchgateClient(_Common):
         items = list(items)
         for i in range(0, len(items), MAX_BATCH):
             chunk = self._batch_bodies(items[i:i + MAX_BATCH])
-            out += self._batch_outcomes(self._request("POST", f"/v1/models/{model}/requests:batch",
+            out += self._batch_outcomes(self._request("POST", f"/v1/models/{_seg(model)}/requests:batch",
                                                       json={"requests": chunk}))
         return out
 
     def get(self, request_id: str) -> Result:
-        return Result.of(self._request("GET", f"/v1/requests/{request_id}"))
+        return Result.of(self._request("GET", f"/v1/requests/{_seg(request_id)}"))
 
     def wait(self, request_id: str, timeout: float = 60.0) -> Result:
         res = self._wait_unless(request_id, timeout, None)
@@ -388,7 +414,8 @@ class BatchgateClient(_Common):
         end = time.monotonic() + (self._wait_cap(timeout) or 0.0)
         while stop is None or not stop.is_set():
             left = max(0.0, end - time.monotonic())
-            res = Result.of(self._request("GET", f"/v1/requests/{request_id}", params={"wait": min(left, poll_s)}))
+            res = Result.of(self._request("GET", f"/v1/requests/{_seg(request_id)}",
+                                          params={"wait": min(left, poll_s)}))
             if res.done or left <= 0:
                 return res
         return None
@@ -400,14 +427,14 @@ class BatchgateClient(_Common):
         return self._checked(res)
 
     def cancel(self, request_id: str) -> Result:
-        return Result.of(self._request("DELETE", f"/v1/requests/{request_id}"))
+        return Result.of(self._request("DELETE", f"/v1/requests/{_seg(request_id)}"))
 
     def events(self, request_id: str, last_event_id: str | None = None) -> Iterator[Event]:
         """As `AsyncBatchgateClient.events`."""
         retries = EVENT_RETRIES
         while True:
             try:
-                with self._http.stream("GET", f"/v1/requests/{request_id}/events",
+                with self._http.stream("GET", f"/v1/requests/{_seg(request_id)}/events",
                                        headers=self._events_headers(last_event_id)) as r:
                     if r.status_code >= 400:
                         r.read()

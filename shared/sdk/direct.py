@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from shared import operations as ops
@@ -34,11 +35,17 @@ _ROUTES = (
 class DirectTransport:
     """What `AsyncBatchgateClient.direct()` sends its calls through instead of HTTP: (status, headers, body)."""
 
-    def __init__(self, redis_url: str, *, tenant: str, key_prefix: str, env: dict[str, str] | None) -> None:
+    def __init__(self, redis_url: str, *, tenant: str, key_prefix: str | None,
+                 env: Mapping[str, str] | None) -> None:
+        """`env`: the settings (the models file among them), else the process environment's, as every part of the
+        deployment reads them; `key_prefix` over its BATCHGATE_KEY_PREFIX."""
         if problem := tenant_name_problem(tenant):  # as the CLI refuses it: the tenant names keys in Redis
             raise ValueError(problem)
-        settings = Settings.from_environ({**(env or {}), "BATCHGATE_REDIS_URL": redis_url,
-                                          "BATCHGATE_KEY_PREFIX": key_prefix})
+        given = dict(os.environ if env is None else env)
+        given["BATCHGATE_REDIS_URL"] = redis_url
+        if key_prefix is not None:
+            given["BATCHGATE_KEY_PREFIX"] = key_prefix
+        settings = Settings.from_environ(given)
         self._queue = QueueClient(settings)
         self._tenant = tenant
 

@@ -118,6 +118,21 @@ async def test_direct_to_redis_client(redis_url, prefix, loaded_models):
             AsyncBatchgateClient.direct(redis_url, tenant=bad, key_prefix=prefix)
 
 
+async def test_the_direct_client_reads_the_deployments_settings(redis_url, prefix, monkeypatch):
+    """Direct mode serves the deployment's models, as its gateway does: the process environment's models file (and
+    key prefix), unless `env` gives the settings instead."""
+    monkeypatch.setenv("BATCHGATE_CONFIG_YAML", "models:\n  - {name: myecho, task: generate, kind: echo}\n")
+    monkeypatch.setenv("BATCHGATE_KEY_PREFIX", prefix)
+    async with AsyncBatchgateClient.direct(redis_url, tenant="vpc") as c:
+        sub = await c.submit("myecho", {"prompt": "hi"}, params={"max_new_tokens": 2})
+        assert sub.status == "queued"  # no worker: accepted, under the environment's prefix
+        assert (await c.get(sub.id)).status == "queued"
+        await c.cancel(sub.id)
+    async with AsyncBatchgateClient.direct(redis_url, tenant="vpc", key_prefix=prefix, env={}) as c:
+        with pytest.raises(NotFound):  # settings given: the built-in models only
+            await c.submit("myecho", {"prompt": "hi"})
+
+
 async def test_auth_tenants_isolation_revocation_and_rate_limit(redis_url, prefix, loaded_models):
     settings = make_settings(redis_url, prefix, auth="api_key")
     async with running_gateway(settings) as gw:

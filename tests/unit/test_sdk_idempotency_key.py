@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from shared.sdk.client import AsyncBatchgateClient, BatchgateClient
-from shared.sdk.errors import InvalidRequest
+from shared.sdk.errors import InvalidRequest, NotFound
 
-BAD = ["a\nb", "", "x" * 256, "tab\there"]
+BAD = ["a\nb", "", "x" * 256, "tab\there", "ключ"]  # (a header carries ASCII as it is)
 
 
 @pytest.mark.parametrize("key", BAD)
@@ -24,3 +24,33 @@ async def test_the_async_client_refuses_it_too(key):
     client = AsyncBatchgateClient("http://127.0.0.1:9")
     with pytest.raises(InvalidRequest):
         await client.submit("m", {"text": "x"}, idempotency_key=key)
+
+
+def test_a_value_json_cannot_carry_is_an_invalid_request_before_anything_is_sent():
+    """NaN, bytes: the caller's mistake, answered as the gateway answers it (never a raw ValueError or TypeError)."""
+    client = BatchgateClient("http://127.0.0.1:9")
+    for inp, params in (({"prompt": "x"}, {"temperature": float("nan")}), ({"prompt": b"x"}, None)):
+        with pytest.raises(InvalidRequest) as err:
+            client.submit("m", inp, params=params)
+        assert err.value.code == "invalid_request" and err.value.status == 400
+
+
+async def test_ids_and_model_names_are_one_path_segment_each():
+    """An id or a name from elsewhere cannot change the route or add a query (`x?wait=abc`, `a/../../v1/models`)."""
+    import httpx
+
+    seen: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.raw_path.decode())
+        return httpx.Response(404, json={"error": {"code": "not_found", "message": "no"}})
+
+    client = AsyncBatchgateClient("http://127.0.0.1:9", transport=httpx.MockTransport(answer))
+    for rid in ("x?wait=abc", "req_a/../../v1/models"):
+        with pytest.raises(NotFound):
+            await client.get(rid)
+    with pytest.raises(NotFound):
+        await client.submit("m/../x", {"prompt": "x"})
+    assert seen == ["/v1/requests/x%3Fwait%3Dabc", "/v1/requests/req_a%2F..%2F..%2Fv1%2Fmodels",
+                    "/v1/models/m%2F..%2Fx/requests"]
+    await client.aclose()
