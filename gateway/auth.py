@@ -28,6 +28,10 @@ CHALLENGE = {"WWW-Authenticate": 'Bearer realm="batchgate"'}
 INVALID_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="batchgate", error="invalid_token"'}
 
 
+class ConflictingKeys(ValueError):
+    """A Bearer key and a different X-API-Key on one request."""
+
+
 class UnsupportedScheme(ValueError):
     """An `Authorization` header of a scheme other than Bearer (and no `X-API-Key`)."""
 
@@ -56,6 +60,9 @@ class Auth:
             return DEFAULT_TENANT
         try:
             key = _key_from(req)
+        except ConflictingKeys:
+            raise Unauthorized("two different API keys (Authorization: Bearer and X-API-Key): send one",
+                               code="conflicting_api_keys", headers=CHALLENGE) from None
         except UnsupportedScheme as exc:
             raise Unauthorized(f"the Authorization scheme {exc.scheme!r} is not supported: send the API key as {HOW}",
                                code="unsupported_auth_scheme", headers=CHALLENGE) from None
@@ -82,9 +89,12 @@ def _key_from(req: ApiRequest) -> str | None:
     """The API key a request carries; `UnsupportedScheme` for credentials of another scheme and no X-API-Key."""
     auth = (req.header("authorization") or "").strip()
     scheme, _, rest = auth.partition(" ")
-    if scheme.lower() == "bearer":
-        return rest.strip() or None
     key = (req.header("x-api-key") or "").strip() or None
+    if scheme.lower() == "bearer":
+        bearer = rest.strip() or None
+        if key is not None and bearer is not None and key != bearer:  # which one the caller meant is not known
+            raise ConflictingKeys
+        return bearer
     if key is None and auth:
         raise UnsupportedScheme(scheme[:32])
     return key

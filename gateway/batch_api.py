@@ -27,7 +27,7 @@ from shared.batches import (
     new_batch_id,
     window_seconds,
 )
-from shared.ssrf import RefusedURL, check_url
+from shared.ssrf import RefusedURL, check_url, normalized_url
 
 CREATE_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "callback_url"}
 LIST_LIMIT = 100
@@ -81,6 +81,7 @@ async def create_batch(svc: GatewayService, req: ApiRequest) -> ApiResponse:
                 check_url(callback if isinstance(callback, str) else "", svc.callback_allow)
             except RefusedURL as exc:
                 raise oa.invalid("callback_url", str(exc)) from None
+            callback = normalized_url(callback)
         file_id = body.get("input_file_id")
         if file_id is None:
             raise oa.invalid("input_file_id", "required: the id of a file uploaded with purpose 'batch'",

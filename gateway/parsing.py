@@ -29,6 +29,10 @@ def parse_body(req: ApiRequest, max_bytes: int) -> Any:
         raise PayloadTooLarge(f"body is {len(req.body)} bytes; the limit is {max_bytes}")
     if not req.body:
         raise BadRequest("empty body: send a JSON object", code="invalid_body")
+    encoding = (req.header("content-encoding") or "identity").strip().lower()
+    if encoding != "identity":  # read as it is, a compressed body would be answered as malformed JSON
+        raise UnsupportedMediaType(f"content encoding {encoding!r} not supported: send the body uncompressed",
+                                   code="unsupported_content_encoding")
     declared = req.header("content-type")
     if not declared:  # a browser sends an untyped body (a Blob, an ArrayBuffer) cross-site without a preflight
         raise UnsupportedMediaType("the body has no content type; send it as application/json or "

@@ -27,7 +27,7 @@ import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolver = Callable[[str, int], list[str]]
@@ -198,8 +198,13 @@ def check_ip(ip: IPAddress, allow: AllowList) -> None:
 
 
 def _split(url: str) -> tuple[str, str, int, str]:
-    if not isinstance(url, str) or not url or len(url) > MAX_URL_LENGTH:
+    if not isinstance(url, str) or not url:
+        raise RefusedURL("callback url is empty: give the http(s) URL to send webhooks to")
+    if len(url) > MAX_URL_LENGTH:
         raise RefusedURL(f"callback url must be a string of at most {MAX_URL_LENGTH} characters")
+    if any(c.isspace() for c in url):  # no request can carry it (a host with a space never resolves)
+        raise RefusedURL("callback url must not contain spaces or other white space (percent-encode them in its "
+                         "path)")
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -215,6 +220,13 @@ def _split(url: str) -> tuple[str, str, int, str]:
     if parts.query:
         path += "?" + parts.query
     return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80), path
+
+
+def normalized_url(url: str) -> str:
+    """A callback URL as it is stored and compared (a URL a receiver disabled with 410 stays disabled however its
+    scheme and host are spelled): scheme and host in lower case, the rest as given."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme.lower(), parts.netloc.lower(), parts.path, parts.query, parts.fragment))
 
 
 def check_url(url: str, allow: AllowList) -> None:

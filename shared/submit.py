@@ -31,7 +31,7 @@ from shared.params import (
     GenerateParams,
     exactly_one,
 )
-from shared.ssrf import AllowList, RefusedURL, check_url
+from shared.ssrf import AllowList, RefusedURL, check_url, normalized_url
 from shared.states import Priority, Task
 from shared.token_limits import TemplateRefusal, TokenLimits, template_env
 from shared.validation import check_text, convert
@@ -118,7 +118,7 @@ def resolve_callback(spec: CallbackSpec, allow: AllowList) -> Callback:
         check_url(spec.url, allow)
     except RefusedURL as exc:
         raise ValidationError("callback.url", str(exc)) from exc
-    return Callback(url=spec.url, events=spec.events)
+    return Callback(url=normalized_url(spec.url), events=spec.events)
 
 
 def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, truncate: bool = False,

@@ -292,6 +292,13 @@ async def test_a_401_says_how_to_authenticate(redis_url, prefix, loaded_models):
         # an X-API-Key beside another scheme's Authorization (a proxy's own credentials) is still used
         ok = await gw.client.get("/v1/models", headers={"Authorization": "Basic dXNlcjpwYXNz", "X-API-Key": key})
         assert ok.status_code == 200
+        # two different keys: which one was meant is not known (the same key twice is one key)
+        both = await gw.client.post("/v1/models/minilm/requests", json=body,
+                                    headers={"Authorization": f"Bearer {key}", "X-API-Key": key + "x"})
+        assert both.status_code == 401 and both.json()["error"]["code"] == "conflicting_api_keys", both.text
+        same = await gw.client.post("/v1/models/minilm/requests", json=body,
+                                    headers={"Authorization": f"Bearer {key}", "X-API-Key": key})
+        assert same.status_code == 202, same.text
 
 
 def test_direct_mode_writes_nothing_to_the_callers_stdout(redis_url, prefix):

@@ -338,6 +338,9 @@ BAD_SUBMITS = [
     ("/v1/models/minilm/requests", b'{"input": {"text": "\\ud800"}}', {}, 422),
     ("/v1/models/minilm/requests:batch", b'{"requests": [{"input": {"text": "x"}}]}', {"content-type": "text/plain"},
      415),
+    # a compressed body this gateway cannot read: 415, not a JSON error; a callback no request can reach
+    ("/v1/models/minilm/requests", b'{"input": {"text": "x"}}', {"content-encoding": "gzip"}, 415),
+    ("/v1/models/minilm/requests", b'{"input": {"text": "x"}, "callback": {"url": "http://exa mple.com/"}}', {}, 422),
     # no content type at all: what a browser sends for an untyped body (a Blob) cross-site, without a preflight
     ("/v1/models/minilm/requests", b'{"input": {"text": "x"}}', {"content-type": None}, 415),
     ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}]}',

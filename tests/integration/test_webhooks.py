@@ -230,6 +230,10 @@ async def test_410_disables_the_url_for_the_tenant(redis_url, prefix):
         r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"},
                                                                       "callback": {"url": rx.url}})
         assert r.status_code == 422 and "410" in r.json()["error"]["message"]
+        shouted = rx.url.replace("http://", "HTTP://", 1)  # however its scheme and host are spelled
+        r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"},
+                                                                      "callback": {"url": shouted}})
+        assert r.status_code == 422 and "410" in r.json()["error"]["message"], r.text
 
 
 async def test_a_disabled_url_refuses_new_requests_in_a_batch_too_but_not_a_replay(redis_url, prefix):

@@ -48,10 +48,27 @@ def test_one_private_address_among_public_ones_is_enough_to_refuse():
 
 
 @pytest.mark.parametrize("url", ["ftp://x.example/", "file:///etc/passwd", "gopher://x/", "http://", "not a url",
-                                 "http://user:pw@hooks.example.com/", "http://hooks.example.com:99999/", "x" * 3000])
+                                 "http://user:pw@hooks.example.com/", "http://hooks.example.com:99999/", "x" * 3000,
+                                 "http://exa mple.com/", " http://hooks.example.com/", "https://h.example.com/a b",
+                                 "http://hooks.example.com/\n", ""])
 def test_plainly_invalid_urls_are_refused_at_submit(url):
     with pytest.raises(RefusedURL):
         check_url(url, AllowList())
+
+
+def test_an_empty_url_and_one_with_spaces_are_named_as_such():
+    with pytest.raises(RefusedURL, match="empty"):
+        check_url("", AllowList())
+    with pytest.raises(RefusedURL, match="white space"):
+        check_url("http://exa mple.com/", AllowList())
+
+
+def test_urls_are_stored_with_scheme_and_host_in_lower_case():
+    """A receiver's 410 disables its URL however the caller spells its scheme and host (the rest is as given)."""
+    from shared.ssrf import normalized_url
+
+    assert normalized_url("HTTP://Hooks.Example.COM:8080/Path?Q=A") == "http://hooks.example.com:8080/Path?Q=A"
+    assert normalized_url("https://hooks.example.com/x") == "https://hooks.example.com/x"
 
 
 def test_unresolvable_host_is_refused_at_delivery():
