@@ -147,26 +147,29 @@ async def _unwind(q: QueueClient, inference: InferenceRequest, claim: Idempotenc
                   exc: BaseException) -> None:
     """A step after admission failed: give back what admission took, so nothing leaks until the deadline.
 
-    The tenant's quota slot where it took one (were the request stored after all, its worker removes it anyway),
-    in the background where Redis may be gone, so that the caller's answer does not wait on it too.
+    The tenant's quota slot where it took one (were the request stored after all, its worker removes it anyway);
+    where Redis may be gone, the caller's answer waits for that a moment only, the release going on behind it.
     The idempotency key unless the store may have reached Redis (a connection lost mid-pipeline, a
     cancellation): then the key is kept, and a retry after `IDEMPOTENCY_TAKEOVER_S` takes the claim over
     under the same id, so the key never maps to two requests."""
     maybe_stored = isinstance(exc, (*UNAVAILABLE, asyncio.CancelledError))
     log.warning("submit failed after admission; releasing what it took", request_id=inference.id,
                 error=repr(exc), key_kept=bool(claim and maybe_stored))
-    if inference.quota_slot and maybe_stored:  # Redis may be gone: the caller's 503 must not wait a second timeout
+    if inference.quota_slot:
         task = asyncio.get_running_loop().create_task(_release_slot(q, inference))
         _releasing.add(task)
         task.add_done_callback(_releasing.discard)
-    elif inference.quota_slot:
-        await _release_slot(q, inference)
+        # where Redis may be gone, the caller's 503 must not wait a second socket timeout on it: the release goes
+        # on in the background past a moment (a Redis that answers has answered by then)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), RELEASE_WAIT_S if maybe_stored else None)
     if claim is not None and inference.idempotency_key and not maybe_stored:
         with contextlib.suppress(Exception):
             await q.idempotency.release(inference.tenant, inference.idempotency_key, claim)
 
 
-_releasing: set[asyncio.Task[None]] = set()  # quota slots given back in the background (see `_unwind`)
+_releasing: set[asyncio.Task[None]] = set()  # quota slots being given back (see `_unwind`)
+RELEASE_WAIT_S = 0.5  # how long a failed submit waits for its slot's release where Redis may be gone
 
 
 async def _release_slot(q: QueueClient, inference: InferenceRequest) -> None:

@@ -85,6 +85,22 @@ def delete_prefix(url: str, prefix: str) -> None:
 
 
 def start_cluster(nodes: int = 6, replicas: int = 1, *, appendonly: bool = False) -> LocalCluster:
+    """A cluster of `nodes` on loopback; started again on other ports (three tries) where a node could not listen
+    (its port taken between the check and its bind)."""
+    for attempt in range(3):
+        try:
+            return _start_cluster(nodes, replicas, appendonly=appendonly)
+        except NodeDidNotStart:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class NodeDidNotStart(RuntimeError):
+    pass
+
+
+def _start_cluster(nodes: int, replicas: int, *, appendonly: bool) -> LocalCluster:
     cluster = LocalCluster(workdir=tempfile.TemporaryDirectory(prefix="batchgate-cluster-"))
     base = Path(cluster.workdir.name)
     try:
@@ -98,7 +114,7 @@ def start_cluster(nodes: int = 6, replicas: int = 1, *, appendonly: bool = False
             proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             cluster.nodes.append(Node(port, proc, argv))
         for n in cluster.nodes:
-            _wait_ping(n.port)
+            _wait_ping(n.port, n.proc)
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in cluster.nodes],
                         "--cluster-replicas", str(replicas), "--cluster-yes"],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
@@ -109,12 +125,17 @@ def start_cluster(nodes: int = 6, replicas: int = 1, *, appendonly: bool = False
         raise
 
 
+# below Linux's ephemeral range (32768-60999), where the client connections of tests running beside can take a port
+# between the check and a node's bind: the nodes' ports and their bus ports (+10000) both
+PORTS = range(20_000, 32_768 - BUS_OFFSET)
+
+
 def _ports(n: int) -> list[int]:
     """`n` distinct loopback ports whose bus ports are free too."""
     rng = random.SystemRandom()
     found: list[int] = []
     while len(found) < n:
-        port = rng.randrange(20_000, 50_000)
+        port = rng.choice(PORTS)
         if port not in found and all(_free(p) for p in (port, port + BUS_OFFSET)):
             found.append(port)
     return found
@@ -129,15 +150,17 @@ def _free(port: int) -> bool:
     return True
 
 
-def _wait_ping(port: int, timeout: float = 10) -> None:
+def _wait_ping(port: int, proc: subprocess.Popen[bytes] | None = None, timeout: float = 10) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         try:
             if redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5).ping():
                 return
         except redis.RedisError:
+            if proc is not None and proc.poll() is not None:  # it could not listen: its port was taken
+                raise NodeDidNotStart(f"redis-server on port {port} exited ({proc.returncode})") from None
             time.sleep(0.05)
-    raise RuntimeError(f"redis-server on port {port} did not start")
+    raise NodeDidNotStart(f"redis-server on port {port} did not start")
 
 
 def _replicas_online(client: redis.Redis) -> bool:
