@@ -22,7 +22,7 @@ import structlog
 
 from shared.config import SIMPLE_CHAT_TEMPLATE, ModelSpec
 from shared.errors import ConfigError
-from shared.token_limits import template_env
+from shared.token_limits import compile_problem
 
 log = structlog.get_logger(__name__)
 
@@ -196,17 +196,8 @@ def attention_kernels(device: Any) -> None:
 def checked_template(spec: ModelSpec, template: str) -> str:
     """A model file's chat template, refused at load where it does not compile (jinja2's syntax error, with its
     line), not at the first conversation."""
-    import jinja2
-
-    env = template_env()  # transformers' globals, filters and tags
-    try:
-        if env is not None:  # (transformers itself needs jinja2: it is there)
-            env.from_string(template)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ConfigError(f"model {spec.name}: chat_template does not compile: {exc.message} (line {exc.lineno})") \
-            from None
-    except Exception as exc:  # nested past what the compiler takes (a RecursionError), say
-        raise ConfigError(f"model {spec.name}: chat_template does not compile: {type(exc).__name__}") from None
+    if (problem := compile_problem(template)) is not None:
+        raise ConfigError(f"model {spec.name}: chat_template {problem}")
     return template
 
 

@@ -408,6 +408,8 @@ def _params(req: _Sampling, max_tokens: int | None, fmt: dict[str, Any] | None) 
         params["stop"] = req.stop
     if fmt is not None:
         params["response_format"] = fmt
+    if req.return_token_ids:  # vLLM's: the prompt's ids come with the output (native echo)
+        params["echo"] = True
     return params
 
 
@@ -546,8 +548,6 @@ def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Tran
     if echo and logprobs is not None:  # the prompt's tokens scored (and their text)
         params["prompt_logprobs"] = logprobs
     elif echo and "input_ids" in prompt:  # the text of the prompt's tokens
-        params["echo"] = True
-    if req.return_token_ids:  # the prompt's ids come with the output (native echo)
         params["echo"] = True
     body = {"input": prompt, "params": params, "stream": stream, **_deadline(req, timeout_header)}
     aliases = {"input.prompt": "prompt", "input.input_ids": "prompt", "input": "prompt",
@@ -697,8 +697,6 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None,
             inp[name] = getattr(req, name)
     body = {"input": inp, "params": _with_logprobs(_params(req, limit, fmt), logprobs),
             "stream": stream, **_deadline(req, timeout_header)}
-    if req.return_token_ids:  # the prompt's ids come with the output (native echo)
-        body["params"]["echo"] = True
     aliases = {"input": "messages", "input.messages": "messages", "params.max_new_tokens": max_param,
                "params.logprobs": "top_logprobs", "input.tools": "tools",
                "input.chat_template_kwargs": "chat_template_kwargs", "input.documents": "documents",
@@ -867,7 +865,6 @@ class ChunkMaker:
     prompt_tokens: int = 0
     tokens: int = 0
     opened: bool = False
-    echoed: bool = False  # chat's `echo`: the last message was sent (after the opening chunk)
     # vLLM's return_token_ids: the prompt's ids (told with the first output), the output's not yet on a chunk, and
     # whether a completion's chunk carried the prompt's (chat's opening chunk carries them)
     prompt_ids: list[int] | None = None
@@ -917,10 +914,8 @@ class ChunkMaker:
         return [] if first is None else [first, *self._echo()]
 
     def _echo(self) -> list[dict[str, Any]]:
-        if not self.tr.prefix or self.echoed:
-            return []
-        self.echoed = True
-        return [self._chunk([self._choice(self.tr.prefix)])]
+        """Chat's `echo`, once, after the opening chunk (which `opening` or `_opening` sends, once, never both)."""
+        return [self._chunk([self._choice(self.tr.prefix)])] if self.tr.prefix else []
 
     def _opening(self) -> list[dict[str, Any]]:
         """The opening chunk held for continuous usage or token ids, once (its usage: the prompt's tokens, no output
@@ -930,7 +925,7 @@ class ChunkMaker:
         self.opened = True
         extra: dict[str, Any] = {"usage": self._so_far(0)} if self.tr.continuous_usage else {}
         if self.tr.with_ids:
-            extra["prompt_token_ids"], self.ids_told = self.prompt_ids, True
+            extra["prompt_token_ids"] = self.prompt_ids
         return [self._chunk([self._choice("", role=True)], **extra), *self._echo()]
 
     def _told(self, chunk: dict[str, Any]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from shared.params import (
 )
 from shared.ssrf import AllowList, RefusedURL, check_url, normalized_url
 from shared.states import Priority, Task
-from shared.token_limits import TemplateRefusal, TokenLimits, template_env
+from shared.token_limits import TemplateRefusal, TokenLimits, compile_problem
 from shared.validation import check_text, convert
 
 MAX_TIMEOUT_S = 10**9  # a bound only to keep the number finite; each model's max_timeout_s is checked after
@@ -170,17 +170,8 @@ def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, t
 def check_template(template: str) -> None:
     """A request's own chat template compiles (where jinja2 is here to tell; else the worker's check stays). It is
     compiled only: rendering a caller's template runs its loops, which the worker alone is trusted with."""
-    env = template_env()
-    if env is None:
-        return
-    import jinja2
-
-    try:
-        env.from_string(template)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValidationError("input.chat_template", f"does not compile: {exc.message} (line {exc.lineno})") from None
-    except Exception as exc:  # nested past what the compiler takes (a RecursionError), say
-        raise ValidationError("input.chat_template", f"does not compile: {type(exc).__name__}") from None
+    if (problem := compile_problem(template)) is not None:
+        raise ValidationError("input.chat_template", problem)
 
 
 def _kept(n: int, keep: int | None) -> int:

@@ -162,6 +162,23 @@ def load_chat_template(directory: Path, source: str | None = None) -> tuple[dict
     return templates, special
 
 
+def compile_problem(template: str) -> str | None:
+    """Why `template` does not compile as transformers compiles chat templates ("does not compile: ..."), or None
+    where it does (or jinja2 is not here to tell)."""
+    env = template_env()
+    if env is None:
+        return None
+    import jinja2
+
+    try:
+        env.from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        return f"does not compile: {exc.message} (line {exc.lineno})"
+    except Exception as exc:  # nested past what the compiler takes (a RecursionError), say
+        return f"does not compile: {type(exc).__name__}"
+    return None
+
+
 def template_env() -> Any:
     """A sandbox that compiles and renders chat templates as transformers' `apply_chat_template` does (its globals,
     filters and tags); None where jinja2 is not installed or older than transformers takes."""

@@ -47,8 +47,8 @@ def model_dir(tmp_path_factory):
     return templated_dir(tmp_path_factory.mktemp("thinking"), THINKING_TEMPLATE)
 
 
-def spec_of(directory) -> ModelSpec:
-    return ModelSpec(name="thinking", task=Task.GENERATE, source=str(directory), device="cpu", dtype="float32",
+def spec_of(directory, name: str = "thinking") -> ModelSpec:
+    return ModelSpec(name=name, task=Task.GENERATE, source=str(directory), device="cpu", dtype="float32",
                      max_input_tokens=200, max_new_tokens=16).validate()
 
 

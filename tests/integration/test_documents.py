@@ -14,10 +14,10 @@ from shared import openai_shapes as oa
 from shared.config import ModelSpec
 from shared.errors import ValidationError
 from shared.params import MAX_DOCUMENTS
-from shared.states import Task
 from shared.submit import build_request
 from shared.token_limits import TokenLimits
 from tests.integration.test_chat_template_kwargs import runner_of, templated_dir
+from tests.integration.test_chat_template_kwargs import spec_of as template_spec
 
 # a RAG template as Granite's and Command R's write theirs, reduced: the documents in a system turn of their own
 RAG_TEMPLATE = ("{% if documents %}<|documents|>{% for d in documents %}[{{ loop.index }}] {{ d.title | default('') }}"
@@ -35,8 +35,7 @@ def model_dir(tmp_path_factory):
 
 
 def spec_of(directory) -> ModelSpec:
-    return ModelSpec(name="rag", task=Task.GENERATE, source=str(directory), device="cpu", dtype="float32",
-                     max_input_tokens=200, max_new_tokens=16).validate()
+    return template_spec(directory, "rag")
 
 
 def submit(directory, **inp) -> object:
