@@ -141,7 +141,7 @@ def _endpoint(route: RouteSpec, svc: GatewayService, answers_once: bool):  # typ
             resp = await dispatch(route, svc, api_req, [request.path_params[p] for p in route.params])
         except ApiError as exc:
             resp = route.errors(exc)
-        metrics.HTTP_LATENCY.labels(name, str(resp.status)).observe(time.perf_counter() - t0)
+        metrics.http_latency(name, resp.status).observe(time.perf_counter() - t0)
         return _send(resp, request.headers.get("accept"), svc.settings.max_wait_s if answers_once else None)
 
     endpoint.__name__ = name

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from shared.messages import InferenceRequest
@@ -17,11 +19,23 @@ HTTP_LATENCY = Histogram("batchgate_http_seconds", "Gateway handler latency", ["
 WAITERS = Gauge("batchgate_waiters", "Long-poll / sync-wait requests currently waiting")
 
 
+# The children of the metrics every request touches, looked up once per set of labels (prometheus_client's
+# `labels` takes a lock and builds its key on each call); the sets are few: routes x statuses, models x lanes.
+@functools.lru_cache(maxsize=4096)
+def http_latency(route: str, status: int) -> Histogram:
+    return HTTP_LATENCY.labels(route, str(status))
+
+
+@functools.lru_cache(maxsize=4096)
+def _submitted(model: str, lane: str) -> Counter:
+    return SUBMITTED.labels(model, lane)
+
+
 class Counted(Observer):
     """The caller operations' events, as the counters above."""
 
     def submitted(self, req: InferenceRequest) -> None:
-        SUBMITTED.labels(req.model, req.lane).inc()
+        _submitted(req.model, req.lane).inc()
 
     def rejected(self, req: InferenceRequest, code: str) -> None:
         REJECTED.labels(req.model, req.lane, code).inc()
