@@ -137,7 +137,8 @@ async def list_batches(svc: GatewayService, req: ApiRequest) -> ApiResponse:
 
 
 async def cancel_batch(svc: GatewayService, req: ApiRequest, batch_id: str) -> ApiResponse:
-    """Stop feeding; the runner cancels the items in flight and finalizes what finished (`cancelled`)."""
+    """Stop feeding; the runner cancels the items in flight that have not started, lets those running finish, and
+    finalizes (`cancelled`)."""
     async def work() -> ApiResponse:
         await _visible(svc, req.tenant, batch_id)
         status = await _store(svc).move(batch_id, "cancelling", "cancelling_at", int(svc.clock()),

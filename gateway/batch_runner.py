@@ -13,8 +13,12 @@ time, writes one line per item as it finishes, and writes the output and error f
   crash finds its request again instead of making a second; lines are written once per line number
   (`shared.batch_store`). Another runner takes a batch over when its lease lapses and resumes from the
   recorded feed position.
-- Cancel stops feeding, cancels the items in flight and finalizes what finished; the window's end does the
-  same (`expired`). Items that never ran get an error line (`batch_cancelled`, `batch_expired`).
+- An item whose request expired before it ran, its deadline the model's `max_timeout_s` and the window still
+  open, is fed again (a new request, under its attempt's key): no worker for an hour costs a 24h batch nothing.
+- Cancel stops feeding, cancels the items in flight that have not started and lets those running finish; the
+  window's end does the same (`expired`). Items that never ran get an error line (`batch_cancelled`,
+  `batch_expired`); one that cannot fit before the window's end is `batch_expired` at once, and the batch ends
+  `expired`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 
@@ -38,10 +42,13 @@ from shared import operations as ops
 from shared.api_errors import ApiError, TooManyRequests
 from shared.batch_store import BatchState, BatchStore
 from shared.batches import (
+    WINDOW_ENDED,
     BatchError,
     Item,
     ItemRef,
     Progress,
+    Written,
+    item_key,
     parse_line,
     refused_line,
     refused_line_id,
@@ -64,15 +71,26 @@ IN_FLIGHT = 128  # items of one batch queued or running at once (2x the default 
 POLL_S = 0.25  # how often the items in flight are read
 DISCOVER_S = 1.0  # how often the runner looks for batches to take
 LEASE_S = 15.0  # a runner that stops renewing loses its batches after this long
+CANCEL_CHECK_LINES = 1000  # validation looks for a cancel this often (a 50,000-line file takes ~15 s to check)
 DEADLINE_RETRY_S = 2.0  # an item refused for the queue its window's end leaves it is tried again after at most this
 MAX_ERRORS = 100
 TASK_OF = {"completion": Task.GENERATE, "chat": Task.GENERATE, "response": Task.GENERATE, "native": None,
            "embedding": Task.EMBED}
 
 
-async def lines_from(store: files.FileStore, key: str, start: int, first: int) -> AsyncIterator[tuple[int, bytes, int]]:
-    """(line number, line, the byte offset after it) from byte offset `start` (which is line `first`);
-    blank lines are skipped but counted, and a byte order mark before the file's first line is not part of it."""
+class Entry(NamedTuple):
+    """An input line as read: its number (from 0), its bytes, the byte offset after it, the byte offset of its start
+    (where a reader that reads it again starts)."""
+
+    line: int
+    raw: bytes
+    end: int
+    start: int
+
+
+async def lines_from(store: files.FileStore, key: str, start: int, first: int) -> AsyncIterator[Entry]:
+    """The lines from byte offset `start` (which is line `first`); blank lines are skipped but counted, and a byte
+    order mark before the file's first line is not part of it."""
     buf = b""
     offset, line = start, first
     async for chunk in store.read(key, start):
@@ -81,15 +99,24 @@ async def lines_from(store: files.FileStore, key: str, start: int, first: int) -
             raw, buf = buf[:nl], buf[nl + 1:]
             if offset == 0:
                 raw = raw.removeprefix(jsonl.BOM)
-            offset += nl + 1
             if raw.strip():
-                yield line, raw, offset
+                yield Entry(line, raw, offset + nl + 1, offset)
+            offset += nl + 1
             line += 1
     end = offset + len(buf)
+    at = offset
     if offset == 0:
         buf = buf.removeprefix(jsonl.BOM)
     if buf.strip():
-        yield line, buf, end
+        yield Entry(line, buf, end, at)
+
+
+class Pending(NamedTuple):
+    """A line about to be fed: `attempt` 0 is its first feeding (from the file, in order); a later one feeds a
+    line again whose request expired before it ran (`result_line`)."""
+
+    entry: Entry
+    attempt: int = 0
 
 
 class BatchRunner:
@@ -203,21 +230,26 @@ class BatchRunner:
             raise BatchError(message, code=exc.code or "invalid_request", param=param, line=item.line) from None
 
     async def validate(self, st: BatchState) -> bool:
-        """Every line checked before anything runs: `in_progress` with the total, or `failed` with the errors."""
+        """Every line checked before anything runs: `in_progress` with the total, or `failed` with the errors. A
+        cancel while it reads stops it (every line then gets `batch_cancelled`)."""
         meta = st.meta
         fmeta = await files.get_meta(self.q.redis, self.q.keys, meta.input_file_id)
         errors: list[dict[str, Any]] = []
         seen: set[str] = set()
+        models: set[str] = set()
         if fmeta is None:
             errors.append(BatchError("the input file is gone", code="file_not_found", param="input_file_id").entry())
         else:
-            async for line, raw, _ in lines_from(self.files, fmeta.key, 0, 0):
+            async for line, raw, _, _ in lines_from(self.files, fmeta.key, 0, 0):
+                if line % CANCEL_CHECK_LINES == CANCEL_CHECK_LINES - 1 and await self._cancelled(meta.id):
+                    return True  # `cancelling`: the feed answers every line `batch_cancelled`
                 try:
                     item = parse_line(raw, line, meta.endpoint, self._tool_parser)
                     if item.custom_id in seen:
                         raise BatchError(f"custom_id {item.custom_id!r} is used by an earlier line",
                                          code="duplicate_custom_id", param="custom_id", line=line)
                     seen.add(item.custom_id)
+                    models.add(item.model)
                     self._check(item, meta.tenant)
                 except BatchError as err:
                     if len(errors) < MAX_ERRORS:
@@ -235,19 +267,25 @@ class BatchRunner:
             await self.store.finished(meta.id)
             log.info("batch failed validation", batch_id=meta.id, errors=len(errors))
             return False
-        await self.store.set_fields(meta.id, total=len(seen))
+        # the batch's model, as OpenAI's batch object shows it: the one its lines name ("" where they name several)
+        await self.store.set_fields(meta.id, total=len(seen), model=models.pop() if len(models) == 1 else "")
         status = await self.store.move(meta.id, "in_progress", "in_progress_at", now, from_=("validating",))
         log.info("batch validated", batch_id=meta.id, items=len(seen), status=status)
         return status in ("in_progress", "cancelling")  # cancelled while validating: every line gets its error
 
+    async def _cancelled(self, batch_id: str) -> bool:
+        cur = await self.store.get(batch_id)
+        return cur is None or cur.progress.status == "cancelling"
+
     async def feed(self, st: BatchState) -> str:
         """Feed and collect until every item has its line, or the batch is cancelled or its window ends;
-        returns the final status."""
+        returns the final status (`expired` too where a line was answered `batch_expired` before the end)."""
         meta, batch_id = st.meta, st.meta.id
         fmeta = await files.get_meta(self.q.redis, self.q.keys, meta.input_file_id)
         reader = lines_from(self.files, fmeta.key, st.next_offset, st.next_line) if fmeta else None
         flight = {ref.line: ref for ref in await self.store.in_flight(batch_id)}
-        pending: tuple[int, bytes, int] | None = None
+        again: list[ItemRef] = []  # lines to feed again (their requests expired before they ran)
+        pending: Pending | None = None
         exhausted = reader is None
         paused_until = 0.0
         ending: str | None = None
@@ -258,12 +296,11 @@ class BatchRunner:
             now = self.clock()
             if ending is None and (cur.progress.status == "cancelling" or now >= meta.expires_at):
                 ending = "cancelled" if cur.progress.status == "cancelling" else "expired"
-                await self._stop_items(meta.tenant, list(flight.values()))
-            if ending is None and not exhausted and now >= paused_until:
+                await self._stop_queued(meta.tenant, list(flight.values()))
+            if ending is None and now >= paused_until:
                 while len(flight) < self.in_flight:
                     if pending is None:
-                        assert reader is not None
-                        pending = await anext(reader, None)
+                        pending = await self._next(fmeta, again, reader if not exhausted else None)
                         if pending is None:
                             exhausted = True
                             break
@@ -274,31 +311,57 @@ class BatchRunner:
                     if isinstance(fed, ItemRef):
                         flight[fed.line] = fed
                     pending = None
-            await self._collect(batch_id, flight, ending)
+            again += await self._collect(meta, flight, ending)
             if ending is not None and not flight:
-                await self._close_unfed(meta, reader, pending, ending)
+                await self._close_unfed(meta, reader, pending, again, ending)
                 return ending
-            if exhausted and not flight:
-                return "completed"
+            if exhausted and pending is None and not again and not flight:
+                cur = await self.store.get(batch_id)
+                return "expired" if cur is not None and cur.expiring else "completed"
             await asyncio.sleep(self.poll_s)
 
-    async def _submit(self, meta: Any, entry: tuple[int, bytes, int], now: float) -> ItemRef | float | None:
+    async def _next(self, fmeta: files.FileMeta | None, again: list[ItemRef],
+                    reader: AsyncIterator[Entry] | None) -> Pending | None:
+        """The next line to feed: one to feed again first (read again from its offset; a ref of a runner of before
+        has none, and is looked for from the file's start), else the file's next."""
+        while again and fmeta is not None:
+            ref = again.pop(0)
+            lines = lines_from(self.files, fmeta.key, max(ref.offset, 0), ref.line if ref.offset >= 0 else 0)
+            try:
+                async for entry in lines:
+                    if entry.line >= ref.line:
+                        if entry.line == ref.line:
+                            return Pending(entry, ref.attempt + 1)
+                        break
+            finally:
+                await lines.aclose()
+        if reader is None:
+            return None
+        entry = await anext(reader, None)
+        return None if entry is None else Pending(entry)
+
+    async def _submit(self, meta: Any, pending: Pending, now: float) -> ItemRef | float | None:
         """Submit one line: its in-flight ref; the seconds to wait when refused for capacity (nothing
-        recorded); None when refused for good (its error line written)."""
-        line, raw, end = entry
+        recorded); None when refused for good (its error line written). A line fed again leaves the feed position
+        where it is."""
+        (line, raw, end, start), attempt = pending
         item = parse_line(raw, line, meta.endpoint, self._tool_parser)
         spec = self.settings.model(item.model)
         assert spec is not None  # validated
         deadline = min(float(meta.expires_at), now + spec.max_timeout_s)
         try:
             answer = await ops.submit(self.q, submit_body(item, deadline), spec, meta.tenant,
-                                      idempotency_key=f"batch:{meta.id}:{line}")
+                                      idempotency_key=item_key(meta.id, line, attempt))
         except TooManyRequests as exc:
-            if exc.code == "deadline_infeasible" and deadline >= meta.expires_at and not exc.retryable:
-                # its own compute, with no queue at all, passes the window's end: no wait can change that
-                await self.store.write_line(meta.id, line, False, refused_line(
-                    item.custom_id, exc.code, exc.message, 429, line_id=refused_line_id(meta.id, line)))
-                await self.store.fed(meta.id, [], line + 1, end)
+            if exc.code == "deadline_infeasible" and not exc.retryable:
+                # its own compute, with no queue at all, passes its deadline: no wait changes that. Where that
+                # deadline is the window's end, the window leaves it undone (`batch_expired`, the batch `expired`);
+                # else it is the model's max_timeout_s, which the request cannot fit, as an interactive one cannot
+                at_window = deadline >= meta.expires_at
+                await self._written(meta, pending, Written(False, refused_line(
+                    item.custom_id, "batch_expired", WINDOW_ENDED, line_id=refused_line_id(meta.id, line))
+                    if at_window else refused_line(item.custom_id, exc.code, exc.message, 429,
+                                                   line_id=refused_line_id(meta.id, line)), expired=at_window))
                 return None
             if exc.code == "deadline_infeasible":
                 # the queue ahead, as estimated, passes the window's end: the estimate errs (a queue drains faster
@@ -307,54 +370,86 @@ class BatchRunner:
                 return min(float(exc.retry_after or 1.0), DEADLINE_RETRY_S)
             return float(exc.retry_after or 1.0)
         except ApiError as exc:
-            await self.store.write_line(meta.id, line, False, refused_line(
-                item.custom_id, exc.code, exc.message, exc.status, line_id=refused_line_id(meta.id, line)))
-            await self.store.fed(meta.id, [], line + 1, end)
+            await self._written(meta, pending, Written(False, refused_line(
+                item.custom_id, exc.code, exc.message, exc.status, line_id=refused_line_id(meta.id, line))))
             return None
-        ref = item.ref(str(answer.body["id"]))
-        await self.store.fed(meta.id, [ref], line + 1, end)
+        ref = item.ref(str(answer.body["id"]), deadline=deadline, offset=start, attempt=attempt)
+        if attempt:
+            await self.store.refed(meta.id, ref)
+        else:
+            await self.store.fed(meta.id, [ref], line + 1, end)
         return ref
 
-    async def _collect(self, batch_id: str, flight: dict[int, ItemRef], ending: str | None) -> None:
+    async def _written(self, meta: Any, pending: Pending, written: Written) -> None:
+        """A line answered without a request in flight; a first feeding moves the feed position past it."""
+        entry = pending.entry
+        await self.store.write_line(meta.id, entry.line, written)
+        if pending.attempt == 0:
+            await self.store.fed(meta.id, [], entry.line + 1, entry.end)
+
+    async def _collect(self, meta: Any, flight: dict[int, ItemRef], ending: str | None) -> list[ItemRef]:
         """Write the line of every item in flight that finished (one round trip to read them all); `ending`: how the
-        batch is ending, if it is (`result_line`)."""
+        batch is ending, if it is (`result_line`). Returns those to feed again (out of `flight`; their refs stay
+        recorded until fed again or answered, so a runner that takes over feeds them again too)."""
         if not flight:
-            return
+            return []
         refs = list(flight.values())
         pipe = self.q.redis.pipeline(transaction=False)
         for ref in refs:
             pipe.hgetall(self.q.keys.record(ref.request_id))
         created = int(self.clock())
+        again = []
         for ref, raw in zip(refs, await pipe.execute(), strict=True):
             rec = parse_record(ref.request_id, raw)
             if rec is not None and not rec.terminal:
                 rec = await self.q.get(ref.request_id)  # expires it once its deadline (and grace) passed
             if rec is None:
-                payload = refused_line(ref.custom_id, "result_expired", "the item's result expired before it "
-                                       "was collected", line_id="batch_req_" + ref.request_id.removeprefix("req_"))
-                ok = False
+                written: Written | None = Written(False, refused_line(
+                    ref.custom_id, "result_expired", "the item's result expired before it was collected",
+                    line_id="batch_req_" + ref.request_id.removeprefix("req_")))
             elif not rec.terminal:
                 continue
             else:
-                ok, payload = result_line(ref, record_view(rec), created, ending)
-            await self.store.write_line(batch_id, ref.line, ok, payload)
+                written = result_line(ref, record_view(rec), created, ending, expires_at=meta.expires_at,
+                                      now=self.clock())
             del flight[ref.line]
+            if written is None:
+                again.append(ref)
+            else:
+                await self.store.write_line(meta.id, ref.line, written)
+        return again
 
-    async def _stop_items(self, tenant: str, refs: list[ItemRef]) -> None:
+    async def _stop_queued(self, tenant: str, refs: list[ItemRef]) -> None:
+        """Cancel the items in flight that have not started (the batch's cancel, or its window's end); those
+        running finish, and their lines are written as they end (a generation the window's end cuts keeps what it
+        generated, `length`)."""
+        if not refs:
+            return
+        pipe = self.q.redis.pipeline(transaction=False)
+        for ref in refs:
+            pipe.hget(self.q.keys.record(ref.request_id), "state")
+        states = await pipe.execute()
+
         async def stop(ref: ItemRef) -> None:
             with contextlib.suppress(ApiError):
                 await ops.cancel(self.q, tenant, ref.request_id)
 
-        # together: a running item's cancel waits for its worker to stop it (`QueueClient.cancel`)
-        await asyncio.gather(*(stop(ref) for ref in refs))
+        await asyncio.gather(*(stop(ref) for ref, state in zip(refs, states, strict=True)
+                               if state in (b"queued", "queued")))
 
-    async def _close_unfed(self, meta: Any, reader: AsyncIterator[tuple[int, bytes, int]] | None,
-                           pending: tuple[int, bytes, int] | None, ending: str) -> None:
-        """Every line not fed gets its error line: the batch was cancelled, or its window ended."""
+    async def _close_unfed(self, meta: Any, reader: AsyncIterator[Entry] | None, pending: Pending | None,
+                           again: list[ItemRef], ending: str) -> None:
+        """Every line not fed (or waiting to be fed again) gets its error line: the batch was cancelled, or its
+        window ended."""
         code = "batch_cancelled" if ending == "cancelled" else "batch_expired"
-        message = ("the batch was cancelled before this request ran" if ending == "cancelled"
-                   else "the batch's completion window ended before this request ran")
-        entries = [pending] if pending else []
+        message = "the batch was cancelled before this request ran" if ending == "cancelled" else WINDOW_ENDED
+        for ref in again:
+            await self.store.write_line(meta.id, ref.line, Written(False, refused_line(
+                ref.custom_id, code, message, line_id="batch_req_" + ref.request_id.removeprefix("req_"))))
+        entries = [pending.entry] if pending is not None else []
+        if pending is not None and pending.attempt:  # a line fed again: its place in the file is behind the reader
+            await self._refuse(meta, pending.entry, code, message)
+            entries = []
         last = None
         for entry in entries:
             last = entry
@@ -364,16 +459,15 @@ class BatchRunner:
                 last = entry
                 await self._refuse(meta, entry, code, message)
         if last is not None:
-            await self.store.fed(meta.id, [], last[0] + 1, last[2])
+            await self.store.fed(meta.id, [], last.line + 1, last.end)
 
-    async def _refuse(self, meta: Any, entry: tuple[int, bytes, int], code: str, message: str) -> None:
-        line, raw, _ = entry
+    async def _refuse(self, meta: Any, entry: Entry, code: str, message: str) -> None:
         try:
-            custom_id: str | None = parse_line(raw, line, meta.endpoint, self._tool_parser).custom_id
+            custom_id: str | None = parse_line(entry.raw, entry.line, meta.endpoint, self._tool_parser).custom_id
         except BatchError:  # cancelled before validation read it: a line that is not a request has no custom_id
             custom_id = None
-        await self.store.write_line(meta.id, line, False,
-                                    refused_line(custom_id, code, message, line_id=refused_line_id(meta.id, line)))
+        await self.store.write_line(meta.id, entry.line, Written(False, refused_line(
+            custom_id, code, message, line_id=refused_line_id(meta.id, entry.line))))
 
     async def finalize(self, st: BatchState, final: str) -> None:
         """Write the output and error files (idempotent: their ids come from the batch's), then the status."""

@@ -18,8 +18,9 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from shared.batches import BatchMeta, ItemRef, Progress
+from shared.batches import BatchMeta, ItemRef, Progress, Written
 from shared.codec import encode
+from shared.ids import created_ms
 from shared.keys import Keys
 from shared.messages import CallbackDelivery
 
@@ -28,7 +29,8 @@ _META_DEC = msgspec.msgpack.Decoder(BatchMeta)
 _REF_DEC = msgspec.msgpack.Decoder(ItemRef)
 LINES_PER_READ = 500
 
-# KEYS: record, items, lines; ARGV: line, ok ("1"/"0"), the line's JSON
+# KEYS: record, items, lines; ARGV: line, ok ("1"/"0"), the line's JSON, expired ("1": a `batch_expired` line),
+# its prompt and output tokens
 WRITE_LINE_LUA = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status == 'completed' or status == 'failed' or status == 'cancelled' or status == 'expired' then
@@ -36,6 +38,9 @@ if status == 'completed' or status == 'failed' or status == 'cancelled' or statu
 end
 if redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[2] .. ARGV[3]) == 1 then
   redis.call('HINCRBY', KEYS[1], ARGV[2] == '1' and 'completed' or 'failed', 1)
+  if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'expiring', 1) end
+  if tonumber(ARGV[5]) > 0 then redis.call('HINCRBY', KEYS[1], 'in_tokens', ARGV[5]) end
+  if tonumber(ARGV[6]) > 0 then redis.call('HINCRBY', KEYS[1], 'out_tokens', ARGV[6]) end
 end
 redis.call('HDEL', KEYS[2], ARGV[1])
 return 1
@@ -71,6 +76,7 @@ class BatchState:
     progress: Progress
     next_line: int  # the first input line not fed yet
     next_offset: int  # its byte offset in the input file
+    expiring: bool = False  # a line was answered `batch_expired`: the batch ends `expired`
 
 
 # KEYS items, batch; ARGV next line, next offset, then (line, item ref) pairs: items in flight and the feed
@@ -96,11 +102,14 @@ class BatchStore:
         self._fed = redis.register_script(FED_LUA)
 
     async def create(self, meta: BatchMeta) -> None:
+        # listed newest first by the millisecond of creation its id holds: ids of one second tie at the second, and
+        # their base32 text does not sort by time (its digits 2-7 sort before its letters)
+        ms = created_ms("req_" + meta.id.removeprefix("batch_")) or meta.created_at * 1000
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(self.keys.batch(meta.id), mapping={"m": _META.encode(meta), "status": "validating",
                                                      "next": 0, "offset": 0})
-        pipe.zadd(self.keys.batches(meta.tenant), {meta.id: meta.created_at})
-        pipe.zadd(self.keys.batches_active(), {meta.id: meta.created_at})
+        pipe.zadd(self.keys.batches(meta.tenant), {meta.id: ms})
+        pipe.zadd(self.keys.batches_active(), {meta.id: ms})
         await pipe.execute()
 
     async def get(self, batch_id: str) -> BatchState | None:
@@ -113,8 +122,11 @@ class BatchStore:
                      output_file_id=_text(f["out_id"]) if "out_id" in f else None,
                      error_file_id=_text(f["err_id"]) if "err_id" in f else None,
                      errors=json.loads(f["errors"]) if "errors" in f else [],
-                     times={k[2:]: int(v) for k, v in f.items() if k.startswith("t:")})
-        return BatchState(_META_DEC.decode(f["m"]), p, int(f.get("next", 0)), int(f.get("offset", 0)))
+                     times={k[2:]: int(v) for k, v in f.items() if k.startswith("t:")},
+                     model=(_text(f["model"]) or None) if "model" in f else None,
+                     input_tokens=int(f.get("in_tokens", 0)), output_tokens=int(f.get("out_tokens", 0)))
+        return BatchState(_META_DEC.decode(f["m"]), p, int(f.get("next", 0)), int(f.get("offset", 0)),
+                          expiring="expiring" in f)
 
     async def ids(self, tenant: str) -> list[str]:
         """The tenant's batches, newest first."""
@@ -150,10 +162,16 @@ class BatchStore:
         raw = await self.redis.hgetall(self.keys.batch_items(batch_id))
         return sorted((_REF_DEC.decode(v) for v in raw.values()), key=lambda r: r.line)
 
-    async def write_line(self, batch_id: str, line: int, ok: bool, payload: dict[str, Any]) -> None:
+    async def write_line(self, batch_id: str, line: int, written: Written) -> None:
+        """A line written once (by line number), counted, its ref out of the items in flight: one script."""
         await self._write_line(keys=[self.keys.batch(batch_id), self.keys.batch_items(batch_id),
                                      self.keys.batch_lines(batch_id)],
-                               args=[line, "1" if ok else "0", json.dumps(payload, separators=(",", ":"))])
+                               args=[line, "1" if written.ok else "0", json.dumps(written.line, separators=(",", ":")),
+                                     "1" if written.expired else "0", *written.tokens])
+
+    async def refed(self, batch_id: str, ref: ItemRef) -> None:
+        """A line fed again: its new request in flight in place of the one that expired (the feed position stays)."""
+        await self.redis.hset(self.keys.batch_items(batch_id), str(ref.line), msgspec.msgpack.encode(ref))
 
     async def lines(self, batch_id: str, total: int) -> AsyncIterator[tuple[bool, bytes]]:
         """The written lines in input order: (succeeded, the JSON line)."""

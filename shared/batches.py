@@ -74,13 +74,15 @@ def new_batch_id(now_ms: int) -> str:
 
 def window_seconds(window: Any) -> float:
     """A completion window ("24h", "30m", "2d", "90s") in seconds."""
+    if window is None:
+        raise BatchError('required: a duration such as "24h"', code="missing_required_parameter",
+                         param="completion_window")
     m = _WINDOW.match(window) if isinstance(window, str) else None
     if m is None:
-        raise BatchError('completion_window must be a duration such as "24h" (units s, m, h, d)',
-                         param="completion_window")
+        raise BatchError('must be a duration such as "24h" (units s, m, h, d)', param="completion_window")
     seconds = float(int(m.group(1)) * _UNIT_S[m.group(2)])
     if not MIN_WINDOW_S <= seconds <= MAX_WINDOW_S:
-        raise BatchError(f"completion_window must be between {MIN_WINDOW_S:g} s and {MAX_WINDOW_S / 86_400:g} days",
+        raise BatchError(f"must be between {MIN_WINDOW_S:g} s and {MAX_WINDOW_S / 86_400:g} days",
                          param="completion_window")
     return seconds
 
@@ -88,7 +90,10 @@ def window_seconds(window: Any) -> float:
 def check_endpoint(endpoint: Any) -> str:
     if isinstance(endpoint, str) and (endpoint in OPENAI_ENDPOINTS or NATIVE_ENDPOINT.match(endpoint)):
         return endpoint
-    raise BatchError(f"endpoint must be one of {', '.join(OPENAI_ENDPOINTS)} or /v1/models/{{model}}/requests",
+    if endpoint is None:
+        raise BatchError(f"required: one of {', '.join(OPENAI_ENDPOINTS)} or /v1/models/{{model}}/requests",
+                         param="endpoint", code="missing_required_parameter")
+    raise BatchError(f"must be one of {', '.join(OPENAI_ENDPOINTS)} or /v1/models/{{model}}/requests",
                      param="endpoint", code="invalid_endpoint")
 
 
@@ -98,7 +103,7 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
     if (not isinstance(metadata, dict) or len(metadata) > MAX_METADATA
             or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
                        for k, v in metadata.items())):
-        raise BatchError(f"metadata: at most {MAX_METADATA} string pairs (keys <= 64, values <= 512 characters)",
+        raise BatchError(f"at most {MAX_METADATA} string pairs (keys <= 64, values <= 512 characters)",
                          param="metadata")
     return dict(metadata)
 
@@ -127,9 +132,9 @@ class Item:
         param, message = oa.in_openai_terms(native_field, message, self.aliases)
         return f"body.{param or native_field}", message
 
-    def ref(self, request_id: str) -> ItemRef:
+    def ref(self, request_id: str, *, deadline: float = 0.0, offset: int = -1, attempt: int = 0) -> ItemRef:
         return ItemRef(self.line, self.custom_id, request_id, self.kind, self.model, self.encoding_format,
-                       self.answer)
+                       self.answer, deadline, offset, attempt)
 
 
 class Answer(msgspec.Struct, frozen=True, array_like=True):
@@ -163,6 +168,17 @@ class ItemRef(msgspec.Struct, frozen=True, array_like=True):
     model: str
     encoding_format: str = "float"
     answer: Answer | None = None  # a ref kept by a gateway of before has none (it refused what needs one)
+    # what feeding it again needs (a ref kept by a runner of before has none: 0, -1): the deadline it was fed with
+    # (epoch seconds), its line's byte offset in the input file, and which feeding of the line it is (0: the first)
+    deadline: float = 0.0
+    offset: int = -1
+    attempt: int = 0
+
+
+def item_key(batch_id: str, line: int, attempt: int) -> str:
+    """The idempotency key of a line's request: a line fed again (its request expired before it ran, the window
+    still open) is another request, under the key of its attempt."""
+    return f"batch:{batch_id}:{line}" if attempt == 0 else f"batch:{batch_id}:{line}:{attempt}"
 
 
 _TRANSLATE = {"/v1/completions": oa.translate_completion, "/v1/chat/completions": oa.translate_chat,
@@ -255,32 +271,64 @@ def _response_body(ref: ItemRef, view: dict[str, Any], created: int) -> dict[str
     return oa.completion_response(tr, [view], created)
 
 
-def result_line(ref: ItemRef, view: dict[str, Any], created: int,
-                ending: str | None = None) -> tuple[bool, dict[str, Any]]:
-    """(succeeded, the line) for a finished item: OpenAI's output line, or its error line. `ending`: how the batch
-    is ending ("cancelled", "expired"), if it is: an item it stopped before it ran gets that end's error line, as a
-    line never sent does (`batch_cancelled`, `batch_expired`)."""
+@dataclass(frozen=True, slots=True)
+class Written:
+    """A finished item's line: in the output file (`ok`) or the error file; `expired`: a `batch_expired` line (the
+    batch then ends `expired`, as OpenAI ends a batch whose window left requests undone); `tokens`: the prompt and
+    output tokens it computed (the batch's `usage`)."""
+
+    ok: bool
+    line: dict[str, Any]
+    expired: bool = False
+    tokens: tuple[int, int] = (0, 0)
+
+
+WINDOW_ENDED = "the batch's completion window ended before this request ran"
+
+
+def result_line(ref: ItemRef, view: dict[str, Any], created: int, ending: str | None = None, *,
+                expires_at: float = float("inf"), now: float = 0.0) -> Written | None:
+    """A finished item's line, or None when it must be fed again: its request expired before it ran, with the
+    batch's window still open (its deadline was the model's `max_timeout_s`, not the window's end: a worker
+    away, or busy, for that long).
+
+    - The window's end (the item's deadline was the window's, or the batch is ending `expired`) leaves a request
+      that never ran, or expired with no output, `batch_expired`, as OpenAI answers what its window left.
+    - The batch's cancel leaves what it cancelled `batch_cancelled` (what was running finishes and is written).
+    - Otherwise the line is what the endpoint answered: the OpenAI response, or its error with the status the
+      interactive route gives (a native endpoint's too: 409 cancelled, 504 expired with no output, 400 a text it
+      cannot take, 500 a failure); a generation its deadline cut after some output is an answer (`length`)."""
     line_id = "batch_req_" + ref.request_id.removeprefix("req_")
+    status = view.get("status")
     never_ran = view.get("started_at") is None
-    if never_ran and ending == "expired" and view.get("status") in ("cancelled", "expired"):  # the window ended
-        return False, refused_line(ref.custom_id, "batch_expired",
-                                   "the batch's completion window ended before this request ran", line_id=line_id)
-    if never_ran and view.get("status") == "cancelled":  # the batch's cancel
-        return False, refused_line(ref.custom_id, "batch_cancelled", "cancelled before this request ran",
-                                   line_id=line_id)
-    if ref.kind == "native":
-        ok = view.get("status") == "succeeded"
-        err = None if ok else (view.get("error") or {"code": view.get("status"), "message": view.get("status")})
-        status = 200 if ok else 500
-    else:
-        oa_err = oa.result_error(view)
-        ok = oa_err is None
-        err = None if ok else {"code": oa_err.code, "message": oa_err.message}
-        status = 200 if ok else oa_err.status
-    body = _response_body(ref, view, created) if ok else _error_body(status, err or {})
+    oa_err = oa.result_error(view)
+    window_ended = ending == "expired" or now >= expires_at or (ref.deadline and ref.deadline >= expires_at)
+    if status == "cancelled" and (ending == "cancelled" or (never_ran and ending is None)):  # the batch's cancel
+        return Written(False, refused_line(ref.custom_id, "batch_cancelled", "cancelled before this request ran",
+                                           line_id=line_id))
+    if (status == "expired" and oa_err is not None) or (status == "cancelled" and ending == "expired"):
+        if window_ended:
+            return Written(False, refused_line(ref.custom_id, "batch_expired", WINDOW_ENDED, line_id=line_id),
+                           expired=True)
+        if never_ran:
+            return None  # fed again, with the deadline the window still allows
+    ok = oa_err is None
+    status_code = 200 if ok else oa_err.status  # type: ignore[union-attr]
+    body = _response_body(ref, view, created) if ok else _error_body(status_code, {
+        "code": oa_err.code, "message": oa_err.message} if oa_err is not None else {})
     # as OpenAI writes them: a line with an HTTP response has its error in the response's body, `error` null
-    return ok, {"id": line_id, "custom_id": ref.custom_id,
-                "response": {"status_code": status, "request_id": ref.request_id, "body": body}, "error": None}
+    return Written(ok, {"id": line_id, "custom_id": ref.custom_id,
+                        "response": {"status_code": status_code, "request_id": ref.request_id, "body": body},
+                        "error": None}, tokens=tokens_of(view))
+
+
+def tokens_of(view: dict[str, Any]) -> tuple[int, int]:
+    """(prompt tokens, output tokens) a finished request computed, as its answer's usage counts them."""
+    output = view.get("output") or {}
+    if "tokens" in output:  # an embedding: each text's tokens
+        return sum(int(n) for n in output.get("tokens") or ()), 0
+    usage = oa.usage(view)
+    return usage["prompt_tokens"], usage["completion_tokens"]
 
 
 def _error_body(status: int, err: dict[str, Any]) -> dict[str, Any]:
@@ -316,6 +364,9 @@ class Progress:
     error_file_id: str | None = None
     errors: list[dict[str, Any]] = field(default_factory=list)
     times: dict[str, int] = field(default_factory=dict)  # in_progress_at, finalizing_at, completed_at, ...
+    model: str | None = None  # the model every line names (None: not validated yet, or lines name several)
+    input_tokens: int = 0  # what the written lines computed
+    output_tokens: int = 0
 
 
 def batch_object(meta: BatchMeta, p: Progress) -> dict[str, Any]:
@@ -331,5 +382,8 @@ def batch_object(meta: BatchMeta, p: Progress) -> dict[str, Any]:
         "failed_at": t.get("failed_at"), "expired_at": t.get("expired_at"), "cancelling_at": t.get("cancelling_at"),
         "cancelled_at": t.get("cancelled_at"),
         "request_counts": {"total": p.total, "completed": p.completed, "failed": p.failed},
-        "metadata": meta.metadata,
+        "metadata": meta.metadata, "model": p.model,
+        "usage": {"input_tokens": p.input_tokens, "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens": p.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": p.input_tokens + p.output_tokens},
     }

@@ -87,6 +87,10 @@ async def test_a_batch_runs_every_line_once_and_answers_in_openais_format(redis_
         first = out[0]["response"]
         assert first["status_code"] == 200 and first["body"]["object"] == "chat.completion"
         assert first["body"]["usage"]["completion_tokens"] == 4 and done.error_file_id is None
+        # OpenAI's batch object: the model its lines name, and the tokens they computed
+        assert done.model == "tiny-llama" and done.usage is not None
+        assert done.usage.output_tokens == 40 * 4
+        assert done.usage.input_tokens == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out)
         # the native request behind a line ran at batch priority
         native = (await gw.client.get(f"/v1/requests/{first['request_id']}")).json()
         assert native["priority"] == "batch" and native["status"] == "succeeded"
@@ -112,7 +116,9 @@ async def test_an_item_refused_for_the_queue_is_tried_again_and_only_a_hopeless_
         redis_url, prefix, loaded_models, tmp_path, monkeypatch):
     """Admission's estimate of the queue errs (a queue drains faster than forecast): an item refused because the
     queue ahead would pass its window's end is fed again seconds later, not failed; one whose own compute cannot
-    fit (`x-should-retry: false`) gets its error line at once."""
+    fit before the window's end (`x-should-retry: false`) is what the window leaves undone: `batch_expired` at
+    once (not a 429 telling the caller to resubmit), and the batch ends `expired`, as OpenAI ends one whose window
+    left a request undone."""
     from gateway import batch_runner
     from shared.api_errors import TooManyRequests
 
@@ -138,11 +144,12 @@ async def test_an_item_refused_for_the_queue_is_tried_again_and_only_a_hopeless_
         f = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(4))), purpose="batch")
         b = await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="60s")
         done = await until_done(client, b.id, 40)
-        assert done.status == "completed", done
+        assert done.status == "expired" and done.expired_at is not None, done
+        assert done.expired_at < done.expires_at  # known at once: the batch did not wait out its window
         out, err = await lines_of(client, done.output_file_id), await lines_of(client, done.error_file_id)
         assert [x["custom_id"] for x in out] == ["c-0", "c-1", "c-3"]
-        assert [x["custom_id"] for x in err] == ["c-2"] and code_of(err[0]) == "deadline_infeasible"
-        assert err[0]["response"]["status_code"] == 429 and err[0]["id"].startswith("batch_req_")
+        assert [x["custom_id"] for x in err] == ["c-2"] and code_of(err[0]) == "batch_expired"
+        assert err[0]["response"] is None and err[0]["id"].startswith("batch_req_")
         key = f"batch:{b.id}:1"
         assert calls[key] == 3  # refused twice for the queue, then fed (after ~2 s each, not its 60 s Retry-After)
 
@@ -200,9 +207,10 @@ async def test_cancel_stops_feeding_and_every_line_is_answered_once(redis_url, p
         out, err = await lines_of(client, done.output_file_id), await lines_of(client, done.error_file_id)
         ids = [x["custom_id"] for x in out + err]
         assert sorted(ids) == sorted(f"c-{i}" for i in range(60)) and len(set(ids)) == 60
-        assert 3 <= len(out) < 60 and all(code_of(x) in ("batch_cancelled", "cancelled") for x in err)
-        # as OpenAI writes them: a line that never ran has no response; one cancelled while it ran has one
-        assert all((x["response"] is None) == (code_of(x) == "batch_cancelled") for x in err)
+        # as OpenAI cancels: what was running finishes whole, into the output file; what had not started (or was
+        # never sent) is `batch_cancelled`, with no response
+        assert 3 <= len(out) < 60 and all(code_of(x) == "batch_cancelled" and x["response"] is None for x in err)
+        assert all(x["response"]["body"]["usage"]["completion_tokens"] == 32 for x in out)
         assert done.request_counts.completed == len(out) and done.request_counts.failed == len(err)
 
 
@@ -331,3 +339,70 @@ async def test_items_a_batchs_window_left_unrun_are_batch_expired(redis_url, pre
         err = await lines_of(client, done.error_file_id)
         assert [line["error"]["code"] for line in err] == ["batch_expired"] * 3, err
         assert all(line["response"] is None for line in err)
+
+
+async def test_a_request_that_expired_before_it_ran_is_fed_again_within_the_window(
+        redis_url, prefix, loaded_models, tmp_path):
+    """An item's deadline is its model's `max_timeout_s` where the window is longer: no worker for that long (an
+    outage, workers scaled to zero) expires it unrun. The window still allows it, so the line is fed again (a new
+    request), and it runs once a worker comes: never a 504 line, never a batch `completed` with failures it could
+    have avoided."""
+    import dataclasses
+
+    from shared.config import BUILTIN_MODELS
+
+    quick = dataclasses.replace(BUILTIN_MODELS["tiny-llama"], max_timeout_s=1.0)
+    settings = make_settings(redis_url, prefix, models=(BUILTIN_MODELS["minilm"], quick),
+                             files_dir=str(tmp_path / "files"), expiry_grace_s=0.2)
+    async with running_gateway(settings) as gw, runner(settings) as r:
+        client = client_for(gw)
+        f = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(3))), purpose="batch")
+        b = await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+        await wait_until(lambda: _fed(r, b.id, 3), timeout=20)
+        first = {ref.line: ref.request_id for ref in await r.store.in_flight(b.id)}
+
+        async def fed_again() -> bool:
+            refs = await r.store.in_flight(b.id)
+            return len(refs) == 3 and all(ref.attempt >= 1 for ref in refs)
+
+        await wait_until(fed_again, timeout=20)  # expired unrun (no worker): fed again, nothing answered
+        assert (await client.batches.retrieve(b.id)).request_counts.failed == 0
+        async with running_worker(settings, loaded_models):
+            done = await until_done(client, b.id, 60)
+        assert done.status == "completed" and done.request_counts.completed == 3 and done.error_file_id is None, done
+        out = await lines_of(client, done.output_file_id)
+        assert [x["custom_id"] for x in out] == ["c-0", "c-1", "c-2"]
+        assert all(x["response"]["request_id"] != first[i] for i, x in enumerate(out))  # each line's later request
+        for old in first.values():  # the first requests expired, unrun
+            assert (await gw.client.get(f"/v1/requests/{old}")).json()["status"] == "expired"
+
+
+async def test_batches_are_listed_newest_first_within_one_second(redis_url, prefix, tmp_path):
+    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
+    async with running_gateway(settings) as gw:  # no runner: they stay `validating`
+        client = client_for(gw)
+        f = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(1))), purpose="batch")
+        made = [(await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")).id
+                for _ in range(12)]
+        listed = [x.id async for x in client.batches.list(limit=5)]
+        assert listed == made[::-1]
+        assert (await client.batches.list(limit=1)).data[0].id == made[-1]
+
+
+async def test_a_cancel_while_a_file_is_validated_stops_its_validation(redis_url, prefix, tmp_path, monkeypatch):
+    """Validation looks for a cancel as it reads (every `CANCEL_CHECK_LINES`): a 50,000-line file's cancel does not
+    wait for every line to be checked, and a bad line past where it stopped does not fail the cancelled batch."""
+    from gateway import batch_runner
+
+    monkeypatch.setattr(batch_runner, "CANCEL_CHECK_LINES", 2)
+    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
+    async with running_gateway(settings) as gw:
+        client = client_for(gw)
+        f = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(3) + jsonl(1))), purpose="batch")  # c-0 twice
+        b = await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+        await client.batches.cancel(b.id)
+        async with runner(settings):
+            done = await until_done(client, b.id, 30)
+        assert done.status == "cancelled" and done.errors is None, done  # not `failed` for the line it never checked
+        err = await lines_of(client, done.error_file_id)
+        assert [code_of(x) for x in err] == ["batch_cancelled"] * 4

@@ -25,6 +25,13 @@ from shared.batches import (
 CHAT = "/v1/chat/completions"
 
 
+def lined(*args, **kwargs):
+    """(succeeded, the line) of a finished item that is written (not fed again)."""
+    written = result_line(*args, **kwargs)
+    assert written is not None
+    return written.ok, written.line
+
+
 def line(custom_id="a", url=CHAT, body=None, **extra):
     body = body if body is not None else {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
                                           "max_tokens": 4}
@@ -106,16 +113,32 @@ def test_windows_endpoints_metadata():
     assert new_batch_id(1000).startswith("batch_")
 
 
+@pytest.mark.parametrize(("check", "value", "param", "code"), [
+    (window_seconds, None, "completion_window", "missing_required_parameter"),
+    (window_seconds, "24", "completion_window", "invalid_request"),
+    (window_seconds, "8d", "completion_window", "invalid_request"),
+    (check_endpoint, None, "endpoint", "missing_required_parameter"),
+    (check_endpoint, "/v1/moderations", "endpoint", "invalid_endpoint"),
+    (check_metadata, {"k": 1}, "metadata", "invalid_request"),
+])
+def test_a_refused_batch_field_is_named_once(check, value, param, code):
+    """The API prefixes a field's error with its name: the message does not name it again."""
+    with pytest.raises(BatchError) as info:
+        check(value)
+    assert info.value.param == param and info.value.code == code
+    assert not info.value.message.startswith(param), info.value.message
+
+
 def test_output_and_error_lines_follow_openais_format():
     ref = parse_line(line(), 0, CHAT).ref("req_abc")
     view = {"id": "req_abc", "status": "succeeded", "finish_reason": "length",
             "output": {"text": "yo", "token_ids": [5, 6], "prompt_tokens": 3, "completion_tokens": 2}}
-    ok, out = result_line(ref, view, 100)
+    ok, out = lined(ref, view, 100)
     assert ok and out["custom_id"] == "a" and out["error"] is None and out["id"] == "batch_req_abc"
     assert out["response"]["status_code"] == 200
     assert out["response"]["body"]["choices"][0]["message"]["content"] == "yo"
     assert out["response"]["body"]["usage"]["total_tokens"] == 5
-    bad, err = result_line(ref, {"id": "req_abc", "status": "failed",
+    bad, err = lined(ref, {"id": "req_abc", "status": "failed",
                                  "error": {"code": "input_too_long", "message": "too long"}}, 100)
     # a line that got an HTTP answer: its error in the response's body, in OpenAI's shape; `error` null
     assert not bad and err["error"] is None and err["response"]["status_code"] == 400
@@ -132,18 +155,18 @@ def test_output_and_error_lines_follow_openais_format():
     for kind_line, url in ((line(), CHAT), (line(url="/v1/models/m/requests", body={"input": {"prompt": "x"}}),
                                             "/v1/models/m/requests")):
         item_ref = parse_line(kind_line, 0, url).ref("req_q")
-        bad, queued = result_line(item_ref, {"id": "req_q", "status": "cancelled", "started_at": None,
+        bad, queued = lined(item_ref, {"id": "req_q", "status": "cancelled", "started_at": None,
                                              "error": {"code": "cancelled", "message": "cancelled by the caller"}}, 1)
         assert not bad and queued["response"] is None and queued["error"]["code"] == "batch_cancelled", queued
         # stopped, or expired unstarted, because the batch's window ended: as OpenAI answers what a window left
         for status in ("cancelled", "expired"):
             view = {"id": "req_q", "status": status, "started_at": None, "error": {"code": status, "message": "x"}}
-            bad, left = result_line(item_ref, view, 1, "expired")
+            bad, left = lined(item_ref, view, 1, "expired")
             assert not bad and left["response"] is None and left["error"]["code"] == "batch_expired", left
-        bad, queued = result_line(item_ref, {"id": "req_q", "status": "cancelled", "started_at": None}, 1, "cancelled")
+        bad, queued = lined(item_ref, {"id": "req_q", "status": "cancelled", "started_at": None}, 1, "cancelled")
         assert queued["error"]["code"] == "batch_cancelled"
     # cancelled while it ran: it got an answer, its error in the response
-    bad, ran = result_line(ref, {"id": "req_abc", "status": "cancelled", "started_at": 5.0,
+    bad, ran = lined(ref, {"id": "req_abc", "status": "cancelled", "started_at": 5.0,
                                  "error": {"code": "cancelled", "message": "cancelled while running"}}, 100)
     assert not bad and ran["error"] is None and ran["response"]["body"]["error"]["code"] == "cancelled"
 
@@ -151,12 +174,81 @@ def test_output_and_error_lines_follow_openais_format():
 def test_the_batch_object_has_openais_fields():
     meta = BatchMeta(id="batch_x", tenant="t", endpoint=CHAT, input_file_id="file-1", completion_window="24h",
                      created_at=10, expires_at=86_410, metadata={"k": "v"})
-    obj = batch_object(meta, Progress(status="in_progress", total=3, completed=1, times={"in_progress_at": 11}))
+    obj = batch_object(meta, Progress(status="in_progress", total=3, completed=1, times={"in_progress_at": 11},
+                                      model="tiny-llama", input_tokens=30, output_tokens=12))
     assert obj["object"] == "batch" and obj["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
     assert obj["in_progress_at"] == 11 and obj["errors"] is None and obj["metadata"] == {"k": "v"}
     from openai.types import Batch  # the official client's own type reads it
 
-    assert Batch.model_validate(obj).status == "in_progress"
+    batch = Batch.model_validate(obj)
+    assert batch.status == "in_progress" and batch.model == "tiny-llama"
+    assert batch.usage is not None and (batch.usage.input_tokens, batch.usage.output_tokens) == (30, 12)
+    assert batch.usage.total_tokens == 42
+    assert Batch.model_validate(batch_object(meta, Progress())).model is None  # not validated yet, or several
+
+
+WINDOW_END = 10_000.0
+
+
+def outcome(view, *, deadline=WINDOW_END, now=5_000.0, ending=None, url=CHAT, body=None):
+    ref = parse_line(line(url=url, body=body), 0, url).ref("req_q", deadline=deadline, offset=0)
+    return result_line(ref, {"id": "req_q", **view}, 1, ending, expires_at=WINDOW_END, now=now)
+
+
+UNSTARTED = {"status": "expired", "started_at": None, "error": {"code": "deadline_exceeded", "message": "not computed"}}
+
+
+def test_a_request_that_expired_before_it_ran_is_fed_again_while_the_window_is_open():
+    """Its deadline was the model's max_timeout_s (no worker, or none free, for that long): the batch's window still
+    allows it, so the line is fed again (None), never answered 504 while the window is open."""
+    assert outcome(UNSTARTED, deadline=3_600.0) is None
+    # fed with the window's end as its deadline, or the window is over: the window left it undone
+    for kwargs in ({"deadline": WINDOW_END}, {"deadline": 3_600.0, "now": WINDOW_END},
+                   {"deadline": 3_600.0, "ending": "expired"}):
+        written = outcome(UNSTARTED, **kwargs)
+        assert written is not None and written.expired and not written.ok, kwargs
+        assert written.line["response"] is None and written.line["error"]["code"] == "batch_expired"
+    # a ref of a runner of before has no deadline: the window's end decides
+    assert outcome(UNSTARTED, deadline=0.0) is None and outcome(UNSTARTED, deadline=0.0, now=WINDOW_END).expired
+
+
+def test_the_windows_end_leaves_a_request_that_ran_without_output_expired_and_one_with_output_answered():
+    ran_empty = {"status": "expired", "started_at": 4_000.0, "error": {"code": "deadline_exceeded", "message": "x"},
+                 "output": {"text": "", "token_ids": [], "prompt_tokens": 3, "completion_tokens": 0}}
+    assert outcome(ran_empty).expired  # cut by the window with nothing to show
+    own_timeout = outcome(ran_empty, deadline=3_600.0)  # cut by its own max_timeout_s: the 504 it would get alone
+    assert own_timeout is not None and not own_timeout.expired and own_timeout.line["response"]["status_code"] == 504
+    cut = {**ran_empty, "finish_reason": "deadline",
+           "output": {"text": "yo", "token_ids": [5, 6], "prompt_tokens": 3, "completion_tokens": 2}}
+    answered = outcome(cut, ending="expired")
+    assert answered is not None and answered.ok and answered.tokens == (3, 2)
+    assert answered.line["response"]["body"]["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_batchs_cancel_answers_what_it_cancelled_batch_cancelled_and_what_finished_as_it_ended():
+    cancelled_running = {"status": "cancelled", "started_at": 4_000.0, "error": {"code": "cancelled", "message": "x"}}
+    written = outcome(cancelled_running, ending="cancelled")
+    assert written is not None and written.line["error"]["code"] == "batch_cancelled" and not written.expired
+    done = outcome({"status": "succeeded", "started_at": 4_000.0, "finish_reason": "length",
+                    "output": {"text": "yo", "token_ids": [5, 6], "prompt_tokens": 3, "completion_tokens": 2}},
+                   ending="cancelled")
+    assert done is not None and done.ok and done.line["response"]["status_code"] == 200
+
+
+@pytest.mark.parametrize(("view", "status"), [
+    ({"status": "cancelled", "started_at": 4_000.0, "error": {"code": "cancelled", "message": "x"}}, 409),
+    ({"status": "failed", "started_at": 4_000.0, "error": {"code": "input_too_long", "message": "x"}}, 400),
+    ({"status": "failed", "started_at": 4_000.0, "error": {"code": "model_error", "message": "x"}}, 500),
+    ({"status": "expired", "started_at": 4_000.0, "error": {"code": "deadline_exceeded", "message": "x"}}, 504),
+])
+def test_a_native_lines_error_has_the_status_the_interactive_route_gives(view, status):
+    native = "/v1/models/tiny-llama/requests"
+    written = outcome(view, deadline=3_600.0, url=native, body={"input": {"prompt": "x"}})
+    assert written is not None and not written.ok and written.line["response"]["status_code"] == status
+    ok = outcome({"status": "succeeded", "started_at": 4_000.0, "output": {"text": "y", "prompt_tokens": 1,
+                                                                          "completion_tokens": 1}},
+                 url=native, body={"input": {"prompt": "x"}})
+    assert ok is not None and ok.ok and ok.line["response"]["body"]["status"] == "succeeded" and ok.tokens == (1, 1)
 
 
 async def test_a_batch_task_that_loses_a_cancellation_is_cancelled_again_until_it_ends():
@@ -241,14 +333,14 @@ def test_a_lines_log_probabilities_and_echo_reach_its_output_line_through_the_ke
             "output": {"text": "yo", "token_ids": [6], "prompt_tokens": 2, "completion_tokens": 1,
                        "logprobs": [{**entry, "token_id": 6, "token": "yo"}], "prompt_text": "hi",
                        "prompt_logprobs": [{**entry, "logprob": None}, entry]}}
-    ok, out = result_line(ref, view, 100)
+    ok, out = lined(ref, view, 100)
     (choice,) = out["response"]["body"]["choices"]
     assert ok and choice["text"] == "hi" and choice["finish_reason"] == "length"
     assert choice["logprobs"]["token_logprobs"] == [None, -2.0]
     assert out["response"]["body"]["usage"]["completion_tokens"] == 0
     chat = parse_line(line(body={"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}),
                       0, CHAT)
-    _, out = result_line(chat.ref("req_c"), view, 100)
+    _, out = lined(chat.ref("req_c"), view, 100)
     assert out["response"]["body"]["choices"][0]["logprobs"]["content"][0]["token"] == "yo"
     old = ItemRef(0, "a", "req_o", "chat", "m")  # kept by a gateway of before: no answer fields
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=ItemRef).answer is None
@@ -273,7 +365,7 @@ def test_a_responses_line_is_answered_as_a_response_through_the_kept_ref():
     ref = msgspec.msgpack.decode(msgspec.msgpack.encode(item.ref("req_r")), type=ItemRef)
     view = {"id": "req_r", "status": "succeeded", "finish_reason": "eos",
             "output": {"text": "Hello", "token_ids": [1, 2], "prompt_tokens": 3, "completion_tokens": 2}}
-    ok, out = result_line(ref, view, 100)
+    ok, out = lined(ref, view, 100)
     body = out["response"]["body"]
     assert ok and body["object"] == "response" and body["id"] == "resp_req_r" and body["status"] == "completed"
     assert body["output"][0]["content"][0]["text"] == "Hello" and body["instructions"] == "be brief"
@@ -297,7 +389,7 @@ def test_a_lines_tool_calls_reach_its_output_line_through_the_kept_ref():
     ref = msgspec.msgpack.decode(msgspec.msgpack.encode(item.ref("req_t")), type=ItemRef)
     view = {"id": "req_t", "status": "succeeded", "finish_reason": "stop",
             "output": {"text": '{"a": 1}', "token_ids": [6], "prompt_tokens": 2, "completion_tokens": 1}}
-    ok, out = result_line(ref, view, 100)
+    ok, out = lined(ref, view, 100)
     (choice,) = out["response"]["body"]["choices"]
     assert ok and choice["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
     older = msgspec.msgpack.encode([1, False, None, False])  # an Answer of before: logprobs 1, nothing else
@@ -315,7 +407,7 @@ def test_a_line_with_the_deprecated_functions_answers_function_call():
                                  type=ItemRef)
     view = {"id": "req_f", "status": "succeeded", "finish_reason": "stop",
             "output": {"text": '{"a": 1}', "token_ids": [6], "prompt_tokens": 2, "completion_tokens": 1}}
-    ok, out = result_line(ref, view, 100)
+    ok, out = lined(ref, view, 100)
     (choice,) = out["response"]["body"]["choices"]
     assert ok and choice["message"]["function_call"] == {"name": "f", "arguments": '{"a": 1}'}
     assert "tool_calls" not in choice["message"]

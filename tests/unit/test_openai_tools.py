@@ -224,7 +224,8 @@ def test_auto_without_a_parser_is_refused_in_calls_and_batch_lines():
     a batch line for a model with one is read as the route reads it (its `Calls` kept with the line's ref)."""
     import msgspec
 
-    from shared.batches import BatchError, ItemRef, parse_line, result_line
+    from shared.batches import BatchError, ItemRef, parse_line
+    from tests.unit.test_batches import lined
 
     assert refused(tools=[WEATHER], tool_choice="auto").param == "tool_choice"
     err = refused(tools=[WEATHER])
@@ -241,7 +242,7 @@ def test_auto_without_a_parser_is_refused_in_calls_and_batch_lines():
         ref = msgspec.msgpack.decode(msgspec.msgpack.encode(item.ref("req_b")), type=ItemRef)
         view = {"id": "req_b", "status": "succeeded", "finish_reason": "eos",
                 "output": {"text": said, "token_ids": [6], "prompt_tokens": 2, "completion_tokens": 1}}
-        ok, out = result_line(ref, view, 100)
+        ok, out = lined(ref, view, 100)
         (choice,) = out["response"]["body"]["choices"]
         assert ok and choice["finish_reason"] == "tool_calls", parser
         (call,) = choice["message"]["tool_calls"]
