@@ -44,7 +44,7 @@ from shared.keys import Keys
 from shared.logs import configure_logging
 from shared.messages import CallbackDelivery, CallbackState
 from shared.records import RecordStore
-from shared.redis_io import UNAVAILABLE, make_redis, raise_if_cancelling
+from shared.redis_io import UNAVAILABLE, make_redis, raise_if_cancelling, until_reachable
 from shared.ssrf import AllowList, RefusedURL, ResolveFailed, Resolver, Target, resolve_and_check, system_resolver
 from shared.startup_checks import start_metrics_server
 from shared.tenants import TenantStore
@@ -125,8 +125,16 @@ class Dispatcher:
         return int(self.clock() * 1000)
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self._ensure_group()
-        await self.tenants.announce_default_secret()  # so operations tools never sign past it (shared.tenants)
+        async def start() -> None:
+            await self._ensure_group()
+            await self.tenants.announce_default_secret()  # so operations tools never sign past it (shared.tenants)
+
+        started, _ = await until_reachable(start, stop, "callback dispatcher", log)
+        if not started:  # stopped while waiting for Redis
+            await self.http.aclose()
+            if self._own_redis:
+                await self.redis.aclose()
+            return
         tasks = [asyncio.create_task(self._intake(), name="cb-intake"),
                  asyncio.create_task(self._deliver_due(), name="cb-due"),
                  asyncio.create_task(self._expire_overdue(), name="cb-expiry")]

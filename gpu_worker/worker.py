@@ -108,7 +108,15 @@ class Worker:
             log.warning("fault injection is armed (BATCHGATE_FAULTS): a test run, not production")
         await self._load_models()
         log.info("start-up heap frozen", objects=freeze_startup_heap())  # the models' objects: out of collections
-        await self.queue.create_groups(self._all_streams())
+        from shared.redis_io import until_reachable
+
+        grouped, _ = await until_reachable(lambda: self.queue.create_groups(self._all_streams()), stop, "worker", log,
+                                           errors=(QueueUnavailable,))
+        if not grouped:  # stopped while waiting for Redis: nothing was taken
+            if self._own_redis and self.redis is not None:
+                await self.redis.aclose()
+            log.info("worker stopped before Redis answered", worker=self.name)
+            return
         for engines in self.engines.values():
             engines.start()
         intake = [asyncio.create_task(self.intake.run(name), name=f"intake-{name}") for name in self.engines]

@@ -383,9 +383,10 @@ class Settings:
 
         redis_url = redis_url_from(env)
         if redis_url is not None:
-            problem = redis_url_problem(redis_url)
+            problem = (redis_url_problem(redis_url) if redis_url.strip()
+                       else "it is set but empty (unset it for the default)")
             if problem:
-                source = ENV_PREFIX + "REDIS_URL" if get(ENV_PREFIX + "REDIS_URL") else "REDIS_URL"
+                source = ENV_PREFIX + "REDIS_URL" if get(ENV_PREFIX + "REDIS_URL") is not None else "REDIS_URL"
                 raise ConfigError(f"{source}={redis_url!r} is not a Redis URL: {problem}")
         cache_dir = get(ENV_PREFIX + "MODEL_CACHE") or str(Path.home() / ".cache" / "batchgate" / "models")
         key_prefix = get(ENV_PREFIX + "KEY_PREFIX", d.key_prefix)
@@ -507,8 +508,13 @@ def default_files_dir(env: Mapping[str, str]) -> str:
 
 
 def redis_url_from(env: Mapping[str, str]) -> str | None:
-    """The Redis URL an environment names (`BATCHGATE_REDIS_URL`, else `REDIS_URL`), or None when it names none."""
-    return env.get(ENV_PREFIX + "REDIS_URL") or env.get("REDIS_URL") or None
+    """The Redis URL an environment names (`BATCHGATE_REDIS_URL`, else `REDIS_URL`), or None when it names none. A
+    variable set but empty names one, which is refused (`redis_url_problem`): an unset secret must not point a
+    process at whatever Redis listens on this machine."""
+    for name in (ENV_PREFIX + "REDIS_URL", "REDIS_URL"):
+        if env.get(name) is not None:
+            return env[name]
+    return None
 
 
 # --- model configuration -------------------------------------------------------------------------
@@ -619,8 +625,9 @@ def _file_models(data: Mapping[str, Any], where: str, known: dict[str, ModelSpec
     problem = top_level_problem(data, where)
     if problem:
         raise ConfigError(problem)
-    if "models" not in data:
-        return []
+    if "models" not in data:  # an empty file (a mount or secret that came up empty): never the built-ins in its place
+        raise ConfigError(f"{where} defines no models: its top level must be `models:`, a list of at least one "
+                          f"model (to serve the built-ins {', '.join(DEFAULT_MODELS)}, set no model file)")
     entries = data["models"]
     if not isinstance(entries, list):
         raise ConfigError(f"{where}: `models` must be a list of models, got {type(entries).__name__}")
@@ -643,13 +650,14 @@ def load_models(env: Mapping[str, str]) -> tuple[ModelSpec, ...]:
     selected: list[str] = list(DEFAULT_MODELS)
     path = env.get(ENV_PREFIX + "CONFIG")
     inline = env.get(ENV_PREFIX + "CONFIG_YAML")  # for Lambdas, which have no file to ship it in
-    if path and inline:
+    if path is not None and inline is not None:
         raise ConfigError(f"set {ENV_PREFIX}CONFIG or {ENV_PREFIX}CONFIG_YAML, not both")
-    if path or inline:
+    if path is not None and not path.strip():
+        raise ConfigError(f"{ENV_PREFIX}CONFIG is set but empty: give the model file's path, or unset it to serve "
+                          f"the built-ins {', '.join(DEFAULT_MODELS)}")
+    if path or inline is not None:
         data = read_config_file(path) if path else parse_config(inline or "", where=ENV_PREFIX + "CONFIG_YAML")
-        file_names = _file_models(data, f"config file {path}" if path else ENV_PREFIX + "CONFIG_YAML", known)
-        if file_names:
-            selected = file_names
+        selected = _file_models(data, f"config file {path}" if path else ENV_PREFIX + "CONFIG_YAML", known)
     for written, fields in env_model_overrides(env).items():
         variables = {f: var for f, (var, _) in fields.items()}
         name = resolve_env_model(written, known, selected, next(iter(variables.values())))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import PipelineCommand, RedisCluster
@@ -29,6 +29,29 @@ UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, Timeout
 
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+T = TypeVar("T")
+START_WAIT_MAX_S = 10.0  # the longest pause between tries of a process waiting for its Redis at start-up
+
+
+async def until_reachable(step: Callable[[], Awaitable[T]], stop: asyncio.Event, what: str, log: Any, *,
+                          errors: tuple[type[BaseException], ...] = UNAVAILABLE) -> tuple[bool, T | None]:
+    """Run a start-up step until Redis answers it: a process started before its Redis (a boot order, a Redis
+    restarting) waits for it, as the gateway does, instead of exiting (a supervisor's restart loop, the models
+    loaded again each time). Jittered backoff from 0.5 s to `START_WAIT_MAX_S`; (False, None) if `stop` is set
+    first, else (True, the step's result)."""
+    pause = 0.5
+    while True:
+        try:
+            return True, await step()
+        except errors as exc:
+            log.warning(f"{what}: Redis is not reachable yet; waiting for it", error=str(exc) or repr(exc),
+                        retry_in_s=round(pause, 1))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), pause * random.uniform(0.8, 1.2))
+        if stop.is_set():
+            return False, None
+        pause = min(pause * 2, START_WAIT_MAX_S)
 
 
 def is_cluster(url: str) -> bool:

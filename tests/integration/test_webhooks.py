@@ -544,3 +544,36 @@ async def test_a_request_past_its_deadline_with_no_worker_alive_gets_its_webhook
             assert got.headers["batchgate-event"] == "completed" and payload["error"]["code"] == "deadline_exceeded"
             remaining = await redis.zrange(keys.callback_deadlines(), 0, -1)
             assert remaining == [b"req_unreadable"]  # kept, looked at again later: not dropped, not fatal
+
+
+@pytest.mark.standalone  # its own redis-server, started late: a single Redis
+async def test_a_dispatcher_started_before_its_redis_waits_for_it(tmp_path, prefix, monkeypatch):
+    """No Redis yet when the dispatcher starts (a boot order): it waits, is ready once Redis answers and serves, never
+    exits with a traceback into a supervisor's restart loop; stopped while it waits, it ends cleanly."""
+    from shared import redis_io
+    from tests.stack import free_port
+
+    monkeypatch.setattr(redis_io, "START_WAIT_MAX_S", 0.2)
+    port = free_port()
+    settings = settings_for(f"redis://127.0.0.1:{port}/0", prefix)
+    d = Dispatcher(settings, default_secret=SECRET)
+    stop = asyncio.Event()
+    task = asyncio.create_task(d.run(stop))
+    await asyncio.sleep(1.0)
+    assert not task.done() and not d.ready.is_set()
+    server = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                               "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    try:
+        await asyncio.wait_for(d.ready.wait(), 15)
+        stop.set()
+        await asyncio.wait_for(task, 20)
+    finally:
+        server.terminate()
+        server.wait(10)
+    waiting = Dispatcher(settings, default_secret=SECRET)  # its Redis gone again: stopped while it waits
+    stop = asyncio.Event()
+    task = asyncio.create_task(waiting.run(stop))
+    await asyncio.sleep(0.5)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    assert not waiting.ready.is_set()

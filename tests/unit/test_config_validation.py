@@ -219,8 +219,8 @@ def test_an_empty_model_list_is_refused(tmp_path):
     assert "`models` is empty; list at least one model" in refusal(model_file(tmp_path, "models: []\n"))
     assert refusal({"BATCHGATE_MODELS": " , "}).startswith("BATCHGATE_MODELS=' , ' names no model")
     assert "`models` must be a list" in refusal(model_file(tmp_path, "models: {name: m}\n"))
-    # no file, an empty file, or BATCHGATE_MODELS="" (unset): the built-ins, as before
-    assert len(Settings.from_environ(model_file(tmp_path, "")).models) == 2
+    # no file, or BATCHGATE_MODELS="" (unset): the built-ins; an empty file is refused (below)
+    assert len(Settings.from_environ({}).models) == 2
     assert len(Settings.from_environ({"BATCHGATE_MODELS": ""}).models) == 2
 
 
@@ -253,3 +253,19 @@ def test_the_served_model_wins_over_a_built_in_written_alike_and_two_served_ones
                                 "  - {name: my_lm, task: generate, source: /y}\n")
     says = refusal({**both, "BATCHGATE_MODEL__MY_LM__MAX_RUNNING": "3"})
     assert says.startswith("BATCHGATE_MODEL__MY_LM__MAX_RUNNING: MY_LM names models my-lm, my_lm alike")
+
+
+@pytest.mark.parametrize("text", ["", "# nothing but a comment\n", "{}\n"])
+def test_a_model_file_that_defines_no_models_is_refused_not_replaced_by_the_built_ins(tmp_path, text):
+    """A mount or secret that came up empty must not serve the random-weight built-ins as if all were well."""
+    for env in (model_file(tmp_path, text), {"BATCHGATE_CONFIG_YAML": text}):
+        assert "defines no models" in refusal(env), env
+    (tmp_path / "empty.toml").write_text("")
+    assert "defines no models" in refusal({"BATCHGATE_CONFIG": str(tmp_path / "empty.toml")})
+    assert "BATCHGATE_CONFIG is set but empty" in refusal({"BATCHGATE_CONFIG": " "})
+
+
+@pytest.mark.parametrize("name", ["BATCHGATE_REDIS_URL", "REDIS_URL"])
+def test_a_redis_url_set_but_empty_is_refused_not_the_default(name):
+    """An unset secret must not point the process at whatever Redis listens on localhost."""
+    assert refusal({name: ""}) == f"{name}='' is not a Redis URL: it is set but empty (unset it for the default)"

@@ -251,6 +251,38 @@ async def test_the_worker_rides_out_an_unavailable_queue():
         assert r.worker.redis is None
 
 
+async def test_a_worker_started_before_its_queue_waits_for_it_instead_of_exiting(monkeypatch):
+    """Redis not up yet when the worker starts (a boot order, a Redis restarting): it waits and becomes ready once
+    Redis answers, never exits (a supervisor's restart loop would load the models again each time); a stop while
+    it waits ends it cleanly."""
+    from shared import redis_io
+
+    monkeypatch.setattr(redis_io, "START_WAIT_MAX_S", 0.05)
+    q = MemoryQueue()
+    q.available = False
+    made: dict[str, FakeEngines] = {}
+    worker = Worker(settings(), queue=q, announcer=MemoryAnnouncer(), engines_factory=fake_engines_factory(made))
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    await asyncio.sleep(0.3)
+    assert not task.done() and not worker.ready.is_set()
+    q.available = True
+    await asyncio.wait_for(worker.ready.wait(), 5)
+    q.add(STREAM, {b"m": encode(make_request("r0"))})
+    await until(lambda: state(q, "r0") is Status.SUCCEEDED)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    # stopped while it waits: returns, never ready
+    q.available = False
+    worker = Worker(settings(), queue=q, announcer=MemoryAnnouncer(), engines_factory=fake_engines_factory({}))
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    await asyncio.sleep(0.2)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert not worker.ready.is_set()
+
+
 class _SwallowingAnnouncer(MemoryAnnouncer):
     """Each announcement swallows a cancellation that arrives while it is in flight and returns normally, as
     Python 3.11's `wait_for` inside redis-py does when the cancellation comes as the command completes."""
