@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from shared.config import Settings
+from shared.config import Settings, shown_url
 from shared.config_checks import Rule
 from shared.errors import ConfigError
 from shared.logs import configure_logging
@@ -31,7 +31,7 @@ def _environ(args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
     problem = redis_url_problem(args.redis_url) if getattr(args, "redis_url", None) else None
     if problem:
-        raise ConfigError(f"--redis-url {args.redis_url!r} is not a Redis URL: {problem}")
+        raise ConfigError(f"--redis-url {shown_url(args.redis_url)!r} is not a Redis URL: {problem}")
     if problem := _option_problem(args):
         raise ConfigError(problem)
     if getattr(args, "config", None):
@@ -109,7 +109,7 @@ def _admin_settings(args: argparse.Namespace) -> Settings:
                 "default one")
         if not is_running(state):  # its Redis was the user's own, which outlives it: still where its data is
             print(f"batchgate: the `batchgate up` recorded in {state_path(env)} (pid {state.get('pid')}) is not "
-                  f"running; using the Redis it ran on, {state['redis_url']}", file=sys.stderr)
+                  f"running; using the Redis it ran on, {shown_url(state['redis_url'])}", file=sys.stderr)
         env["BATCHGATE_REDIS_URL"] = str(state["redis_url"])
         if "BATCHGATE_KEY_PREFIX" not in env and state.get("key_prefix"):
             env["BATCHGATE_KEY_PREFIX"] = str(state["key_prefix"])
@@ -127,17 +127,18 @@ def _run_admin(settings: Settings, coro_fn: Callable[[], Coroutine[Any, Any, int
 
     import redis.exceptions
 
+    url = shown_url(settings.redis_url)  # never its password
     try:
         return int(asyncio.run(coro_fn()) or 0)
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
         raise RedisUnreachable(
-            f"batchgate: cannot reach Redis at {settings.redis_url} ({type(exc).__name__}); is `batchgate up` "
+            f"batchgate: cannot reach Redis at {url} ({type(exc).__name__}); is `batchgate up` "
             "running? Otherwise name the Redis with --redis-url or BATCHGATE_REDIS_URL") from None
     except redis.exceptions.InvalidResponse as exc:
-        raise RedisUnreachable(f"batchgate: the server at {settings.redis_url} does not answer as Redis does "
+        raise RedisUnreachable(f"batchgate: the server at {url} does not answer as Redis does "
                                f"({_one_line(exc)}); is that the Redis URL?") from None
     except redis.exceptions.RedisError as exc:
-        raise RedisUnreachable(f"batchgate: Redis at {settings.redis_url} refused: "
+        raise RedisUnreachable(f"batchgate: Redis at {url} refused: "
                                f"{type(exc).__name__}: {_one_line(exc)}") from None
 
 

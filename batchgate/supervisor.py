@@ -26,7 +26,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 
 from batchgate.state import remove_state, write_state
-from shared.config import Settings, redis_url_from
+from shared.config import Settings, redis_url_from, shown_url
 from shared.embedded_redis import free_port, start_embedded_redis
 from shared.keys import Keys
 from shared.lifeline import die_with_parent
@@ -255,7 +255,7 @@ def run_stack(settings: Settings, environ: Mapping[str, str]) -> int:
     else:  # a Redis named: find out now, not from the parts' tracebacks and a stack that never gets ready
         problem = redis_problem(redis_url)
         if problem:
-            print(f"batchgate up: cannot reach Redis at {redis_url} ({problem})", file=sys.stderr)
+            print(f"batchgate up: cannot reach Redis at {shown_url(redis_url)} ({problem})", file=sys.stderr)
             return 1
     port = settings.port or free_port()
     env = {**environ, "BATCHGATE_REDIS_URL": redis_url, "BATCHGATE_HOST": settings.host,
@@ -337,7 +337,7 @@ def _banner(base: str, redis_url: str, redis_kind: str, env: Mapping[str, str], 
     allow = env.get("BATCHGATE_CALLBACK_ALLOW", "")
     lines = [
         f"batchgate is up: {base}",
-        f"  redis:   {redis_url} ({redis_kind})",
+        f"  redis:   {shown_url(redis_url)} ({redis_kind})",
         f"  models:  {', '.join(m.name + ' (' + m.task.value + ')' for m in settings.models)}",
         f"  metrics: {base}/metrics (gateway), {_metrics_url(env['BATCHGATE_WORKER_METRICS_PORT'])} (worker), "
         f"{_metrics_url(env['BATCHGATE_DISPATCHER_METRICS_PORT'])} (webhook dispatcher)",

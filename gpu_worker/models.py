@@ -205,7 +205,10 @@ def load(spec: ModelSpec, cache_dir: str | Path) -> LoadedModel:
     """Load a model and its tokenizer from a local directory, on CUDA when present."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+    from shared.logs import adopt_transformers_logging
     from shared.states import Task
+
+    adopt_transformers_logging()
 
     path = resolve_source(spec, cache_dir)
     device = pick_device(spec.device)

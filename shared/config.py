@@ -275,6 +275,21 @@ def warn_unknown_env(env: Mapping[str, str]) -> None:
                 "batchgate: warning: unknown setting %s is ignored%s", name, hint)
 
 
+def shown_url(url: str) -> str:
+    """A Redis URL as messages and banners show it: its password (and any `password=` in its query) as `***`, so a
+    terminal, a log or a support ticket never holds it."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, path = rest.partition("/")
+    creds, at, host = netloc.rpartition("@")
+    if at:
+        user, colon, _ = creds.partition(":")
+        netloc = f"{user}:***@{host}" if colon else f"***@{host}"  # a lone part before @ is a password to redis-py
+    path = re.sub(r"(?i)(password=)[^&]*", r"\1***", path)
+    return f"{scheme}{sep}{netloc}{slash}{path}"
+
+
 def redis_url_problem(url: str) -> str | None:
     """What is wrong with `url` as a Redis URL, or None when redis-py can use it (a cluster URL included)."""
     from redis.connection import parse_url
@@ -387,7 +402,7 @@ class Settings:
                        else "it is set but empty (unset it for the default)")
             if problem:
                 source = ENV_PREFIX + "REDIS_URL" if get(ENV_PREFIX + "REDIS_URL") is not None else "REDIS_URL"
-                raise ConfigError(f"{source}={redis_url!r} is not a Redis URL: {problem}")
+                raise ConfigError(f"{source}={shown_url(redis_url)!r} is not a Redis URL: {problem}")
         cache_dir = get(ENV_PREFIX + "MODEL_CACHE") or str(Path.home() / ".cache" / "batchgate" / "models")
         key_prefix = get(ENV_PREFIX + "KEY_PREFIX", d.key_prefix)
         try:

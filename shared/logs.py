@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -10,12 +11,23 @@ from typing import Any
 import msgspec
 import structlog
 
+# Libraries that log a line per HTTP request at INFO (httpx: the dispatcher's every webhook attempt, its URL's query
+# string, a receiver's token, included): their warnings only.
+QUIET_LIBRARIES = ("httpx", "httpcore")
+
 
 def configure_logging(level: str = "info", fmt: str = "auto") -> None:
+    """structlog for batchgate's own events; in JSON, the standard library's records (uvicorn's, redis-py's,
+    transformers') go through the same renderer, one JSON line each, and progress bars are off: a pipeline that
+    reads one JSON object per line reads every line."""
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     renderer = render_json if use_json else structlog.dev.ConsoleRenderer(colors=False)
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
                         format="%(message)s")
+    for name in QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(max(logging.WARNING, getattr(logging, level.upper(), logging.INFO)))
+    if use_json:
+        _json_stdlib_records()
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -29,6 +41,37 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+_json_lines = False  # configure_logging chose JSON: libraries that print on their own are routed through it
+
+
+def _json_stdlib_records() -> None:
+    """The root handler renders standard library records as batchgate's JSON lines (their logger's name as
+    `logger`); Hugging Face's and tqdm's progress bars are off (set before those libraries are imported, which
+    read it then)."""
+    global _json_lines
+    _json_lines = True
+    formatter = structlog.stdlib.ProcessorFormatter(
+        processor=render_json,
+        foreign_pre_chain=[structlog.stdlib.add_log_level, structlog.stdlib.add_logger_name, UtcTimestamp(),
+                           structlog.processors.format_exc_info])
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(formatter)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+def adopt_transformers_logging() -> None:
+    """Once transformers is imported (a worker loading its models): in JSON, its records (a load report's table, a
+    warning) go through the root handler as JSON lines, not to the plain handler it installs for itself."""
+    if not _json_lines:
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+    hf_logging.disable_progress_bar()
 
 
 class UtcTimestamp:

@@ -288,3 +288,19 @@ def test_a_value_out_of_range_names_its_variable_and_the_value_it_got(name, valu
         Settings.from_environ({name: value})
     assert str(exc.value).startswith(says), exc.value
     assert len(str(exc.value).splitlines()) == 1
+
+
+def test_a_redis_urls_password_is_never_shown():
+    from shared.config import shown_url
+    from shared.errors import ConfigError
+
+    assert shown_url("redis://:S3cret@127.0.0.1:6432/0") == "redis://:***@127.0.0.1:6432/0"
+    assert shown_url("rediss+cluster://user:S3cret@h:7000") == "rediss+cluster://user:***@h:7000"
+    assert shown_url("redis://h:1/0?password=S3cret&db=1") == "redis://h:1/0?password=***&db=1"
+    assert shown_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    try:
+        Settings.from_environ({"BATCHGATE_REDIS_URL": "redis://:S3cret@h:notaport/0"})
+    except ConfigError as exc:
+        assert "S3cret" not in str(exc) and ":***@h" in str(exc)
+    else:
+        raise AssertionError("a bad port is refused")

@@ -43,3 +43,19 @@ def test_the_timestamp_is_iso_utc_to_the_microsecond(monkeypatch):
         # structlog's own, to the microsecond (its isoformat drops a zero fraction; float rounding may differ by 1)
         expected = dt.datetime.fromtimestamp(now, dt.UTC)
         assert abs(dt.datetime.fromisoformat(text) - expected) <= dt.timedelta(microseconds=1), (text, expected)
+
+
+def test_a_librarys_per_request_info_lines_are_off_and_its_records_are_json_in_json_mode():
+    """httpx logs each webhook attempt's URL (a receiver's token in its query string) at INFO: off; any other
+    library's record is a JSON line in JSON mode. In a process of its own: logging's set-up is global."""
+    import subprocess
+    import sys
+
+    code = ("import logging; from shared.logs import configure_logging; configure_logging('info', 'json'); "
+            "logging.getLogger('httpx').info('HTTP Request: POST http://x/hook?token=SECRET'); "
+            "logging.getLogger('uvicorn.error').info('Uvicorn running on http://127.0.0.1:1')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert "SECRET" not in out.stderr
+    (line,) = out.stderr.splitlines()
+    assert json.loads(line)["event"] == "Uvicorn running on http://127.0.0.1:1"
+    assert json.loads(line)["logger"] == "uvicorn.error" and json.loads(line)["level"] == "info"
