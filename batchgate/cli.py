@@ -173,9 +173,12 @@ def _finite(value: float | None) -> float | None:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    from shared.startup_checks import check_tokenizers
+
     settings = _settings(args)
     _check_listen(settings, args)
     _check_file_store(settings)
+    check_tokenizers(settings)
     configure_logging(settings.log_level, settings.log_format)
     from gateway.server import run_gateway
 
@@ -184,7 +187,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from shared.startup_checks import check_model_cache
+
     settings = _settings(args)
+    check_model_cache(settings)  # a one-line error naming the setting, not the model loader's traceback
     configure_logging(settings.log_level, settings.log_format)
     from gpu_worker.main import run_worker
 
@@ -374,6 +380,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     environ = _environ(args)
     settings = Settings.from_environ(environ)
     _check_file_store(settings)  # here, not as a part's failure once started (a taken --port: the supervisor's)
+    from shared.startup_checks import check_model_cache, check_tokenizers
+
+    check_model_cache(settings)
+    check_tokenizers(settings)
     configure_logging(settings.log_level, settings.log_format)
     return run_stack(settings, environ)
 

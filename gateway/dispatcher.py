@@ -54,7 +54,8 @@ from shared.webhooks import sign_headers
 log = structlog.get_logger(__name__)
 
 ATTEMPTS = Counter("batchgate_webhook_attempts_total", "Webhook delivery attempts")
-OUTCOMES = Counter("batchgate_webhook_outcomes_total", "Webhook attempts by outcome", ["outcome"])
+OUTCOMES = Counter("batchgate_webhook_outcomes_total", "Webhook attempts by outcome (delivered, retry: another attempt "
+                   "follows, dead: the last attempt failed, failed, disabled)", ["outcome"])
 FAILURES = Counter("batchgate_webhook_failures_total", "Failed webhook attempts by reason", ["reason"])
 DEAD = Counter("batchgate_webhook_dead_letters_total", "Webhook deliveries that used up their attempts")
 LATENCY = Histogram("batchgate_webhook_delivery_seconds", "Event to successful delivery",
@@ -360,7 +361,9 @@ class Dispatcher:
         ATTEMPTS.inc()
         code, retry_after, error = await self._post(target, body, headers)
         verdict = classify(code, error)
-        OUTCOMES.labels(verdict.status).inc()
+        # an attempt that would be retried but was the last is the delivery's dead letter, not a retry
+        last = verdict.status == "retry" and attempt >= self.settings.callback_max_attempts
+        OUTCOMES.labels("dead" if last else verdict.status).inc()
         now = self.now_ms()
         new = replace(state, attempts=attempt, last_status_code=code, last_error="" if code and code < 300 else
                       verdict.reason)

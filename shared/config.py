@@ -403,6 +403,10 @@ class Settings:
             if problem:
                 source = ENV_PREFIX + "REDIS_URL" if get(ENV_PREFIX + "REDIS_URL") is not None else "REDIS_URL"
                 raise ConfigError(f"{source}={shown_url(redis_url)!r} is not a Redis URL: {problem}")
+        for name in ("METRIC_NAMESPACE", "DEPLOYMENT"):  # a CloudWatch name: never empty
+            if (value := get(ENV_PREFIX + name)) is not None and not value.strip():
+                raise ConfigError(f"{ENV_PREFIX}{name} is set but empty: CloudWatch needs a name (unset it for the "
+                                  "default)")
         cache_dir = get(ENV_PREFIX + "MODEL_CACHE") or str(Path.home() / ".cache" / "batchgate" / "models")
         key_prefix = get(ENV_PREFIX + "KEY_PREFIX", d.key_prefix)
         try:
@@ -470,6 +474,10 @@ class Settings:
         if not re.match(r"^[A-Za-z0-9_.-]{1,32}$", self.key_prefix):
             raise ConfigError(f"{ENV_PREFIX}KEY_PREFIX must be 1-32 letters, digits, '_', '.' or '-' "
                               f"(got {self.key_prefix!r})")
+        from shared.tenants import tenant_name_problem
+
+        if problem := tenant_name_problem(self.lambda_tenant):  # it names keys in Redis, as any tenant's name
+            raise ConfigError(f"{ENV_PREFIX}LAMBDA_TENANT: {problem}")
         for name, attr, rule in SETTINGS_RULES:  # each refusal names the variable, its range and the value it got
             problem = rule.problem(getattr(self, attr))
             if problem:

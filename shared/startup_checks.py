@@ -91,6 +91,32 @@ def files_dir_problem(directory: str) -> str | None:
     return None
 
 
+def check_model_cache(settings: Settings) -> None:
+    """A ConfigError naming BATCHGATE_MODEL_CACHE when a built-in model must be built there and the directory cannot
+    be written (else a traceback from the model loader)."""
+    if not any(spec.source.startswith("builtin:") for spec in settings.models):
+        return  # models of their own are read where they are: the cache is not written
+    problem = files_dir_problem(settings.model_cache_dir)
+    if problem:
+        raise ConfigError(f"BATCHGATE_MODEL_CACHE={settings.model_cache_dir}: {problem}; the built-in models are "
+                          "built there: name a directory this process can write")
+
+
+def check_tokenizers(settings: Settings) -> None:
+    """A ConfigError where a model's `tokenizer` (the file the gateway counts tokens with) names no tokenizer.json:
+    else the gateway would quietly count nothing and leave every token limit to the workers. Only where a gateway
+    runs: a worker does not read it (its machine need not have the file)."""
+    from shared.token_limits import tokenizer_path
+
+    for spec in settings.models:
+        if not spec.tokenizer:
+            continue
+        path = tokenizer_path(spec, settings.model_cache_dir)
+        if path is None or not path.is_file():
+            raise ConfigError(f"model {spec.name}: tokenizer {spec.tokenizer!r}: no tokenizer.json there (name the "
+                              "file, or a directory holding one; or leave it unset for the model's own)")
+
+
 S3_CHECK_TIMEOUT_S = 5.0  # the start-up check's own: an unreachable endpoint is not waited on with boto3's retries
 
 

@@ -195,6 +195,10 @@ variable "lambda_tenant" {
   description = "The tenant the SQS Lambda's messages act for, unless a message carries its own api_key (whose tenant it then acts for)."
   type        = string
   default     = "default"
+  validation {
+    condition     = can(regex("^[^[:space:][:cntrl:]:]+$", var.lambda_tenant))
+    error_message = "lambda_tenant is a tenant name: not empty, no spaces, control characters or ':'."
+  }
 }
 
 variable "sqs_batch_size" {

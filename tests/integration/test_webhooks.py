@@ -278,13 +278,22 @@ async def test_slow_receiver_times_out_then_dead_letter_and_replay(redis_url, pr
     def policy(rec: Received, n: int):
         return (200, {}, 2.0) if slow["on"] else (200, {}, 0.0)
 
+    from prometheus_client import REGISTRY
+
+    def outcomes() -> dict[str, float]:
+        return {o: REGISTRY.get_sample_value("batchgate_webhook_outcomes_total", {"outcome": o}) or 0.0
+                for o in ("retry", "dead")}
+
     settings = settings_for(redis_url, prefix, callback_timeout_s=0.3, callback_max_attempts=2)
     async with receiver(policy) as rx, running_gateway(settings) as gw, dispatcher(settings):
+        before = outcomes()
         rid = await submit(gw, rx.url)
         await complete(gw, rid)
         await wait_until(lambda: _cb_status(gw, rid, "dead"), timeout=20)
         cb = await callback_of(gw, rid)
         assert cb["attempts"] == 2 and "timeout" in cb["last_error"]
+        # two attempts: one retried, then the last, the dead letter's (not a second "retry")
+        assert {o: n - before[o] for o, n in outcomes().items()} == {"retry": 1.0, "dead": 1.0}
         assert (await gw.client.get(f"/v1/requests/{rid}")).json()["status"] == "succeeded"  # result kept
         assert await gw.service.redis.xlen(Keys(prefix).callback_dead()) == 1
         slow["on"] = False

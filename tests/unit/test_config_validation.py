@@ -269,3 +269,15 @@ def test_a_model_file_that_defines_no_models_is_refused_not_replaced_by_the_buil
 def test_a_redis_url_set_but_empty_is_refused_not_the_default(name):
     """An unset secret must not point the process at whatever Redis listens on localhost."""
     assert refusal({name: ""}) == f"{name}='' is not a Redis URL: it is set but empty (unset it for the default)"
+
+
+@pytest.mark.parametrize(("env", "says"), [
+    ({"BATCHGATE_LAMBDA_TENANT": ""}, "BATCHGATE_LAMBDA_TENANT: a tenant name must not be empty"),
+    ({"BATCHGATE_LAMBDA_TENANT": "a b"}, "BATCHGATE_LAMBDA_TENANT: tenant name 'a b' must have no spaces"),
+    ({"BATCHGATE_LAMBDA_TENANT": "x:y"}, "BATCHGATE_LAMBDA_TENANT: tenant name 'x:y' must have no spaces"),
+    ({"BATCHGATE_METRIC_NAMESPACE": ""}, "BATCHGATE_METRIC_NAMESPACE is set but empty"),
+    ({"BATCHGATE_DEPLOYMENT": " "}, "BATCHGATE_DEPLOYMENT is set but empty"),
+])
+def test_names_the_lambda_and_cloudwatch_use_are_checked_at_start(env, says):
+    """The SQS Lambda's tenant names Redis keys as any tenant's name does; CloudWatch refuses an empty name."""
+    assert refusal(env).startswith(says)

@@ -143,3 +143,37 @@ def test_the_gateway_and_batch_runner_refuse_an_unusable_files_directory(tmp_pat
     monkeypatch.setenv("BATCHGATE_FILES_DIR", str(tmp_path / "f"))
     assert main(["batches"]) == 2
     assert f"BATCHGATE_FILES_DIR={tmp_path / 'f'}: {tmp_path / 'f'} is not a directory" in capsys.readouterr().err
+
+
+def test_a_worker_refuses_a_model_cache_it_cannot_build_the_built_ins_in(tmp_path, monkeypatch, capsys):
+    """One line naming BATCHGATE_MODEL_CACHE and exit 2, not the model loader's traceback; a worker of its own
+    models (read where they are) does not need it."""
+    from shared.startup_checks import check_model_cache
+
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setenv("BATCHGATE_MODEL_CACHE", str(tmp_path / "f" / "models"))
+    monkeypatch.setenv("BATCHGATE_MODELS", "tiny-llama")
+    assert main(["worker"]) == 2
+    err = capsys.readouterr().err
+    assert f"BATCHGATE_MODEL_CACHE={tmp_path / 'f' / 'models'}: cannot write in" in err and "Traceback" not in err
+    echo = Settings.from_environ({"BATCHGATE_MODEL_CACHE": str(tmp_path / "f" / "models"),
+                                  "BATCHGATE_CONFIG_YAML": "models:\n  - {name: e, task: generate, kind: echo}\n"})
+    check_model_cache(echo)  # no built-in: nothing to build, nothing refused
+
+
+def test_a_gateway_refuses_a_tokenizer_path_that_holds_none(tmp_path, monkeypatch, capsys):
+    """Else the gateway would count no tokens and leave every limit to the workers, with an info line only."""
+    monkeypatch.setenv("BATCHGATE_CONFIG_YAML", "models:\n  - {name: m, task: generate, kind: echo, "
+                                                "tokenizer: /nonexistent/tokenizer.json}\n")
+    from shared.embedded_redis import free_port
+
+    monkeypatch.setenv("BATCHGATE_PORT", str(free_port()))
+    assert main(["gateway"]) == 2
+    err = capsys.readouterr().err
+    assert "model m: tokenizer '/nonexistent/tokenizer.json': no tokenizer.json there" in err, err
+    from shared.startup_checks import check_tokenizers
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    for where in (tmp_path, tmp_path / "tokenizer.json"):  # a directory holding one, or the file
+        check_tokenizers(Settings.from_environ({"BATCHGATE_CONFIG_YAML": "models:\n  - {name: m, task: generate, "
+                                                f"kind: echo, tokenizer: '{where}'}}\n"}))
