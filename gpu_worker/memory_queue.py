@@ -160,6 +160,9 @@ class MemoryQueue:
     async def hand_back(self, held: Sequence[Held]) -> None:
         self._check()
         for h in held:
+            rec = self.records.get(h.request.id)
+            if rec is not None and rec.state is Status.RUNNING:  # queued again, as the Redis queue marks it
+                rec.state, rec.started_ms = Status.QUEUED, None
             self.add(h.stream, entry_fields(h.request))
             self._delete(h.stream, h.entry_id)
 

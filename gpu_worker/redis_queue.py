@@ -205,10 +205,13 @@ class RedisQueue:
                 await self._execute_acks(pipe)
 
     async def hand_back(self, held: Sequence[Held]) -> None:
-        """Fresh entries, then ours dropped: another worker takes them at once, without waiting for the
-        reclaim threshold."""
+        """Their records `queued` again, then fresh entries, then ours dropped: another worker takes them at once,
+        without waiting for the reclaim threshold. The records first, in a round trip of their own: a fresh entry
+        another worker starts at once is never marked queued after that start (on a cluster, the record and the
+        stream are on different nodes, which a pipeline reaches side by side)."""
         if held:
             async with queue_errors():
+                await self.store.requeue([h.request.id for h in held])
                 pipe = self.redis.pipeline(transaction=False)
                 for h in held:
                     pipe.xadd(h.stream, entry_fields(h.request))

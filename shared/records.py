@@ -76,6 +76,20 @@ end
 return out
 """
 
+# KEYS records: each one still `running` (a worker handing it back) is `queued` again, its start time gone, so
+# whoever reads it meanwhile sees a request waiting, not one running on a worker that is gone. Returns how many.
+REQUEUE_LUA = """
+local n = 0
+for _, key in ipairs(KEYS) do
+  if redis.call('HGET', key, 'state') == 'running' then
+    redis.call('HSET', key, 'state', 'queued')
+    redis.call('HDEL', key, 'started')
+    n = n + 1
+  end
+end
+return n
+"""
+
 # KEYS records; for each record 7 ARGV: state, result, ttl_ms, keep ('1': a record with its state and meta keeps
 # the TTL it has), channel, meta, "completed" delivery or ''. Returns 1 for each write that won, else 0. A
 # record's result, its done event and its webhook delivery (into the outbox) are one atomic step: a request
@@ -260,6 +274,16 @@ class RecordStore:
         pipe = self.redis.pipeline(transaction=False)
         for d in deliveries:
             pipe.hdel(self.keys.record(d.request_id), f"ob:{d.event}")
+        await pipe.execute()
+
+    async def requeue(self, request_ids: Sequence[str]) -> None:
+        """Mark handed-back requests `queued` again (those still `running`): one script call per hash slot."""
+        if not request_ids:
+            return
+        keys = [self.keys.record(rid) for rid in request_ids]
+        pipe = self.redis.pipeline(transaction=False)
+        for group in script_groups(self.redis, keys):
+            in_pipeline(pipe, REQUEUE_LUA, [keys[i] for i in group], [])
         await pipe.execute()
 
     async def sweep(self, request_ids: Sequence[str]) -> int:

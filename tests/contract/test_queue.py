@@ -262,7 +262,10 @@ async def test_ack_and_hand_back(backend):
     await setup_stream(b, 2)
     h0, h1 = (held(b, e) for e in await b.queue.read("w", [b.stream], 10, 0))
     await b.queue.ack([h0])
+    assert await b.queue.mark_running([h1.request], 5) == [True]
     await b.queue.hand_back([h1])
+    # waiting again, not shown running on a worker that let it go (its start counted)
+    assert await b.state("r1") == (Status.QUEUED, 1)
     assert await b.queue.pending(b.stream, "w", 10) == {}
     again = await b.queue.read("other", [b.stream], 10, 0)  # a fresh entry, at once, for another worker
     assert [held(b, e).request.id for e in again] == ["r1"] and again[0].id != h1.entry_id
