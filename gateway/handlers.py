@@ -15,7 +15,7 @@ from gateway.service import GatewayService
 from shared import operations as ops
 from shared.events import follow, parse_last_event_id
 from shared.messages import REPLAYABLE
-from shared.redis_io import UNAVAILABLE
+from shared.redis_io import UNAVAILABLE, fewest_replicas
 from shared.views import callback_view
 
 
@@ -105,8 +105,16 @@ async def healthz(svc: GatewayService, req: ApiRequest) -> ApiResponse:
 
 
 async def readyz(svc: GatewayService, req: ApiRequest) -> ApiResponse:
+    """Ready: Redis answers, and (durable writes on) has the replicas each submit must reach; else every submit
+    would be a 503, and a load balancer should send callers elsewhere."""
+    wanted = svc.settings.redis_wait_replicas
     try:
         await svc.ping()
+        have = await fewest_replicas(svc.redis) if wanted > 0 else 0
     except UNAVAILABLE as exc:
         raise ServiceUnavailable(f"redis unreachable: {type(exc).__name__}", retry_after=1) from exc
+    if have < wanted:
+        raise ServiceUnavailable(f"Redis has {have} replica(s) connected; BATCHGATE_REDIS_WAIT_REPLICAS asks each "
+                                 f"write to reach {wanted}: every submit would be refused", code="not_replicated",
+                                 retry_after=1)
     return ApiResponse(200, {"status": "ready"})

@@ -25,6 +25,7 @@ from gateway.service import GatewayService
 from shared import openai_responses as oar
 from shared import openai_shapes as oa
 from shared import operations as ops
+from shared.api_errors import unavailable
 from shared.config import ModelSpec
 from shared.events import ServerEvent, follow
 from shared.idempotency_keys import derived_key
@@ -63,8 +64,9 @@ async def _answer(work: Callable[[], Awaitable[ApiResponse]],
         return openai_error(oa.from_api_error(exc, aliases()))
     except UNAVAILABLE as exc:
         log.warning("redis unavailable", error=repr(exc))
-        return openai_error(oa.OpenAIError(503, "the queue is unreachable; retry shortly", code="unavailable",
-                                           retry_after=1, headers={"Retry-After": "1"}))
+        down = unavailable(exc)
+        return openai_error(oa.OpenAIError(503, down.message, code=down.code, retry_after=1,
+                                           headers={"Retry-After": "1"}))
 
 
 async def answer_openai(work: Callable[[], Awaitable[ApiResponse]]) -> ApiResponse:

@@ -19,12 +19,12 @@ from gateway.api import (
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
-    ServiceUnavailable,
     collect_events,
     error_response,
     one_chunk,
 )
 from gateway.service import GatewayService
+from shared.api_errors import unavailable
 from shared.redis_io import UNAVAILABLE
 
 Handler = Callable[..., Awaitable[ApiResponse]]
@@ -131,7 +131,7 @@ async def dispatch(route: RouteSpec, svc: GatewayService, req: ApiRequest, args:
     except UNAVAILABLE as exc:
         metrics.ERRORS.labels("unavailable").inc()
         log.warning("redis unavailable", error=repr(exc))
-        return route.errors(ServiceUnavailable("the queue is unreachable; retry shortly", retry_after=1))
+        return route.errors(unavailable(exc))
     finally:
         structlog.contextvars.clear_contextvars()
 

@@ -25,12 +25,12 @@ from shared.idempotency import IdempotencyClaim, body_hash
 from shared.idempotency_keys import KEY_RULE, MAX_KEY_CHARS, derived_key, valid_idempotency_key
 from shared.ids import created_ms, is_request_id
 from shared.logs import get_logger
-from shared.messages import InferenceRequest
+from shared.messages import ErrorInfo, InferenceRequest, RequestResult
 from shared.params import finite_number
 from shared.queue_client import QueueClient, Submitted
 from shared.records import StoredRecord
-from shared.redis_io import UNAVAILABLE
-from shared.states import Status, Task
+from shared.redis_io import UNAVAILABLE, NotReplicated
+from shared.states import FinishReason, Status, Task
 from shared.submit import build_request
 from shared.views import Accepted, links, record_view
 
@@ -152,7 +152,9 @@ async def _unwind(q: QueueClient, inference: InferenceRequest, claim: Idempotenc
     The idempotency key unless the store may have reached Redis (a connection lost mid-pipeline, a
     cancellation): then the key is kept, and a retry after `IDEMPOTENCY_TAKEOVER_S` takes the claim over
     under the same id, so the key never maps to two requests."""
-    maybe_stored = isinstance(exc, (*UNAVAILABLE, asyncio.CancelledError))
+    if isinstance(exc, NotReplicated):  # stored on the master, the caller told 503: no worker may compute it
+        await _withdraw(q, inference)
+    maybe_stored = isinstance(exc, (*UNAVAILABLE, asyncio.CancelledError)) and not isinstance(exc, NotReplicated)
     log.warning("submit failed after admission; releasing what it took", request_id=inference.id,
                 error=repr(exc), key_kept=bool(claim and maybe_stored))
     if inference.quota_slot:
@@ -166,6 +168,19 @@ async def _unwind(q: QueueClient, inference: InferenceRequest, claim: Idempotenc
     if claim is not None and inference.idempotency_key and not maybe_stored:
         with contextlib.suppress(Exception):
             await q.idempotency.release(inference.tenant, inference.idempotency_key, claim)
+
+
+async def _withdraw(q: QueueClient, inference: InferenceRequest) -> None:
+    """A request stored on the master that its replicas did not confirm in time (durable writes): its caller is
+    answered 503, so it ends here, cancelled, before a worker computes it (a worker skips a request that has
+    ended), and a retry, with its idempotency key or without, makes one request, not two. The end is written on
+    the master as the store was; its own confirmation is not waited for."""
+    with contextlib.suppress(Exception):
+        await q.store.finish(RequestResult(
+            id=inference.id, status=Status.CANCELLED, finish_reason=FinishReason.CANCELLED,
+            error=ErrorInfo("not_replicated", "the submit was answered 503: its write was not confirmed by the "
+                                              "replicas BATCHGATE_REDIS_WAIT_REPLICAS asks for"),
+            finished_ms=q.now_ms(), worker="gateway"), inference.meta())
 
 
 _releasing: set[asyncio.Task[None]] = set()  # quota slots being given back (see `_unwind`)

@@ -279,6 +279,15 @@ class NotReplicated(RedisConnectionError):
     """Writes reached fewer replicas than a durable write requires (within its timeout)."""
 
 
+async def fewest_replicas(client: Any) -> int:
+    """The replicas connected to the master with the fewest (a single Redis: its own), from INFO replication."""
+    info = await client.info("replication")
+    if "role" in info:  # a single Redis
+        return int(info.get("connected_slaves", 0))
+    masters = [v for v in info.values() if isinstance(v, dict) and v.get("role") == "master"]
+    return min((int(v.get("connected_slaves", 0)) for v in masters), default=0)
+
+
 _SEND_AGAIN = (MovedError, AskError, TryAgainError, ClusterDownError, RedisConnectionError, RedisTimeoutError,
                ConnectionError, TimeoutError, OSError)
 

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from shared import operations as ops
-from shared.api_errors import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge, ServiceUnavailable
+from shared.api_errors import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge, unavailable
 from shared.config import Settings
 from shared.events import follow, parse_last_event_id
 from shared.queue_client import QueueClient
@@ -84,8 +84,8 @@ class DirectTransport:
             answer = await self._call(method, path, body, params, headers)
         except ApiError as exc:
             return exc.status, _lower(exc.headers()), exc.body()
-        except UNAVAILABLE:
-            down = ServiceUnavailable("the queue is unreachable; retry shortly", retry_after=1)
+        except UNAVAILABLE as exc:
+            down = unavailable(exc)
             return down.status, _lower(down.headers()), down.body()
         return answer.status, _lower(answer.headers), answer.body
 

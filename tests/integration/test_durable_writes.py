@@ -38,11 +38,24 @@ async def test_a_submit_no_replica_confirmed_is_refused_with_503(redis_url, pref
         r = await gw.client.post("/v1/models/tiny-llama/requests",
                                  json={"input": {"input_ids": [5, 6, 7]}, "params": {"max_new_tokens": 2}})
         assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+        # it says why (not "unreachable"), and /readyz says the gateway cannot take submits
+        assert r.json()["error"]["code"] == "not_replicated" and "BATCHGATE_REDIS_WAIT_REPLICAS" in r.text
+        ready = await gw.client.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["error"]["code"] == "not_replicated", ready.text
+        # the write reached the master: the request is ended there, so no worker computes what the caller was told
+        # was refused (and a retry makes one request, not two)
+        records = [k async for k in gw.service.redis.scan_iter(match=f"{prefix}:*") if b"req_" in k
+                   and await gw.service.redis.type(k) == b"hash"]
+        assert records, "the refused submit's record"
+        for key in records:
+            assert await gw.service.redis.hget(key, "state") == b"cancelled", key
     ok = make_settings(redis_url, prefix, redis_wait_replicas=wanted - 1, redis_wait_ms=50)
     async with running_gateway(ok) as gw:  # as many as it has: accepted
         r = await gw.client.post("/v1/models/tiny-llama/requests",
                                  json={"input": {"input_ids": [5, 6, 7]}, "params": {"max_new_tokens": 2}})
         assert r.status_code == 202, r.text
+        if wanted - 1 > 0:
+            assert (await gw.client.get("/readyz")).status_code == 200
 
 
 async def test_a_result_no_replica_confirmed_is_not_counted_as_written(redis_url, prefix):
