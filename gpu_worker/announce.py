@@ -46,6 +46,9 @@ class Announcer(Protocol):
     async def withdraw(self, worker: str, fields: dict[str, list[str]]) -> None:
         """Remove this worker's heartbeat and its stats fields (by model)."""
 
+    async def last_heartbeat(self, worker: str) -> dict[str, Any] | None:
+        """The last heartbeat announced under this name (None: none)."""
+
 
 class RedisAnnouncer:
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
@@ -61,6 +64,13 @@ class RedisAnnouncer:
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     if now - json.loads(raw)["at"] > SILENT_WORKER_S:
                         await self.redis.hdel(self.keys.workers(), name)
+
+    async def last_heartbeat(self, worker: str) -> dict[str, Any] | None:
+        raw = await self.redis.hget(self.keys.workers(), worker)
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError:
+            return None
 
     async def publish_stats(self, stats: Stats) -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -114,6 +124,9 @@ class MemoryAnnouncer:
     async def heartbeat(self, worker: str, info: dict[str, Any]) -> None:
         self.workers[worker] = info
 
+    async def last_heartbeat(self, worker: str) -> dict[str, Any] | None:
+        return self.workers.get(worker)
+
     async def publish_stats(self, stats: Stats) -> None:
         for model, fields in stats.items():
             self.stats.setdefault(model, {}).update(fields)
@@ -127,6 +140,27 @@ class MemoryAnnouncer:
         for model, names in fields.items():
             for name in names:
                 self.stats.get(model, {}).pop(name, None)
+
+
+NAME_TAKEN_S = 3 * HEARTBEAT_S  # a heartbeat this recent under a worker's name: another live worker has that name
+
+
+async def wait_for_unique_name(announcer: Announcer, worker: str, instance: str, stop: asyncio.Event) -> bool:
+    """Before a worker announces itself: wait while another live worker (a heartbeat of another instance within
+    `NAME_TAKEN_S`) has its name, saying so, since two workers under one name overwrite each other's load reports
+    and admission then misjudges the capacity; a worker that died under the name stops beating, and its successor
+    (a supervisor's restart) starts seconds later. False if `stop` is set meanwhile."""
+    while True:
+        last = await announcer.last_heartbeat(worker)
+        age = time.time() - float(last.get("at", 0)) if last else None
+        if last is None or last.get("instance") == instance or age is None or age > NAME_TAKEN_S:
+            return True
+        log.warning("another live worker has this name (BATCHGATE_WORKER_NAME must be unique); waiting until it "
+                    "stops", worker=worker, its_heartbeat_s_ago=round(age, 1))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), HEARTBEAT_S)
+        if stop.is_set():
+            return False
 
 
 async def heartbeat_loop(announcer: Announcer, worker: str, info: Callable[[], dict[str, Any]]) -> None:

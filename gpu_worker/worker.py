@@ -14,13 +14,21 @@ outcome, or handed back on shutdown; if the process dies, its entries are reclai
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from gpu_worker.announce import Announcer, RedisAnnouncer, cancel_loop, heartbeat_loop, stats_loop
+from gpu_worker.announce import (
+    Announcer,
+    RedisAnnouncer,
+    cancel_loop,
+    heartbeat_loop,
+    stats_loop,
+    wait_for_unique_name,
+)
 from gpu_worker.intake import Intake
 from gpu_worker.outcomes import Emitted
 from gpu_worker.publisher import Publisher
@@ -56,6 +64,7 @@ class Worker:
         `MemoryAnnouncer` and fake engines); by default both talk to `redis` (made from the settings)."""
         self.settings = settings
         self.name = settings.worker_name
+        self.instance = secrets.token_hex(6)  # this process: tells its own heartbeats from another's of its name
         self.faults = faults or Faults()
         self.redis = redis
         self._own_redis = False
@@ -116,6 +125,8 @@ class Worker:
             if self._own_redis and self.redis is not None:
                 await self.redis.aclose()
             log.info("worker stopped before Redis answered", worker=self.name)
+            return
+        if not await self._unique_name(stop):
             return
         for engines in self.engines.values():
             engines.start()
@@ -201,8 +212,22 @@ class Worker:
         return [s for model in self.engines for s in self.intake.streams(model)]
 
     # --- announcements -------------------------------------------------------------------------
+    async def _unique_name(self, stop: asyncio.Event) -> bool:
+        from shared.redis_io import UNAVAILABLE
+
+        try:
+            unique = await wait_for_unique_name(self.announcer, self.name, self.instance, stop)
+        except UNAVAILABLE as exc:  # Redis gone again: the heartbeat's own outage handling takes over
+            log.warning("worker name check: redis unavailable", error=repr(exc))
+            unique = not stop.is_set()
+        if not unique:
+            if self._own_redis and self.redis is not None:
+                await self.redis.aclose()
+            log.info("worker stopped before it started", worker=self.name)
+        return unique
+
     def _heartbeat_info(self) -> dict[str, Any]:
-        return {"models": list(self.engines), "held": len(self.held)}
+        return {"instance": self.instance, "models": list(self.engines), "held": len(self.held)}
 
     def _lane_stats(self) -> dict[str, Any]:
         # one field per engine: its own lanes, rows and costs

@@ -317,3 +317,25 @@ async def test_an_announcement_loop_ends_even_when_its_redis_call_swallows_the_c
     task.cancel()
     done, _ = await asyncio.wait([task], timeout=1.0)
     assert done and task.cancelled()
+
+
+async def test_a_worker_waits_while_another_live_worker_has_its_name(monkeypatch):
+    """Two workers under one name overwrite each other's load reports (admission misjudges the capacity): the second
+    waits, saying so, until the first stops beating; one restarted under the name of a dead one starts."""
+    from gpu_worker import announce
+
+    monkeypatch.setattr(announce, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(announce, "NAME_TAKEN_S", 0.3)
+    announcer = MemoryAnnouncer()
+    await announcer.heartbeat("w1", {"instance": "other", "at": time.time()})  # alive, under our name
+    worker = Worker(settings(), queue=MemoryQueue(), announcer=announcer, engines_factory=fake_engines_factory({}))
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    for _ in range(4):  # it keeps beating: ours waits
+        await asyncio.sleep(0.1)
+        await announcer.heartbeat("w1", {"instance": "other", "at": time.time()})
+    assert not worker.ready.is_set()
+    await asyncio.wait_for(worker.ready.wait(), 5)  # it stopped beating: ours starts, under the name
+    assert announcer.workers["w1"]["instance"] == worker.instance
+    stop.set()
+    await asyncio.wait_for(task, 5)
