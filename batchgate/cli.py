@@ -76,7 +76,8 @@ def _check_listen(settings: Settings, args: argparse.Namespace) -> None:
         raise ConfigError(f"{_port_setting(args)} must be between 1 and 65535 for `batchgate {args.command}` "
                           "(got 0); only `batchgate up` picks a free port for 0")
     check_listen(_port_setting(args), settings.host, settings.port,
-                 hint="choose another port (--port or BATCHGATE_PORT)")
+                 hint="choose another port (--port or BATCHGATE_PORT)",
+                 host_setting="--host" if getattr(args, "host", None) else "BATCHGATE_HOST")
 
 
 def _check_file_store(settings: Settings) -> None:

@@ -49,13 +49,21 @@ def listen_problem(host: str, port: int) -> str | None:
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 return f"{host}:{port} is in use by another process"
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return f"{host} is not an address of this machine"
             return f"cannot listen on {host}:{port} ({exc.strerror or exc})"
     return None
 
 
-def check_listen(setting: str, host: str, port: int, *, hint: str = "choose another port") -> None:
-    """A ConfigError naming `setting` when `host`:`port` cannot be listened on."""
+def check_listen(setting: str, host: str, port: int, *, hint: str = "choose another port",
+                 host_setting: str = "BATCHGATE_HOST") -> None:
+    """A ConfigError naming `setting` when `host`:`port` cannot be listened on (`host_setting` where the host is at
+    fault: not an address of this machine)."""
     problem = listen_problem(host, port)
+    if problem and problem.endswith("is not an address of this machine"):
+        sep = " " if host_setting.startswith("-") else "="
+        raise ConfigError(f"{host_setting}{sep}{host}: {problem}; name one of its addresses (127.0.0.1, or 0.0.0.0 "
+                          "for all)")
     if problem:
         raise ConfigError(f"{setting}{' ' if setting.startswith('-') else '='}{port}: {problem}; {hint}")
 

@@ -177,3 +177,13 @@ def test_a_gateway_refuses_a_tokenizer_path_that_holds_none(tmp_path, monkeypatc
     for where in (tmp_path, tmp_path / "tokenizer.json"):  # a directory holding one, or the file
         check_tokenizers(Settings.from_environ({"BATCHGATE_CONFIG_YAML": "models:\n  - {name: m, task: generate, "
                                                 f"kind: echo, tokenizer: '{where}'}}\n"}))
+
+
+def test_a_host_that_is_not_this_machines_is_blamed_not_the_port(monkeypatch, capsys):
+    from shared.embedded_redis import free_port
+
+    monkeypatch.setenv("BATCHGATE_HOST", "192.0.2.1")  # TEST-NET-1: no machine's own address
+    monkeypatch.setenv("BATCHGATE_PORT", str(free_port()))
+    assert main(["gateway"]) == 2
+    err = capsys.readouterr().err
+    assert "BATCHGATE_HOST=192.0.2.1: 192.0.2.1 is not an address of this machine" in err, err
