@@ -380,9 +380,13 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     environ = _environ(args)
     settings = Settings.from_environ(environ)
-    _check_file_store(settings)  # here, not as a part's failure once started (a taken --port: the supervisor's)
-    from shared.startup_checks import check_model_cache, check_tokenizers
+    _check_file_store(settings)  # here, not as a part's failure once started
+    from shared.startup_checks import check_listen, check_model_cache, check_tokenizers
 
+    if settings.port:  # a taken port now, before the models load (0 picks a free one); a race stays the supervisor's
+        check_listen(_port_setting(args), settings.host, settings.port,
+                     hint="choose another port (--port or BATCHGATE_PORT), or 0 for a free one",
+                     host_setting="--host" if getattr(args, "host", None) else "BATCHGATE_HOST")
     check_model_cache(settings)
     check_tokenizers(settings)
     configure_logging(settings.log_level, settings.log_format)

@@ -187,3 +187,10 @@ def test_a_host_that_is_not_this_machines_is_blamed_not_the_port(monkeypatch, ca
     assert main(["gateway"]) == 2
     err = capsys.readouterr().err
     assert "BATCHGATE_HOST=192.0.2.1: 192.0.2.1 is not an address of this machine" in err, err
+
+
+def test_up_refuses_a_taken_port_before_it_loads_anything(busy_port, capsys):
+    """Named as the caller gave it (`--port`), at once, not after the whole stack loaded."""
+    assert main(["up", "--host", "127.0.0.1", "--port", str(busy_port)]) == 2
+    err = capsys.readouterr().err
+    assert f"--port {busy_port}: 127.0.0.1:{busy_port} is in use by another process" in err, err
