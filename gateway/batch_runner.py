@@ -33,6 +33,7 @@ import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import structlog
@@ -60,7 +61,7 @@ from shared.errors import ValidationError
 from shared.messages import CallbackDelivery
 from shared.queue_client import QueueClient
 from shared.records import parse_record
-from shared.redis_io import raise_if_cancelling
+from shared.redis_io import UNAVAILABLE, raise_if_cancelling
 from shared.states import Task
 from shared.submit import build_request
 from shared.views import record_view
@@ -109,6 +110,18 @@ async def lines_from(store: files.FileStore, key: str, start: int, first: int) -
         buf = buf.removeprefix(jsonl.BOM)
     if buf.strip():
         yield Entry(line, buf, end, at)
+
+
+@dataclass
+class Feeding:
+    """Where a batch's feeding stands: the file's reader, the line about to be fed, those to feed again (their
+    requests expired before they ran), whether the file is read to its end, and until when feeding pauses."""
+
+    reader: AsyncIterator[Entry] | None
+    pending: Pending | None = None
+    again: list[ItemRef] = field(default_factory=list)
+    exhausted: bool = False
+    paused_until: float = 0.0
 
 
 class Pending(NamedTuple):
@@ -282,12 +295,9 @@ class BatchRunner:
         returns the final status (`expired` too where a line was answered `batch_expired` before the end)."""
         meta, batch_id = st.meta, st.meta.id
         fmeta = await files.get_meta(self.q.redis, self.q.keys, meta.input_file_id)
-        reader = lines_from(self.files, fmeta.key, st.next_offset, st.next_line) if fmeta else None
+        f = Feeding(lines_from(self.files, fmeta.key, st.next_offset, st.next_line) if fmeta else None)
+        f.exhausted = f.reader is None
         flight = {ref.line: ref for ref in await self.store.in_flight(batch_id)}
-        again: list[ItemRef] = []  # lines to feed again (their requests expired before they ran)
-        pending: Pending | None = None
-        exhausted = reader is None
-        paused_until = 0.0
         ending: str | None = None
         while True:
             cur = await self.store.get(batch_id)
@@ -296,31 +306,38 @@ class BatchRunner:
             now = self.clock()
             if ending is None and (cur.progress.status == "cancelling" or now >= meta.expires_at):
                 ending = "cancelled" if cur.progress.status == "cancelling" else "expired"
+            if ending is not None:  # each round: a running item a worker hands back is queued again meanwhile
                 await self._stop_queued(meta.tenant, list(flight.values()))
-            if ending is None and now >= paused_until:
-                while len(flight) < self.in_flight:
-                    if pending is None:
-                        pending = await self._next(fmeta, again, reader if not exhausted else None)
-                        if pending is None:
-                            exhausted = True
-                            break
-                    fed = await self._submit(meta, pending, now)
-                    if isinstance(fed, float):  # refused for capacity: try again after its Retry-After
-                        paused_until = now + fed
-                        break
-                    if isinstance(fed, ItemRef):
-                        flight[fed.line] = fed
-                    pending = None
-            again += await self._collect(meta, flight, ending)
+            elif now >= f.paused_until:
+                await self._fill(meta, fmeta, flight, f, now)
+            f.again += await self._collect(meta, flight, ending)
             if ending is not None and not flight:
-                await self._close_unfed(meta, reader, pending, again, ending)
+                await self._close_unfed(meta, f.reader, f.pending, f.again, ending)
                 return ending
-            if exhausted and pending is None and not again and not flight:
+            if f.exhausted and f.pending is None and not f.again and not flight:
                 cur = await self.store.get(batch_id)
                 return "expired" if cur is not None and cur.expiring else "completed"
             await asyncio.sleep(self.poll_s)
 
-    async def _next(self, fmeta: files.FileMeta | None, again: list[ItemRef],
+    async def _fill(self, meta: Any, fmeta: files.FileMeta | None, flight: dict[int, ItemRef], f: Feeding,
+                    now: float) -> None:
+        """Feed lines (those to feed again first) until `in_flight` are in flight, the file is read, or a refusal
+        for capacity pauses feeding."""
+        while len(flight) < self.in_flight:
+            if f.pending is None:
+                f.pending = await self._next(meta, fmeta, f.again, f.reader if not f.exhausted else None)
+                if f.pending is None:
+                    f.exhausted = True
+                    return
+            fed = await self._submit(meta, f.pending, now)
+            if isinstance(fed, float):  # refused for capacity: try again after its Retry-After
+                f.paused_until = now + fed
+                return
+            if isinstance(fed, ItemRef):
+                flight[fed.line] = fed
+            f.pending = None
+
+    async def _next(self, meta: Any, fmeta: files.FileMeta | None, again: list[ItemRef],
                     reader: AsyncIterator[Entry] | None) -> Pending | None:
         """The next line to feed: one to feed again first (read again from its offset; a ref of a runner of before
         has none, and is looked for from the file's start), else the file's next."""
@@ -335,6 +352,10 @@ class BatchRunner:
                         break
             finally:
                 await lines.aclose()
+            # its line is not where it was (the file's bytes changed under the batch): answered, never dropped
+            await self.store.write_line(meta.id, ref.line, Written(False, refused_line(
+                ref.custom_id, "input_changed", "the input file no longer holds this line where it did",
+                line_id="batch_req_" + ref.request_id.removeprefix("req_"))))
         if reader is None:
             return None
         entry = await anext(reader, None)
@@ -370,9 +391,15 @@ class BatchRunner:
                 return min(float(exc.retry_after or 1.0), DEADLINE_RETRY_S)
             return float(exc.retry_after or 1.0)
         except ApiError as exc:
+            if exc.code == "idempotency_in_progress":  # a runner that died claimed its key moments ago: soon
+                return float(exc.retry_after or 1.0)
             await self._written(meta, pending, Written(False, refused_line(
                 item.custom_id, exc.code, exc.message, exc.status, line_id=refused_line_id(meta.id, line))))
             return None
+        except UNAVAILABLE as exc:  # Redis away, or a write its replicas did not confirm: not the line's fault
+            log.warning("batch item not fed: redis unavailable; feeding again shortly", batch_id=meta.id, line=line,
+                        error=repr(exc))
+            return 1.0
         ref = item.ref(str(answer.body["id"]), deadline=deadline, offset=start, attempt=attempt)
         if attempt:
             await self.store.refed(meta.id, ref)
@@ -403,6 +430,12 @@ class BatchRunner:
             rec = parse_record(ref.request_id, raw)
             if rec is not None and not rec.terminal:
                 rec = await self.q.get(ref.request_id)  # expires it once its deadline (and grace) passed
+            if rec is None and ending is None and self.clock() < meta.expires_at:
+                # gone uncollected (runners away past the result TTL): fed again while the window lasts (the key of
+                # its next attempt finds that request if one was made)
+                del flight[ref.line]
+                again.append(ref)
+                continue
             if rec is None:
                 written: Written | None = Written(False, refused_line(
                     ref.custom_id, "result_expired", "the item's result expired before it was collected",

@@ -8,6 +8,9 @@ Redis being unreachable is a 503 with Retry-After; nothing a caller sends produc
 
 from __future__ import annotations
 
+import structlog
+from redis.exceptions import ResponseError
+
 from gateway import openai_api
 from gateway.api import ApiRequest, ApiResponse, BadRequest, Conflict, NotFound, ServiceUnavailable, wants_events
 from gateway.parsing import parse_body, parse_idempotency_key, parse_wait
@@ -17,6 +20,8 @@ from shared.events import follow, parse_last_event_id
 from shared.messages import REPLAYABLE
 from shared.redis_io import UNAVAILABLE, fewest_replicas
 from shared.views import callback_view
+
+log = structlog.get_logger(__name__)
 
 
 def _response(answer: ops.Answer) -> ApiResponse:
@@ -104,13 +109,22 @@ async def healthz(svc: GatewayService, req: ApiRequest) -> ApiResponse:
     return ApiResponse(200, {"status": "ok"})
 
 
+async def _replicas(svc: GatewayService) -> int:
+    """The fewest replicas of any master; where INFO is not allowed (an ACL without @dangerous), not a verdict."""
+    try:
+        return await fewest_replicas(svc.redis)
+    except ResponseError as exc:
+        log.warning("readiness: cannot read Redis's replication (INFO): not checked", error=str(exc))
+        return svc.settings.redis_wait_replicas
+
+
 async def readyz(svc: GatewayService, req: ApiRequest) -> ApiResponse:
     """Ready: Redis answers, and (durable writes on) has the replicas each submit must reach; else every submit
     would be a 503, and a load balancer should send callers elsewhere."""
     wanted = svc.settings.redis_wait_replicas
     try:
         await svc.ping()
-        have = await fewest_replicas(svc.redis) if wanted > 0 else 0
+        have = await _replicas(svc) if wanted > 0 else 0
     except UNAVAILABLE as exc:
         raise ServiceUnavailable(f"redis unreachable: {type(exc).__name__}", retry_after=1) from exc
     if have < wanted:

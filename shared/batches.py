@@ -294,7 +294,8 @@ def result_line(ref: ItemRef, view: dict[str, Any], created: int, ending: str | 
 
     - The window's end (the item's deadline was the window's, or the batch is ending `expired`) leaves a request
       that never ran, or expired with no output, `batch_expired`, as OpenAI answers what its window left.
-    - The batch's cancel leaves what it cancelled `batch_cancelled` (what was running finishes and is written).
+    - The batch's cancel leaves what it cancelled before it ran `batch_cancelled` (what was running finishes and
+      is written; one that started as it was cancelled is written as it ended, its output kept).
     - Otherwise the line is what the endpoint answered: the OpenAI response, or its error with the status the
       interactive route gives (a native endpoint's too: 409 cancelled, 504 expired with no output, 400 a text it
       cannot take, 500 a failure); a generation its deadline cut after some output is an answer (`length`)."""
@@ -303,19 +304,23 @@ def result_line(ref: ItemRef, view: dict[str, Any], created: int, ending: str | 
     never_ran = view.get("started_at") is None
     oa_err = oa.result_error(view)
     window_ended = ending == "expired" or now >= expires_at or (ref.deadline and ref.deadline >= expires_at)
-    if status == "cancelled" and (ending == "cancelled" or (never_ran and ending is None)):  # the batch's cancel
+    if status == "cancelled" and never_ran and ending != "expired":  # the batch's cancel (or one of its own)
         return Written(False, refused_line(ref.custom_id, "batch_cancelled", "cancelled before this request ran",
                                            line_id=line_id))
-    if (status == "expired" and oa_err is not None) or (status == "cancelled" and ending == "expired"):
+    if (status == "expired" and oa_err is not None) or (status == "cancelled" and never_ran and ending == "expired"):
         if window_ended:
             return Written(False, refused_line(ref.custom_id, "batch_expired", WINDOW_ENDED, line_id=line_id),
                            expired=True)
         if never_ran:
             return None  # fed again, with the deadline the window still allows
-    ok = oa_err is None
-    status_code = 200 if ok else oa_err.status  # type: ignore[union-attr]
-    body = _response_body(ref, view, created) if ok else _error_body(status_code, {
-        "code": oa_err.code, "message": oa_err.message} if oa_err is not None else {})
+    if oa_err is None:
+        ok, status_code, body = True, 200, _response_body(ref, view, created)
+    elif ref.kind == "native":  # the status the interactive route gives; the code and message as the record has them
+        ok, status_code = False, oa_err.status
+        body = _error_body(status_code, view.get("error") or {"code": status, "message": f"the request {status}"})
+    else:
+        ok, status_code = False, oa_err.status
+        body = _error_body(status_code, {"code": oa_err.code, "message": oa_err.message})
     # as OpenAI writes them: a line with an HTTP response has its error in the response's body, `error` null
     return Written(ok, {"id": line_id, "custom_id": ref.custom_id,
                         "response": {"status_code": status_code, "request_id": ref.request_id, "body": body},

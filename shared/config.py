@@ -281,13 +281,14 @@ def shown_url(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
-    netloc, slash, path = rest.partition("/")
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    netloc, tail = rest[:cut], rest[cut:]  # the path and query (`?password=` is a password too)
     creds, at, host = netloc.rpartition("@")
     if at:
         user, colon, _ = creds.partition(":")
         netloc = f"{user}:***@{host}" if colon else f"***@{host}"  # a lone part before @ is a password to redis-py
-    path = re.sub(r"(?i)(password=)[^&]*", r"\1***", path)
-    return f"{scheme}{sep}{netloc}{slash}{path}"
+    tail = re.sub(r"(?i)(password=)[^&]*", r"\1***", tail)
+    return f"{scheme}{sep}{netloc}{tail}"
 
 
 def redis_url_problem(url: str) -> str | None:

@@ -173,14 +173,16 @@ async def _unwind(q: QueueClient, inference: InferenceRequest, claim: Idempotenc
 async def _withdraw(q: QueueClient, inference: InferenceRequest) -> None:
     """A request stored on the master that its replicas did not confirm in time (durable writes): its caller is
     answered 503, so it ends here, cancelled, before a worker computes it (a worker skips a request that has
-    ended), and a retry, with its idempotency key or without, makes one request, not two. The end is written on
-    the master as the store was; its own confirmation is not waited for."""
+    ended), and a retry, with its idempotency key or without, makes one request, not two; its webhook, if it named
+    one, is never sent (it was never accepted). The end is written on the master as the store was; its own
+    confirmation is not waited for (the caller is answered already)."""
+    meta = dataclasses.replace(inference.meta(), callback=None)  # its webhook too: for a request never accepted
     with contextlib.suppress(Exception):
-        await q.store.finish(RequestResult(
+        await q.store.finish_all([(RequestResult(
             id=inference.id, status=Status.CANCELLED, finish_reason=FinishReason.CANCELLED,
             error=ErrorInfo("not_replicated", "the submit was answered 503: its write was not confirmed by the "
                                               "replicas BATCHGATE_REDIS_WAIT_REPLICAS asks for"),
-            finished_ms=q.now_ms(), worker="gateway"), inference.meta())
+            finished_ms=q.now_ms(), worker="gateway"), meta)], durable=False)
 
 
 _releasing: set[asyncio.Task[None]] = set()  # quota slots being given back (see `_unwind`)

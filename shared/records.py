@@ -240,10 +240,12 @@ class RecordStore:
             error=ErrorInfo("deadline_exceeded", "no result by the deadline"), finished_ms=now_ms, worker=by,
         ), rec.meta)
 
-    async def finish_all(self, finished: Sequence[tuple[RequestResult, RequestMeta | None]]) -> list[bool]:
+    async def finish_all(self, finished: Sequence[tuple[RequestResult, RequestMeta | None]], *,
+                         durable: bool = True) -> list[bool]:
         """Write terminal results (see `finish`), one script call for all (for each hash slot's, on a cluster);
         True for each write that won. The caller then passes the winners' deliveries (`completed_delivery`) to
-        `flush`, before it acks their stream entries."""
+        `flush`, before it acks their stream entries. `durable` False: not waited on the replicas for, whatever the
+        setting (a write whose caller was already answered)."""
         if not finished:
             return []
         groups = script_groups(self.redis, [self.keys.record(result.id) for result, _ in finished])
@@ -251,7 +253,7 @@ class RecordStore:
         for group in groups:
             in_pipeline(pipe, FINISH_LUA, [self.keys.record(finished[i][0].id) for i in group],
                         [arg for i in group for arg in self._finish_args(*finished[i])])
-        won = ungroup(groups, await self.execute_durably(pipe), len(finished))
+        won = ungroup(groups, await (self.execute_durably(pipe) if durable else pipe.execute()), len(finished))
         return [bool(w) for w in won]
 
     async def execute_durably(self, pipe: Any) -> list[Any]:

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import PipelineCommand, RedisCluster
-from redis.asyncio.connection import Connection
+from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import AsyncCoreCommands
@@ -100,15 +100,15 @@ except ImportError:  # hiredis is optional (redis-py's "hiredis" extra): redis-p
     _hiredis_pack = None
 
 
-class PackedConnection(Connection):
-    """A TCP connection whose commands hiredis packs (in C), as redis-py's synchronous client already does where
-    hiredis is installed: its asyncio client packs each argument in Python, a fifth of a submit's gateway CPU
+class _HiredisPacking:
+    """Commands packed by hiredis (in C), as redis-py's synchronous client already packs them where hiredis is
+    installed: its asyncio client packs each argument in Python, a fifth of a submit's gateway CPU
     (`scripts/bench_gateway.py --profile`). The bytes are the same; what hiredis does not take (a bytearray, a bool,
     None) goes to redis-py's own packing, which sends it or raises the error it always raised."""
 
     def pack_command(self, *args: Any) -> list[bytes]:
         if _hiredis_pack is None:
-            return super().pack_command(*args)
+            return super().pack_command(*args)  # type: ignore[misc]
         head = args[0]
         if isinstance(head, str):  # "CONFIG GET" is two arguments, as redis-py splits it
             args = (*head.encode().split(), *args[1:])
@@ -117,7 +117,18 @@ class PackedConnection(Connection):
         try:
             return [_hiredis_pack(args)]
         except TypeError:
-            return super().pack_command(*args)
+            return super().pack_command(*args)  # type: ignore[misc]
+
+
+class PackedConnection(_HiredisPacking, Connection):
+    """A TCP connection (`redis://`) whose commands hiredis packs."""
+
+
+class PackedSSLConnection(_HiredisPacking, SSLConnection):
+    """A TLS connection (`rediss://`, as ElastiCache with encryption in transit) whose commands hiredis packs."""
+
+
+PACKED = {Connection: PackedConnection, SSLConnection: PackedSSLConnection}  # a unix socket's keeps redis-py's
 
 
 def make_redis(url: str, *, socket_timeout: float = 10.0, retries: int = 2,
@@ -147,8 +158,8 @@ def make_redis(url: str, *, socket_timeout: float = 10.0, retries: int = 2,
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries, supported_errors=tuple(on_error)),
         retry_on_error=on_error,
         decode_responses=False,
-        connection_class=PackedConnection,  # a rediss:// or unix:// URL names its own class, which wins
     )
+    pool.connection_class = PACKED.get(pool.connection_class, pool.connection_class)
     return aioredis.Redis(connection_pool=pool, auto_close_connection_pool=True)
 
 
@@ -178,12 +189,11 @@ class _Cluster(RedisCluster):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # redis-py's cluster client takes no connection class: the nodes it learns are made from these kwargs,
-        # and those it was given are made already (a TLS cluster keeps its SSLConnection)
-        if self.connection_kwargs.get("connection_class") is Connection:
-            self.connection_kwargs["connection_class"] = PackedConnection
-            for node in self.nodes_manager.startup_nodes.values():
-                if node.connection_class is Connection:
-                    node.connection_class = PackedConnection
+        # and those it was given are made already
+        kind = self.connection_kwargs.get("connection_class")
+        self.connection_kwargs["connection_class"] = PACKED.get(kind, kind)
+        for node in self.nodes_manager.startup_nodes.values():
+            node.connection_class = PACKED.get(node.connection_class, node.connection_class)
 
     def gate(self) -> asyncio.Semaphore:
         self._gate = self._gate or asyncio.Semaphore(self._limit)
@@ -280,9 +290,13 @@ class NotReplicated(RedisConnectionError):
 
 
 async def fewest_replicas(client: Any) -> int:
-    """The replicas connected to the master with the fewest (a single Redis: its own), from INFO replication."""
-    info = await client.info("replication")
-    if "role" in info:  # a single Redis
+    """The replicas connected to the master with the fewest (a single Redis: its own; a cluster: every master's, as
+    its client sends INFO to one node unless told), from INFO replication."""
+    if isinstance(client, RedisCluster):
+        info = await client.info("replication", target_nodes=RedisCluster.PRIMARIES)
+    else:
+        info = await client.info("replication")
+    if "role" in info:  # one node's
         return int(info.get("connected_slaves", 0))
     masters = [v for v in info.values() if isinstance(v, dict) and v.get("role") == "master"]
     return min((int(v.get("connected_slaves", 0)) for v in masters), default=0)

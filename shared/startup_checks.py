@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from shared.config import Settings, default_files_dir
+from shared.config import ModelSpec, Settings, default_files_dir
 from shared.errors import ConfigError
 from shared.logs import get_logger
 
@@ -102,8 +102,16 @@ def files_dir_problem(directory: str) -> str | None:
 def check_model_cache(settings: Settings) -> None:
     """A ConfigError naming BATCHGATE_MODEL_CACHE when a built-in model must be built there and the directory cannot
     be written (else a traceback from the model loader)."""
-    if not any(spec.source.startswith("builtin:") for spec in settings.models):
-        return  # models of their own are read where they are: the cache is not written
+    from shared.token_limits import model_dir
+
+    def built(spec: ModelSpec) -> bool:
+        directory = model_dir(spec, settings.model_cache_dir)
+        return directory is not None and (directory / "config.json").is_file()
+
+    to_build = [spec for spec in settings.models
+                if spec.source.startswith("builtin:") and spec.source != "builtin:minilm" and not built(spec)]
+    if not to_build:  # models of their own, the packaged encoder, built-ins built already: the cache is only read
+        return
     problem = files_dir_problem(settings.model_cache_dir)
     if problem:
         raise ConfigError(f"BATCHGATE_MODEL_CACHE={settings.model_cache_dir}: {problem}; the built-in models are "

@@ -33,10 +33,12 @@ async def replicas(redis_url: str) -> int:
 
 async def test_a_submit_no_replica_confirmed_is_refused_with_503(redis_url, prefix):
     wanted = await replicas(redis_url) + 1  # more than this Redis has
-    settings = make_settings(redis_url, prefix, redis_wait_replicas=wanted, redis_wait_ms=50)
+    settings = make_settings(redis_url, prefix, redis_wait_replicas=wanted, redis_wait_ms=50,
+                             callback_allow="127.0.0.0/8")
     async with running_gateway(settings) as gw:
         r = await gw.client.post("/v1/models/tiny-llama/requests",
-                                 json={"input": {"input_ids": [5, 6, 7]}, "params": {"max_new_tokens": 2}})
+                                 json={"input": {"input_ids": [5, 6, 7]}, "params": {"max_new_tokens": 2},
+                                       "callback": {"url": "http://127.0.0.1:9/hook"}})
         assert r.status_code == 503 and r.headers.get("retry-after"), r.text
         # it says why (not "unreachable"), and /readyz says the gateway cannot take submits
         assert r.json()["error"]["code"] == "not_replicated" and "BATCHGATE_REDIS_WAIT_REPLICAS" in r.text
@@ -49,6 +51,8 @@ async def test_a_submit_no_replica_confirmed_is_refused_with_503(redis_url, pref
         assert records, "the refused submit's record"
         for key in records:
             assert await gw.service.redis.hget(key, "state") == b"cancelled", key
+            # and its webhook is never sent: it was never accepted (nothing in its outbox)
+            assert not [f for f in await gw.service.redis.hkeys(key) if f.startswith(b"ob:")], key
     ok = make_settings(redis_url, prefix, redis_wait_replicas=wanted - 1, redis_wait_ms=50)
     async with running_gateway(ok) as gw:  # as many as it has: accepted
         r = await gw.client.post("/v1/models/tiny-llama/requests",

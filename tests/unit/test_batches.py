@@ -226,9 +226,14 @@ def test_the_windows_end_leaves_a_request_that_ran_without_output_expired_and_on
 
 
 def test_the_batchs_cancel_answers_what_it_cancelled_batch_cancelled_and_what_finished_as_it_ended():
-    cancelled_running = {"status": "cancelled", "started_at": 4_000.0, "error": {"code": "cancelled", "message": "x"}}
-    written = outcome(cancelled_running, ending="cancelled")
+    queued = {"status": "cancelled", "started_at": None, "error": {"code": "cancelled", "message": "x"}}
+    written = outcome(queued, ending="cancelled")
     assert written is not None and written.line["error"]["code"] == "batch_cancelled" and not written.expired
+    # one that started as it was cancelled ran: written as it ended (its answer, the cancel's 409), never "before
+    # this request ran"
+    cancelled_running = {**queued, "started_at": 4_000.0}
+    ran = outcome(cancelled_running, ending="cancelled")
+    assert ran is not None and ran.line["error"] is None and ran.line["response"]["status_code"] == 409
     done = outcome({"status": "succeeded", "started_at": 4_000.0, "finish_reason": "length",
                     "output": {"text": "yo", "token_ids": [5, 6], "prompt_tokens": 3, "completion_tokens": 2}},
                    ending="cancelled")
@@ -245,6 +250,9 @@ def test_a_native_lines_error_has_the_status_the_interactive_route_gives(view, s
     native = "/v1/models/tiny-llama/requests"
     written = outcome(view, deadline=3_600.0, url=native, body={"input": {"prompt": "x"}})
     assert written is not None and not written.ok and written.line["response"]["status_code"] == status
+    # in the native terms: the record's own code and message
+    assert written.line["response"]["body"]["error"]["code"] == view["error"]["code"]
+    assert written.line["response"]["body"]["error"]["message"] == "x"
     ok = outcome({"status": "succeeded", "started_at": 4_000.0, "output": {"text": "y", "prompt_tokens": 1,
                                                                           "completion_tokens": 1}},
                  url=native, body={"input": {"prompt": "x"}})

@@ -297,6 +297,7 @@ def test_a_redis_urls_password_is_never_shown():
     assert shown_url("redis://:S3cret@127.0.0.1:6432/0") == "redis://:***@127.0.0.1:6432/0"
     assert shown_url("rediss+cluster://user:S3cret@h:7000") == "rediss+cluster://user:***@h:7000"
     assert shown_url("redis://h:1/0?password=S3cret&db=1") == "redis://h:1/0?password=***&db=1"
+    assert shown_url("redis://h:6379?password=S3cret") == "redis://h:6379?password=***"  # no path
     assert shown_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
     try:
         Settings.from_environ({"BATCHGATE_REDIS_URL": "redis://:S3cret@h:notaport/0"})

@@ -21,6 +21,13 @@ def both(*args: object) -> tuple[list[bytes], list[bytes]]:
             b"".join(bytes(part) for part in Connection().pack_command(*args)))
 
 
+def test_hiredis_is_what_packs():
+    """Else every test here compares redis-py's packing with itself."""
+    from shared import redis_io
+
+    assert redis_io._hiredis_pack is not None
+
+
 @given(st.sampled_from(["XADD", "EVALSHA", b"HSETNX", "CONFIG GET", b"CLIENT SETNAME"]), st.lists(ARGS, max_size=8))
 def test_the_bytes_are_redis_pys_own(command, args):
     packed, own = both(command, *args)
@@ -44,3 +51,16 @@ def test_what_hiredis_does_not_take_is_packed_by_redis_py(value):
 def test_what_redis_cannot_carry_raises_its_usual_error(value):
     with pytest.raises(DataError):
         PackedConnection().pack_command("SET", "k", value)
+
+
+def test_every_tcp_url_gets_a_packing_connection():
+    """`redis://` and `rediss://` (TLS, as ElastiCache with encryption in transit) alike; a unix socket keeps redis-py's
+    own (no client is connected here)."""
+    from redis.asyncio.connection import UnixDomainSocketConnection
+
+    from shared.redis_io import PackedSSLConnection, make_redis
+
+    kinds = {url: make_redis(url).connection_pool.connection_class
+             for url in ("redis://127.0.0.1:1/0", "rediss://127.0.0.1:1/0", "unix:///tmp/none.sock")}
+    assert kinds == {"redis://127.0.0.1:1/0": PackedConnection, "rediss://127.0.0.1:1/0": PackedSSLConnection,
+                     "unix:///tmp/none.sock": UnixDomainSocketConnection}

@@ -194,3 +194,21 @@ def test_up_refuses_a_taken_port_before_it_loads_anything(busy_port, capsys):
     assert main(["up", "--host", "127.0.0.1", "--port", str(busy_port)]) == 2
     err = capsys.readouterr().err
     assert f"--port {busy_port}: 127.0.0.1:{busy_port} is in use by another process" in err, err
+
+
+def test_a_read_only_model_cache_with_the_built_ins_built_already_is_fine(tmp_path, monkeypatch):
+    """An image with tiny-llama built in, on a read-only mount: only read, so not refused; minilm (packaged) never
+    needs the cache."""
+    import shared.startup_checks as checks
+    from shared.token_limits import model_dir
+
+    monkeypatch.setattr(checks, "files_dir_problem", lambda directory: "read-only file system")
+    settings = Settings.from_environ({"BATCHGATE_MODEL_CACHE": str(tmp_path), "BATCHGATE_MODELS": "tiny-llama"})
+    with pytest.raises(ConfigError):
+        checks.check_model_cache(settings)  # not built: it must be written
+    built = model_dir(settings.models[0], str(tmp_path))
+    built.mkdir(parents=True)
+    (built / "config.json").write_text("{}")
+    checks.check_model_cache(settings)
+    checks.check_model_cache(Settings.from_environ({"BATCHGATE_MODEL_CACHE": str(tmp_path / "none"),
+                                                    "BATCHGATE_MODELS": "minilm"}))
