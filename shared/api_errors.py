@@ -103,7 +103,9 @@ class ServiceUnavailable(ApiError):
 def unavailable(exc: BaseException) -> ServiceUnavailable:
     """The 503 for Redis refusing a call: unreachable (or full, or a replica mid-failover), or, with durable writes
     on, a write its replicas did not confirm in time, which says so (it is not an outage: /readyz says why)."""
-    if type(exc).__name__ == "NotReplicated":  # shared.redis_io's, not imported here (no Redis in this module)
+    from shared.redis_io import NotReplicated  # here: a caller of this module need not load redis-py
+
+    if isinstance(exc, NotReplicated):
         return ServiceUnavailable("the write was not confirmed by as many Redis replicas as "
                                   f"BATCHGATE_REDIS_WAIT_REPLICAS asks for ({exc}); nothing was accepted, retry "
                                   "shortly", code="not_replicated", retry_after=1)

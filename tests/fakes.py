@@ -3,6 +3,7 @@ keeps to the interface the worker uses of `gpu_worker.engines.ModelEngines`."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import queue
 import threading
@@ -148,3 +149,22 @@ def fake_engines_factory(made: dict[str, FakeEngines], **options: Any) -> Callab
         return dict(made)
 
     return factory
+
+
+async def not_ready_within(task: asyncio.Task[Any], ready: asyncio.Event, seconds: float) -> None:
+    """A part waiting for its Redis neither became ready nor ended within `seconds` (waited on its events, not
+    slept)."""
+    readied = asyncio.ensure_future(ready.wait())
+    done, _ = await asyncio.wait([task, readied], timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    readied.cancel()
+    if task in done:
+        task.result()  # its error, if it raised one
+    assert not done, "it was meant to be waiting still"
+
+
+async def stops_while_waiting(task: asyncio.Task[Any], stop: asyncio.Event, ready: asyncio.Event) -> None:
+    """Stopped while it waits for its Redis: it ends, never ready."""
+    await not_ready_within(task, ready, 0.2)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    assert not ready.is_set()

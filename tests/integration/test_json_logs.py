@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -53,7 +52,6 @@ async def test_every_line_of_a_gateway_and_a_worker_is_json(redis_url, prefix, t
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    time.sleep(0.1)
     gateway_lines = json_lines((tmp_path / "gateway.log").read_text())
     worker_lines = json_lines(worker_log.read_text())
     events = [x["event"] for x in gateway_lines]

@@ -560,6 +560,7 @@ async def test_a_dispatcher_started_before_its_redis_waits_for_it(tmp_path, pref
     """No Redis yet when the dispatcher starts (a boot order): it waits, is ready once Redis answers and serves, never
     exits with a traceback into a supervisor's restart loop; stopped while it waits, it ends cleanly."""
     from shared import redis_io
+    from tests.fakes import not_ready_within, stops_while_waiting
     from tests.stack import free_port
 
     monkeypatch.setattr(redis_io, "START_WAIT_MAX_S", 0.2)
@@ -568,8 +569,7 @@ async def test_a_dispatcher_started_before_its_redis_waits_for_it(tmp_path, pref
     d = Dispatcher(settings, default_secret=SECRET)
     stop = asyncio.Event()
     task = asyncio.create_task(d.run(stop))
-    await asyncio.sleep(1.0)
-    assert not task.done() and not d.ready.is_set()
+    await not_ready_within(task, d.ready, 1.0)
     server = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
                                "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
     try:
@@ -581,8 +581,4 @@ async def test_a_dispatcher_started_before_its_redis_waits_for_it(tmp_path, pref
         server.wait(10)
     waiting = Dispatcher(settings, default_secret=SECRET)  # its Redis gone again: stopped while it waits
     stop = asyncio.Event()
-    task = asyncio.create_task(waiting.run(stop))
-    await asyncio.sleep(0.5)
-    stop.set()
-    await asyncio.wait_for(task, 10)
-    assert not waiting.ready.is_set()
+    await stops_while_waiting(asyncio.create_task(waiting.run(stop)), stop, waiting.ready)

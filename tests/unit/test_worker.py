@@ -25,7 +25,14 @@ from shared.codec import encode
 from shared.config import BUILTIN_MODELS, Settings
 from shared.keys import Keys
 from shared.states import FinishReason, Status
-from tests.fakes import FakeEngines, ManualClock, fake_engines_factory, make_request
+from tests.fakes import (
+    FakeEngines,
+    ManualClock,
+    fake_engines_factory,
+    make_request,
+    not_ready_within,
+    stops_while_waiting,
+)
 
 KEYS = Keys("unit")
 STREAM = KEYS.lane_stream("m", "short")
@@ -265,8 +272,7 @@ async def test_a_worker_started_before_its_queue_waits_for_it_instead_of_exiting
     worker = Worker(settings(), queue=q, announcer=MemoryAnnouncer(), engines_factory=fake_engines_factory(made))
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
-    await asyncio.sleep(0.3)
-    assert not task.done() and not worker.ready.is_set()
+    await not_ready_within(task, worker.ready, 0.3)
     q.available = True
     await asyncio.wait_for(worker.ready.wait(), 5)
     q.add(STREAM, {b"m": encode(make_request("r0"))})
@@ -277,11 +283,7 @@ async def test_a_worker_started_before_its_queue_waits_for_it_instead_of_exiting
     q.available = False
     worker = Worker(settings(), queue=q, announcer=MemoryAnnouncer(), engines_factory=fake_engines_factory({}))
     stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
-    await asyncio.sleep(0.2)
-    stop.set()
-    await asyncio.wait_for(task, 5)
-    assert not worker.ready.is_set()
+    await stops_while_waiting(asyncio.create_task(worker.run(stop)), stop, worker.ready)
 
 
 class _SwallowingAnnouncer(MemoryAnnouncer):
