@@ -53,10 +53,10 @@ class GenerateRunner:
         self._token = TokenText(self.tokenizer)  # a token's text alone, for log probabilities
         # the special tokens a request offering tools keeps in its text: its calls are written with them
         self._tool_tokens = special_ids(self.tokenizer, kept_tokens(self.spec.tool_call_parser))
-        self.vocab = loaded.model.config.vocab_size
+        self.vocab = (config := text_config(loaded.model)).vocab_size  # a multimodal checkpoint's: its text config's
         eos = loaded.model.generation_config.eos_token_id
         if eos is None:
-            eos = loaded.model.config.eos_token_id
+            eos = getattr(config, "eos_token_id", None)
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.grammars = Grammars(self.tokenizer, self.vocab, sorted(self.eos_ids))  # structured output
         self.repetition_penalty = float(loaded.model.generation_config.repetition_penalty or 1.0)

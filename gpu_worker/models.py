@@ -201,6 +201,20 @@ def checked_template(spec: ModelSpec, template: str) -> str:
     return template
 
 
+def unloadable(spec: ModelSpec, path: Path, exc: BaseException) -> str:
+    """One line for a directory transformers cannot load as the model file's task asks (an architecture it has
+    no class for, a model that needs its own code, a missing tokenizer): transformers' own message, its first
+    sentence (its list of the classes it knows runs to kilobytes)."""
+    text = str(exc).strip()
+    if "trust_remote_code" in text:
+        reason = "it needs its own code (trust_remote_code), which batchgate does not run"
+    else:
+        reason = text.split("Model type should be one of")[0].splitlines()[0].strip() if text else type(exc).__name__
+        reason = reason if len(reason) <= 300 else reason[:297] + "..."
+    what = "a causal LM (task: generate)" if spec.task.value == "generate" else "an encoder (task: embed)"
+    return f"model {spec.name}: transformers cannot load {path} as {what}: {reason}"
+
+
 def load(spec: ModelSpec, cache_dir: str | Path) -> LoadedModel:
     """Load a model and its tokenizer from a local directory, on CUDA when present."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -215,12 +229,15 @@ def load(spec: ModelSpec, cache_dir: str | Path) -> LoadedModel:
     dtype = pick_dtype(spec.dtype, device)
     attention_kernels(device)
     cls = AutoModelForCausalLM if spec.task is Task.GENERATE else AutoModel
-    try:  # the engine is fastest on SDPA (and correct on any implementation)
-        model = cls.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="sdpa")
-    except (ValueError, ImportError):  # an architecture without SDPA support
-        model = cls.from_pretrained(path, dtype=dtype, local_files_only=True)
+    try:
+        try:  # the engine is fastest on SDPA (and correct on any implementation)
+            model = cls.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="sdpa")
+        except (ValueError, ImportError):  # an architecture without SDPA support
+            model = cls.from_pretrained(path, dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (ValueError, ImportError, OSError, KeyError) as exc:
+        raise ConfigError(unloadable(spec, path, exc)) from exc
     model = model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if spec.task is Task.GENERATE and spec.source.startswith("builtin:"):
         tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
     if (template := spec.chat_template_text()) is not None:  # the model file's, over the tokenizer's own
