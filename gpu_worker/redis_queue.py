@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ResponseError
 
+from gpu_worker.delta_script import DELTA_LUA, EVENTS_SLACK_S
 from gpu_worker.redis_replies import as_bytes, as_str, no_group, queue_errors, stream_items
 from gpu_worker.work_queue import DeadLetter, Entry, Finished, Held, entry_fields
 from shared.codec import encode
@@ -37,16 +38,6 @@ from shared.redis_io import in_pipeline
 from shared.states import Status
 from shared.waiters import DELTA
 
-# KEYS[1] a request's delta stream; ARGV the delta, ttl ms (on its first delta: kept as long as the result) or '',
-# its "done" channel, the message (the delta itself: a follower needs no read). One command per delta, on the
-# request's own slot.
-DELTA_LUA = """
-redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
-if ARGV[2] ~= '' then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-redis.call('PUBLISH', ARGV[3], ARGV[4])
-return 1
-"""
-
 log = structlog.get_logger(__name__)
 
 DEAD_LETTER_MAXLEN = 10_000
@@ -54,8 +45,10 @@ PENDING_SLACK = 100  # renew: how many more of our pending entries to list than 
 
 
 class RedisQueue:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, store: RecordStore, faults: Faults | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, store: RecordStore, faults: Faults | None = None,
+                 expiry_grace_s: float = 2.0) -> None:
         self.redis = redis
+        self.margin_ms = int((expiry_grace_s + EVENTS_SLACK_S) * 1000)  # what the events outlive the record by
         self.keys = keys
         self.store = store
         self.faults = faults or Faults()
@@ -238,9 +231,9 @@ class RedisQueue:
                 pipe = self.redis.pipeline(transaction=False)
                 for request_id, delta, first in deltas:
                     data = encode(delta)
-                    in_pipeline(pipe, DELTA_LUA, [self.keys.events(request_id)],
-                                [data, self.store.result_ttl_ms if first else "", self.keys.done_channel(request_id),
-                                 DELTA + data])
+                    in_pipeline(pipe, DELTA_LUA, [self.keys.events(request_id), self.keys.record(request_id)],
+                                [data, self.store.result_ttl_ms if first else "", self.margin_ms if first else "",
+                                 self.keys.done_channel(request_id), DELTA + data])
                 await pipe.execute()
 
     async def streamed(self, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:

@@ -101,7 +101,8 @@ class Worker:
         keys = Keys(self.settings.key_prefix)
         return RedisQueue(self.redis, keys, RecordStore(self.redis, keys, self.settings.result_ttl_s,
                                                      wait_replicas=self.settings.redis_wait_replicas,
-                                                     wait_ms=self.settings.redis_wait_ms), self.faults)
+                                                     wait_ms=self.settings.redis_wait_ms), self.faults,
+                          self.settings.expiry_grace_s)
 
     # --- lifecycle -----------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:

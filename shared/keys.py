@@ -48,7 +48,7 @@ class Keys:
         return f"{self.prefix}:{{r:{request_id}}}:done"
 
     def events(self, request_id: str) -> str:
-        """A streaming request's token deltas (a stream), kept as long as its result."""
+        """A streaming request's token deltas (a stream), kept as long as its record (`gpu_worker.delta_script`)."""
         return f"{self.prefix}:{{r:{request_id}}}:ev"
 
     def idempotency(self, tenant: str, key: str) -> str:

@@ -1,0 +1,20 @@
+"""The script a worker appends a streaming request's token deltas with (`RedisQueue.publish_deltas`)."""
+
+# KEYS[1] a request's delta stream, KEYS[2] its record (the same slot); ARGV the delta, on its first delta the ttl ms
+# (the result's) and the margin ms, else '' twice, its "done" channel, the message (the delta itself: a follower needs
+# no read). The stream lives as long as the record can (the record's TTL now, which runs to the request's deadline
+# plus the result TTL, plus the margin: a finish by the deadline, or an expiry within the grace after it, sets the
+# result TTL again from then), so a caller resuming with Last-Event-ID never finds the record without its deltas.
+DELTA_LUA = """
+redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
+if ARGV[2] ~= '' then
+  local ttl = tonumber(ARGV[2])
+  local rec = redis.call('PTTL', KEYS[2])
+  if rec > 0 then ttl = math.max(ttl, rec + tonumber(ARGV[3])) end
+  redis.call('PEXPIRE', KEYS[1], ttl)
+end
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+return 1
+"""
+
+EVENTS_SLACK_S = 10  # what the stream outlives its record by, beyond the expiry grace: gateway and worker clocks
