@@ -32,7 +32,7 @@ from shared.errors import CodecError
 from shared.keys import Keys
 from shared.logs import get_logger
 from shared.messages import StreamDelta
-from shared.records import StoredRecord, parse_record
+from shared.records import StoredRecord, parse_record, stream_deltas, streamed_output
 from shared.redis_io import raise_if_cancelling
 from shared.views import record_view
 from shared.waiters import SubscriptionUnavailable
@@ -172,16 +172,8 @@ async def streamed_tokens(redis: Any, keys: Keys, request_ids: Sequence[str]) ->
         pipe.xrange(keys.events(rid), min="-", max="+")
     out: dict[str, tuple[int, ...]] = {}
     for rid, entries in zip(request_ids, await pipe.execute(), strict=True):
-        tokens: list[int] = []
-        for _, fields in entries:
-            try:
-                delta = decode(fields[b"d"], StreamDelta)
-            except (CodecError, KeyError):
-                break
-            if delta.start == len(tokens):
-                tokens.extend(delta.token_ids)
-        if tokens:
-            out[rid] = tuple(tokens)
+        if (sent := streamed_output(stream_deltas(entries))) is not None:
+            out[rid] = tuple(sent["token_ids"])
     return out
 
 

@@ -40,6 +40,7 @@ from shared.messages import (
     InferenceRequest,
     RequestMeta,
     RequestResult,
+    StreamDelta,
 )
 from shared.redis_io import check_replicated, in_pipeline, script_groups, wait_replicas
 from shared.states import TERMINAL, FinishReason, Status
@@ -154,6 +155,41 @@ class StoredRecord:
         return self.state in TERMINAL
 
 
+def streamed_output(deltas: Sequence[StreamDelta]) -> dict[str, Any] | None:
+    """The output a streaming request's caller was sent (its deltas contiguous from the first; a repeat, or a
+    second attempt's overlap, left out), in the shape of a result's `output`; None when no token was sent."""
+    text: list[str] = []
+    ids: list[int] = []
+    logprobs: list[dict[str, Any]] | None = []
+    prompt_tokens = None
+    for d in deltas:
+        if d.start != len(ids):
+            continue
+        text.append(d.text)
+        ids.extend(d.token_ids)
+        prompt_tokens = d.prompt_tokens if prompt_tokens is None else prompt_tokens
+        logprobs = None if logprobs is None or d.logprobs is None else [*logprobs, *d.logprobs]
+    if not ids:
+        return None
+    out: dict[str, Any] = {"text": "".join(text), "token_ids": ids, "completion_tokens": len(ids)}
+    if prompt_tokens is not None:
+        out["prompt_tokens"] = prompt_tokens
+    if logprobs:
+        out["logprobs"] = logprobs
+    return out
+
+
+def stream_deltas(entries: Sequence[tuple[Any, dict[bytes, bytes]]]) -> list[StreamDelta]:
+    """The deltas of a request's delta stream as XRANGE reads them."""
+    out = []
+    for _, fields in entries:
+        try:
+            out.append(decode(fields[b"d"], StreamDelta))
+        except (CodecError, KeyError):
+            continue  # one a later worker's schema wrote: the deltas after it are not contiguous, so not counted
+    return out
+
+
 class RecordStore:
     def __init__(self, redis: aioredis.Redis, keys: Keys, result_ttl_s: int, *, wait_replicas: int = 0,
                  wait_ms: int = 1000) -> None:
@@ -235,9 +271,13 @@ class RecordStore:
         already ended, or another write won."""
         if rec.terminal or rec.meta is None or not cannot_finish(rec.meta.deadline_ms / 1000 + grace_s, now_ms / 1000):
             return False
+        output = streamed_output(stream_deltas(await self.redis.xrange(self.keys.events(rec.id))))
+        message = "no result by the deadline"
+        if output is not None:  # its caller was sent these tokens: they are its output, as a worker's cut keeps its own
+            message += f" after {output['completion_tokens']} tokens were streamed; partial output kept"
         return await self.finish(RequestResult(
-            id=rec.id, status=Status.EXPIRED, finish_reason=FinishReason.DEADLINE,
-            error=ErrorInfo("deadline_exceeded", "no result by the deadline"), finished_ms=now_ms, worker=by,
+            id=rec.id, status=Status.EXPIRED, output=output, finish_reason=FinishReason.DEADLINE,
+            error=ErrorInfo("deadline_exceeded", message), finished_ms=now_ms, worker=by,
         ), rec.meta)
 
     async def finish_all(self, finished: Sequence[tuple[RequestResult, RequestMeta | None]], *,

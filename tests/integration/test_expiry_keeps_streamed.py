@@ -1,0 +1,75 @@
+"""A streaming request whose worker went quiet past its deadline is expired by whoever reads it (a gateway, the
+webhook dispatcher): what its caller was already sent is its output, as a worker's own deadline cut keeps its
+partial output; the OpenAI routes then answer that text (`finish_reason` length), not "before any output"."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gpu_worker.redis_queue import RedisQueue
+from shared import openai_shapes as oa
+from shared.keys import Keys
+from shared.messages import StreamDelta
+from shared.records import RecordStore, streamed_output
+from shared.redis_io import make_redis
+from shared.states import FinishReason, Status
+from shared.views import record_view
+from tests.fakes import make_request
+
+
+def test_the_streamed_output_is_the_contiguous_deltas_from_the_first() -> None:
+    lp = ({"token": "a", "logprob": -0.1},)
+    deltas = [StreamDelta(0, (5,), "a", logprobs=lp, prompt_tokens=3), StreamDelta(1, (6, 7), "bc", logprobs=lp * 2),
+              StreamDelta(1, (6,), "b"),  # a second attempt's overlap: already had
+              StreamDelta(3, (8,), "d", logprobs=lp, prompt_tokens=9)]
+    assert streamed_output(deltas) == {"text": "abcd", "token_ids": [5, 6, 7, 8], "completion_tokens": 4,
+                                       "prompt_tokens": 3, "logprobs": list(lp * 4)}
+    assert streamed_output([StreamDelta(0, (5,), "a"), StreamDelta(2, (7,), "c")]) == {
+        "text": "a", "token_ids": [5], "completion_tokens": 1}  # a gap: what follows it was never sent in order
+    assert "logprobs" not in streamed_output([StreamDelta(0, (5,), "a", logprobs=lp), StreamDelta(1, (6,), "b")])
+    assert streamed_output([]) is None and streamed_output([StreamDelta(1, (5,), "b")]) is None
+
+
+@pytest.fixture
+async def parts(redis_url, prefix):
+    client = make_redis(redis_url)
+    keys = Keys(prefix)
+    store = RecordStore(client, keys, 60)
+    yield client, keys, store, RedisQueue(client, keys, store)
+    await client.aclose()
+
+
+@pytest.mark.redis
+async def test_an_expiry_after_streamed_tokens_keeps_them_as_the_output(parts) -> None:
+    client, keys, store, queue = parts
+    req = make_request("req_cut", timeout_s=0.05)
+    pipe = client.pipeline(transaction=False)
+    await store.init_in(pipe, req, int(time.time() * 1000))
+    await pipe.execute()
+    await store.start([req], int(time.time() * 1000))
+    await queue.publish_deltas([(req.id, StreamDelta(0, (5, 6), "he", prompt_tokens=1), True)])
+    await queue.publish_deltas([(req.id, StreamDelta(2, (7,), "y"), False)])
+    time.sleep(0.1)  # its deadline passes; its worker wrote nothing more
+    assert await store.expire_overdue(await store.get(req.id), int(time.time() * 1000), 0.0, "gateway")
+    rec = await store.get(req.id)
+    assert rec.state is Status.EXPIRED and rec.result.finish_reason is FinishReason.DEADLINE
+    assert rec.result.output == {"text": "hey", "token_ids": [5, 6, 7], "completion_tokens": 3, "prompt_tokens": 1}
+    assert "3 tokens were streamed" in rec.result.error.message
+    assert oa.result_error(record_view(rec)) is None  # OpenAI callers get the text, cut by the deadline
+
+
+@pytest.mark.redis
+async def test_an_expiry_before_any_token_has_no_output(parts) -> None:
+    client, keys, store, _ = parts
+    req = make_request("req_none", timeout_s=0.05)
+    pipe = client.pipeline(transaction=False)
+    await store.init_in(pipe, req, int(time.time() * 1000))
+    await pipe.execute()
+    time.sleep(0.1)
+    assert await store.expire_overdue(await store.get(req.id), int(time.time() * 1000), 0.0, "gateway")
+    rec = await store.get(req.id)
+    assert rec.state is Status.EXPIRED and rec.result.output is None
+    assert rec.result.error.message == "no result by the deadline"
+    assert oa.result_error(record_view(rec)).status == 504
