@@ -33,6 +33,7 @@ from shared.records import StoredRecord
 from shared.redis_io import UNAVAILABLE
 from shared.states import Task
 from shared.views import record_view
+from shared.waiters import Released
 
 log = structlog.get_logger(__name__)
 
@@ -160,9 +161,10 @@ async def _answers(svc: GatewayService, req: ApiRequest, answers: list[ops.Answe
     return views
 
 
-def _abandon_all(svc: GatewayService, tenant: str, answers: list[ops.Answer]) -> None:
+def _abandon_all(svc: GatewayService, tenant: str, answers: list[ops.Answer] | list[str],
+                 reason: str = "caller gone") -> None:
     for answer in answers:
-        _abandon(svc, tenant, str(answer.body["id"]))
+        _abandon(svc, tenant, answer if isinstance(answer, str) else str(answer.body["id"]), reason)
 
 
 async def _result(svc: GatewayService, req: ApiRequest, answer: ops.Answer,
@@ -177,6 +179,10 @@ async def _result(svc: GatewayService, req: ApiRequest, answer: ops.Answer,
     request_id = str(view["id"])
     wait = max(0.0, (_wait_budget(svc, [answer]) if until is None else until) - svc.clock())
     rec = await _wait_while_there(svc, req, request_id, wait)
+    if (rec is None or not rec.terminal) and svc.hub.released:
+        if not _keyed(req):
+            _abandon(svc, req.tenant, request_id, "gateway shutting down")
+        raise _shutting_down([request_id], _keyed(req))
     if rec is None or not rec.terminal:
         raise oa.OpenAIError(
             504, f"no result within {wait:.3g} s (the gateway's longest wait); request {request_id} goes on: "
@@ -293,6 +299,7 @@ async def _response_stream(svc: GatewayService, tenant: str, rec: StoredRecord, 
     without an answer ends it with `response.failed`. A caller gone cancels the request, unless the call is
     `keyed` (`_keyed`)."""
     finished = False
+    reason = "caller gone"
     try:
         for event in events.first():
             yield _typed(event)
@@ -307,9 +314,13 @@ async def _response_stream(svc: GatewayService, tenant: str, rec: StoredRecord, 
                     for out in events.failed(error) if error is not None else events.final(event.data):
                         yield _typed(out)
                     return
+    except Released:  # the gateway is shutting down: the response fails, saying what its caller can do
+        reason = "gateway shutting down"
+        for out in events.failed(_shutting_down([rec.id], keyed)):
+            yield _typed(out)
     finally:
         if not finished and not keyed:  # the caller went away, or the stream broke: stop computing
-            _abandon(svc, tenant, rec.id)
+            _abandon(svc, tenant, rec.id, reason)
 
 
 def _cut(svc: GatewayService, ids: list[str], keyed: bool = False) -> oa.OpenAIError:
@@ -335,6 +346,7 @@ async def _stream(svc: GatewayService, tenant: str, recs: list[StoredRecord], ma
     the stream with `{"error": ...}`, which OpenAI's clients raise, and cancels the other choices. A caller gone
     cancels the requests, unless the call is `keyed` (`_keyed`)."""
     finished: dict[int, dict[str, Any]] = {}
+    reason = "caller gone"
     try:
         for first in [chunk for maker in makers for chunk in maker.opening()]:
             yield _data(first)
@@ -357,10 +369,12 @@ async def _stream(svc: GatewayService, tenant: str, recs: list[StoredRecord], ma
         if len(recs) > 1 and makers[0].tr.include_usage:
             yield _data(makers[0].usage_chunk([finished[i] for i in range(len(recs))]))
         yield DONE
-    finally:
-        for i, rec in enumerate(recs):
-            if i not in finished and not keyed:  # the caller went away (or the stream broke, or a choice failed):
-                _abandon(svc, tenant, rec.id)  # stop computing
+    except Released:  # the gateway is shutting down: an OpenAI error, saying what its caller can do, then [DONE]
+        reason = "gateway shutting down"
+        yield _data(_shutting_down([rec.id for i, rec in enumerate(recs) if i not in finished], keyed).body())
+        yield DONE
+    finally:  # the caller went away (or the stream broke, or a choice failed, or the gateway is leaving)
+        _abandon_all(svc, tenant, [] if keyed else [rec.id for i, rec in enumerate(recs) if i not in finished], reason)
 
 
 async def _merged(svc: GatewayService, recs: list[StoredRecord]) -> AsyncIterator[tuple[int, ServerEvent]]:
@@ -391,17 +405,28 @@ async def _merged(svc: GatewayService, recs: list[StoredRecord]) -> AsyncIterato
         await asyncio.gather(*pumps, return_exceptions=True)
 
 
-def _abandon(svc: GatewayService, tenant: str, request_id: str) -> None:
-    """Cancel a request its caller went away from, in the background (the caller's task is ending)."""
-    task = asyncio.get_running_loop().create_task(_cancel_quietly(svc, tenant, request_id))
+def _shutting_down(ids: list[str], keyed: bool) -> oa.OpenAIError:
+    """What ends an OpenAI call waiting (a stream has no event ids to resume from) when this gateway shuts down:
+    its requests are cancelled, unless the call's Idempotency-Key lets the same call sent again find them. A 503
+    OpenAI's clients retry by themselves (the load balancer sends the retry to another gateway)."""
+    fate = ("go on: send the call again with the same Idempotency-Key to get their output" if keyed
+            else "were cancelled: send the call again")
+    return oa.OpenAIError(503, f"this gateway is shutting down; request(s) {', '.join(ids)} {fate}",
+                          code="unavailable", retry=True)
+
+
+def _abandon(svc: GatewayService, tenant: str, request_id: str, reason: str = "caller gone") -> None:
+    """Cancel a request its caller went away from (or this gateway is leaving), in the background (the caller's
+    task is ending)."""
+    task = asyncio.get_running_loop().create_task(_cancel_quietly(svc, tenant, request_id, reason))
     _abandoned.add(task)
     task.add_done_callback(_abandoned.discard)
 
 
-async def _cancel_quietly(svc: GatewayService, tenant: str, request_id: str) -> None:
+async def _cancel_quietly(svc: GatewayService, tenant: str, request_id: str, reason: str) -> None:
     with contextlib.suppress(Exception):
         await ops.cancel(svc, tenant, request_id)
-        log.info("caller gone: request cancelled", request_id=request_id)
+        log.info(f"{reason}: request cancelled", request_id=request_id)
 
 
 async def embeddings(svc: GatewayService, req: ApiRequest) -> ApiResponse:

@@ -43,7 +43,7 @@ async def parts(redis_url, prefix):
 
 @pytest.mark.redis
 async def test_an_expiry_after_streamed_tokens_keeps_them_as_the_output(parts) -> None:
-    client, keys, store, queue = parts
+    client, _, store, queue = parts
     req = make_request("req_cut", timeout_s=0.05)
     pipe = client.pipeline(transaction=False)
     await store.init_in(pipe, req, int(time.time() * 1000))
@@ -62,7 +62,7 @@ async def test_an_expiry_after_streamed_tokens_keeps_them_as_the_output(parts) -
 
 @pytest.mark.redis
 async def test_an_expiry_before_any_token_has_no_output(parts) -> None:
-    client, keys, store, _ = parts
+    client, _, store, _ = parts
     req = make_request("req_none", timeout_s=0.05)
     pipe = client.pipeline(transaction=False)
     await store.init_in(pipe, req, int(time.time() * 1000))

@@ -90,3 +90,59 @@ async def test_a_stopping_gateway_finishes_what_comes_in_time_and_ends_the_rest_
     # uvicorn re-raises the SIGTERM it handled once it has shut down: the exit of a clean stop on it
     assert code in (0, -signal.SIGTERM) and exited_s < GRACE_S + 2, (code, exited_s, log[-2000:])
     assert "without completing response" not in log and "timeout graceful shutdown exceeded" not in log, log[-2000:]
+
+
+async def read_openai_stream(client: httpx.AsyncClient, path: str, body: dict, started: asyncio.Event,
+                             headers: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """(event name, data) of an OpenAI-route stream, in order; `started` is set at the first data line."""
+    out: list[tuple[str, str]] = []
+    name = ""
+    async with client.stream("POST", path, json={**body, "stream": True}, headers=headers or {}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("event:"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("data:"):
+                out.append((name, line.split(":", 1)[1].strip()))
+                name = ""
+                started.set()
+    return out
+
+
+async def test_openai_calls_at_shutdown_end_in_openai_s_shape_saying_what_to_do(redis_url, prefix, tmp_path):
+    """OpenAI's streams carry no event ids, so "reconnect with Last-Event-ID" cannot apply to them: at the
+    grace's end a completions stream ends with an OpenAI error (then `[DONE]`), a Responses stream with
+    `response.failed`, a waiting call with a 503 OpenAI's clients retry; each says the call can be sent again
+    (with the same Idempotency-Key: its request goes on, for that retry to find), and the log says why a
+    request was cancelled. Before, each got the native stream's message, and a waiting call a 504 blaming the
+    gateway's longest wait."""
+    settings = make_settings(redis_url, prefix, models=(ECHO,), drain_budget_s=0.5)
+    proc, base = start_gateway(redis_url, prefix, tmp_path / "gateway.log")
+    body = {"model": "echo", "prompt": "hello", "max_tokens": 1000}
+    try:
+        async with running_worker(settings, {}), httpx.AsyncClient(base_url=base, timeout=30) as client:
+            began = [asyncio.Event() for _ in range(3)]
+            plain = asyncio.create_task(read_openai_stream(client, "/v1/completions", body, began[0]))
+            keyed = asyncio.create_task(read_openai_stream(client, "/v1/completions", body, began[1],
+                                                           {"Idempotency-Key": f"{prefix}-k"}))
+            resp = asyncio.create_task(read_openai_stream(client, "/v1/responses", {
+                "model": "echo", "input": "hello", "max_output_tokens": 1000}, began[2]))
+            waiting = asyncio.create_task(client.post("/v1/completions", json=body))
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in began)), 10)
+            proc.send_signal(signal.SIGTERM)
+            plain_ev, keyed_ev, resp_ev, got = await asyncio.wait_for(asyncio.gather(plain, keyed, resp, waiting), 15)
+            await asyncio.to_thread(proc.wait, 15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "gateway.log").read_text()
+    for events, fate in ((plain_ev, "were cancelled: send the call again"), (keyed_ev, "same Idempotency-Key")):
+        assert events[-1] == ("", "[DONE]") and not any(name == "error" for name, _ in events), events[-3:]
+        err = json.loads(events[-2][1])["error"]
+        assert err["code"] == "unavailable" and "shutting down" in err["message"] and fate in err["message"], err
+        assert "Last-Event-ID" not in err["message"]
+    name, data = resp_ev[-1]
+    assert name == "response.failed" and "shutting down" in json.loads(data)["response"]["error"]["message"]
+    assert got.status_code == 503 and got.headers["x-should-retry"] == "true", got.text
+    assert "shutting down" in got.json()["error"]["message"] and "send the call again" in got.json()["error"]["message"]
+    assert "gateway shutting down: request cancelled" in log and "caller gone: request cancelled" not in log
