@@ -25,6 +25,7 @@ from shared.sdk.errors import (
     Unavailable,
     error_for,
 )
+from shared.sdk.reconnect import Reconnects
 
 TERMINAL = frozenset({"succeeded", "failed", "expired", "cancelled"})
 MAX_BATCH = 100
@@ -88,8 +89,15 @@ def parse_sse(lines: Iterable[str], state: dict[str, Any]) -> Iterator[Event]:
 
 
 _SUBMIT_ARGS = frozenset({"input", "params", "timeout_s", "deadline", "priority", "callback", "stream"})
-EVENT_RETRIES = 5  # reconnects of an event stream after a dropped connection (with Last-Event-ID)
-EVENT_RETRY_S = 0.2  # the pause before each
+# reconnects of an event stream after a dropped connection (with Last-Event-ID): pauses from EVENT_RETRY_S, doubling
+# up to EVENT_RETRY_MAX_S, for EVENT_RECONNECT_S in all since the last event (a gateway restarting takes seconds)
+EVENT_RETRY_S = 0.2
+EVENT_RETRY_MAX_S = 2.0
+EVENT_RECONNECT_S = 30.0
+
+
+def _reconnects() -> Reconnects:
+    return Reconnects(EVENT_RETRY_S, EVENT_RETRY_MAX_S, EVENT_RECONNECT_S)
 
 
 class _Common:
@@ -304,11 +312,10 @@ class AsyncBatchgateClient(_Common):
         with `stream=True`; else its whole output as one), the final result. A dropped connection is resumed
         where it left off (Last-Event-ID); so is a call given the `id` of the last event a caller had."""
         if self._direct is not None:
-            async for ev in self._direct.events(request_id, last_event_id, retries=EVENT_RETRIES,
-                                                pause_s=EVENT_RETRY_S):
+            async for ev in self._direct.events(request_id, last_event_id, _reconnects()):
                 yield Event(ev.event, ev.data, ev.id)
             return
-        retries = EVENT_RETRIES
+        reconnects = _reconnects()
         while True:
             try:
                 async with self._http.stream("GET", f"/v1/requests/{_seg(request_id)}/events",
@@ -320,14 +327,14 @@ class AsyncBatchgateClient(_Common):
                     async for line in r.aiter_lines():
                         for event in parse_sse([line], state):
                             last_event_id = event.id or last_event_id
+                            reconnects.reset()
                             yield event
                             if event.event == "done":
                                 return
             except httpx.TransportError as exc:
-                retries -= 1
-                if retries < 0:
+                if (pause := reconnects.next_pause()) is None:
                     raise Unavailable(f"event stream of {request_id} lost: {exc!r}") from exc
-                await asyncio.sleep(EVENT_RETRY_S)
+                await asyncio.sleep(pause)
 
     async def stream(self, request_ids: Iterable[str], timeout: float = 300.0) -> AsyncIterator[Result]:
         """Results of many requests, in the order they finish."""
@@ -431,7 +438,7 @@ class BatchgateClient(_Common):
 
     def events(self, request_id: str, last_event_id: str | None = None) -> Iterator[Event]:
         """As `AsyncBatchgateClient.events`."""
-        retries = EVENT_RETRIES
+        reconnects = _reconnects()
         while True:
             try:
                 with self._http.stream("GET", f"/v1/requests/{_seg(request_id)}/events",
@@ -443,14 +450,14 @@ class BatchgateClient(_Common):
                     for line in r.iter_lines():
                         for event in parse_sse([line], state):
                             last_event_id = event.id or last_event_id
+                            reconnects.reset()
                             yield event
                             if event.event == "done":
                                 return
             except httpx.TransportError as exc:
-                retries -= 1
-                if retries < 0:
+                if (pause := reconnects.next_pause()) is None:
                     raise Unavailable(f"event stream of {request_id} lost: {exc!r}") from exc
-                time.sleep(EVENT_RETRY_S)
+                time.sleep(pause)
 
     def stream(self, request_ids: Iterable[str], timeout: float = 300.0, concurrency: int = 16) -> Iterator[Result]:
         """Results of many requests, in the order they finish (long-polls on `concurrency` threads). Leaving the loop

@@ -22,6 +22,7 @@ from shared.events import follow, parse_last_event_id
 from shared.queue_client import QueueClient
 from shared.redis_io import UNAVAILABLE
 from shared.sdk.errors import Unavailable, error_for
+from shared.sdk.reconnect import Reconnects
 from shared.tenants import tenant_name_problem
 
 _ROUTES = (
@@ -52,10 +53,9 @@ class DirectTransport:
     async def aclose(self) -> None:
         await self._queue.close()
 
-    async def events(self, request_id: str, last_event_id: str | None, *, retries: int = 5,
-                     pause_s: float = 0.2) -> AsyncIterator[Any]:
+    async def events(self, request_id: str, last_event_id: str | None, reconnects: Reconnects) -> AsyncIterator[Any]:
         """A request's events (`shared.events.ServerEvent`), read from Redis as the gateway's event stream
-        reads them; resumed after a lost connection up to `retries` times, `pause_s` apart."""
+        reads them; resumed after a lost connection as `reconnects` says."""
         try:
             after = parse_last_event_id(last_event_id)
         except ValueError as exc:
@@ -68,15 +68,15 @@ class DirectTransport:
                     after = parse_last_event_id(ev.id) if ev.id else after
                     if ev.event == "status" and isinstance(ev.data, dict):
                         sent = ev.data.get("status", sent)
+                    reconnects.reset()
                     yield ev
                 return
             except ApiError as exc:
                 raise error_for(exc.status, exc.body(), None) from exc
             except UNAVAILABLE as exc:  # resumed where it left off, as the HTTP client resumes a dropped stream
-                retries -= 1
-                if retries < 0:
+                if (pause := reconnects.next_pause()) is None:
                     raise Unavailable(f"event stream of {request_id} lost: {exc!r}") from exc
-                await asyncio.sleep(pause_s)
+                await asyncio.sleep(pause)
 
     async def request(self, method: str, path: str, body: Any, params: dict[str, Any],
                       headers: dict[str, str]) -> tuple[int, dict[str, str], Any]:

@@ -1,5 +1,6 @@
 """The SDK's direct mode reports a Redis it cannot reach as `Unavailable` (the SDK's retryable error), after
-resuming a few times as the HTTP client resumes a dropped event stream, not as redis-py's ConnectionError."""
+resuming over the reconnect budget as the HTTP client resumes a dropped event stream, not as redis-py's
+ConnectionError."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ def closed_port() -> int:
 
 
 async def test_events_from_an_unreachable_redis_raise_unavailable(monkeypatch):
-    monkeypatch.setattr(sdk_client, "EVENT_RETRY_S", 0.0)
+    monkeypatch.setattr(sdk_client, "EVENT_RETRY_S", 0.001)
+    monkeypatch.setattr(sdk_client, "EVENT_RETRY_MAX_S", 0.002)
+    monkeypatch.setattr(sdk_client, "EVENT_RECONNECT_S", 0.01)
     calls = []
     real = direct_mode.ops.visible
 
@@ -37,4 +40,5 @@ async def test_events_from_an_unreachable_redis_raise_unavailable(monkeypatch):
             _ = [e async for e in client.events(rid)]
     finally:
         await client.aclose()
-    assert len(calls) == sdk_client.EVENT_RETRIES + 1
+    pauses = sdk_client._reconnects()
+    assert len(calls) == 1 + sum(1 for _ in iter(pauses.next_pause, None))  # every pause of the budget, then gives up
