@@ -1,4 +1,5 @@
-"""The encoder runner: the dynamic stage alone, one padded encoder forward per batch, mean pooling.
+"""The encoder runner: the dynamic stage alone, one padded encoder forward per batch, the model's own pooling
+(`gpu_worker.pooling`).
 
 A failing batch is retried in halves, so one bad request fails alone. A text longer than the model
 takes (`max_input_tokens`, at most its position embeddings) fails its request (`input_too_long`),
@@ -17,6 +18,7 @@ import torch
 from gpu_worker.job import Job
 from gpu_worker.models import LoadedModel
 from gpu_worker.outcomes import Delta, Outcome, failed_outcome, result_for
+from gpu_worker.pooling import pool, pooling_modes
 from gpu_worker.runner import count_calls
 from shared.faults import Faults
 from shared.lanes import assign_lane
@@ -37,6 +39,7 @@ class EmbedRunner:
         self.max_len = min(self.spec.max_input_tokens,
                            getattr(loaded.model.config, "max_position_embeddings", 512))
         self.model_calls: dict[str, int] = {}
+        self.pooling = pooling_modes(loaded.path, self.spec.name)  # the model's own (sentence-transformers), or mean
 
     busy = False
     chunking = False
@@ -134,8 +137,7 @@ class EmbedRunner:
         ids, mask = ids.to(self.loaded.device), mask.to(self.loaded.device)
         t0 = self.clock()
         hidden = self.loaded.model(input_ids=ids, attention_mask=mask).last_hidden_state
-        m = mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)
+        pooled = pool(hidden, mask, self.pooling)
         normed = torch.nn.functional.normalize(pooled, p=2, dim=1)
         done = self.clock()
         outcomes: list[Outcome] = []
