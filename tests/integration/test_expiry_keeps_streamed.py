@@ -8,15 +8,13 @@ import time
 
 import pytest
 
-from gpu_worker.redis_queue import RedisQueue
 from shared import openai_shapes as oa
-from shared.keys import Keys
 from shared.messages import StreamDelta
-from shared.records import RecordStore, streamed_output
-from shared.redis_io import make_redis
+from shared.records import streamed_output
 from shared.states import FinishReason, Status
 from shared.views import record_view
 from tests.fakes import make_request
+from tests.integration.test_outbox import parts  # noqa: F401  (the fixture: a client, keys, a store, a queue)
 
 
 def test_the_streamed_output_is_the_contiguous_deltas_from_the_first() -> None:
@@ -32,22 +30,19 @@ def test_the_streamed_output_is_the_contiguous_deltas_from_the_first() -> None:
     assert streamed_output([]) is None and streamed_output([StreamDelta(1, (5,), "b")]) is None
 
 
-@pytest.fixture
-async def parts(redis_url, prefix):
-    client = make_redis(redis_url)
-    keys = Keys(prefix)
-    store = RecordStore(client, keys, 60)
-    yield client, keys, store, RedisQueue(client, keys, store)
-    await client.aclose()
-
-
-@pytest.mark.redis
-async def test_an_expiry_after_streamed_tokens_keeps_them_as_the_output(parts) -> None:
-    client, _, store, queue = parts
-    req = make_request("req_cut", timeout_s=0.05)
+async def queued(client, store, rid: str):
+    """A request queued with a deadline 50 ms away (the record as a submit writes it)."""
+    req = make_request(rid, timeout_s=0.05)
     pipe = client.pipeline(transaction=False)
     await store.init_in(pipe, req, int(time.time() * 1000))
     await pipe.execute()
+    return req
+
+
+@pytest.mark.redis
+async def test_an_expiry_after_streamed_tokens_keeps_them_as_the_output(parts) -> None:  # noqa: F811
+    client, _, store, queue = parts
+    req = await queued(client, store, "req_cut")
     await store.start([req], int(time.time() * 1000))
     await queue.publish_deltas([(req.id, StreamDelta(0, (5, 6), "he", prompt_tokens=1), True)])
     await queue.publish_deltas([(req.id, StreamDelta(2, (7,), "y"), False)])
@@ -61,12 +56,9 @@ async def test_an_expiry_after_streamed_tokens_keeps_them_as_the_output(parts) -
 
 
 @pytest.mark.redis
-async def test_an_expiry_before_any_token_has_no_output(parts) -> None:
+async def test_an_expiry_before_any_token_has_no_output(parts) -> None:  # noqa: F811
     client, _, store, _ = parts
-    req = make_request("req_none", timeout_s=0.05)
-    pipe = client.pipeline(transaction=False)
-    await store.init_in(pipe, req, int(time.time() * 1000))
-    await pipe.execute()
+    req = await queued(client, store, "req_none")
     time.sleep(0.1)
     assert await store.expire_overdue(await store.get(req.id), int(time.time() * 1000), 0.0, "gateway")
     rec = await store.get(req.id)
