@@ -229,6 +229,9 @@ def test_an_architecture_the_engine_cannot_drive_is_refused_at_load() -> None:
 
 
 ARCH_BUDGET_S = 30  # building a tiny model and generating with it; longer means it is not tiny at these sizes
+# the architectures that must be served are known to be tiny here: their budget only bounds a hang, so a CI
+# machine loaded by the suites running beside this one (gemma once took past 30 s there) cannot fail them
+SERVED_BUDGET_S = 240
 
 
 @pytest.mark.slow
@@ -251,7 +254,7 @@ def test_every_causal_lm_is_served_exactly_or_refused() -> None:
     outcome: dict[str, str] = {}
     try:
         for arch in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-            signal.alarm(ARCH_BUDGET_S)
+            signal.alarm(SERVED_BUDGET_S if arch in SERVED else ARCH_BUDGET_S)
             try:
                 outcome[arch] = _sweep_one(arch)
             except OverBudget:
@@ -266,7 +269,7 @@ def test_every_causal_lm_is_served_exactly_or_refused() -> None:
     print(f"\n{len(served)} served exactly, {len(refused)} refused at load, "
           f"{len(outcome) - len(served) - len(refused)} out of scope (tiny config or generate fails)")
     assert not wrong, wrong
-    assert set(SERVED) <= set(served), sorted(set(SERVED) - set(served))
+    assert set(SERVED) <= set(served), {a: outcome.get(a, "not in the mapping") for a in SERVED if a not in served}
     assert len(served) + len(refused) >= 40  # the sweep really ran over the architectures
 
 
