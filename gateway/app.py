@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway import metrics, openapi
+from gateway import metrics, openai_api, openapi
 from gateway.api import (
     ApiError,
     ApiRequest,
@@ -42,6 +42,7 @@ from shared.waiters import Released
 log = structlog.get_logger(__name__)
 
 EVENT_PING_S = 15  # a comment line this often keeps idle event streams open through proxies
+CANCEL_SETTLE_S = 2.0  # at shutdown, the cancellations of the calls that just ended get this long before Redis closes
 
 
 async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
@@ -213,6 +214,7 @@ def create_app(settings: Settings | None = None, *, service: GatewayService | No
         try:
             yield
         finally:
+            await openai_api.settle_cancellations(CANCEL_SETTLE_S)
             await svc.close()
             thaw_heap()
 

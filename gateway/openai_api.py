@@ -144,12 +144,16 @@ async def _answers(svc: GatewayService, req: ApiRequest, answers: list[ops.Answe
             if (error := oa.result_error(view)) is not None:
                 raise error
         except oa.OpenAIError as err:
+            ids = [str(a.body["id"]) for a in answers]
             if err.code == "wait_exceeded" and len(answers) > 1:  # they go on, each for GET /v1/requests/{id}
-                ids = [str(a.body["id"]) for a in answers]
                 raise oa.OpenAIError(504, f"no result for every choice within the gateway's longest wait; requests "
                                           f"{', '.join(ids)} go on: GET /v1/requests/{{id}} for their results",
                                      code="wait_exceeded", retry=False,
                                      headers={"X-Request-Id": ids[0], CHOICE_IDS_HEADER: ",".join(ids)}) from None
+            if err.code == "unavailable" and svc.hub.released:  # this gateway is leaving: every choice goes on or none
+                if not _keyed(req):  # (choice i: `_result` cancelled it)
+                    _abandon_all(svc, req.tenant, answers[i + 1:], "gateway shutting down")
+                raise _shutting_down(ids, _keyed(req)) from None
             if not (err.code == "client_closed" and _keyed(req)):  # (a caller gone: `_result` cancelled its own)
                 _abandon_all(svc, req.tenant, answers[i + 1:])
             raise
@@ -411,8 +415,11 @@ def _shutting_down(ids: list[str], keyed: bool) -> oa.OpenAIError:
     OpenAI's clients retry by themselves (the load balancer sends the retry to another gateway)."""
     fate = ("go on: send the call again with the same Idempotency-Key to get their output" if keyed
             else "were cancelled: send the call again")
+    headers = {"Retry-After": "1", "X-Request-Id": ids[0]} if ids else {"Retry-After": "1"}
+    if len(ids) > 1:
+        headers[CHOICE_IDS_HEADER] = ",".join(ids)
     return oa.OpenAIError(503, f"this gateway is shutting down; request(s) {', '.join(ids)} {fate}",
-                          code="unavailable", retry=True)
+                          code="unavailable", retry=True, headers=headers)
 
 
 def _abandon(svc: GatewayService, tenant: str, request_id: str, reason: str = "caller gone") -> None:
@@ -421,6 +428,14 @@ def _abandon(svc: GatewayService, tenant: str, request_id: str, reason: str = "c
     task = asyncio.get_running_loop().create_task(_cancel_quietly(svc, tenant, request_id, reason))
     _abandoned.add(task)
     task.add_done_callback(_abandoned.discard)
+
+
+async def settle_cancellations(timeout_s: float) -> None:
+    """Let the cancellations started in the background finish before the gateway closes its Redis connections (at
+    shutdown a call's requests are cancelled as its stream or wait ends, a moment before): each has at most
+    `timeout_s`; one that cannot finish in it is left to the request's deadline."""
+    if _abandoned:
+        await asyncio.wait(set(_abandoned), timeout=timeout_s)
 
 
 async def _cancel_quietly(svc: GatewayService, tenant: str, request_id: str, reason: str) -> None:

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.openai_api import CHOICE_IDS_HEADER
+from gateway.service import GatewayService
 from shared.config import ModelSpec
 from shared.embedded_redis import free_port
 from shared.states import Task
@@ -128,10 +130,21 @@ async def test_openai_calls_at_shutdown_end_in_openai_s_shape_saying_what_to_do(
             resp = asyncio.create_task(read_openai_stream(client, "/v1/responses", {
                 "model": "echo", "input": "hello", "max_output_tokens": 1000}, began[2]))
             waiting = asyncio.create_task(client.post("/v1/completions", json=body))
+            two = asyncio.create_task(client.post("/v1/completions", json={**body, "n": 2}))
+            two_keyed = asyncio.create_task(client.post("/v1/completions", json={**body, "n": 2},
+                                                        headers={"Idempotency-Key": f"{prefix}-n2"}))
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in began)), 10)
+            await asyncio.sleep(0.3)  # the waiting calls' requests are in
             proc.send_signal(signal.SIGTERM)
-            plain_ev, keyed_ev, resp_ev, got = await asyncio.wait_for(asyncio.gather(plain, keyed, resp, waiting), 15)
+            plain_ev, keyed_ev, resp_ev, got, got_two, got_keyed = await asyncio.wait_for(
+                asyncio.gather(plain, keyed, resp, waiting, two, two_keyed), 15)
             await asyncio.to_thread(proc.wait, 15)
+            svc = GatewayService(settings)  # what the calls' requests became, read right after
+            try:
+                states = {rid: (await svc.get(rid)).state.value for r in (got, got_two, got_keyed)
+                          for rid in r.headers.get(CHOICE_IDS_HEADER, r.headers["x-request-id"]).split(",")}
+            finally:
+                await svc.close()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -146,3 +159,12 @@ async def test_openai_calls_at_shutdown_end_in_openai_s_shape_saying_what_to_do(
     assert got.status_code == 503 and got.headers["x-should-retry"] == "true", got.text
     assert "shutting down" in got.json()["error"]["message"] and "send the call again" in got.json()["error"]["message"]
     assert "gateway shutting down: request cancelled" in log and "caller gone: request cancelled" not in log
+    for r, fate in ((got_two, "were cancelled"), (got_keyed, "same Idempotency-Key")):
+        ids = r.headers[CHOICE_IDS_HEADER].split(",")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable", r.text
+        assert len(ids) == 2 and all(i in r.json()["error"]["message"] for i in ids) and fate in r.text, r.text
+        assert r.headers["x-request-id"] == ids[0] and r.headers["retry-after"] == "1"
+    # every choice of an unkeyed call is cancelled before the gateway lets go of Redis; a keyed call's go on
+    cancelled = [got.headers["x-request-id"], *got_two.headers[CHOICE_IDS_HEADER].split(",")]
+    assert all(states[i] == "cancelled" for i in cancelled), states
+    assert all(states[i] != "cancelled" for i in got_keyed.headers[CHOICE_IDS_HEADER].split(",")), states
