@@ -161,19 +161,22 @@ def streamed_output(deltas: Sequence[StreamDelta]) -> dict[str, Any] | None:
     text: list[str] = []
     ids: list[int] = []
     logprobs: list[dict[str, Any]] | None = []
-    prompt_tokens = None
+    prompt_tokens = prompt_ids = None
     for d in deltas:
         if d.start != len(ids):
             continue
         text.append(d.text)
         ids.extend(d.token_ids)
         prompt_tokens = d.prompt_tokens if prompt_tokens is None else prompt_tokens
+        prompt_ids = d.prompt_token_ids if prompt_ids is None else prompt_ids  # (with `params.echo`)
         logprobs = None if logprobs is None or d.logprobs is None else [*logprobs, *d.logprobs]
     if not ids:
         return None
     out: dict[str, Any] = {"text": "".join(text), "token_ids": ids, "completion_tokens": len(ids)}
     if prompt_tokens is not None:
         out["prompt_tokens"] = prompt_tokens
+    if prompt_ids is not None:
+        out["prompt_token_ids"] = list(prompt_ids)
     if logprobs:
         out["logprobs"] = logprobs
     return out
@@ -275,10 +278,16 @@ class RecordStore:
         message = "no result by the deadline"
         if output is not None:  # its caller was sent these tokens: they are its output, as a worker's cut keeps its own
             message += f" after {output['completion_tokens']} tokens were streamed; partial output kept"
-        return await self.finish(RequestResult(
+        won = await self.finish(RequestResult(
             id=rec.id, status=Status.EXPIRED, output=output, finish_reason=FinishReason.DEADLINE,
             error=ErrorInfo("deadline_exceeded", message), finished_ms=now_ms, worker=by,
         ), rec.meta)
+        if won and output is not None:
+            # the deltas live as long as the record did; a record expired late (no dispatcher ran meanwhile) now
+            # outlives that: they are kept as long as its result, so a stream resumed from its last event id
+            # is sent what follows it, not the whole output again
+            await self.redis.pexpire(self.keys.events(rec.id), self.result_ttl_ms)
+        return won
 
     async def finish_all(self, finished: Sequence[tuple[RequestResult, RequestMeta | None]], *,
                          durable: bool = True) -> list[bool]:

@@ -24,6 +24,8 @@ def test_the_streamed_output_is_the_contiguous_deltas_from_the_first() -> None:
               StreamDelta(3, (8,), "d", logprobs=lp, prompt_tokens=9)]
     assert streamed_output(deltas) == {"text": "abcd", "token_ids": [5, 6, 7, 8], "completion_tokens": 4,
                                        "prompt_tokens": 3, "logprobs": list(lp * 4)}
+    echoed = [StreamDelta(0, (5,), "a", prompt_tokens=2, prompt_token_ids=(1, 2)), StreamDelta(1, (6,), "b")]
+    assert streamed_output(echoed)["prompt_token_ids"] == [1, 2]  # `params.echo`: the prompt's ids, sent first
     assert streamed_output([StreamDelta(0, (5,), "a"), StreamDelta(2, (7,), "c")]) == {
         "text": "a", "token_ids": [5], "completion_tokens": 1}  # a gap: what follows it was never sent in order
     assert "logprobs" not in streamed_output([StreamDelta(0, (5,), "a", logprobs=lp), StreamDelta(1, (6,), "b")])
@@ -47,9 +49,14 @@ async def test_an_expiry_after_streamed_tokens_keeps_them_as_the_output(parts) -
     await queue.publish_deltas([(req.id, StreamDelta(0, (5, 6), "he", prompt_tokens=1), True)])
     await queue.publish_deltas([(req.id, StreamDelta(2, (7,), "y"), False)])
     time.sleep(0.1)  # its deadline passes; its worker wrote nothing more
+    events = store.keys.events(req.id)
+    await client.pexpire(events, 2000)  # no dispatcher ran for long: the deltas are near their end, the record not
     assert await store.expire_overdue(await store.get(req.id), int(time.time() * 1000), 0.0, "gateway")
     rec = await store.get(req.id)
     assert rec.state is Status.EXPIRED and rec.result.finish_reason is FinishReason.DEADLINE
+    # the deltas are kept as long as the result: a stream resumed from its last event id is not sent them again
+    assert await client.pttl(events) > store.result_ttl_ms - 5000 > 2000
+    assert await client.pttl(events) >= await client.pttl(store.keys.record(req.id)) - 1000
     assert rec.result.output == {"text": "hey", "token_ids": [5, 6, 7], "completion_tokens": 3, "prompt_tokens": 1}
     assert "3 tokens were streamed" in rec.result.error.message
     assert oa.result_error(record_view(rec)) is None  # OpenAI callers get the text, cut by the deadline
