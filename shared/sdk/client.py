@@ -89,23 +89,47 @@ def parse_sse(lines: Iterable[str], state: dict[str, Any]) -> Iterator[Event]:
 
 
 _SUBMIT_ARGS = frozenset({"input", "params", "timeout_s", "deadline", "priority", "callback", "stream"})
-# reconnects of an event stream after a dropped connection (with Last-Event-ID): pauses from EVENT_RETRY_S, doubling
-# up to EVENT_RETRY_MAX_S, for EVENT_RECONNECT_S in all since the last event (a gateway restarting takes seconds)
+# reconnects of an event stream after a dropped connection, a gateway's 502/503/504 or a stream that ended before its
+# `done` (with Last-Event-ID): pauses from EVENT_RETRY_S, doubling up to EVENT_RETRY_MAX_S, for EVENT_RECONNECT_S in
+# all since the stream last moved on (a gateway restarting takes seconds); the client's `reconnect_s` sets the last
 EVENT_RETRY_S = 0.2
 EVENT_RETRY_MAX_S = 2.0
 EVENT_RECONNECT_S = 30.0
 
 
-def _reconnects() -> Reconnects:
-    return Reconnects(EVENT_RETRY_S, EVENT_RETRY_MAX_S, EVENT_RECONNECT_S)
+def _progress(reconnects: Reconnects, event: Event) -> None:
+    reconnects.progress(event.id, str(event.data.get("status")) if event.event == "status" else None)
+
+
+def _pause(reconnects: Reconnects, request_id: str, why: BaseException | None) -> float:
+    """The pause before resuming a lost event stream; `Unavailable` once the reconnect budget is spent."""
+    if (pause := reconnects.next_pause()) is None:
+        lost = repr(why) if why is not None else "it ended before its done event"
+        raise Unavailable(f"event stream of {request_id} lost: {lost}", code="stream_lost") from why
+    return pause
+
+
+def _json_or_none(r: httpx.Response) -> Any:
+    """A response's JSON body; None for none, or for what is not JSON (a load balancer's HTML error page)."""
+    try:
+        return r.json() if r.content else None
+    except ValueError:
+        return None
 
 
 class _Common:
     """Request building shared by the sync and async clients (deadlines, headers, parsing)."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
-                 lambda_context: Any = None, deadline_margin_s: float = 0.5, timeout_s: float = 60.0) -> None:
+                 lambda_context: Any = None, deadline_margin_s: float = 0.5, timeout_s: float = 60.0,
+                 reconnect_s: float | None = None) -> None:
+        """`reconnect_s`: how long `events()` goes on resuming a lost stream since it last moved on (0: never;
+        default `EVENT_RECONNECT_S`)."""
+        reconnect_s = EVENT_RECONNECT_S if reconnect_s is None else reconnect_s
+        if not reconnect_s >= 0:
+            raise ValueError(f"reconnect_s must be 0 or more, got {reconnect_s!r}")
         self.base_url = base_url.rstrip("/")
+        self.reconnect_s = float(reconnect_s)
         self.api_key = api_key
         self.lambda_context = lambda_context
         self.deadline_margin_s = deadline_margin_s
@@ -124,6 +148,9 @@ class _Common:
     def _remaining_s(self) -> float | None:
         getter = getattr(self.lambda_context, "get_remaining_time_in_millis", None)
         return getter() / 1000 - self.deadline_margin_s if callable(getter) else None
+
+    def _reconnects(self, last_event_id: str | None) -> Reconnects:
+        return Reconnects(EVENT_RETRY_S, EVENT_RETRY_MAX_S, self.reconnect_s).resume_from(last_event_id)
 
     def _events_headers(self, last_event_id: str | None) -> dict[str, str]:
         h = {**self._headers(), "accept": "text/event-stream"}
@@ -256,11 +283,7 @@ class AsyncBatchgateClient(_Common):
                                          headers={**(headers or self._headers()), **_json_type(json)})
         except httpx.TransportError as exc:
             raise Unavailable(f"cannot reach batchgate: {exc!r}") from exc
-        try:
-            body = r.json() if r.content else None
-        except ValueError:
-            body = None
-        return self._parse(r.status_code, r.headers, body)
+        return self._parse(r.status_code, r.headers, _json_or_none(r))
 
     async def submit(self, model: str, input: dict[str, Any], *, params: dict[str, Any] | None = None,
                      timeout_s: float | None = None, deadline: float | None = None, priority: str | None = None,
@@ -311,30 +334,30 @@ class AsyncBatchgateClient(_Common):
         """The request's events until its `done` event: status changes, token deltas (of a request submitted
         with `stream=True`; else its whole output as one), the final result. A dropped connection is resumed
         where it left off (Last-Event-ID); so is a call given the `id` of the last event a caller had."""
+        reconnects = self._reconnects(last_event_id)
         if self._direct is not None:
-            async for ev in self._direct.events(request_id, last_event_id, _reconnects()):
+            async for ev in self._direct.events(request_id, last_event_id, reconnects):
                 yield Event(ev.event, ev.data, ev.id)
             return
-        reconnects = _reconnects()
         while True:
+            why: BaseException | None = None
             try:
                 async with self._http.stream("GET", f"/v1/requests/{_seg(request_id)}/events",
                                              headers=self._events_headers(last_event_id)) as r:
                     if r.status_code >= 400:
                         await r.aread()
-                        self._parse(r.status_code, r.headers, r.json() if r.content else None)
+                        self._parse(r.status_code, r.headers, _json_or_none(r))
                     state: dict[str, Any] = {}
                     async for line in r.aiter_lines():
                         for event in parse_sse([line], state):
                             last_event_id = event.id or last_event_id
-                            reconnects.reset()
+                            _progress(reconnects, event)
                             yield event
                             if event.event == "done":
                                 return
-            except httpx.TransportError as exc:
-                if (pause := reconnects.next_pause()) is None:
-                    raise Unavailable(f"event stream of {request_id} lost: {exc!r}") from exc
-                await asyncio.sleep(pause)
+            except (httpx.TransportError, Unavailable) as exc:  # dropped, or a gateway's 502/503/504
+                why = exc
+            await asyncio.sleep(_pause(reconnects, request_id, why))
 
     async def stream(self, request_ids: Iterable[str], timeout: float = 300.0) -> AsyncIterator[Result]:
         """Results of many requests, in the order they finish."""
@@ -383,11 +406,7 @@ class BatchgateClient(_Common):
                                    headers={**(headers or self._headers()), **_json_type(json)})
         except httpx.TransportError as exc:
             raise Unavailable(f"cannot reach batchgate: {exc!r}") from exc
-        try:
-            body = r.json() if r.content else None
-        except ValueError:
-            body = None
-        return self._parse(r.status_code, r.headers, body)
+        return self._parse(r.status_code, r.headers, _json_or_none(r))
 
     def submit(self, model: str, input: dict[str, Any], *, params: dict[str, Any] | None = None,
                timeout_s: float | None = None, deadline: float | None = None, priority: str | None = None,
@@ -438,26 +457,26 @@ class BatchgateClient(_Common):
 
     def events(self, request_id: str, last_event_id: str | None = None) -> Iterator[Event]:
         """As `AsyncBatchgateClient.events`."""
-        reconnects = _reconnects()
+        reconnects = self._reconnects(last_event_id)
         while True:
+            why: BaseException | None = None
             try:
                 with self._http.stream("GET", f"/v1/requests/{_seg(request_id)}/events",
                                        headers=self._events_headers(last_event_id)) as r:
                     if r.status_code >= 400:
                         r.read()
-                        self._parse(r.status_code, r.headers, r.json() if r.content else None)
+                        self._parse(r.status_code, r.headers, _json_or_none(r))
                     state: dict[str, Any] = {}
                     for line in r.iter_lines():
                         for event in parse_sse([line], state):
                             last_event_id = event.id or last_event_id
-                            reconnects.reset()
+                            _progress(reconnects, event)
                             yield event
                             if event.event == "done":
                                 return
-            except httpx.TransportError as exc:
-                if (pause := reconnects.next_pause()) is None:
-                    raise Unavailable(f"event stream of {request_id} lost: {exc!r}") from exc
-                time.sleep(pause)
+            except (httpx.TransportError, Unavailable) as exc:  # dropped, or a gateway's 502/503/504
+                why = exc
+            time.sleep(_pause(reconnects, request_id, why))
 
     def stream(self, request_ids: Iterable[str], timeout: float = 300.0, concurrency: int = 16) -> Iterator[Result]:
         """Results of many requests, in the order they finish (long-polls on `concurrency` threads). Leaving the loop

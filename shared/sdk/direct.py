@@ -68,7 +68,7 @@ class DirectTransport:
                     after = parse_last_event_id(ev.id) if ev.id else after
                     if ev.event == "status" and isinstance(ev.data, dict):
                         sent = ev.data.get("status", sent)
-                    reconnects.reset()
+                    reconnects.progress(ev.id or None, str(sent) if ev.event == "status" else None)
                     yield ev
                 return
             except ApiError as exc:

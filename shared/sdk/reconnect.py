@@ -1,7 +1,9 @@
 """How the SDK resumes a request's dropped event stream (with its Last-Event-ID): pauses that double from
-`first_s` up to `max_s`, until they add up to `budget_s`; an event received starts the count again. The budget
+`first_s` up to `max_s`, until they add up to `budget_s`; the stream making progress (an event id past the last
+one, a new status) starts the count again, an event a reconnect only repeats (the status every connection opens
+with) does not, so a gateway that answers and drops at once cannot keep a caller retrying forever. The budget
 covers a gateway restarting (the old one tells its streams to reconnect seconds before it exits, the new one takes
-seconds to come up) and a Redis failover. Pure: the caller sleeps."""
+seconds to come up) and a Redis failover; a budget of 0 never resumes. Pure: the caller sleeps."""
 
 from __future__ import annotations
 
@@ -11,10 +13,26 @@ class Reconnects:
         if first_s <= 0 or max_s < first_s or budget_s < 0:
             raise ValueError("reconnect pauses must be positive, the longest no shorter than the first")
         self.first_s, self.max_s, self.budget_s = first_s, max_s, budget_s
+        self._id: str | None = None
+        self._status: str | None = None
         self.reset()
 
+    def progress(self, event_id: str | None, status: str | None = None) -> None:
+        """An event came with this id (and, a status event, this status): the count starts again if the stream
+        moved on since the last one."""
+        moved = (event_id is not None and event_id != self._id) or (status is not None and status != self._status)
+        self._id = event_id if event_id is not None else self._id
+        self._status = status if status is not None else self._status
+        if moved:
+            self.reset()
+
+    def resume_from(self, event_id: str | None) -> Reconnects:
+        """Where the stream starts (the caller's Last-Event-ID): not progress in itself."""
+        self._id = event_id
+        return self
+
     def reset(self) -> None:
-        """An event came: the stream is alive again."""
+        """The stream is alive again."""
         self.spent = 0.0
         self.pause = self.first_s
 

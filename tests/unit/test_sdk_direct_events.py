@@ -40,5 +40,5 @@ async def test_events_from_an_unreachable_redis_raise_unavailable(monkeypatch):
             _ = [e async for e in client.events(rid)]
     finally:
         await client.aclose()
-    pauses = sdk_client._reconnects()
+    pauses = client._reconnects(None)
     assert len(calls) == 1 + sum(1 for _ in iter(pauses.next_pause, None))  # every pause of the budget, then gives up
