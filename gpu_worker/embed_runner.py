@@ -24,6 +24,7 @@ from shared.faults import Faults
 from shared.lanes import assign_lane
 from shared.params import TRUNCATE_HINT, EmbedParams
 from shared.states import FinishReason, Priority, Status
+from shared.token_limits import encoder_text_tokens, sentence_config
 
 log = structlog.get_logger(__name__)
 
@@ -36,8 +37,9 @@ class EmbedRunner:
         self.spec = loaded.spec
         self.worker = worker
         self.clock = clock
-        self.max_len = min(self.spec.max_input_tokens,
-                           getattr(loaded.model.config, "max_position_embeddings", 512))
+        sentence = sentence_config(loaded.path)  # the model's own sentence-transformers settings
+        self.max_len = encoder_text_tokens(self.spec.max_input_tokens, loaded.model.config.to_dict(), sentence)
+        self.lower_case = sentence.get("do_lower_case") is True  # its pipeline lower-cases every text first
         self.model_calls: dict[str, int] = {}
         self.pooling = pooling_modes(loaded.path, self.spec.name)  # the model's own (sentence-transformers), or mean
 
@@ -81,8 +83,11 @@ class EmbedRunner:
         enc = self.loaded.tokenizer(["warm up"], return_tensors="pt")
         self.loaded.model(**{k: v.to(self.loaded.device) for k, v in enc.items()})
 
+    def _texts(self, req) -> list[str]:  # type: ignore[no-untyped-def]
+        return [t.lower() for t in req.input["texts"]] if self.lower_case else req.input["texts"]
+
     def prepare(self, req, now: float) -> Job | Outcome:  # type: ignore[no-untyped-def]
-        texts = req.input["texts"]
+        texts = self._texts(req)
         params = EmbedParams(**req.params)
         cap = params.text_tokens(self.max_len)  # truncate_prompt_tokens: each text's first tokens
         # counted whole (verbose off: transformers would warn of a text longer than the model takes, which is
@@ -105,7 +110,7 @@ class EmbedRunner:
 
     def _truncated(self, job: Job) -> list[bool]:
         """Which texts of a request that cuts them were cut: those at the cap whose whole text is longer."""
-        texts = job.req.input["texts"]
+        texts = self._texts(job.req)
         cap = job.params.text_tokens(self.max_len) if isinstance(job.params, EmbedParams) else self.max_len
         return [len(ids) >= cap
                 and len(self.loaded.tokenizer(text, add_special_tokens=True, truncation=False)["input_ids"])

@@ -70,7 +70,7 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torc
         if mode == "cls":
             out.append(hidden[:, 0])
         elif mode == "max":
-            out.append(hidden.masked_fill(m == 0, float("-inf")).max(dim=1).values)
+            out.append(hidden.masked_fill(m == 0, -1e9).max(dim=1).values)  # (sentence-transformers' fill)
         elif mode == "mean":
             out.append((hidden * m).sum(dim=1) / count)
         elif mode == "mean_sqrt_len_tokens":

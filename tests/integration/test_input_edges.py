@@ -336,7 +336,7 @@ async def test_too_long_prompts_and_out_of_vocabulary_ids_are_422_at_submit(redi
         r = await gw.client.post("/v1/models/tiny-llama/requests", json={"input": {"input_ids": [5, 8191, 8192]}})
         assert r.status_code == 422 and r.json()["error"]["field"] == "input.input_ids"
         assert "item 2" in r.json()["error"]["message"] and "8192" in r.json()["error"]["message"]
-        words = "hello " * 600  # 602 tokens with [CLS] and [SEP]; MiniLM takes 512
+        words = "hello " * 600  # 602 tokens with [CLS] and [SEP]; MiniLM takes 256
         r = await gw.client.post("/v1/models/minilm/requests", json={"input": {"texts": ["short", words]}})
         assert r.status_code == 422 and r.json()["error"]["field"] == "input.texts[1]", r.text
         assert "602 tokens" in r.json()["error"]["message"] and "truncate" in r.json()["error"]["message"]
@@ -457,7 +457,7 @@ async def test_the_model_list_gives_the_limits_a_request_can_meet(redis_url, pre
         assert context is not None and context > LLAMA.max_input_tokens + LLAMA.max_new_tokens
         assert (limits["tiny-llama"]["max_input_tokens"], limits["tiny-llama"]["max_new_tokens"],
                 limits["tiny-llama"]["context_length"]) == (LLAMA.max_input_tokens, LLAMA.max_new_tokens, context)
-        assert limits["minilm"]["max_input_tokens"] == min(512, MINILM.max_input_tokens)  # its positions
+        assert limits["minilm"]["max_input_tokens"] == min(256, MINILM.max_input_tokens)  # its max_seq_length
         assert limits["minilm"]["max_texts"] == MINILM.max_texts and "max_new_tokens" not in limits["minilm"]
         assert "max_texts" not in limits["tiny-llama"]  # each task's own limits
         entries = {m["id"]: m for m in listed["data"]}
@@ -484,12 +484,12 @@ async def test_embedding_truncation_is_asked_for_and_reported(redis_url, prefix,
             "input": {"texts": [words, "short"]}, "params": {"truncate": True}})
         assert r.status_code == 200, r.text
         out = r.json()["output"]
-        assert out["truncated"] == [True, False] and out["tokens"] == [512, 3]
+        assert out["truncated"] == [True, False] and out["tokens"] == [256, 3]
         # truncation asked for: a text of any length (past the 16-characters-per-token bound of untruncated ones)
         huge = "hello " * 1400  # 8,400 characters
         r = await gw.client.post("/v1/models/minilm/requests?wait=20", json={
             "input": {"text": huge}, "params": {"truncate": True}})
-        assert r.status_code == 200 and r.json()["output"]["tokens"] == [512], r.text
+        assert r.status_code == 200 and r.json()["output"]["tokens"] == [256], r.text
         refused = await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": huge}})
         assert refused.status_code == 422 and refused.json()["error"]["field"] == "input.text", refused.text
         # a gateway that cannot count (no tokenizer here) lets it through: the worker refuses it, never cuts

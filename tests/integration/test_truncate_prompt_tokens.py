@@ -137,7 +137,7 @@ def test_an_embedding_keeps_each_texts_first_tokens(model_cache, loaded_models):
     assert cut["embeddings"][0] == cut["embeddings"][1]  # the same first five words: the same vector
     whole = embed(minilm, [a, b])
     assert whole["embeddings"][0] != whole["embeddings"][1] and "truncated" not in whole
-    assert embed(minilm, ["hello " * 600], truncate_prompt_tokens=-1)["tokens"] == [512]  # the model's most
+    assert embed(minilm, ["hello " * 600], truncate_prompt_tokens=-1)["tokens"] == [256]  # its most: max_seq_length
     assert embed(minilm, ["hello " * 600]) == {"error": "input_too_long"}
     spec = BUILTIN_MODELS["minilm"]
     limits = TokenLimits(model_cache)
