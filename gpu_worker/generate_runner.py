@@ -55,8 +55,8 @@ class GenerateRunner:
         self._tool_tokens = special_ids(self.tokenizer, kept_tokens(self.spec.tool_call_parser))
         self.vocab = (config := text_config(loaded.model)).vocab_size  # a multimodal checkpoint's: its text config's
         eos = loaded.model.generation_config.eos_token_id
-        if eos is None:
-            eos = getattr(config, "eos_token_id", None)
+        for cfg in (loaded.model.config, config):  # else the model's config, else its text config's (Gemma 3's)
+            eos = getattr(cfg, "eos_token_id", None) if eos is None else eos
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.grammars = Grammars(self.tokenizer, self.vocab, sorted(self.eos_ids))  # structured output
         self.repetition_penalty = float(loaded.model.generation_config.repetition_penalty or 1.0)

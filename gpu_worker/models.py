@@ -10,6 +10,7 @@ Sources:
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import shutil
@@ -201,6 +202,11 @@ def checked_template(spec: ModelSpec, template: str) -> str:
     return template
 
 
+# an OSError that says the directory is not a loadable model: transformers' own (no errno: a file it needs is
+# missing), or the path itself missing or unreadable
+_NOT_THERE = {None, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM}
+
+
 def unloadable(spec: ModelSpec, path: Path, exc: BaseException) -> str:
     """One line for a directory transformers cannot load as the model file's task asks (an architecture it has
     no class for, a model that needs its own code, a missing tokenizer): transformers' own message, its first
@@ -236,6 +242,8 @@ def load(spec: ModelSpec, cache_dir: str | Path) -> LoadedModel:
             model = cls.from_pretrained(path, dtype=dtype, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (ValueError, ImportError, OSError, KeyError) as exc:
+        if isinstance(exc, OSError) and exc.errno not in _NOT_THERE:
+            raise  # the disk or the system failing (EIO, ENOSPC, EMFILE): not the directory's fault, a restart may do
         raise ConfigError(unloadable(spec, path, exc)) from exc
     model = model.to(device).eval()
     if spec.task is Task.GENERATE and spec.source.startswith("builtin:"):

@@ -95,3 +95,27 @@ def test_a_directory_transformers_cannot_load_is_refused_in_one_line(tmp_path: P
     text = str(err.value)
     assert text.startswith(f"model mine: transformers cannot load {path} as a causal LM") and said in text
     assert "\n" not in text and len(text) < 600, text
+
+
+def test_a_failing_disk_is_not_taken_for_a_bad_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An I/O error while reading the weights (EIO, a full disk) is the machine's, not the model file's: it is
+    raised as it is (the worker exits 1 and is restarted), not turned into a ConfigError (exit 2: fix the
+    configuration), which a directory missing a file still is."""
+    import errno
+
+    from transformers import AutoModelForCausalLM
+
+    path = _directory(tmp_path, {"model_type": "llama", "vocab_size": 64, "hidden_size": 16,
+                                 "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2})
+    spec = ModelSpec(name="mine", task=Task.GENERATE, source=str(path), device="cpu", dtype="float32")
+
+    def failing_disk(*args: object, **kw: object) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", failing_disk)
+    with pytest.raises(OSError) as err:
+        load(spec, tmp_path / "cache")
+    assert not isinstance(err.value, ConfigError) and err.value.errno == errno.EIO
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="transformers cannot load"):  # no weights in it: the directory's fault
+        load(spec, tmp_path / "cache")
