@@ -127,6 +127,12 @@ def in_openai_terms(native: str, message: str, aliases: dict[str, str]) -> tuple
     # a hint to set a native parameter is given in the route's terms; one it has no counterpart of would mislead
     message = _NATIVE_HINT.sub(lambda m: m.group(0).replace(m.group(1), aliases[m.group(1)]) if m.group(1) in aliases
                                else "", message)
+    # a native parameter the message names in its sentence ("prompt (9 tokens) + max_new_tokens (4000) = ..."),
+    # by the name the caller sent it under
+    for native_name, name in aliases.items():
+        bare = native_name.removeprefix("params.")
+        if native_name.startswith("params.") and bare != name and "." not in bare:
+            message = re.sub(rf"(?<![\w.]){re.escape(bare)}\b", name, message)
     return param, message
 
 

@@ -272,6 +272,20 @@ def test_a_refused_prompt_or_text_names_the_openai_parameter_and_hints_in_its_te
                            "truncate_prompt_tokens to cut it: -1 keeps what the model takes)"), err.message
 
 
+def test_a_prompt_past_the_context_names_the_parameter_the_caller_sent():
+    """The context check's sentence names the native `max_new_tokens`: an OpenAI caller sent `max_tokens` (or
+    `max_completion_tokens`), and reads that name in it."""
+    from shared.model_context import context_message
+
+    native = "params.max_new_tokens: " + context_message(2048, 9, 4000)
+    for tr, name in ((oa.translate_completion({"model": "m", "prompt": "x", "max_tokens": 4000}), "max_tokens"),
+                     (oa.translate_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                         "max_completion_tokens": 4000}), "max_completion_tokens")):
+        err = oa.from_api_error(Unprocessable(native, extra={"field": "params.max_new_tokens"}), tr.aliases)
+        assert err.param == name and "max_new_tokens" not in err.message, err.message
+        assert err.message.startswith(f"{name}: prompt (9 tokens) + {name} (4000) = 4009 exceeds"), err.message
+
+
 def test_a_conflict_no_wait_resolves_is_not_retried_and_one_that_a_wait_does_is():
     final = oa.from_api_error(Conflict("used with another body", code="idempotency_conflict"))
     assert final.status == 409 and final.headers()["x-should-retry"] == "false"
