@@ -144,7 +144,7 @@ async def _answers(svc: GatewayService, req: ApiRequest, answers: list[ops.Answe
             if (error := oa.result_error(view)) is not None:
                 raise error
         except oa.OpenAIError as err:
-            ids = [str(a.body["id"]) for a in answers]
+            ids = _ids(answers)
             if err.code == "wait_exceeded" and len(answers) > 1:  # they go on, each for GET /v1/requests/{id}
                 raise oa.OpenAIError(504, f"no result for every choice within the gateway's longest wait; requests "
                                           f"{', '.join(ids)} go on: GET /v1/requests/{{id}} for their results",
@@ -152,23 +152,26 @@ async def _answers(svc: GatewayService, req: ApiRequest, answers: list[ops.Answe
                                      headers={"X-Request-Id": ids[0], CHOICE_IDS_HEADER: ",".join(ids)}) from None
             if err.code == "unavailable" and svc.hub.released:  # this gateway is leaving: every choice goes on or none
                 if not _keyed(req):  # (choice i: `_result` cancelled it)
-                    _abandon_all(svc, req.tenant, answers[i + 1:], "gateway shutting down")
+                    _abandon_all(svc, req.tenant, ids[i + 1:], "gateway shutting down")
                 raise _shutting_down(ids, _keyed(req)) from None
             if not (err.code == "client_closed" and _keyed(req)):  # (a caller gone: `_result` cancelled its own)
-                _abandon_all(svc, req.tenant, answers[i + 1:])
+                _abandon_all(svc, req.tenant, ids[i + 1:])
             raise
         except BaseException:  # the queue unreachable, the call's task cancelled: nobody will read them (but a retry)
             if not _keyed(req):
-                _abandon_all(svc, req.tenant, answers[i:])
+                _abandon_all(svc, req.tenant, _ids(answers[i:]))
             raise
         views.append(view)
     return views
 
 
-def _abandon_all(svc: GatewayService, tenant: str, answers: list[ops.Answer] | list[str],
-                 reason: str = "caller gone") -> None:
-    for answer in answers:
-        _abandon(svc, tenant, answer if isinstance(answer, str) else str(answer.body["id"]), reason)
+def _ids(answers: list[ops.Answer]) -> list[str]:
+    return [str(a.body["id"]) for a in answers]
+
+
+def _abandon_all(svc: GatewayService, tenant: str, request_ids: list[str], reason: str = "caller gone") -> None:
+    for request_id in request_ids:
+        _abandon(svc, tenant, request_id, reason)
 
 
 async def _result(svc: GatewayService, req: ApiRequest, answer: ops.Answer,
@@ -251,7 +254,7 @@ async def _generate(svc: GatewayService, req: ApiRequest, translate: Callable[..
                 recs = [await ops.visible(svc, req.tenant, request_id) for request_id in ids]
             except BaseException:  # no stream will follow them (but a retry's)
                 if not _keyed(req):
-                    _abandon_all(svc, req.tenant, answers)
+                    _abandon_all(svc, req.tenant, _ids(answers))
                 raise
             makers = [oa.ChunkMaker(tr, ids[0], created, i, own_id=ids[i]) for i in range(len(ids))]
             keyed = _keyed(req)
@@ -279,7 +282,7 @@ async def responses(svc: GatewayService, req: ApiRequest) -> ApiResponse:
                 rec = await ops.visible(svc, req.tenant, request_id)
             except BaseException:  # no stream will follow it (but a retry's)
                 if not _keyed(req):
-                    _abandon_all(svc, req.tenant, answers)
+                    _abandon_all(svc, req.tenant, _ids(answers))
                 raise
             events = oar.ResponseEvents(call, request_id, created)
             keyed = _keyed(req)
