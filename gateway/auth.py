@@ -24,6 +24,10 @@ log = structlog.get_logger(__name__)
 KEY_CACHE_S = CACHE_S
 DEFAULT_TENANT = "default"
 HOW = "Authorization: Bearer <key> or X-API-Key: <key>"
+# the Authorization schemes an error names back (IANA's registry and common others); anything else may be a key
+KNOWN_SCHEMES = frozenset({"basic", "digest", "negotiate", "ntlm", "hoba", "mutual", "vapid", "scram-sha-1",
+                           "scram-sha-256", "token", "dpop", "gnap", "privatetoken", "concealed", "aws4-hmac-sha256",
+                           "apikey", "api-key", "key", "oauth"})
 CHALLENGE = {"WWW-Authenticate": 'Bearer realm="batchgate"'}
 INVALID_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="batchgate", error="invalid_token"'}
 
@@ -64,7 +68,11 @@ class Auth:
             raise Unauthorized("two different API keys (Authorization: Bearer and X-API-Key): send one",
                                code="conflicting_api_keys", headers=CHALLENGE) from None
         except UnsupportedScheme as exc:
-            raise Unauthorized(f"the Authorization scheme {exc.scheme!r} is not supported: send the API key as {HOW}",
+            # a scheme named only when it is one (a key sent without `Bearer ` would otherwise come back in the
+            # body, and with it into the logs of every client and proxy on the way)
+            what = (f"the Authorization scheme {exc.scheme!r} is not supported" if exc.scheme.lower() in KNOWN_SCHEMES
+                    else "the Authorization header is not `Bearer <key>`")
+            raise Unauthorized(f"{what}: send the API key as {HOW}",
                                code="unsupported_auth_scheme", headers=CHALLENGE) from None
         if not key:
             raise Unauthorized(f"an API key is required ({HOW})", code="missing_api_key", headers=CHALLENGE)
@@ -94,7 +102,7 @@ def _key_from(req: ApiRequest) -> str | None:
         bearer = rest.strip() or None
         if key is not None and bearer is not None and key != bearer:  # which one the caller meant is not known
             raise ConflictingKeys
-        return bearer
+        return bearer or key  # an empty `Bearer` beside an X-API-Key: the key
     if key is None and auth:
         raise UnsupportedScheme(scheme[:32])
     return key

@@ -299,6 +299,15 @@ async def test_a_401_says_how_to_authenticate(redis_url, prefix, loaded_models):
         same = await gw.client.post("/v1/models/minilm/requests", json=body,
                                     headers={"Authorization": f"Bearer {key}", "X-API-Key": key})
         assert same.status_code == 202, same.text
+        # an empty Bearer (a client whose token variable was unset) beside an X-API-Key: the key
+        for empty in ("Bearer", "bearer"):
+            got = await gw.client.get("/v1/models", headers={"Authorization": empty, "X-API-Key": key})
+            assert got.status_code == 200, got.text
+        # a key sent without `Bearer ` is not echoed back: error bodies end up in clients' and proxies' logs
+        for raw in (key, f"Bearer\t{key}", f"{key[:12]} x"):
+            bare = await gw.client.get("/v1/models/minilm", headers={"Authorization": raw})
+            assert bare.status_code == 401 and bare.json()["error"]["code"] == "unsupported_auth_scheme", bare.text
+            assert key[:8] not in bare.text and "Bearer <key>" in bare.text, bare.text
 
 
 def test_direct_mode_writes_nothing_to_the_callers_stdout(redis_url, prefix):
