@@ -101,7 +101,8 @@ async def _submit_choices(svc: GatewayService, req: ApiRequest, tr: oa.Translate
     """One native request per choice (`n`), batched together on the worker like any others. The first takes the
     whole call's share of the tenant's rate (a call that does not fit is refused before any choice is accepted);
     more choices than the tenant's backlog quota can never fit, and are refused for good. An Idempotency-Key keys
-    the first choice as it is and the next ones with `derived_key(key, i)`. If a choice is refused all the same
+    the first choice as it is and the next ones with `derived_key(key, i)`, each with the call's number of choices
+    in what a retry must repeat (another `n` or `best_of` is another call: 409). If a choice is refused all the same
     (the quota, admission), the call is: the choices accepted before it are cancelled, unless a key lets a retry
     find them."""
     spec = _spec_for(svc, tr, Task.GENERATE)
@@ -114,7 +115,8 @@ async def _submit_choices(svc: GatewayService, req: ApiRequest, tr: oa.Translate
     try:
         for i, body in enumerate(tr.bodies()):
             answers.append(await ops.submit(svc, body, spec, req.tenant, rate_tokens=tr.requests if i == 0 else 0,
-                                            idempotency_key=key if key is None or i == 0 else derived_key(key, i)))
+                                            idempotency_key=key if key is None or i == 0 else derived_key(key, i),
+                                            call=f"choices={tr.requests}" if tr.requests > 1 else ""))
     except BaseException:
         if key is None:
             for answer in answers:

@@ -43,11 +43,13 @@ class IdempotencyClaim:
         return cls(rid, body_hash, int(at_ms))
 
 
-def body_hash(model: str, body: Any) -> str:
+def body_hash(model: str, body: Any, call: str = "") -> str:
     """What makes two submits "the same request": everything but their deadline, which a retry from a
-    Lambda recomputes (and so would turn every retry into a conflict)."""
+    Lambda recomputes (and so would turn every retry into a conflict). `call`: what else the call that submits it
+    says about it (an OpenAI call's number of choices), so a retry that changes that is a conflict too."""
     same = {k: v for k, v in body.items() if k not in ("timeout_s", "deadline")} if isinstance(body, dict) else body
-    return hashlib.sha256((model + "\0" + json.dumps(same, sort_keys=True, separators=(",", ":"))).encode()).hexdigest()
+    text = model + "\0" + json.dumps(same, sort_keys=True, separators=(",", ":")) + ("\0" + call if call else "")
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class IdempotencyStore:

@@ -98,14 +98,15 @@ def _build(q: QueueClient, body: Any, spec: ModelSpec, tenant: str, at: str = ""
 
 
 async def submit(q: QueueClient, body: Any, spec: ModelSpec, tenant: str, *, wait: float = 0.0,
-                 idempotency_key: str | None = None, rate_tokens: int = 1) -> Answer:
+                 idempotency_key: str | None = None, rate_tokens: int = 1, call: str = "") -> Answer:
     """`rate_tokens`: what the request takes of its tenant's rate (a call of several requests takes them all with
-    its first, 0 with the others)."""
+    its first, 0 with the others). `call`: what the call says beyond the body that a retry with the same
+    Idempotency-Key must say too (`body_hash`)."""
     inference = _build(q, body, spec, tenant)
     digest = ""
     if idempotency_key is not None:
         inference = dataclasses.replace(inference, idempotency_key=idempotency_key)
-        digest = body_hash(spec.name, body)
+        digest = body_hash(spec.name, body, call)
         existing = await q.idempotency.get(tenant, idempotency_key)
         if existing is not None:
             return await _replay(q, existing, digest, inference, wait)

@@ -440,6 +440,35 @@ async def test_n_choices_past_the_tenants_backlog_quota(redis_url, prefix, monke
         await gw.client.post(f"/v1/requests/{held}/cancel")
 
 
+async def test_a_keyed_retry_that_changes_the_number_of_choices_is_a_conflict(redis_url, prefix):
+    """Each choice is keyed on its own (the first with the call's key, the next with keys derived from it): a retry
+    with the same key and another `n` matched the choices both calls have, made the new ones and answered a
+    mix. It is another call: a 409, as a changed body is; the same call again finds its choices."""
+    settings = make_settings(redis_url, prefix)
+    async with running_gateway(settings) as gw:  # no worker: the calls wait, their caller leaves, they go on
+        body = {"model": "tiny-llama", "prompt": "hi", "n": 2, "max_tokens": 4}
+
+        async def call(**change: object) -> httpx.Response | None:
+            try:
+                return await gw.client.post("/v1/completions", json={**body, **change}, timeout=1.0,
+                                            headers={"Idempotency-Key": f"{prefix}-n"})
+            except httpx.TimeoutException:
+                return None  # waiting for its choices: accepted
+
+        assert await call() is None
+        for change in ({"n": 3}, {"n": 1}, {"best_of": 3}):
+            conflict = await call(**change)
+            assert conflict is not None and conflict.status_code == 409, (change, conflict)
+            assert conflict.json()["error"]["code"] == "idempotency_conflict"
+        assert await call() is None  # the same call: a replay, waiting for the same two
+        from shared.idempotency_keys import derived_key
+
+        svc, key = gw.service, f"{prefix}-n"
+        kept = [await svc.redis.exists(svc.keys.idempotency("default", k))
+                for k in (key, derived_key(key, 1), derived_key(key, 2))]
+        assert kept == [1, 1, 0]  # the two choices' keys; no third choice made by a retry
+
+
 async def test_a_deadline_its_own_compute_cannot_meet_is_not_retried_by_the_client(stack: RunningGateway):
     """A 429 that no retry can change (the request's own compute, with no queue, passes its deadline) carries
     `x-should-retry: false`: OpenAI's client raises at once instead of submitting it twice more."""
