@@ -9,8 +9,8 @@ time, writes one line per item as it finishes, and writes the output and error f
   requests (admission, the tenant's quota), at batch priority, with the batch's window as their deadline
   (bounded by the model's `max_timeout_s`): a worker runs them on capacity interactive work leaves idle
   and preempts them for it. A refusal for capacity (429) pauses feeding for its Retry-After.
-- Exactly once: each item's idempotency key is `batch:<batch id>:<line>`, so an item fed again after a
-  crash finds its request again instead of making a second; lines are written once per line number
+- Exactly once: each item's idempotency key is its batch id and line (`shared.batches.item_key`), so an item
+  fed again after a crash finds its request again instead of making a second; lines are written once per line number
   (`shared.batch_store`). Another runner takes a batch over when its lease lapses and resumes from the
   recorded feed position.
 - An item whose request expired before it ran, its deadline the model's `max_timeout_s` and the window still

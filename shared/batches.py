@@ -177,8 +177,10 @@ class ItemRef(msgspec.Struct, frozen=True, array_like=True):
 
 def item_key(batch_id: str, line: int, attempt: int) -> str:
     """The idempotency key of a line's request: a line fed again (its request expired before it ran, the window
-    still open) is another request, under the key of its attempt."""
-    return f"batch:{batch_id}:{line}" if attempt == 0 else f"batch:{batch_id}:{line}:{attempt}"
+    still open) is another request, under the key of its attempt. Its parts are joined by a control character, as
+    `derived_key`'s are: no caller can send it (`batch:<id>:<line>` could be, and a caller's own request under it
+    took the line's place)."""
+    return f"batch\x1f{batch_id}\x1f{line}" + (f"\x1f{attempt}" if attempt else "")
 
 
 _TRANSLATE = {"/v1/completions": oa.translate_completion, "/v1/chat/completions": oa.translate_chat,

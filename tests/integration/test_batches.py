@@ -13,6 +13,7 @@ import pytest
 from openai import AsyncOpenAI, BadRequestError, ConflictError, NotFoundError
 
 from gateway.batch_runner import BatchRunner
+from shared.batches import item_key
 from shared.keys import Keys
 from tests.integration.test_stack import wait_until
 from tests.stack import make_settings, running_gateway, running_worker
@@ -128,7 +129,7 @@ async def test_an_item_refused_for_the_queue_is_tried_again_and_only_a_hopeless_
     async def submit(q, body, spec, tenant, **kw):
         key = kw.get("idempotency_key", "")
         calls[key] = calls.get(key, 0) + 1
-        line = int(key.rsplit(":", 1)[1])
+        line = next(n for n in range(4) if key == item_key(key.split("\x1f")[1], n, 0))
         if line == 1 and calls[key] <= 2:  # the queue, as estimated, would pass the window: twice
             raise TooManyRequests("deadline infeasible: estimated finish in 90000 ms", code="deadline_infeasible",
                                   retry_after=60)
@@ -150,7 +151,7 @@ async def test_an_item_refused_for_the_queue_is_tried_again_and_only_a_hopeless_
         assert [x["custom_id"] for x in out] == ["c-0", "c-1", "c-3"]
         assert [x["custom_id"] for x in err] == ["c-2"] and code_of(err[0]) == "batch_expired"
         assert err[0]["response"] is None and err[0]["id"].startswith("batch_req_")
-        key = f"batch:{b.id}:1"
+        key = item_key(b.id, 1, 0)
         assert calls[key] == 3  # refused twice for the queue, then fed (after ~2 s each, not its 60 s Retry-After)
 
 

@@ -430,3 +430,13 @@ def test_a_native_line_naming_a_callback_of_its_own_is_refused():
         parse_line(line(url=native, body=body), 3, native)
     assert err.value.code == "invalid_request" and err.value.entry()["param"] == "body.callback"
     assert err.value.entry()["line"] == 4
+
+
+def test_an_items_key_is_none_a_caller_can_send() -> None:
+    """A caller's own request under a batch line's key took the line's place (409 in the error file, or its output
+    in the batch's); a line's key holds a character no Idempotency-Key can, and each line and attempt its own."""
+    from shared.batches import item_key
+    from shared.idempotency_keys import valid_idempotency_key
+
+    keys = {item_key("batch_abc", line, attempt) for line in range(3) for attempt in range(3)}
+    assert len(keys) == 9 and not any(valid_idempotency_key(k) for k in keys)
