@@ -51,12 +51,17 @@ def key_digest(key_or_hash: str) -> str:
     return key_or_hash if len(key_or_hash) == 64 and not key_or_hash.startswith(KEY_PREFIX) else hash_key(key_or_hash)
 
 
+MAX_TENANT_CHARS = 128
+
+
 def tenant_name_problem(name: str) -> str | None:
     """Why `name` cannot name a tenant, or None. A name is part of Redis keys (`bg:tenant:<name>`, whose keys set is
     `bg:tenant:<name>:keys`) and of `keys list`'s `TENANT HASH` lines: not empty, no whitespace, control
     characters or ':'."""
     if not name:
         return "a tenant name must not be empty"
+    if len(name) > MAX_TENANT_CHARS:  # it is in every key and metric label of the tenant's, and in its log lines
+        return f"a tenant name must be at most {MAX_TENANT_CHARS} characters, got {len(name)}"
     if ":" in name or not name.isprintable() or any(c.isspace() for c in name):
         return f"tenant name {name!r} must have no spaces, control characters or ':'"
     return None

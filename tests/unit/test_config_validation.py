@@ -275,6 +275,7 @@ def test_a_redis_url_set_but_empty_is_refused_not_the_default(name):
     ({"BATCHGATE_LAMBDA_TENANT": ""}, "BATCHGATE_LAMBDA_TENANT: a tenant name must not be empty"),
     ({"BATCHGATE_LAMBDA_TENANT": "a b"}, "BATCHGATE_LAMBDA_TENANT: tenant name 'a b' must have no spaces"),
     ({"BATCHGATE_LAMBDA_TENANT": "x:y"}, "BATCHGATE_LAMBDA_TENANT: tenant name 'x:y' must have no spaces"),
+    ({"BATCHGATE_LAMBDA_TENANT": "t" * 129}, "BATCHGATE_LAMBDA_TENANT: a tenant name must be at most 128 characters"),
     ({"BATCHGATE_METRIC_NAMESPACE": ""}, "BATCHGATE_METRIC_NAMESPACE is set but empty"),
     ({"BATCHGATE_DEPLOYMENT": " "}, "BATCHGATE_DEPLOYMENT is set but empty"),
 ])
