@@ -135,7 +135,7 @@ def _endpoint(route: RouteSpec, svc: GatewayService, answers_once: bool):  # typ
                     if route.with_body else b"")
             api_req = ApiRequest(
                 method=request.method, path=request.url.path, query=dict(request.query_params),
-                headers={k.lower(): v for k, v in request.headers.items()}, body=body,
+                headers=_headers(request), body=body,
                 stream=stream_body(request, svc.settings.body_timeout_s) if route.streamed_body else None,
                 gone=None if route.streamed_body else functools.partial(client_gone, request),
             )
@@ -194,6 +194,19 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error", path=request.url.path)
     return _send(ApiResponse(500, {"error": {"code": "internal", "message": "internal error"}}), None)
+
+
+# headers whose value decides who calls or which request a call is: sent twice with two values, which one was meant
+# is not known (the last one won: a call could run as the other tenant, or under the other key)
+SINGLE_HEADERS = ("authorization", "x-api-key", "idempotency-key")
+
+
+def _headers(request: Request) -> dict[str, str]:
+    for name in SINGLE_HEADERS:
+        if len(set(request.headers.getlist(name))) > 1:
+            raise BadRequest(f"the {name} header is sent more than once, with different values: send one",
+                             code="repeated_header")
+    return {k.lower(): v for k, v in request.headers.items()}
 
 
 def create_app(settings: Settings | None = None, *, service: GatewayService | None = None,

@@ -299,6 +299,16 @@ async def test_a_401_says_how_to_authenticate(redis_url, prefix, loaded_models):
         same = await gw.client.post("/v1/models/minilm/requests", json=body,
                                     headers={"Authorization": f"Bearer {key}", "X-API-Key": key})
         assert same.status_code == 202, same.text
+        # one header sent twice with two values (the last one won): which was meant is not known
+        for name, other in (("Authorization", "Bearer bgk_other"), ("X-API-Key", "bgk_other"),
+                            ("Idempotency-Key", "k2")):
+            mine = f"Bearer {key}" if name == "Authorization" else key if name == "X-API-Key" else "k1"
+            twice = await gw.client.post("/v1/models/minilm/requests", json=body, headers=[
+                *([] if name != "Idempotency-Key" else [("Authorization", f"Bearer {key}")]),
+                (name, mine), (name, other)])
+            assert twice.status_code == 400 and twice.json()["error"]["code"] == "repeated_header", twice.text
+        same_twice = await gw.client.get("/v1/models", headers=[("X-API-Key", key), ("X-API-Key", key)])
+        assert same_twice.status_code == 200, same_twice.text
         # an empty Bearer (a client whose token variable was unset) beside an X-API-Key: the key
         for empty in ("Bearer", "bearer"):
             got = await gw.client.get("/v1/models", headers={"Authorization": empty, "X-API-Key": key})
