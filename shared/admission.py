@@ -142,16 +142,28 @@ def shorter_rate(stats: list[LaneStats], lane: str) -> float:
     return total
 
 
-def drain_rate(stats: list[LaneStats], service_s: float) -> float:
-    """Requests per second the workers finish: measured, else what their rows could do."""
+def drain_rate(stats: list[LaneStats], service_s: float, max_share: float = 1.0) -> float:
+    """Requests per second the workers finish: measured, else what their rows (the lane's share of them) could do."""
     measured = sum(lane.completed_rps for s in stats for lane in s.lanes)
-    capacity = sum(s.max_rows for s in stats) / max(service_s, 1e-3)
+    capacity = sum(lane_rows(s.max_rows, max_share) for s in stats) / max(service_s, 1e-3)
     return measured if measured > 0 else capacity
 
 
+def lane_rows(max_rows: int, max_share: float) -> int:
+    """The rows a lane held to `max_share` of an engine's may run at once (as the worker's dynamic stage holds it)."""
+    return max(1, int(max_share * max_rows)) if max_share < 1.0 else max_rows
+
+
+def lane_free(s: LaneStats, lane: str, max_share: float) -> int:
+    """The engine's free rows this lane may take: within its share, less its own running rows."""
+    running = sum(ln.running for ln in s.lanes if ln.lane == lane)
+    return max(0, min(s.free_rows, lane_rows(s.max_rows, max_share) - running)) if max_share < 1.0 else s.free_rows
+
+
 def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int, new_tokens: int,
-             window_s: float) -> Estimate:
-    """`queued`: entries already in the lane's stream (waiting or running) before this request."""
+             window_s: float, max_share: float = 1.0) -> Estimate:
+    """`queued`: entries already in the lane's stream (waiting or running) before this request; `max_share`: the
+    share of an engine's rows the lane may hold (a free row it may not take starts nothing of it)."""
     everyone, stats = stats, serving(stats, lane)
     if not stats:
         return Estimate(0.0, 0.0, "none")
@@ -165,7 +177,7 @@ def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int,
     running = sum(ln.running for s in stats for ln in s.lanes if ln.lane == lane)
     ahead = max(0, queued - running)
     measured = sum(ln.completed_rps for s in stats for ln in s.lanes)
-    free = sum(s.free_rows for s in stats)
+    free = sum(lane_free(s, lane, max_share) for s in stats)
     # requests a worker has read and not started: it holds them back (rows busy, or more rows would slow running
     # ones past their deadlines), so what frees room for them is throughput, not rows
     held = sum(ln.waiting for s in stats for ln in s.lanes)
@@ -174,7 +186,7 @@ def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int,
         # the rows free up at the measured rate, and the shorter lanes' new arrivals take their share of them first
         start += ahead / max(measured - shorter_rate(stats, lane), MIN_DRAIN_SHARE * measured)
     elif ahead >= free:
-        start += (ahead - free + 1) / drain_rate(stats, service)
+        start += (ahead - free + 1) / drain_rate(stats, service, max_share)
     # else the workers start everything they read and have rows for those ahead: a burst after light traffic,
     # whose measured rate is the light traffic's arrivals, not what the rows can do
     return Estimate(start, start + service, "stats")

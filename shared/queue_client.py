@@ -174,7 +174,7 @@ class QueueClient:
         new_tokens = int(req.params.get("max_new_tokens", 0))
         prompt_tokens = max(1, req.est_tokens - new_tokens)
         est = admission.estimate(stats, req.lane, queued, prompt_tokens, new_tokens,
-                                 (lane.window_ms if lane else 10.0) / 1000)
+                                 (lane.window_ms if lane else 10.0) / 1000, lane.max_share if lane else 1.0)
         now, deadline_s = self.clock(), req.deadline_ms / 1000
         budget = deadline_s - now
         admitted, refused = self._recent.setdefault((req.model, req.lane), (admission.RecentAdmits(),

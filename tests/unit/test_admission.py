@@ -43,6 +43,21 @@ def test_estimate(kw, queued, prompt, new, start, finish):
     assert est.start_s == pytest.approx(start) and est.finish_s == pytest.approx(finish)
 
 
+def test_a_free_row_beyond_the_lanes_share_starts_nothing_of_it():
+    """An idle engine of 2 rows holds the long lane to 0.75 of them (1 row): a second long request has no row to
+    start on though a row is free, and waits for the first's service (both were admitted with the window's wait,
+    and the second expired unstarted: a probe's finding). 64 rows at 0.75: 48 for the lane."""
+    idle = stats(free=2, max_rows=2, lane="long")
+    service = 0.01 + 100 * 0.0001 + 32 * 0.02
+    assert estimate([idle], "long", 0, 100, 32, 0.005, 0.75).start_s == pytest.approx(0.005)
+    second = estimate([idle], "long", 1, 100, 32, 0.005, 0.75)
+    assert second.start_s == pytest.approx(0.005 + service)  # one row's drain: the one ahead's whole service
+    assert estimate([idle], "long", 1, 100, 32, 0.005).start_s == pytest.approx(0.005)  # no share: a row each
+    busy = stats(free=30, max_rows=64, running=40, lane="long")  # 8 of its 48 rows left
+    assert estimate([busy], "long", 40 + 8, 100, 32, 0.005, 0.75).start_s > 0.005
+    assert estimate([busy], "long", 40 + 7, 100, 32, 0.005, 0.75).start_s == pytest.approx(0.005)
+
+
 def test_workers_add_up():
     one = estimate([stats(free=0, rps=5.0)], "short", 10, 10, 1, 0.0)
     two = estimate([stats(free=0, rps=5.0), stats(free=0, rps=5.0)], "short", 10, 10, 1, 0.0)
