@@ -202,11 +202,15 @@ SINGLE_HEADERS = ("authorization", "x-api-key", "idempotency-key")
 
 
 def _headers(request: Request) -> dict[str, str]:
-    for name in SINGLE_HEADERS:
-        if len(set(request.headers.getlist(name))) > 1:
-            raise BadRequest(f"the {name} header is sent more than once, with different values: send one",
+    """The request's headers by lower-case name, in one pass (a repeated name: its last value)."""
+    out: dict[str, str] = {}
+    for name, v in request.headers.items():
+        k = name.lower()
+        if k in SINGLE_HEADERS and out.get(k, v) != v:
+            raise BadRequest(f"the {k} header is sent more than once, with different values: send one",
                              code="repeated_header")
-    return {k.lower(): v for k, v in request.headers.items()}
+        out[k] = v
+    return out
 
 
 def create_app(settings: Settings | None = None, *, service: GatewayService | None = None,

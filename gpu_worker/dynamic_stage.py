@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from gpu_worker.job import Job
 from gpu_worker.lane_queue import LaneQueue
 from gpu_worker.service_model import ServiceModel
+from shared.admission import lane_rows
 
 SLACK_FACTOR = 1.5
 SLACK_MARGIN_S = 0.02
@@ -92,7 +93,7 @@ class DynamicStage:
         rows = free_rows
         share = queue.policy.max_share
         if share < 1.0 and self.total_rows:
-            rows = min(rows, max(1, int(share * self.total_rows)) - running.get(queue.policy.name, 0))
+            rows = min(rows, lane_rows(self.total_rows, share) - running.get(queue.policy.name, 0))
         if self.long_rows is not None:  # the queue scan of `held_to_long_rows` only when the bound would bind
             first = next(iter(self.queues))
             room = self.long_rows - sum(n for lane, n in running.items() if lane != first)
