@@ -19,6 +19,7 @@ from gpu_worker.model_loop import ModelLoop
 from gpu_worker.outcomes import Emitted
 from gpu_worker.runner import Runner
 from gpu_worker.scheduler import BatchLimits, LanePolicy, Scheduler
+from gpu_worker.service_model import CostPrior
 from gpu_worker.sizing import engine_seq_len, size_engines
 from gpu_worker.turns import SharedComputeThread
 from shared.config import ModelSpec, Settings
@@ -56,9 +57,9 @@ def build_runners(loaded: Any, worker: str, faults: Faults,
 
 
 def build_scheduler(spec: ModelSpec, runner: Runner, lanes: tuple[LaneSpec, ...] | None = None,
-                    overflow: tuple[LaneSpec, ...] = ()) -> Scheduler:
+                    overflow: tuple[LaneSpec, ...] = (), prior: CostPrior | None = None) -> Scheduler:
     """`overflow`: other engines' lanes this engine also takes while the model is saturated (see
-    `gpu_worker.engines`)."""
+    `gpu_worker.engines`); `prior`: the runner's costs before any is measured (its `warm_up`'s)."""
     # lane shares are of a running batch's rows; an encoder's batch ends with its forward, so it has none
     rows = runner.free_rows if spec.task is Task.GENERATE else None
     lanes = lanes or spec.lanes
@@ -69,10 +70,14 @@ def build_scheduler(spec: ModelSpec, runner: Runner, lanes: tuple[LaneSpec, ...]
     def policies(specs: tuple[LaneSpec, ...]) -> list[LanePolicy]:
         return [LanePolicy(lane.name, lane.window_ms / 1000, lane.max_share) for lane in specs]
 
-    return Scheduler(policies(lanes), BatchLimits(spec.max_batch_size, spec.max_batch_tokens),
-                     deadline_aware=spec.deadline_aware, total_rows=rows, overflow=policies(overflow),
-                     fused=runner.fused, long_rows=(spec.long_rows or None) if shared_forwards else None,
-                     chunk_tokens=(spec.prefill_chunk_tokens or None) if spec.task is Task.GENERATE else None)
+    scheduler = Scheduler(policies(lanes), BatchLimits(spec.max_batch_size, spec.max_batch_tokens),
+                          deadline_aware=spec.deadline_aware, total_rows=rows, overflow=policies(overflow),
+                          fused=runner.fused, long_rows=(spec.long_rows or None) if shared_forwards else None,
+                          chunk_tokens=(spec.prefill_chunk_tokens or None) if spec.task is Task.GENERATE else None)
+    if prior is not None:
+        scheduler.tracker.seed(prior)
+        scheduler.refresh_estimates()
+    return scheduler
 
 
 def echo_engines(spec: ModelSpec, worker: str, faults: Faults, groups: list[tuple[str, tuple[LaneSpec, ...]]], *,
@@ -84,7 +89,7 @@ def echo_engines(spec: ModelSpec, worker: str, faults: Faults, groups: list[tupl
     for i, (engine, lanes) in enumerate(groups):
         runner = EchoRunner(spec, worker, max_rows=spec.max_running, faults=faults)
         overflow = tuple(ln for _, earlier in groups[:i] for ln in earlier) if i == len(groups) - 1 else ()
-        engines.add(ModelLoop(spec.name, runner, build_scheduler(spec, runner, lanes, overflow),
+        engines.add(ModelLoop(spec.name, runner, build_scheduler(spec, runner, lanes, overflow, runner.warm_up()),
                               mark_running=mark_running, emit=emit, on_crash=on_crash, worker=worker, faults=faults,
                               engine=engine, bind_thread=lambda: "echo: no model",
                               hand_over=engines.hand_over if len(groups) > 1 else None))
@@ -103,7 +108,7 @@ async def load_engines(settings: Settings, *, worker: str, faults: Faults,
     cpu: list[tuple[int, str, ModelLoop | SharedComputeThread]] = []  # (model size, name, compute thread)
     for spec in settings.models:
         groups = engine_groups(spec.lanes)
-        if spec.echo:  # no model: no loading, no warm-up, no torch, no CPU share
+        if spec.echo:  # no model: no loading, no torch, no CPU share
             out[spec.name] = echo_engines(spec, worker, faults, groups, mark_running=mark_running, emit=emit,
                                           on_crash=on_crash)
             continue
@@ -114,11 +119,11 @@ async def load_engines(settings: Settings, *, worker: str, faults: Faults,
         runners = build_runners(loaded, worker, faults, groups)
         engines = out[spec.name] = ModelEngines(spec)
         for i, ((engine, lanes), runner) in enumerate(zip(groups, runners, strict=True)):
-            await asyncio.to_thread(single_threaded, runner.warm_up)
+            prior = await asyncio.to_thread(single_threaded, runner.warm_up)
             bind = functools.partial(bind_compute_thread, loaded.device, background=i > 0)
             # the last engine's rows hold any request: it takes the other engines' lanes when saturated
             overflow = tuple(ln for _, earlier in groups[:i] for ln in earlier) if i == len(groups) - 1 else ()
-            scheduler = build_scheduler(spec, runner, lanes, overflow)
+            scheduler = build_scheduler(spec, runner, lanes, overflow, prior)
             engines.add(ModelLoop(spec.name, runner, scheduler, mark_running=mark_running,
                                   emit=emit, on_crash=on_crash, worker=worker, faults=faults, engine=engine,
                                   bind_thread=bind, hand_over=engines.hand_over if len(groups) > 1 else None))

@@ -26,6 +26,7 @@ from gpu_worker.job import Job
 from gpu_worker.outcomes import Delta, Outcome, failed_outcome
 from gpu_worker.runner import count_calls
 from gpu_worker.sequences import EngineStats, GenResult, completes_stop
+from gpu_worker.service_model import CostPrior
 from gpu_worker.stream_release import Release, next_delta
 from gpu_worker.token_logprobs import asked, certain, certain_prompt, plain, with_logprobs
 from shared.config import ModelSpec
@@ -100,8 +101,10 @@ class EchoRunner:
     def remaining_tokens(self) -> dict[str, int]:
         return {rid: row.new_tokens - len(row.tokens) for rid, row in self.rows.items()}
 
-    def warm_up(self) -> None:
-        """Nothing to warm."""
+    def warm_up(self) -> CostPrior:
+        """Nothing to warm; its costs are the configured ones."""
+        return CostPrior(prefill_fixed_s=0.0, prefill_per_token_s=self.token_s, step_s=self.step_s,
+                         step_per_row_s=self.row_s)
 
     def prepare(self, req: InferenceRequest, now: float) -> Job | Outcome:
         params = GenerateParams(**{**req.params, "stop": tuple(req.params.get("stop", ()))})

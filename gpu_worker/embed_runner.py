@@ -20,6 +20,7 @@ from gpu_worker.models import LoadedModel
 from gpu_worker.outcomes import Delta, Outcome, failed_outcome, result_for
 from gpu_worker.pooling import pool, pooling_modes
 from gpu_worker.runner import count_calls
+from gpu_worker.service_model import CostPrior
 from shared.faults import Faults
 from shared.lanes import assign_lane
 from shared.params import TRUNCATE_HINT, EmbedParams
@@ -27,6 +28,8 @@ from shared.states import FinishReason, Priority, Status
 from shared.token_limits import encoder_text_tokens, sentence_config
 
 log = structlog.get_logger(__name__)
+
+WARM_TEXT_TOKENS = (8, 128)  # the warm-up's timed texts: a line through two sizes
 
 
 class EmbedRunner:
@@ -78,10 +81,22 @@ class EmbedRunner:
     def take_deltas(self) -> list[Delta]:
         return []
 
-    def warm_up(self) -> None:
-        """One forward before serving: first-call imports and allocations happen now, not on a request."""
-        enc = self.loaded.tokenizer(["warm up"], return_tensors="pt")
+    @torch.inference_mode()
+    def warm_up(self) -> CostPrior:
+        """Forwards before serving: first-call imports and allocations happen on the first, not on a request; the next
+        two, a short and a longer text, are timed for the costs that stand in until requests are measured."""
+        self._warm_forward(min(WARM_TEXT_TOKENS[0], self.max_len))
+        short = self._warm_forward(min(WARM_TEXT_TOKENS[0], self.max_len))
+        return CostPrior.through(short, self._warm_forward(min(WARM_TEXT_TOKENS[1], self.max_len)))
+
+    def _warm_forward(self, tokens: int) -> tuple[int, float]:
+        """(tokens, seconds) of a forward of one text of about `tokens` tokens."""
+        enc = self.loaded.tokenizer(["warm up " * tokens], truncation=True, max_length=tokens, return_tensors="pt")
+        t0 = time.perf_counter()
         self.loaded.model(**{k: v.to(self.loaded.device) for k, v in enc.items()})
+        if self.loaded.device.type == "cuda":
+            torch.cuda.synchronize(self.loaded.device)
+        return int(enc["input_ids"].shape[1]), time.perf_counter() - t0
 
     def _texts(self, req) -> list[str]:  # type: ignore[no-untyped-def]
         return [t.lower() for t in req.input["texts"]] if self.lower_case else req.input["texts"]

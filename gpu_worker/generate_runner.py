@@ -26,10 +26,12 @@ from gpu_worker.models import LoadedModel
 from gpu_worker.outcomes import Delta, Outcome, failed_outcome
 from gpu_worker.runner import count_calls
 from gpu_worker.sequences import EngineStats, GenResult, GenSpec, SamplingParams
+from gpu_worker.service_model import CostPrior
 from gpu_worker.stream_release import Release, next_delta
 from gpu_worker.token_logprobs import PROMPT_LOGITS_MAX, prompt_scorable, scored_prompt, with_logprobs
 from gpu_worker.token_text import TokenText
 from gpu_worker.tool_tokens import decode_keeping, special_ids
+from gpu_worker.warm_up import timed_generations
 from shared.faults import Faults
 from shared.lanes import assign_lane
 from shared.messages import InferenceRequest, RequestResult
@@ -84,13 +86,10 @@ class GenerateRunner:
     def remaining_tokens(self) -> dict[str, int]:
         return self.engine.remaining_tokens()
 
-    def warm_up(self) -> None:
-        """A short generation before serving: first-call imports and kernels happen now, not on a request."""
+    def warm_up(self) -> CostPrior:
+        """Short generations before serving, timed (`gpu_worker.warm_up`)."""
         self.grammars.warm()
-        self.engine.prefill([GenSpec(id="warm-up", prompt_ids=(1, 2, 3, 4), max_new_tokens=3)])
-        while self.engine.running:
-            self.engine.step()
-        self.engine.stats = EngineStats()
+        return timed_generations(self.engine, self.vocab, min(self.engine.max_seq_len, self.context or 1 << 30))
 
     def prepare(self, req: InferenceRequest, now: float) -> Job | Outcome:
         params = GenerateParams(**{**req.params, "stop": tuple(req.params.get("stop", ()))})

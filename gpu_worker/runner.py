@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from gpu_worker.job import Job
 from gpu_worker.outcomes import Delta, Outcome
+from gpu_worker.service_model import CostPrior
 from shared.messages import InferenceRequest
 from shared.states import FinishReason
 
@@ -81,7 +82,10 @@ class Runner(Protocol):
 
     def engine_stats(self) -> Any: ...
 
-    def warm_up(self) -> None: ...
+    def warm_up(self) -> CostPrior:
+        """Run once before serving (first-call imports and kernels happen now, not on a request); returns the costs
+        it measured, which stand in for the measurements until the first of each (`ServiceTracker.seed`)."""
+        ...
 
 
 MODEL_CALLS_KEPT = 10_000

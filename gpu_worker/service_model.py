@@ -3,6 +3,8 @@
 - prefill (or encoder forward) time as a linear function of the batch's padded tokens;
 - decode step time as a linear function of the running rows;
 - completions per second per lane (exponentially weighted).
+Until a fit has its first sample, the runner's `CostPrior` stands in for it (what its warm-up measured, an echo
+model's configured costs): a fit with nothing in it predicts 0 s, and a fresh worker promised any deadline.
 From these: the estimated compute time of a request (for the scheduler's slack) and the figures a
 worker publishes for the gateway's admission control.
 """
@@ -47,13 +49,39 @@ FUSED_PAIR_SPREAD = 0.25
 WARM_SAMPLES = 8  # samples before a fit clips outliers or is trusted to bound the rows
 
 
+@dataclass(frozen=True, slots=True)
+class CostPrior:
+    """A runner's costs before anything is measured (seconds): a prefill's fixed part and cost per padded prompt token,
+    a decode step's fixed part and cost per row it advances. What its warm-up measured; an echo model's, its
+    configuration."""
+
+    prefill_fixed_s: float = 0.0
+    prefill_per_token_s: float = 0.0
+    step_s: float = 0.0
+    step_per_row_s: float = 0.0
+
+    @classmethod
+    def through(cls, short: tuple[int, float], long: tuple[int, float], step_s: float = 0.0) -> CostPrior:
+        """The prefill line through two timed prefills, (prompt tokens, seconds) each, and a one-row decode step. A
+        longer prompt that ran no slower (noise) leaves it flat at the slower of the two."""
+        (n0, s0), (n1, s1) = sorted([short, long])
+        per_token = max(0.0, (s1 - s0) / (n1 - n0)) if n1 > n0 else 0.0
+        return cls(prefill_fixed_s=max(0.0, max(s0, s1) - per_token * n1), prefill_per_token_s=per_token,
+                   step_s=max(0.0, step_s))
+
+
 class RunningFit:
-    """y ~ intercept + slope * x, over exponentially weighted moments (recent samples count most)."""
+    """y ~ intercept + slope * x, over exponentially weighted moments (recent samples count most). `seed` sets the
+    line it predicts until its first sample (which then replaces it whole)."""
 
     def __init__(self, alpha: float = 0.05) -> None:
         self.alpha = alpha
         self.n = 0
         self._mx = self._my = self._mxx = self._mxy = 0.0
+        self._prior = (0.0, 0.0)  # (intercept, slope) while n == 0
+
+    def seed(self, intercept: float, slope: float) -> None:
+        self._prior = (max(0.0, intercept), max(0.0, slope))
 
     def add(self, x: float, y: float) -> None:
         if self.n >= WARM_SAMPLES and (bound := self.predict(x)) > 0:
@@ -67,6 +95,8 @@ class RunningFit:
 
     @property
     def slope(self) -> float:
+        if self.n == 0:
+            return self._prior[1]
         proportional = self._my / self._mx if self._mx > 0 else 0.0
         var = self._mxx - self._mx * self._mx
         if self.n < 3 or var <= 1e-9 * max(1.0, self._mxx):
@@ -84,6 +114,8 @@ class RunningFit:
 
     @property
     def intercept(self) -> float:
+        if self.n == 0:
+            return self._prior[0]
         return max(0.0, self._my - self.slope * self._mx)
 
     def predict(self, x: float) -> float:
@@ -128,6 +160,12 @@ class ServiceTracker:
 
     def __post_init__(self) -> None:
         self.counters = {lane: LaneCounters() for lane in self.lanes}
+
+    def seed(self, prior: CostPrior) -> None:
+        """What prefills and token intervals are taken to cost until the first of each is measured."""
+        self.prefill.seed(prior.prefill_fixed_s, prior.prefill_per_token_s)
+        for fit in (self.decode, self.decode_slow):
+            fit.seed(prior.step_s, prior.step_per_row_s)
 
     def observe_prefill(self, padded_tokens: int, seconds: float) -> None:
         self.prefill.add(padded_tokens, seconds)

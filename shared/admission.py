@@ -167,8 +167,8 @@ def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int,
     everyone, stats = stats, serving(stats, lane)
     if not stats:
         return Estimate(0.0, 0.0, "none")
-    # costs from the engines serving the lane; one that has run nothing yet has measured nothing, and its
-    # zeros would promise any deadline: then the costs the model's other engines measured stand in
+    # costs from the engines serving the lane (before their first measurement, what their warm-up timed); zeros (an
+    # older worker's engine that has run nothing) would promise any deadline: the model's other engines' stand in
     costs = [s for s in stats if s.decode_ms_per_step > 0] or [s for s in everyone if s.decode_ms_per_step > 0] \
         or stats
     prefill = max(s.prefill_fixed_ms + s.prefill_ms_per_token * prompt_tokens for s in costs) / 1000

@@ -128,6 +128,8 @@ def test_the_pipelines_own_text_settings_hold(tmp_path: Path) -> None:
     spec = ModelSpec(name="enc", task=Task.EMBED, source=str(path), device="cpu", dtype="float32")
     runner = EmbedRunner(load(spec, tmp_path / "cache"), "w")
     assert runner.max_len == 16 and TokenLimits().max_text_tokens(spec) == 16  # the worker's and the gateway's
+    prior = runner.warm_up()  # timed at no more than the model takes
+    assert prior.prefill_fixed_s + 16 * prior.prefill_per_token_s > 0, prior
     assert TokenLimits().count(spec, ["Hello"]) == [3]  # counted lower-cased, as the worker tokenizes it
     now = int(time.time() * 1000)
     req = InferenceRequest(id="e", tenant="t", model="enc", task=Task.EMBED, input={"texts": texts},

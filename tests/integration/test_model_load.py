@@ -119,3 +119,21 @@ def test_a_failing_disk_is_not_taken_for_a_bad_directory(tmp_path: Path, monkeyp
     monkeypatch.undo()
     with pytest.raises(ConfigError, match="transformers cannot load"):  # no weights in it: the directory's fault
         load(spec, tmp_path / "cache")
+
+
+@pytest.mark.parametrize("max_seq_len", [64, 8])
+def test_the_warm_up_times_the_costs_that_stand_in_until_requests_are_measured(max_seq_len: int) -> None:
+    """A real model's warm-up gives the scheduler and admission its costs from the first request (a worker that had
+    measured nothing estimated every request at 0 s); it leaves no row behind, even where the engine's longest
+    sequence is shorter than the timed prompt."""
+    model, tok = tiny_llama()
+    spec = ModelSpec(name="m", task=Task.GENERATE, source="/nowhere", device=str(DEVICE), dtype="float32")
+    runner = GenerateRunner(LoadedModel(spec=spec, path=None, model=model, tokenizer=tok, device=DEVICE,
+                                        dtype=torch.float32), "w", max_rows=4, max_seq_len=max_seq_len)
+    prior = runner.warm_up()
+    assert prior.step_s > 0 and prior.prefill_fixed_s + 64 * prior.prefill_per_token_s > 0, prior
+    assert runner.free_rows == 4 and not runner.busy and runner.engine_stats().decode_tokens == 0
+    done = runner.start([runner.prepare(request("a"), time.time())], time.time())  # type: ignore[list-item]
+    while runner.busy:
+        done += runner.step()
+    assert len(done) == 1  # it serves as before

@@ -314,3 +314,33 @@ def test_a_stream_with_min_tokens_sends_what_the_result_holds_and_a_rerun_counts
                                    streamed=tuple(b"ab"))  # min_tokens counts the two tokens it was sent
     out = run_to_end(other, [job(other, by_token)])["r1"].result
     assert (out.output["token_ids"], out.finish_reason) == ([*b"abcdefab"], FinishReason.STOP)
+
+
+@pytest.mark.usefixtures("heap_calls")
+async def test_a_fresh_worker_computes_nothing_of_a_request_its_first_step_cannot_finish_in_time():
+    """Before a worker has measured a step, the echo model's configured costs stand in for the measurement (a real
+    model's, its warm-up's): a request whose deadline its compute cannot meet expires unstarted, and the load the
+    worker publishes for admission has its costs from the first moment (zeros promised any deadline)."""
+    spec = dataclasses.replace(SPEC, step_ms=30.0, prefill_ms_per_token=0.5).validate()
+    keys = Keys("unit")
+    settings = Settings(key_prefix="unit", models=(spec,), worker_name="w1", intake_block_ms=20).validate()
+    q = MemoryQueue()
+    worker = Worker(settings, queue=q, announcer=MemoryAnnouncer())
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 10)
+        (loop,) = worker.engines["echo"].loops
+        req = request("tight", max_new_tokens=60)
+        req = dataclasses.replace(req, deadline_ms=req.created_ms + 300)  # 60 steps of 30 ms: 1.8 s
+        await q.enqueue(keys.lane_stream("echo", "short"), req)
+        end = time.monotonic() + 5
+        while not ((rec := q.records.get("tight")) and rec.state is Status.EXPIRED):
+            assert time.monotonic() < end, "not expired in time"
+            await asyncio.sleep(0.005)
+        assert worker.engines["echo"].model_calls() == {}, "computed though it could not finish"
+        snap = loop.snapshot
+        assert snap.decode_ms_per_step == pytest.approx(30.0) and snap.prefill_ms_per_token == pytest.approx(0.5)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)

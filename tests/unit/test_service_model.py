@@ -1,6 +1,6 @@
 import pytest
 
-from gpu_worker.service_model import RunningFit, ServiceTracker, lane_wait_ms
+from gpu_worker.service_model import CostPrior, RunningFit, ServiceTracker, lane_wait_ms
 
 
 def test_fit_recovers_a_line():
@@ -134,3 +134,38 @@ def test_admission_forecasts_tokens_at_an_interval_a_second_of_slow_steps_barely
     for _ in range(400):  # a lasting change is learned
         t.observe_step(64, 0.150)
     assert t.forecast_step_seconds(64) == pytest.approx(0.150, rel=0.03)
+
+
+def test_a_seeded_fit_predicts_its_prior_until_its_first_sample_replaces_it():
+    f = RunningFit()
+    assert f.predict(10) == 0.0  # an empty fit promises anything
+    f.seed(0.02, 0.001)
+    assert f.n == 0 and f.predict(10) == pytest.approx(0.03) and f.intercept == 0.02 and f.slope == 0.001
+    f.add(4, 0.5)  # the first measurement stands for itself, the prior gone
+    assert f.predict(4) == pytest.approx(0.5) and f.predict(8) == pytest.approx(1.0)
+    g = RunningFit()
+    g.seed(-1.0, -2.0)  # a cost is never below zero
+    assert g.intercept == 0.0 and g.slope == 0.0
+
+
+def test_a_tracker_seeded_with_a_runners_costs_estimates_requests_before_measuring_any():
+    t = ServiceTracker(("short",))
+    t.seed(CostPrior(prefill_fixed_s=0.01, prefill_per_token_s=0.001, step_s=0.03, step_per_row_s=0.002))
+    assert t.step_seconds(1) == pytest.approx(0.032) and t.forecast_step_seconds(4) == pytest.approx(0.038)
+    model = t.service_model(1)
+    assert (model.fixed_s, model.per_token_s, model.decode_s_per_token) == pytest.approx((0.01, 0.001, 0.032))
+    t.observe_round(1, 0.05, 0.05, 0, 0.0, fused=False, chunking=False)
+    assert t.step_seconds(1) == pytest.approx(0.05)  # measured: the prior no longer counts
+    assert t.prefill.predict(100) == pytest.approx(0.11)  # prefill not measured yet: still the prior
+
+
+@pytest.mark.parametrize(("short", "long", "fixed", "per_token"), [
+    ((4, 0.010), (64, 0.070), 0.006, 0.001),  # a line through the two
+    ((64, 0.070), (4, 0.010), 0.006, 0.001),  # in either order
+    ((4, 0.020), (64, 0.015), 0.020, 0.0),  # the longer ran faster (noise): flat at the slower
+    ((4, 0.001), (64, 0.121), 0.0, 0.002),  # a line below zero at no tokens: no fixed part
+    ((4, 0.010), (4, 0.012), 0.012, 0.0),  # one size only
+])
+def test_a_prior_through_two_timed_prefills(short, long, fixed, per_token):
+    prior = CostPrior.through(short, long, step_s=0.005)
+    assert (prior.prefill_fixed_s, prior.prefill_per_token_s, prior.step_s) == pytest.approx((fixed, per_token, 0.005))
