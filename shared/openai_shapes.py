@@ -371,6 +371,11 @@ _CHAT_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
+def _timeout_alias(req: Any, timeout_header: str | None) -> dict[str, str]:
+    """Where a native check's `timeout_s` came from, when the caller set it by the header (the model's range)."""
+    return {"timeout_s": "X-Batchgate-Timeout"} if req.timeout_s is None and (timeout_header or "").strip() else {}
+
+
 def _deadline(req: Any, timeout_header: str | None) -> dict[str, Any]:
     """`timeout_s` (body, wins) or the `X-Batchgate-Timeout` header; `priority`."""
     out: dict[str, Any] = {}
@@ -558,7 +563,7 @@ def translate_completion(raw: Any, *, timeout_header: str | None = None) -> Tran
     body = {"input": prompt, "params": params, "stream": stream, **_deadline(req, timeout_header)}
     aliases = {"input.prompt": "prompt", "input.input_ids": "prompt", "input": "prompt",
                "params.max_new_tokens": "max_tokens", "params.logprobs": "logprobs",
-               "params.prompt_logprobs": "logprobs", **fmt_aliases}
+               "params.prompt_logprobs": "logprobs", **fmt_aliases, **_timeout_alias(req, timeout_header)}
     n = _choices(req)
     best_of = n if req.best_of is None else req.best_of
     if not n <= best_of <= MAX_CHOICES:
@@ -708,7 +713,8 @@ def translate_chat(raw: Any, *, timeout_header: str | None = None,
                "input.chat_template_kwargs": "chat_template_kwargs", "input.documents": "documents",
                "input.chat_template": "chat_template",
                "input.add_generation_prompt": "add_generation_prompt",
-               "input.continue_final_message": "continue_final_message", **fmt_aliases}
+               "input.continue_final_message": "continue_final_message", **fmt_aliases,
+               **_timeout_alias(req, timeout_header)}
     return Translated("chat", req.model, body, stream, usage, continuous, aliases=aliases, n=_choices(req),
                       logprobs=logprobs, calls=calls, as_ids=bool(req.return_tokens_as_token_ids), prefix=prefix,
                       with_ids=bool(req.return_token_ids))
@@ -730,7 +736,7 @@ def translate_embeddings(raw: Any, *, timeout_header: str | None = None) -> Tran
     if req.truncate_prompt_tokens is not None:
         body["params"] = {"truncate_prompt_tokens": req.truncate_prompt_tokens}
     aliases = {"input.texts": "input", "input.text": "input", "input": "input",
-               "params.truncate_prompt_tokens": "truncate_prompt_tokens"}
+               "params.truncate_prompt_tokens": "truncate_prompt_tokens", **_timeout_alias(req, timeout_header)}
     return Translated("embedding", req.model, body, encoding_format=req.encoding_format or "float",
                       aliases=aliases)
 

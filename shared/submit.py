@@ -9,6 +9,7 @@ clock value is passed in; used by the HTTP gateway and by the SDK's direct mode 
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -91,7 +92,7 @@ def resolve_deadline(timeout_s: float | UnsetType, deadline: float | str | Unset
         return now + timeout_s
     if isinstance(deadline, str):
         try:
-            parsed = datetime.fromisoformat(deadline.replace("Z", "+00:00"))
+            parsed = datetime.fromisoformat(re.sub(r"[zZ]$", "+00:00", deadline))  # RFC 3339 takes "z" too
         except ValueError as exc:
             raise ValidationError("deadline", "must be epoch seconds or an ISO 8601 time") from exc
         if parsed.tzinfo is None:

@@ -174,6 +174,22 @@ def test_the_deadline_comes_from_the_body_or_else_the_header():
         assert err.param == "X-Batchgate-Timeout", header
 
 
+
+@pytest.mark.parametrize("translate, body", [
+    (oa.translate_completion, {"model": "m", "prompt": "x"}),
+    (oa.translate_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}]}),
+    (oa.translate_embeddings, {"model": "m", "input": "x"}),
+])
+def test_a_timeout_the_model_refuses_is_named_where_the_caller_set_it(translate, body):
+    """The native range check names `timeout_s`; a caller who sent the header gets the header named."""
+    err = Unprocessable("timeout_s: at most 600 seconds for this model", extra={"field": "timeout_s"})
+    by_header = oa.from_api_error(err, translate(body, timeout_header="9999").aliases)
+    assert by_header.param == "X-Batchgate-Timeout" and by_header.status == 400
+    assert by_header.message == "X-Batchgate-Timeout: at most 600 seconds for this model"
+    assert oa.from_api_error(err, translate({**body, "timeout_s": 9999}).aliases).param == "timeout_s"
+    assert oa.from_api_error(err, translate(body).aliases).param == "timeout_s"  # the model's default: no header
+
+
 # ----------------------------------------------------------------------------------------------- chat
 
 def test_chat_messages_become_native_messages_with_text_parts_joined():

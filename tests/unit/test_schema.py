@@ -46,6 +46,20 @@ def test_a_bad_body_names_its_field_in_plain_words(body, field, words):
     assert got_field == field and words in message, message
 
 
+@pytest.mark.parametrize("deadline", ["1970-01-01T00:16:50Z", "1970-01-01t00:16:50z", "1970-01-01 00:16:50+00:00",
+                                      "1970-01-01T01:16:50.000000000+01:00", 1010])
+def test_an_rfc_3339_deadline_in_any_of_its_spellings(deadline):
+    """RFC 3339 takes a lowercase "t" and "z" and fractions past the microsecond (the part Python keeps)."""
+    assert build_request({"input": {"prompt": "x"}, "deadline": deadline}, LLAMA, "t", 1000.0).deadline_ms == 1_010_000
+
+
+@pytest.mark.parametrize(("deadline", "words"), [("1970-01-01T00:16:50", "time zone"), ("soon", "ISO 8601"),
+                                                 ("1970-01-01T00:16:00Z", "past")])
+def test_a_deadline_that_is_no_time_or_no_time_ahead_is_refused(deadline, words):
+    field, message = refused({"input": {"prompt": "x"}, "deadline": deadline})
+    assert field == "deadline" and words in message, message
+
+
 def test_embed_paths_keep_their_index():
     assert refused({"input": {"texts": ["a", 3]}}, MINILM)[0] == "input.texts[1]"
 
