@@ -37,11 +37,11 @@ from shared.errors import CodecError
 from shared.idempotency import IdempotencyClaim, IdempotencyStore
 from shared.keys import Keys
 from shared.logs import get_logger
-from shared.messages import ErrorInfo, InferenceRequest, LaneStats, RequestResult
+from shared.messages import ErrorInfo, InferenceRequest, LaneStats
 from shared.records import RecordStore, StoredRecord, record_from_event
 from shared.redis_io import make_redis
 from shared.ssrf import AllowList
-from shared.states import FinishReason, Status
+from shared.states import Status
 from shared.tenant_limits import TenantLimits
 from shared.token_limits import TokenLimits
 from shared.waiters import Subscription, SubscriptionUnavailable, WaiterHub
@@ -295,16 +295,13 @@ class QueueClient:
         A running request is asked of its worker first: it stops the row at its next step and writes the result
         with the output generated so far (what a streaming caller was sent, so the deltas still add up to the
         final output). Without an answer in `CANCEL_GRACE_S` (no live worker has it), or for a queued request,
-        the cancelled record is written here, with no output."""
+        the cancelled record is written here, its output what its caller was streamed (none: no output)."""
         if rec.state is Status.RUNNING and rec.meta is not None:
             ended = await self._cancel_through_worker(rec)
             if ended is not None:
                 return ended.state is Status.CANCELLED  # else it finished otherwise first
-        won = await self.store.finish(RequestResult(
-            id=rec.id, status=Status.CANCELLED, finish_reason=FinishReason.CANCELLED,
-            error=ErrorInfo("cancelled", "cancelled by the caller"), finished_ms=self.now_ms(),
-            worker="gateway",
-        ), rec.meta)
+        won = await self.store.end_unanswered(rec, Status.CANCELLED, ErrorInfo("cancelled", "cancelled by the caller"),
+                                              self.now_ms(), "gateway")
         if won and rec.meta is not None:
             await self.redis.publish(self.keys.cancel_channel(rec.meta.model), rec.id)
             await self.redis.zrem(self.keys.tenant_active(rec.meta.tenant), rec.id)

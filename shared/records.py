@@ -274,17 +274,23 @@ class RecordStore:
         already ended, or another write won."""
         if rec.terminal or rec.meta is None or not cannot_finish(rec.meta.deadline_ms / 1000 + grace_s, now_ms / 1000):
             return False
+        expired = ErrorInfo("deadline_exceeded", "no result by the deadline")
+        return await self.end_unanswered(rec, Status.EXPIRED, expired, now_ms, by)
+
+    async def end_unanswered(self, rec: StoredRecord, status: Status, error: ErrorInfo, now_ms: int, by: str) -> bool:
+        """End a request no worker writes the result of (an expiry past the grace, a cancel no worker answered):
+        what its caller was streamed is its output, as a worker's own cut keeps it, so the deltas still add up to
+        the final output. True if this write won."""
         output = streamed_output(stream_deltas(await self.redis.xrange(self.keys.events(rec.id))))
-        message = "no result by the deadline"
-        if output is not None:  # its caller was sent these tokens: they are its output, as a worker's cut keeps its own
-            message += f" after {output['completion_tokens']} tokens were streamed; partial output kept"
-        won = await self.finish(RequestResult(
-            id=rec.id, status=Status.EXPIRED, output=output, finish_reason=FinishReason.DEADLINE,
-            error=ErrorInfo("deadline_exceeded", message), finished_ms=now_ms, worker=by,
-        ), rec.meta)
+        if output is not None:
+            error = ErrorInfo(error.code, f"{error.message} after {output['completion_tokens']} tokens were streamed; "
+                                          "partial output kept")
+        reason = FinishReason.DEADLINE if status is Status.EXPIRED else FinishReason.CANCELLED
+        won = await self.finish(RequestResult(id=rec.id, status=status, output=output, finish_reason=reason,
+                                              error=error, finished_ms=now_ms, worker=by), rec.meta)
         if won and output is not None:
-            # the deltas live as long as the record did; a record expired late (no dispatcher ran meanwhile) now
-            # outlives that: they are kept as long as its result, so a stream resumed from its last event id
+            # the deltas live as long as the record did; a record ended late (an expiry no dispatcher ran meanwhile)
+            # now outlives that: they are kept as long as its result, so a stream resumed from its last event id
             # is sent what follows it, not the whole output again
             await self.redis.pexpire(self.keys.events(rec.id), self.result_ttl_ms)
         return won

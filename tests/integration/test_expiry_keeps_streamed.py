@@ -72,3 +72,37 @@ async def test_an_expiry_before_any_token_has_no_output(parts) -> None:  # noqa:
     assert rec.state is Status.EXPIRED and rec.result.output is None
     assert rec.result.error.message == "no result by the deadline"
     assert oa.result_error(record_view(rec)).status == 504
+
+
+@pytest.mark.redis
+async def test_a_cancel_no_worker_answers_keeps_what_was_streamed(parts, redis_url, prefix, monkeypatch) -> None:  # noqa: F811
+    """A DELETE of a running streamed request whose worker is gone: the gateway writes the cancelled record itself
+    after `CANCEL_GRACE_S`, its output the tokens its caller was sent (a worker's own cancel keeps them too), so the
+    deltas add up to the final output; a cancel before any token has none."""
+    from shared import queue_client
+    from shared.config import ModelSpec, Settings
+    from shared.states import Task
+
+    client, _, store, queue = parts
+    monkeypatch.setattr(queue_client, "CANCEL_GRACE_S", 0.2)
+    spec = ModelSpec(name="m", task=Task.GENERATE, source="", kind="echo").validate()
+    q = queue_client.QueueClient(Settings(key_prefix=prefix, redis_url=redis_url, models=(spec,)).validate())
+    await q.start()
+    try:
+        streamed, silent = make_request("req_sent"), make_request("req_quiet")
+        for req in (streamed, silent):
+            pipe = client.pipeline(transaction=False)
+            await store.init_in(pipe, req, int(time.time() * 1000))
+            await pipe.execute()
+        await store.start([streamed, silent], int(time.time() * 1000))
+        await queue.publish_deltas([(streamed.id, StreamDelta(0, (5, 6), "he", prompt_tokens=1), True)])
+        assert await q.cancel(await store.get(streamed.id))
+        rec = await store.get(streamed.id)
+        assert rec.state is Status.CANCELLED and rec.result.finish_reason is FinishReason.CANCELLED
+        assert rec.result.output == {"text": "he", "token_ids": [5, 6], "completion_tokens": 2, "prompt_tokens": 1}
+        assert rec.result.error.message == "cancelled by the caller after 2 tokens were streamed; partial output kept"
+        assert await q.cancel(await store.get(silent.id))
+        rec = await store.get(silent.id)
+        assert rec.result.output is None and rec.result.error.message == "cancelled by the caller"
+    finally:
+        await q.close()
