@@ -193,10 +193,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings = _settings(args)
     check_model_cache(settings)  # a one-line error naming the setting, not the model loader's traceback
     configure_logging(settings.log_level, settings.log_format)
-    from gpu_worker.main import run_worker
+    from gpu_worker.main import quick_exit, run_worker
 
     run_worker(settings, drain_budget_s=args.drain_budget)
-    return 0
+    quick_exit(0)
 
 
 def cmd_callbacks(args: argparse.Namespace) -> int:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
+import os
 import signal
+import sys
+from typing import NoReturn
 
 import structlog
 
@@ -38,3 +43,14 @@ def run_worker(settings: Settings, *, metrics_host: str = "127.0.0.1", drain_bud
         uvloop.run(_main(settings, drain_budget_s))
     except ImportError:
         asyncio.run(_main(settings, drain_budget_s))
+
+
+def quick_exit(code: int) -> NoReturn:
+    """End the process once the worker has stopped: the atexit handlers run and the output is flushed, but the
+    interpreter's teardown of every module's objects (torch's, transformers') is skipped: it took 1.2-1.8 s after
+    "worker stopped", a stop (a deploy, a scale-in, each test's worker) waited it out for nothing."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more to say
+            stream.flush()
+    os._exit(code)

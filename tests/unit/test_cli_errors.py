@@ -278,3 +278,17 @@ def test_an_operations_commands_help_describes_its_own_actions_and_options_only(
     for action in words:
         if not action.startswith("--"):
             assert action in description, f"{action} is not described in {command} --help:\n{text}"
+
+
+@pytest.mark.spawns
+def test_a_stopped_worker_process_ends_with_its_exit_handlers_run_and_its_output_flushed(tmp_path):
+    """`batchgate worker` ends through `quick_exit` (no interpreter teardown of torch's modules): what it printed and
+    what its atexit handlers do still happen, and the exit code is the one given."""
+    marker = tmp_path / "atexit"
+    code = ("import atexit, sys\nfrom gpu_worker.main import quick_exit\n"
+            f"atexit.register(lambda: open({str(marker)!r}, 'w').write('ran'))\n"
+            "sys.stdout.write('the last line, still in the buffer')\nquick_exit(3)\n")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and done.stdout == "the last line, still in the buffer", done.stderr
+    assert marker.read_text() == "ran"
