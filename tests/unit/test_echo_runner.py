@@ -4,10 +4,12 @@ port, and served by a real `Worker` (intake, scheduler, publisher) on the in-mem
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -27,6 +29,7 @@ from shared.token_limits import TokenLimits
 
 SPEC = ModelSpec(name="echo", task=Task.GENERATE, source="", kind="echo", max_input_tokens=64,
                  max_new_tokens=64).validate()
+LANE = Keys("unit").lane_stream("echo", "short")
 
 
 def request(rid: str = "r1", *, prompt: str | None = "abc", input_ids: list[int] | None = None,
@@ -180,28 +183,34 @@ def test_the_echo_runner_and_its_worker_import_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-@pytest.mark.usefixtures("heap_calls")  # the start-up heap freeze is recorded, not run (conftest)
-async def test_a_worker_serves_an_echo_model_through_its_usual_path():
-    """Intake, the scheduler's lanes, mark-running and the publisher, on the in-memory queue."""
-    keys = Keys("unit")
-    settings = Settings(key_prefix="unit", models=(SPEC,), worker_name="w1", intake_block_ms=20).validate()
+@contextlib.asynccontextmanager
+async def echo_worker(spec: ModelSpec = SPEC) -> AsyncIterator[tuple[Worker, MemoryQueue]]:
+    """A real `Worker` serving `spec` on the in-memory queue, ready; stopped on the way out."""
+    settings = Settings(key_prefix="unit", models=(spec,), worker_name="w1", intake_block_ms=20).validate()
     q = MemoryQueue()
     worker = Worker(settings, queue=q, announcer=MemoryAnnouncer())
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:
         await asyncio.wait_for(worker.ready.wait(), 10)
+        yield worker, q
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+@pytest.mark.usefixtures("heap_calls")  # the start-up heap freeze is recorded, not run (conftest)
+async def test_a_worker_serves_an_echo_model_through_its_usual_path():
+    """Intake, the scheduler's lanes, mark-running and the publisher, on the in-memory queue."""
+    async with echo_worker() as (worker, q):
         for i in range(5):
-            await q.enqueue(keys.lane_stream("echo", "short"), request(f"r{i}", prompt=f"p{i}", max_new_tokens=4))
+            await q.enqueue(LANE, request(f"r{i}", prompt=f"p{i}", max_new_tokens=4))
         end = time.monotonic() + 5
         while not all((rec := q.records.get(f"r{i}")) and rec.state is Status.SUCCEEDED for i in range(5)):
             assert time.monotonic() < end, "not served in time"
             await asyncio.sleep(0.005)
         assert q.records["r3"].result is not None and q.records["r3"].result.output["text"] == "p3p3"
         assert worker.engines["echo"].model_calls() == {f"r{i}": 1 for i in range(5)}
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
 
 
 def test_the_gateway_counts_echo_tokens_as_bytes():
@@ -322,18 +331,11 @@ async def test_a_fresh_worker_computes_nothing_of_a_request_its_first_step_canno
     model's, its warm-up's): a request whose deadline its compute cannot meet expires unstarted, and the load the
     worker publishes for admission has its costs from the first moment (zeros promised any deadline)."""
     spec = dataclasses.replace(SPEC, step_ms=30.0, prefill_ms_per_token=0.5).validate()
-    keys = Keys("unit")
-    settings = Settings(key_prefix="unit", models=(spec,), worker_name="w1", intake_block_ms=20).validate()
-    q = MemoryQueue()
-    worker = Worker(settings, queue=q, announcer=MemoryAnnouncer())
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
-    try:
-        await asyncio.wait_for(worker.ready.wait(), 10)
+    async with echo_worker(spec) as (worker, q):
         (loop,) = worker.engines["echo"].loops
         req = request("tight", max_new_tokens=60)
         req = dataclasses.replace(req, deadline_ms=req.created_ms + 300)  # 60 steps of 30 ms: 1.8 s
-        await q.enqueue(keys.lane_stream("echo", "short"), req)
+        await q.enqueue(LANE, req)
         end = time.monotonic() + 5
         while not ((rec := q.records.get("tight")) and rec.state is Status.EXPIRED):
             assert time.monotonic() < end, "not expired in time"
@@ -341,6 +343,3 @@ async def test_a_fresh_worker_computes_nothing_of_a_request_its_first_step_canno
         assert worker.engines["echo"].model_calls() == {}, "computed though it could not finish"
         snap = loop.snapshot
         assert snap.decode_ms_per_step == pytest.approx(30.0) and snap.prefill_ms_per_token == pytest.approx(0.5)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
