@@ -94,12 +94,18 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _admin_settings(args: argparse.Namespace) -> Settings:
     """Settings for `keys`, `tenants`, `webhooks`: with no Redis named (`--redis-url`, BATCHGATE_REDIS_URL,
-    REDIS_URL), the Redis and key prefix of the running `batchgate up` (batchgate/state.py)."""
+    REDIS_URL), the Redis and key prefix of the running `batchgate up` (batchgate/state.py); with its Redis named,
+    its key prefix (unless one is set): the keys and limits then land where that stack looks."""
     from batchgate.state import is_running, recorded_state, state_path
     from shared.config import redis_url_from
 
     env = _environ(args)
-    if not redis_url_from(env) and (state := recorded_state(env)) is not None:
+    state = recorded_state(env)
+    if (named := redis_url_from(env)) and state is not None:
+        if same_redis(named, str(state.get("redis_url", ""))) and "BATCHGATE_KEY_PREFIX" not in env \
+                and state.get("key_prefix"):
+            env["BATCHGATE_KEY_PREFIX"] = str(state["key_prefix"])
+    elif not named and state is not None:
         if not is_running(state) and state.get("redis") != "external":  # an `up` killed outright left its file:
             # its embedded Redis went with it, and writing to another one (the default) would put the keys or
             # limits where that stack, started again, never looks
@@ -115,6 +121,21 @@ def _admin_settings(args: argparse.Namespace) -> Settings:
         if "BATCHGATE_KEY_PREFIX" not in env and state.get("key_prefix"):
             env["BATCHGATE_KEY_PREFIX"] = str(state["key_prefix"])
     return Settings.from_environ(env)
+
+
+def same_redis(a: str, b: str) -> bool:
+    """Whether two Redis URLs name one server and database (`localhost` is 127.0.0.1; the default port, db 0)."""
+    from urllib.parse import urlsplit
+
+    def where(url: str) -> tuple[str | None, int | None, str] | None:
+        try:
+            u = urlsplit(url)
+            host = "127.0.0.1" if u.hostname in ("localhost", "::1") else u.hostname
+            return host, u.port or 6379, (u.path.strip("/") or "0")
+        except ValueError:
+            return None
+
+    return (w := where(a)) is not None and w == where(b)
 
 
 class RedisUnreachable(Exception):

@@ -221,6 +221,14 @@ def test_a_stale_state_file_is_refused_naming_it_not_replaced_by_another_redis(t
     settings = cli._admin_settings(build_parser().parse_args(["keys", "list"]))
     assert (settings.redis_url, settings.key_prefix) == ("redis://127.0.0.1:7777/0", "upx")
     assert capsys.readouterr().err == ""
+    # its Redis named outright: still its key prefix (the keys land where that stack looks); another Redis: not
+    for url in ("redis://127.0.0.1:7777/0", "redis://localhost:7777", "redis://127.0.0.1:7777/"):
+        assert cli._admin_settings(build_parser().parse_args(["keys", "list", "--redis-url", url])).key_prefix == "upx"
+    for url in ("redis://127.0.0.1:7778/0", "redis://127.0.0.1:7777/1"):
+        assert cli._admin_settings(build_parser().parse_args(["keys", "list", "--redis-url", url])).key_prefix == "bg"
+    monkeypatch.setenv("BATCHGATE_KEY_PREFIX", "mine")  # a prefix set wins
+    named = cli._admin_settings(build_parser().parse_args(["keys", "list", "--redis-url", "redis://127.0.0.1:7777/0"]))
+    assert named.key_prefix == "mine"
 
 
 # --- values the operations commands refuse -----------------------------------------------------------
