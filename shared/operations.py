@@ -299,7 +299,8 @@ async def _batch_item(q: QueueClient, spec: ModelSpec, tenant: str, i: int, item
         if earlier is not None:  # the same key earlier in this batch: the same request, not a second one
             if earlier.digest != digest:
                 raise Conflict(f"requests[{i}].idempotency_key: used by requests[{earlier.index}] of this batch "
-                               "with a different body", code="idempotency_conflict")
+                               "with a different body", code="idempotency_conflict",
+                               extra={"field": f"requests[{i}].idempotency_key"})
             return {"index": i, "status": 202, "id": earlier.inference.id, "replayed": True,
                     "request_status": "queued", "links": links(earlier.inference.id)}  # stored by this call
         existing = await q.idempotency.get(tenant, key)
@@ -328,6 +329,9 @@ def _with_item_fields(exc: Unprocessable, at: str) -> Unprocessable:
 async def _batch_replay(q: QueueClient, i: int, existing: IdempotencyClaim, digest: str,
                         inference: InferenceRequest) -> dict[str, Any]:
     """A batch item whose key was seen: the original request, never a second one (as `_replay`)."""
+    if existing.body_hash != digest:  # named as the item's key, as a conflict within the batch is
+        raise Conflict(f"requests[{i}].idempotency_key: used with a different body by request {existing.request_id}",
+                       code="idempotency_conflict", extra={"field": f"requests[{i}].idempotency_key"})
     answer = await _replay(q, existing, digest, inference, wait=0.0)
     return {"index": i, "status": answer.status, "id": existing.request_id, "replayed": True,
             "request_status": answer.body.get("status"), "links": links(existing.request_id)}

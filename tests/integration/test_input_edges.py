@@ -129,8 +129,15 @@ async def test_the_same_key_twice_in_one_batch_is_a_replay(redis_url, prefix):
         assert res[0]["status"] == 202 and res[1]["status"] == 202, res
         assert res[1]["id"] == res[0]["id"] and res[1]["replayed"] is True and res[1]["request_status"] == "queued"
         assert res[2]["status"] == 409 and res[2]["error"]["code"] == "idempotency_conflict"
+        assert res[2]["error"]["field"] == "requests[2].idempotency_key", res[2]
         assert r.json()["accepted"] == 2 and r.json()["replayed"] == 1 and r.json()["refused"] == 1
         assert sum((await gw.service.backlog("minilm", ("short", "long"))).values()) == 1
+        # the same call again: the conflicting item is named the same way (the key now held by a stored request)
+        again = (await gw.client.post("/v1/models/minilm/requests:batch", json={"requests": [
+            {"input": {"text": "other"}, "idempotency_key": "dup"}]})).json()["results"][0]
+        assert again["status"] == 409 and again["error"]["code"] == "idempotency_conflict", again
+        assert again["error"]["field"] == "requests[0].idempotency_key", again
+        assert again["error"]["message"].startswith("requests[0].idempotency_key: used with a different body"), again
 
 
 async def test_field_errors_say_what_is_allowed_where(redis_url, prefix):
