@@ -16,7 +16,7 @@ from gateway.api import ApiRequest, ApiResponse, BadRequest, Conflict, NotFound,
 from gateway.parsing import parse_body, parse_idempotency_key, parse_wait
 from gateway.service import GatewayService
 from shared import operations as ops
-from shared.events import follow, parse_last_event_id
+from shared.events import follow, parse_last_event_id, tokens_sent
 from shared.messages import REPLAYABLE
 from shared.redis_io import UNAVAILABLE, fewest_replicas
 from shared.views import callback_view
@@ -59,6 +59,9 @@ async def request_events(svc: GatewayService, req: ApiRequest, request_id: str) 
     except ValueError as exc:
         raise BadRequest(str(exc), code="invalid_last_event_id") from exc
     rec = await ops.visible(svc, req.tenant, request_id)
+    if after and after > (sent := await tokens_sent(svc, rec)):  # no event of this stream ever had that id
+        raise BadRequest(f"Last-Event-ID {after} is past this request's output: an id this API sent is at most "
+                         f"{sent} now", code="invalid_last_event_id")
     return ApiResponse(200, events=follow(svc, rec, after))
 
 

@@ -177,6 +177,14 @@ async def streamed_tokens(redis: Any, keys: Keys, request_ids: Sequence[str]) ->
     return out
 
 
+async def tokens_sent(q: QueueClient, rec: StoredRecord) -> int:
+    """The most output tokens a caller of `rec`'s events can have been sent: what its stream holds, or its final
+    output's (a finished request's replay sends it all, streamed or not). An event id is at most this."""
+    output = rec.result.output if rec.terminal and rec.result is not None else None
+    done = len(output.get("token_ids") or ()) if isinstance(output, dict) else 0
+    return max(done, len((await streamed_tokens(q.redis, q.keys, [rec.id])).get(rec.id, ())))
+
+
 def _status_now(sent: str | None, tokens_came: bool, fresh: StoredRecord | None) -> str | None:
     """The status to announce now, if it moves past the one `sent`: running once tokens come (the record may
     lag), else what a fresh non-terminal record says (a terminal one is announced by `done`); nothing after a

@@ -133,6 +133,11 @@ async def test_reconnecting_with_last_event_id_loses_and_repeats_nothing(redis_u
         assert {e["event"] for e in replay} == {"delta", "done"} and check_adds_up(replay) == final
         bad = await gw.client.get(f"/v1/requests/{rid}/events", headers={"Last-Event-ID": "x1"})
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_last_event_id"
+        # an id past the output was never sent: refused, not answered with `done` under that id
+        past = await gw.client.get(f"/v1/requests/{rid}/events", headers={"Last-Event-ID": "41"})
+        assert past.status_code == 400 and past.json()["error"]["code"] == "invalid_last_event_id", past.text
+        assert "at most 40" in past.json()["error"]["message"]
+        assert [e["event"] for e in await events_of(gw.client, rid, last_id="40")] == ["done"]  # the last id sent
 
 
 async def test_a_resumed_streams_status_event_keeps_the_callers_place(redis_url, prefix, loaded_models):
