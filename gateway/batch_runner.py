@@ -187,7 +187,7 @@ class BatchRunner:
                 if done:
                     break
                 try:
-                    if not await self.store.lease(batch_id, self.name, int(LEASE_S * 1000)):
+                    if not await self.store.renew(batch_id, self.name, int(LEASE_S * 1000)):
                         log.warning("batch lease lost", batch_id=batch_id, runner=self.name)
                         work.cancel()
                 except Exception as exc:
@@ -213,7 +213,8 @@ class BatchRunner:
         if st.progress.status in ("in_progress", "cancelling"):
             final = await self.feed(st)
             st = await self.store.get(batch_id)
-            assert st is not None
+            if final is None or st is None:  # another runner took it over and ended it meanwhile
+                return
             await self.finalize(st, final)
         elif st.progress.status == "finalizing":  # a runner died writing the files: write them again
             final = await self.q.redis.hget(self.q.keys.batch(batch_id), "final")
@@ -290,9 +291,10 @@ class BatchRunner:
         cur = await self.store.get(batch_id)
         return cur is None or cur.progress.status == "cancelling"
 
-    async def feed(self, st: BatchState) -> str:
+    async def feed(self, st: BatchState) -> str | None:
         """Feed and collect until every item has its line, or the batch is cancelled or its window ends;
-        returns the final status (`expired` too where a line was answered `batch_expired` before the end)."""
+        returns the final status (`expired` too where a line was answered `batch_expired` before the end), or None
+        when the batch is past feeding already (a runner stalled past its lease: another took the batch over)."""
         meta, batch_id = st.meta, st.meta.id
         fmeta = await files.get_meta(self.q.redis, self.q.keys, meta.input_file_id)
         f = Feeding(lines_from(self.files, fmeta.key, st.next_offset, st.next_line) if fmeta else None)
@@ -303,6 +305,10 @@ class BatchRunner:
             cur = await self.store.get(batch_id)
             if cur is None:
                 return "cancelled"
+            if cur.progress.status not in ("in_progress", "cancelling"):
+                log.warning("batch ended by another runner; this one stops", batch_id=batch_id, runner=self.name,
+                            status=cur.progress.status)
+                return None
             now = self.clock()
             if ending is None and (cur.progress.status == "cancelling" or now >= meta.expires_at):
                 ending = "cancelled" if cur.progress.status == "cancelling" else "expired"
@@ -506,22 +512,40 @@ class BatchRunner:
         """Write the output and error files (idempotent: their ids come from the batch's), then the status."""
         batch_id = st.meta.id
         now = int(self.clock())
-        await self.store.move(batch_id, "finalizing", "finalizing_at", now,
-                              from_=("in_progress", "cancelling", "finalizing"))
+        moved = await self.store.move(batch_id, "finalizing", "finalizing_at", now,
+                                      from_=("in_progress", "cancelling", "finalizing"))
+        if moved != "finalizing":  # ended already (another runner, while this one stalled past its lease)
+            log.warning("batch ended by another runner; not finalized again", batch_id=batch_id, runner=self.name,
+                        status=moved)
+            return
         await self.store.set_fields(batch_id, final=final)
         st = await self.store.get(batch_id)
         assert st is not None
         total = max(st.progress.total, st.next_line)
         if total > st.progress.total:  # cancelled before it was validated: its lines were counted as they were read
             await self.store.set_fields(batch_id, total=total)
+        if await self._lease_lost(batch_id):
+            return
         out_id = await self._write_file(st, total, ok=True, suffix="output")
+        if await self._lease_lost(batch_id):
+            return
         err_id = await self._write_file(st, total, ok=False, suffix="errors")
+        if await self._lease_lost(batch_id):
+            return
         await self.store.set_fields(batch_id, out_id=out_id, err_id=err_id)
         time_field = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[final]
         await self.store.end(batch_id, final, time_field, int(self.clock()), self._webhook(st.meta, final))
         await self.store.finished(batch_id)
         p: Progress = st.progress
         log.info("batch finished", batch_id=batch_id, status=final, completed=p.completed, failed=p.failed)
+
+    async def _lease_lost(self, batch_id: str) -> bool:
+        """Whether this runner stalled past its lease: the runner that took over writes the files (from the lines,
+        dropped only once a runner has ended the batch) and ends it, and this one must not write over them."""
+        if await self.store.holds(batch_id, self.name):
+            return False
+        log.warning("batch lease lost while finalizing; left to its new runner", batch_id=batch_id, runner=self.name)
+        return True
 
     def _webhook(self, meta: Any, final: str) -> CallbackDelivery | None:
         """The signed webhook of the batch's end (`batch.completed`, `.cancelled`, `.expired` or `.failed`), if it

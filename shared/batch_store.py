@@ -69,6 +69,16 @@ end
 return 0
 """
 
+# KEYS: lease; ARGV: owner, ttl ms. Renew our own lease only: one that lapsed (another runner may have taken the batch
+# over, and even ended it, meanwhile) is lost, not taken again.
+RENEW_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
 
 @dataclass(slots=True)
 class BatchState:
@@ -99,6 +109,7 @@ class BatchStore:
         self._write_line = redis.register_script(WRITE_LINE_LUA)
         self._move = redis.register_script(MOVE_LUA)
         self._lease = redis.register_script(LEASE_LUA)
+        self._renew = redis.register_script(RENEW_LUA)
         self._fed = redis.register_script(FED_LUA)
 
     async def create(self, meta: BatchMeta) -> None:
@@ -145,7 +156,15 @@ class BatchStore:
         await self.redis.hset(self.keys.batch(batch_id), mapping={k: v for k, v in fields.items() if v is not None})
 
     async def lease(self, batch_id: str, owner: str, ttl_ms: int) -> bool:
+        """Take the batch's lease if it is free (or already `owner`'s)."""
         return bool(await self._lease(keys=[self.keys.batch_lease(batch_id)], args=[owner, ttl_ms]))
+
+    async def renew(self, batch_id: str, owner: str, ttl_ms: int) -> bool:
+        """Extend `owner`'s lease; False if it is no longer theirs (lapsed, or another runner's now)."""
+        return bool(await self._renew(keys=[self.keys.batch_lease(batch_id)], args=[owner, ttl_ms]))
+
+    async def holds(self, batch_id: str, owner: str) -> bool:
+        return _text(await self.redis.get(self.keys.batch_lease(batch_id)) or b"") == owner
 
     async def release(self, batch_id: str, owner: str) -> None:
         if _text(await self.redis.get(self.keys.batch_lease(batch_id)) or b"") == owner:

@@ -262,6 +262,47 @@ async def test_a_runner_that_dies_mid_batch_is_taken_over_without_a_lost_or_repe
         assert len(set(native_ids)) == 80  # each line one request: none submitted twice
 
 
+async def test_a_runner_stalled_past_its_lease_leaves_the_batch_another_ended_as_it_is(
+        redis_url, prefix, loaded_models, tmp_path):
+    """A runner paused past its lease (a SIGSTOP, a long stall) while another took its batch over and ended it,
+    completed or cancelled: resumed, it feeds nothing more, writes no file over the new runner's (they came out
+    empty: a batch's lines are dropped once it ends), and neither moves its status nor ends it a second time; its
+    lease's renewal fails instead of taking the lapsed lease again (a user's probe emptied a completed batch's output
+    and turned a cancelled batch `completed` with a second webhook)."""
+    from shared.batch_store import BatchStore
+
+    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
+    async with running_worker(settings, loaded_models), running_gateway(settings) as gw:
+        client = client_for(gw)
+        store = BatchStore(gw.service.redis, Keys(prefix))
+        for cancel in (False, True):
+            f = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(12, max_tokens=8))), purpose="batch")
+            b = await client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+            stale = BatchRunner(settings, poll_s=0.05, in_flight=4, name="stale")
+            try:
+                assert await store.lease(b.id, "stale", 15_000)
+                assert await stale.validate(await store.get(b.id))
+                seen = await store.get(b.id)  # the batch as the runner last read it, feeding, when it stalled
+                assert seen is not None and seen.progress.status == "in_progress"
+                await gw.service.redis.delete(Keys(prefix).batch_lease(b.id))  # its lease lapsing
+                if cancel:
+                    await client.batches.cancel(b.id)
+                async with runner(settings, in_flight=4):
+                    done = await until_done(client, b.id)
+                assert done.status == ("cancelled" if cancel else "completed")
+                files_before = (await lines_of(client, done.output_file_id), await lines_of(client, done.error_file_id))
+                assert len(files_before[0]) + len(files_before[1]) == 12
+                assert not await store.renew(b.id, "stale", 15_000)  # lapsed: lost, not taken again
+                assert await stale.feed(seen) is None  # resumed: nothing fed, no end of its own
+                await stale.finalize(await store.get(b.id) or seen, "completed")
+                after = await client.batches.retrieve(b.id)
+                assert after.model_dump() == done.model_dump()  # status, times, counts, file ids: as they were
+                assert (await lines_of(client, after.output_file_id), await lines_of(client, after.error_file_id)) \
+                    == files_before
+            finally:
+                await stale.q.close()
+
+
 async def test_a_batchs_end_is_a_signed_webhook_with_the_batch(redis_url, prefix, loaded_models, tmp_path):
     from shared.webhooks import verify
     from tests.integration.test_webhooks import SECRET, dispatcher, settings_for
