@@ -57,6 +57,21 @@ def _endpoint(svc: GatewayService, value: object) -> str:
     return endpoint
 
 
+async def _callback_url(svc: GatewayService, tenant: str, value: Any) -> str | None:
+    """The batch's `callback_url`, normalized, checked as a request's callback is (SSRF guard, disabled by a 410)."""
+    if value is None:
+        return None
+    try:
+        check_url(value if isinstance(value, str) else "", svc.callback_allow)
+    except RefusedURL as exc:
+        raise oa.invalid("callback_url", str(exc)) from None
+    url = normalized_url(value)
+    if await svc.callbacks.is_disabled(tenant, url):  # as a request naming it is refused
+        raise oa.invalid("callback_url", "this URL answered 410 Gone and is disabled for this tenant "
+                         "(`batchgate webhooks enable URL --tenant T` allows it again)", "callback_disabled")
+    return url
+
+
 async def create_batch(svc: GatewayService, req: ApiRequest) -> ApiResponse:
     async def work() -> ApiResponse:
         body = parse_body(req, svc.settings.max_body_bytes)
@@ -75,13 +90,7 @@ async def create_batch(svc: GatewayService, req: ApiRequest) -> ApiResponse:
             metadata = check_metadata(body.get("metadata"))
         except BatchError as err:
             raise _invalid(err) from None
-        callback = body.get("callback_url")
-        if callback is not None:
-            try:
-                check_url(callback if isinstance(callback, str) else "", svc.callback_allow)
-            except RefusedURL as exc:
-                raise oa.invalid("callback_url", str(exc)) from None
-            callback = normalized_url(callback)
+        callback = await _callback_url(svc, req.tenant, body.get("callback_url"))
         file_id = body.get("input_file_id")
         if file_id is None:
             raise oa.invalid("input_file_id", "required: the id of a file uploaded with purpose 'batch'",

@@ -236,10 +236,11 @@ async def test_410_disables_the_url_for_the_tenant(redis_url, prefix):
         assert r.status_code == 422 and "410" in r.json()["error"]["message"], r.text
 
 
-async def test_a_disabled_url_refuses_new_requests_in_a_batch_too_but_not_a_replay(redis_url, prefix):
+async def test_a_disabled_url_refuses_new_requests_in_a_batch_too_but_not_a_replay(redis_url, prefix, tmp_path):
     """A URL disabled by a 410 refuses every new request naming it (one submit or a `:batch` item, 422 naming the
-    field); a retry with the Idempotency-Key of a request accepted before gets that request back, as it is now."""
-    settings = settings_for(redis_url, prefix)
+    field; a Batch API batch's `callback_url`, 400: it was taken, and its webhook dropped without a trace); a retry
+    with the Idempotency-Key of a request accepted before gets that request back, as it is now."""
+    settings = settings_for(redis_url, prefix, files_dir=str(tmp_path / "files"))
     async with running_gateway(settings) as gw:
         url = "http://127.0.0.1:9/gone"
         body = {"input": {"text": "x"}, "callback": {"url": url}}
@@ -257,6 +258,15 @@ async def test_a_disabled_url_refuses_new_requests_in_a_batch_too_but_not_a_repl
         assert [it["status"] for it in items] == [202, 422, 202], items
         assert items[1]["error"]["field"] == "requests[1].callback.url" and "410" in items[1]["error"]["message"]
         assert items[2]["id"] == first.json()["id"] and items[2]["replayed"] is True
+        upload = await gw.client.post("/v1/files", data={"purpose": "batch"}, files={"file": (
+            "in.jsonl", b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", '
+                        b'"body": {"model": "minilm", "input": "x"}}\n')})
+        assert upload.status_code == 200, upload.text
+        create = {"input_file_id": upload.json()["id"], "endpoint": "/v1/embeddings", "completion_window": "24h"}
+        refused = await gw.client.post("/v1/batches", json={**create, "callback_url": url})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "callback_url", refused.text
+        assert "410" in refused.json()["error"]["message"]
+        assert (await gw.client.post("/v1/batches", json={**create, "callback_url": url + "2"})).status_code == 200
 
 
 async def test_redirects_are_not_followed(redis_url, prefix):
