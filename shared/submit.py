@@ -221,6 +221,9 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
         params = (sub.params or GenerateParams()).within(
             given=given, limit=spec.max_new_tokens, default_max_new_tokens=spec.default_max_new_tokens)
         params.check_format()
+        if spec.echo and params.response_format is not None:  # as its worker refuses it, known here already
+            raise ValidationError("params.response_format", f"model {spec.name} echoes its prompt; it cannot follow a "
+                                                            "format")
         params.check_truncation(spec.max_input_tokens)
         # a prompt the worker truncates may be any length the body's size allows; else one far past the model's
         # prompt limit is refused untokenized

@@ -302,7 +302,7 @@ async def test_a_hold_whose_lease_renewal_swallows_the_cancellation_still_ends_a
     renewing = asyncio.Event()
 
     class Store:
-        async def lease(self, batch_id, name, ms):
+        async def renew(self, batch_id, name, ms):  # the hold's renewal of its own lease
             renewing.set()
             with contextlib.suppress(asyncio.CancelledError):  # lost, as in the bug
                 await asyncio.Event().wait()  # a renewal that answers only when cancelled

@@ -129,6 +129,11 @@ def test_a_format_is_refused_by_a_model_that_only_echoes():
     out = EchoRunner(SPEC, "w", max_rows=4).prepare(req, time.time())
     assert isinstance(out, Outcome) and out.result.error is not None
     assert out.result.error.code == "invalid_input" and "response_format" in out.result.error.message
+    # known at submit already: refused there (a batch's validation too), not accepted to fail on the worker
+    with pytest.raises(ValidationError) as err:
+        build_request({"input": {"prompt": "abc"}, "params": {"response_format": {"type": "json_object"}}}, SPEC, "t",
+                      time.time())
+    assert err.value.field == "params.response_format" and "echoes its prompt" in err.value.message
 
 
 def test_a_prompt_is_truncated_as_a_model_truncates_it():
