@@ -36,7 +36,7 @@ MAX_ERRORS_LISTED = 100  # a failed validation lists this many line errors (Open
 MAX_METADATA = 16  # OpenAI: up to 16 key-value pairs, keys <= 64 and values <= 512 characters
 
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
-_WINDOW = re.compile(r"^(\d{1,6})(s|m|h|d)$")
+_WINDOW = re.compile(r"([0-9]{1,6})(s|m|h|d)")  # ASCII digits, the whole value (fullmatch): "24h\n" is no window
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
 
 
@@ -77,7 +77,7 @@ def window_seconds(window: Any) -> float:
     if window is None:
         raise BatchError('required: a duration such as "24h"', code="missing_required_parameter",
                          param="completion_window")
-    m = _WINDOW.match(window) if isinstance(window, str) else None
+    m = _WINDOW.fullmatch(window) if isinstance(window, str) else None
     if m is None:
         raise BatchError('must be a duration such as "24h" (units s, m, h, d)', param="completion_window")
     seconds = float(int(m.group(1)) * _UNIT_S[m.group(2)])

@@ -100,7 +100,7 @@ def test_bad_lines_are_refused_with_their_line(raw, code):
 
 def test_windows_endpoints_metadata():
     assert window_seconds("24h") == 86_400 and window_seconds("90m") == 5400 and window_seconds("2d") == 172_800
-    for bad in ("24", "0h", "8d", "1h30m", 24, None, "30s"):
+    for bad in ("24", "0h", "8d", "1h30m", 24, None, "30s", "24h\n", "\uff11h", "\u0662\u0664h", " 24h"):
         with pytest.raises(BatchError):
             window_seconds(bad)
     assert check_endpoint("/v1/embeddings") and check_endpoint("/v1/models/m/requests")
