@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import secrets
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -22,23 +20,6 @@ from tests.torch_guard import (  # noqa: F401  (the fast tier's torch guard: eve
 )
 
 TEST_REDIS_URL = os.environ.get("BATCHGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-
-def _freeze_without_collecting() -> int:
-    gc.freeze()
-    return gc.get_freeze_count()
-
-
-@pytest.fixture(autouse=True)
-def startup_heap_frozen_without_a_full_collection(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A gateway or worker started in this process freezes its start-up heap (`shared.heap`), and the full collection
-    before the freeze scans the whole test process (every model and module earlier tests loaded): a third of a second
-    or more per start, and the suites start hundreds. Here the freeze goes on without that collection (the heap is
-    frozen as it is, and thawed as before when the component stops); `shared.heap` itself is tested in test_heap.py,
-    and the processes the tests start (`batchgate gateway`, `worker`, `up`) collect as a user's do."""
-    for name in ("gateway.app", "gpu_worker.worker"):
-        if (module := sys.modules.get(name)) is not None:
-            monkeypatch.setattr(module, "freeze_startup_heap", _freeze_without_collecting)
 # "cluster": the suites that use `redis_url` run against a Redis Cluster of 3 masters and 3 replicas on loopback,
 # started for the session (`tests/redis_cluster.py`); CI runs the Redis tiers both ways.
 TEST_REDIS = os.environ.get("BATCHGATE_TEST_REDIS", "single")
