@@ -124,16 +124,17 @@ def _admin_settings(args: argparse.Namespace) -> Settings:
 
 
 def same_redis(a: str, b: str) -> bool:
-    """Whether two Redis URLs name one server and database (`localhost` is 127.0.0.1; the default port, db 0)."""
-    from urllib.parse import urlsplit
+    """Whether two Redis URLs name one server and database (`localhost` is 127.0.0.1; the default port, db 0), as
+    redis-py reads them."""
+    from redis.connection import parse_url
 
-    def where(url: str) -> tuple[str | None, int | None, str] | None:
+    def where(url: str) -> tuple[object, object, object] | None:
         try:
-            u = urlsplit(url)
-            host = "127.0.0.1" if u.hostname in ("localhost", "::1") else u.hostname
-            return host, u.port or 6379, (u.path.strip("/") or "0")
+            u = parse_url(url)
         except ValueError:
             return None
+        host = u.get("host")
+        return "127.0.0.1" if host in ("localhost", "::1") else host, u.get("port", 6379), u.get("db", 0)
 
     return (w := where(a)) is not None and w == where(b)
 

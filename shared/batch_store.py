@@ -167,7 +167,7 @@ class BatchStore:
         return _text(await self.redis.get(self.keys.batch_lease(batch_id)) or b"") == owner
 
     async def release(self, batch_id: str, owner: str) -> None:
-        if _text(await self.redis.get(self.keys.batch_lease(batch_id)) or b"") == owner:
+        if await self.holds(batch_id, owner):
             await self.redis.delete(self.keys.batch_lease(batch_id))
 
     async def fed(self, batch_id: str, refs: list[ItemRef], next_line: int, next_offset: int) -> None:
