@@ -41,7 +41,7 @@ import structlog
 from shared import files, jsonl
 from shared import operations as ops
 from shared.api_errors import ApiError, TooManyRequests
-from shared.batch_store import BatchState, BatchStore
+from shared.batch_store import ENDED, BatchState, BatchStore
 from shared.batches import (
     WINDOW_ENDED,
     BatchError,
@@ -217,8 +217,9 @@ class BatchRunner:
                 return
             await self.finalize(st, final)
         elif st.progress.status == "finalizing":  # a runner died writing the files: write them again
-            final = await self.q.redis.hget(self.q.keys.batch(batch_id), "final")
-            await self.finalize(st, final.decode() if final else "completed")
+            await self.finalize(st, "completed")  # the final status it recorded stays
+        elif st.progress.status in ENDED:  # a runner died right after the end: what follows it is still to do
+            await self.after_end(batch_id)
 
     def _tool_parser(self, model: str) -> str:
         """A model's tool-call format, which a chat line's tool_choice "auto" needs ("": none, or no such model)."""
@@ -509,43 +510,66 @@ class BatchRunner:
             custom_id, code, message, line_id=refused_line_id(meta.id, entry.line))))
 
     async def finalize(self, st: BatchState, final: str) -> None:
-        """Write the output and error files (idempotent: their ids come from the batch's), then the status."""
+        """Write the output and error files, then end the batch. Fenced: each finalizing attempt writes files of
+        its own (their ids come from the batch's and the attempt's number) and ends the batch only if it is still
+        the latest attempt and its runner holds the lease, so a runner stalled past its lease (even in the middle
+        of a file) ends nothing and writes over nothing: it deletes its own files instead."""
         batch_id = st.meta.id
-        now = int(self.clock())
-        moved = await self.store.move(batch_id, "finalizing", "finalizing_at", now,
-                                      from_=("in_progress", "cancelling", "finalizing"))
-        if moved != "finalizing":  # ended already (another runner, while this one stalled past its lease)
-            log.warning("batch ended by another runner; not finalized again", batch_id=batch_id, runner=self.name,
-                        status=moved)
+        began = await self.store.begin_finalize(batch_id, self.name, final, int(self.clock()))
+        if began.attempt == 0:  # ended already (another runner, while this one stalled past its lease), or lost
+            log.warning("batch not finalized by this runner", batch_id=batch_id, runner=self.name,
+                        status=began.status)
             return
-        await self.store.set_fields(batch_id, final=final)
         st = await self.store.get(batch_id)
         assert st is not None
         total = max(st.progress.total, st.next_line)
         if total > st.progress.total:  # cancelled before it was validated: its lines were counted as they were read
             await self.store.set_fields(batch_id, total=total)
-        if await self._lease_lost(batch_id):
+        written: list[files.FileMeta] = []
+        ids: dict[str, str] = {}
+        try:
+            for field_, ok, suffix in (("out_id", True, "output"), ("err_id", False, "errors")):
+                if (meta := await self._write_file(st, total, began.attempt, ok=ok, suffix=suffix)) is not None:
+                    written.append(meta)
+                    ids[field_] = meta.id
+        except BaseException:  # cancelled (its lease lost) or failed: its files are no one's
+            await asyncio.shield(self._drop_files(written))
+            raise
+        time_field = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[began.final]
+        # not dropped if this call is cut: the end may have happened (the next attempt deletes them if not)
+        ended = await self.store.end(batch_id, self.name, began.attempt, began.final, time_field, int(self.clock()),
+                                     **ids)
+        if not ended:
+            await self._drop_files(written)
+            log.warning("batch lease lost while finalizing; left to its new runner", batch_id=batch_id,
+                        runner=self.name)
             return
-        out_id = await self._write_file(st, total, ok=True, suffix="output")
-        if await self._lease_lost(batch_id):
-            return
-        err_id = await self._write_file(st, total, ok=False, suffix="errors")
-        if await self._lease_lost(batch_id):
-            return
-        await self.store.set_fields(batch_id, out_id=out_id, err_id=err_id)
-        time_field = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[final]
-        await self.store.end(batch_id, final, time_field, int(self.clock()), self._webhook(st.meta, final))
-        await self.store.finished(batch_id)
+        await self.after_end(batch_id)
         p: Progress = st.progress
-        log.info("batch finished", batch_id=batch_id, status=final, completed=p.completed, failed=p.failed)
+        log.info("batch finished", batch_id=batch_id, status=began.final, completed=p.completed, failed=p.failed)
 
-    async def _lease_lost(self, batch_id: str) -> bool:
-        """Whether this runner stalled past its lease: the runner that took over writes the files (from the lines,
-        dropped only once a runner has ended the batch) and ends it, and this one must not write over them."""
-        if await self.store.holds(batch_id, self.name):
-            return False
-        log.warning("batch lease lost while finalizing; left to its new runner", batch_id=batch_id, runner=self.name)
-        return True
+    async def after_end(self, batch_id: str) -> None:
+        """What follows a batch's end, each step safe to repeat (a runner that dies in between leaves the batch
+        active, and the next one that takes it does them again): its webhook (the same delivery id, which the
+        dispatcher schedules once), the files of earlier finalizing attempts deleted, its working state dropped."""
+        st = await self.store.get(batch_id)
+        if st is None:
+            return
+        await self.store.queue_webhook(self._webhook(st.meta, st.progress.status))
+        keep = {st.progress.output_file_id, st.progress.error_file_id}
+        for attempt in range(1, await self.store.attempts(batch_id)):
+            for suffix in ("output", "errors"):
+                if (fid := output_file_id(batch_id, suffix, attempt)) not in keep:
+                    meta = await files.get_meta(self.q.redis, self.q.keys, fid)
+                    await self._drop_files([meta] if meta is not None else [])
+        await self.store.finished(batch_id)
+
+    async def _drop_files(self, written: list[files.FileMeta]) -> None:
+        """Delete files this runner wrote (record first: a file is never listed without its bytes)."""
+        for meta in written:
+            with contextlib.suppress(Exception):
+                await files.delete_meta(self.q.redis, self.q.keys, meta)
+                await self.files.delete(meta.key)
 
     def _webhook(self, meta: Any, final: str) -> CallbackDelivery | None:
         """The signed webhook of the batch's end (`batch.completed`, `.cancelled`, `.expired` or `.failed`), if it
@@ -554,13 +578,14 @@ class BatchRunner:
             delivery_id=f"msg_{meta.id}_{final}", request_id=meta.id, tenant=meta.tenant, event=f"batch.{final}",
             url=meta.callback_url, created_ms=int(self.clock() * 1000))
 
-    async def _write_file(self, st: BatchState, total: int, *, ok: bool, suffix: str) -> str | None:
-        """The output (or error) file: its lines in input order. Its id comes from the batch's, so a runner that
-        writes it again after a crash replaces it (the store's write is atomic) instead of adding another."""
+    async def _write_file(self, st: BatchState, total: int, attempt: int, *, ok: bool,
+                          suffix: str) -> files.FileMeta | None:
+        """The output (or error) file of one finalizing attempt: its lines in input order, stored, then recorded.
+        Its id comes from the batch's and the attempt's: no attempt writes over another's."""
         count = st.progress.completed if ok else st.progress.failed
         if count == 0:
             return None
-        file_id = output_file_id(st.meta.id, suffix)
+        file_id = output_file_id(st.meta.id, suffix, attempt)
         counted = files.LineCount()
 
         async def chunks() -> AsyncIterator[bytes]:
@@ -569,10 +594,16 @@ class BatchRunner:
                     yield line + b"\n"
 
         size = await self.files.write(file_id, counted.count(chunks()))
-        await files.put_meta(self.q.redis, self.q.keys, files.FileMeta(
-            id=file_id, tenant=st.meta.tenant, bytes=size, lines=counted.lines, created_at=int(self.clock()),
-            filename=f"{st.meta.id}_{suffix}.jsonl", purpose="batch_output", key=file_id))
-        return file_id
+        meta = files.FileMeta(id=file_id, tenant=st.meta.tenant, bytes=size, lines=counted.lines,
+                              created_at=int(self.clock()), filename=f"{st.meta.id}_{suffix}.jsonl",
+                              purpose="batch_output", key=file_id)
+        try:
+            await files.put_meta(self.q.redis, self.q.keys, meta)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.files.delete(file_id))
+            raise
+        return meta
 
 
 async def cancel_until_done(task: asyncio.Task[None], *, every_s: float = 0.05, tries: int = 100) -> None:
@@ -586,11 +617,12 @@ async def cancel_until_done(task: asyncio.Task[None], *, every_s: float = 0.05, 
         await asyncio.wait([task], timeout=every_s)
 
 
-def output_file_id(batch_id: str, suffix: str) -> str:
-    """A batch's output or error file id: a valid file id (its batch's creation time, then a digest), the same
-    every time it is computed."""
+def output_file_id(batch_id: str, suffix: str, attempt: int = 1) -> str:
+    """The output or error file id of a batch's finalizing attempt: a valid file id (its batch's creation time, then
+    a digest), the same every time it is computed."""
     raw = base64.b32decode(batch_id.removeprefix("batch_").upper() + "======")[:6]
-    raw += hashlib.sha256(f"{batch_id}:{suffix}".encode()).digest()[:10]
+    name = suffix if attempt == 1 else f"{suffix}.{attempt}"
+    raw += hashlib.sha256(f"{batch_id}:{name}".encode()).digest()[:10]
     return "file-" + base64.b32encode(raw).decode("ascii").rstrip("=").lower()
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import redis.asyncio as aioredis
@@ -80,6 +80,48 @@ return 0
 """
 
 
+# KEYS: record, lease; ARGV: owner, the final status wanted, now (s). A finalizing attempt begins: if `owner` holds the
+# lease and the batch is in progress or cancelling (moved to `finalizing`, its final status recorded) or finalizing
+# already (the final status recorded first stays), the attempt's number is counted. Returns {status, attempt, final}
+# (attempt 0: none began), nil for no batch.
+BEGIN_FINAL_LUA = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return nil end
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {status, 0, ''} end
+if status == 'in_progress' or status == 'cancelling' then
+  redis.call('HSET', KEYS[1], 'status', 'finalizing', 't:finalizing_at', ARGV[3], 'final', ARGV[2])
+elseif status ~= 'finalizing' then
+  return {status, 0, ''}
+end
+local final = redis.call('HGET', KEYS[1], 'final') or ARGV[2]
+return {'finalizing', redis.call('HINCRBY', KEYS[1], 'fin', 1), final}
+"""
+
+# KEYS: record, lease; ARGV: owner, attempt, final status, its time field, the time, then field/value pairs. The end:
+# only by the latest finalizing attempt, while its runner holds the lease (a runner stalled past its lease, or an
+# older attempt, ends nothing).
+END_LUA = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'finalizing' or redis.call('HGET', KEYS[1], 'fin') ~= ARGV[2]
+    or redis.call('GET', KEYS[2]) ~= ARGV[1] then
+  return 0
+end
+for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('HSET', KEYS[1], 'status', ARGV[3], 't:' .. ARGV[4], ARGV[5])
+return 1
+"""
+
+ENDED = ("completed", "failed", "cancelled", "expired")
+
+
+class Finalizing(NamedTuple):
+    """A finalizing attempt, as `BatchStore.begin_finalize` answers: the batch's status, the attempt's number (0: none
+    began, the status says why) and the final status it ends with."""
+
+    status: str | None
+    attempt: int
+    final: str
+
+
 @dataclass(slots=True)
 class BatchState:
     meta: BatchMeta
@@ -111,6 +153,8 @@ class BatchStore:
         self._lease = redis.register_script(LEASE_LUA)
         self._renew = redis.register_script(RENEW_LUA)
         self._fed = redis.register_script(FED_LUA)
+        self._begin_final = redis.register_script(BEGIN_FINAL_LUA)
+        self._end = redis.register_script(END_LUA)
 
     async def create(self, meta: BatchMeta) -> None:
         # listed newest first by the millisecond of creation its id holds: ids of one second tie at the second, and
@@ -200,13 +244,24 @@ class BatchStore:
                 if v is not None:
                     yield v[:1] == b"1", v[1:]
 
-    async def end(self, batch_id: str, status: str, time_field: str, now_s: int,
-                  webhook: CallbackDelivery | None) -> None:
-        """The batch's webhook queued, then its final status (the callback stream is in another Redis Cluster slot,
-        so not one transaction). A runner that dies in between leaves the batch finalizing, and the runner that
-        finalizes it again queues the same delivery id, which the dispatcher schedules once."""
-        await self.queue_webhook(webhook)
-        await self.redis.hset(self.keys.batch(batch_id), mapping={"status": status, f"t:{time_field}": now_s})
+    async def begin_finalize(self, batch_id: str, owner: str, final: str, now_s: int) -> Finalizing:
+        """Begin a finalizing attempt (see BEGIN_FINAL_LUA): one script on the batch's slot, the lease included."""
+        out = await self._begin_final(keys=[self.keys.batch(batch_id), self.keys.batch_lease(batch_id)],
+                                      args=[owner, final, now_s])
+        return Finalizing(None, 0, "") if out is None else Finalizing(_text(out[0]), int(out[1]), _text(out[2]))
+
+    async def end(self, batch_id: str, owner: str, attempt: int, status: str, time_field: str, now_s: int,
+                  **fields: str) -> bool:
+        """The batch's final status and `fields` (its files' ids), if `attempt` is its latest finalizing attempt and
+        `owner` still holds the lease; whether it ended. Its webhook and the drop of its working state follow (a
+        batch ended but still active has them pending: `BatchRunner.after_end`)."""
+        pairs = [x for kv in fields.items() for x in kv]
+        return bool(await self._end(keys=[self.keys.batch(batch_id), self.keys.batch_lease(batch_id)],
+                                    args=[owner, attempt, status, time_field, now_s, *pairs]))
+
+    async def attempts(self, batch_id: str) -> int:
+        """How many finalizing attempts the batch has had."""
+        return int(await self.redis.hget(self.keys.batch(batch_id), "fin") or 0)
 
     async def queue_webhook(self, webhook: CallbackDelivery | None) -> None:
         """A batch's webhook onto the callback stream (nothing when the batch named no `callback_url`)."""

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import io
 import json
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -301,6 +302,147 @@ async def test_a_runner_stalled_past_its_lease_leaves_the_batch_another_ended_as
                     == files_before
             finally:
                 await stale.q.close()
+
+
+class StallingFiles:
+    """A file store whose first write stalls, before it reads its first line, until `resume` is set (a runner paused
+    as it writes a file, after every check it makes before)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.stalled, self.resume = inner, asyncio.Event(), asyncio.Event()
+
+    async def write(self, key, chunks):
+        if not self.stalled.is_set():
+            self.stalled.set()
+            await self.resume.wait()
+        return await self.inner.write(key, chunks)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+async def a_written_batch(store, redis, prefix, *, lines: int = 6, failed: int = 2) -> str:
+    """A batch in progress whose every line is written (`lines - failed` good ones), as its runner leaves it before
+    finalizing, with a webhook to send at its end."""
+    from shared.batches import BatchMeta, Written, new_batch_id
+
+    now = int(time.time())
+    meta = BatchMeta(id=new_batch_id(now * 1000), tenant="default", endpoint=CHAT, input_file_id="file-none",
+                     completion_window="24h", created_at=now, expires_at=now + 86_400,
+                     callback_url="http://127.0.0.1:9/hook")
+    await store.create(meta)
+    await store.set_fields(meta.id, total=lines, next=lines)
+    assert await store.move(meta.id, "in_progress", "in_progress_at", now, from_=("validating",)) == "in_progress"
+    for i in range(lines):
+        ok = i >= failed
+        await store.write_line(meta.id, i, Written(ok, {"id": f"batch_req_{i}", "custom_id": f"c-{i}",
+                                                          "response": {"status_code": 200 if ok else 400}}))
+    return meta.id
+
+
+async def batch_webhooks(redis, prefix: str, batch_id: str) -> list[bytes]:
+    return [fields[b"d"] for _, fields in await redis.xrange(Keys(prefix).callback_stream())
+            if batch_id.encode() in fields[b"d"]]
+
+
+async def file_text(runner_: BatchRunner, file_id: str | None) -> bytes | None:
+    from shared import files
+
+    meta = None if file_id is None else await files.get_meta(runner_.q.redis, runner_.q.keys, file_id)
+    return None if meta is None else b"".join([c async for c in runner_.files.read(meta.key)])
+
+
+async def test_a_runner_stalled_past_its_lease_while_writing_a_file_changes_nothing(redis_url, prefix, tmp_path):
+    """A runner paused in the middle of writing the output file, past its lease, while another took the batch over
+    and ended it: resumed, its write lands in files of its own attempt, which it deletes; the ended batch, its files,
+    the tenant's file listing and its one webhook are as the new runner left them. (The writes were not fenced: the
+    stale runner replaced the good output with what it read, and the lines are dropped once a batch ends.)"""
+    from shared import files
+    from shared.batch_store import BatchStore
+
+    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
+    stale = BatchRunner(settings, poll_s=0.05, name="stale")
+    stale.files = stalling = StallingFiles(stale.files)
+    try:
+        store = BatchStore(stale.q.redis, Keys(prefix))
+        batch_id = await a_written_batch(store, stale.q.redis, prefix)
+        assert await store.lease(batch_id, "stale", 15_000)
+        task = asyncio.create_task(stale.finalize(await store.get(batch_id), "completed"))
+        await asyncio.wait_for(stalling.stalled.wait(), 10)
+        await stale.q.redis.delete(Keys(prefix).batch_lease(batch_id))  # its lease lapsing
+        async with runner(settings):
+            for _ in range(200):
+                st = await store.get(batch_id)
+                if st.progress.status == "completed" and batch_id not in await store.active():
+                    break
+                await asyncio.sleep(0.05)
+        done = await store.get(batch_id)
+        assert done.progress.status == "completed" and (done.progress.completed, done.progress.failed) == (4, 2)
+        out, err = (await file_text(stale, done.progress.output_file_id),
+                    await file_text(stale, done.progress.error_file_id))
+        assert out.count(b"\n") == 4 and err.count(b"\n") == 2
+        listed = {m.id for m in (await files.list_meta(stale.q.redis, Keys(prefix), "default"))[0]}
+        assert listed == {done.progress.output_file_id, done.progress.error_file_id}
+        assert len(await batch_webhooks(stale.q.redis, prefix, batch_id)) == 1
+
+        stalling.resume.set()
+        await asyncio.wait_for(task, 10)
+        after = await store.get(batch_id)
+        assert after.progress == done.progress and after.meta == done.meta
+        assert (await file_text(stale, after.progress.output_file_id),
+                await file_text(stale, after.progress.error_file_id)) == (out, err)
+        assert {m.id for m in (await files.list_meta(stale.q.redis, Keys(prefix), "default"))[0]} == listed
+        assert sorted(p.name for p in (tmp_path / "files").iterdir()) == sorted(listed)  # the stale bytes deleted
+        assert len(await batch_webhooks(stale.q.redis, prefix, batch_id)) == 1
+    finally:
+        await stale.q.close()
+
+
+async def test_a_runner_that_dies_right_after_the_end_leaves_the_rest_to_the_next(redis_url, prefix, tmp_path,
+                                                                                monkeypatch):
+    """Ended, then killed before its webhook was queued and its working state dropped: the batch stays active, and the
+    next runner that takes it queues the webhook (once) and drops the state; files of an earlier attempt that died
+    while finalizing are deleted, the batch's own kept."""
+    from shared import files
+    from shared.batch_store import BatchStore
+
+    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
+    first = BatchRunner(settings, poll_s=0.05, name="first")
+    try:
+        store = BatchStore(first.q.redis, Keys(prefix))
+        batch_id = await a_written_batch(store, first.q.redis, prefix)
+        assert await store.lease(batch_id, "first", 15_000)
+        assert (await store.begin_finalize(batch_id, "first", "completed", int(time.time()))).attempt == 1
+        for ok, suffix in ((True, "output"), (False, "errors")):  # attempt 1 died after writing its files
+            assert await first._write_file(await store.get(batch_id), 6, 1, ok=ok, suffix=suffix) is not None
+
+        async def killed(batch_id: str) -> None:
+            raise asyncio.CancelledError  # as if killed: nothing after the end runs
+
+        monkeypatch.setattr(first, "after_end", killed)
+        with contextlib.suppress(asyncio.CancelledError):
+            await first.finalize(await store.get(batch_id), "completed")  # attempt 2: ends the batch
+        ended = await store.get(batch_id)
+        assert ended.progress.status == "completed" and batch_id in await store.active()
+        assert await batch_webhooks(first.q.redis, prefix, batch_id) == []
+        assert len((await files.list_meta(first.q.redis, Keys(prefix), "default"))[0]) == 4
+        await first.q.redis.delete(Keys(prefix).batch_lease(batch_id))  # its lease lapsing
+
+        async with runner(settings):
+            for _ in range(200):
+                if batch_id not in await store.active():
+                    break
+                await asyncio.sleep(0.05)
+        after = await store.get(batch_id)
+        assert after.progress == ended.progress and batch_id not in await store.active()
+        assert len(await batch_webhooks(first.q.redis, prefix, batch_id)) == 1
+        listed = {m.id for m in (await files.list_meta(first.q.redis, Keys(prefix), "default"))[0]}
+        assert listed == {after.progress.output_file_id, after.progress.error_file_id}
+        assert sorted(p.name for p in (tmp_path / "files").iterdir()) == sorted(listed)
+        assert (await file_text(first, after.progress.output_file_id)).count(b"\n") == 4
+        assert not await first.q.redis.exists(Keys(prefix).batch_lines(batch_id))
+    finally:
+        await first.q.close()
 
 
 async def test_a_batchs_end_is_a_signed_webhook_with_the_batch(redis_url, prefix, loaded_models, tmp_path):
