@@ -445,6 +445,34 @@ async def test_a_runner_that_dies_right_after_the_end_leaves_the_rest_to_the_nex
         await first.q.close()
 
 
+async def test_a_runner_that_dies_as_it_begins_finalizing_leaves_the_final_status_it_chose(redis_url, prefix, tmp_path):
+    """Moved to `finalizing` for a cancel, then killed: the next runner ends the batch `cancelled` (the final status is
+    recorded in the same script as the move; it was written after it, and a runner killed in between left the next
+    one to end a cancelled batch `completed`). A second attempt keeps the status the first recorded."""
+    from shared.batch_store import BatchStore
+
+    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
+    first = BatchRunner(settings, poll_s=0.05, name="first")
+    try:
+        store = BatchStore(first.q.redis, Keys(prefix))
+        batch_id = await a_written_batch(store, first.q.redis, prefix)
+        assert await store.begin_finalize(batch_id, "other", "cancelled", 1) == ("in_progress", 0, "")  # no lease
+        assert await store.lease(batch_id, "first", 15_000)
+        assert await store.begin_finalize(batch_id, "first", "cancelled", 1) == ("finalizing", 1, "cancelled")
+        assert await store.begin_finalize(batch_id, "first", "completed", 2) == ("finalizing", 2, "cancelled")
+        await first.q.redis.delete(Keys(prefix).batch_lease(batch_id))  # killed: its lease lapsing
+        async with runner(settings):
+            for _ in range(200):
+                if batch_id not in await store.active():
+                    break
+                await asyncio.sleep(0.05)
+        done = await store.get(batch_id)
+        assert done.progress.status == "cancelled" and done.progress.times["finalizing_at"] == 1
+        assert await store.begin_finalize(batch_id, "first", "completed", 3) == ("cancelled", 0, "")
+    finally:
+        await first.q.close()
+
+
 async def test_a_batchs_end_is_a_signed_webhook_with_the_batch(redis_url, prefix, loaded_models, tmp_path):
     from shared.webhooks import verify
     from tests.integration.test_webhooks import SECRET, dispatcher, settings_for
