@@ -237,8 +237,9 @@ def parse_line(raw: bytes | str, line: int, endpoint: str, parser_of: Callable[[
     if native:
         inner = {k: v for k, v in body.items() if k not in ("timeout_s", "deadline", "priority")}
         return Item(line, custom_id, native.group(1), inner, "native")
-    try:
-        tr, kind, echo = _translate(endpoint, body, parser_of)
+    try:  # its own priority and timeout are replaced by the batch's: whatever they hold is not this line's fault
+        tr, kind, echo = _translate(endpoint, {k: v for k, v in body.items() if k not in ("timeout_s", "priority")},
+                                    parser_of)
     except oa.OpenAIError as err:
         raise BatchError(err.message, code=err.code or "invalid_request",
                          param=f"body.{err.param}" if err.param else "body", line=line) from None

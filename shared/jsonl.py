@@ -13,6 +13,9 @@ The errors name the line (1-based) and say what is wrong with it.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import re
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -84,9 +87,22 @@ class LineCheck:
         try:
             value = msgspec.json.decode(line)
         except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # UnicodeDecodeError: a ValueError
-            raise BadRequest(f"line {number} is not valid JSON in UTF-8: {str(exc)[:_SNIPPET]}",
+            raise BadRequest(f"line {number} is not valid JSON in UTF-8: {_why(line, exc)}",
                              code="invalid_file") from None
         if not isinstance(value, dict):
             raise BadRequest(f"line {number} is {_JSON_NAMES.get(type(value), 'not an object')}: every line must be "
                              "one JSON object", code="invalid_file")
         self.lines = number
+
+
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _why(line: bytes, exc: Exception) -> str:
+    """The decoder's message, except where it misleads: msgspec answers a lone UTF-16 surrogate escape ("\\ud800",
+    which is no character) "Input data was truncated"."""
+    if isinstance(exc, msgspec.DecodeError) and _LONE_SURROGATE.search(line):
+        with contextlib.suppress(ValueError, RecursionError):
+            json.loads(line)  # Python's decoder takes lone surrogates: if it reads the line, they are its fault
+            return "it holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), which is no character"
+    return str(exc)[:_SNIPPET]

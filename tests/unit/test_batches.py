@@ -47,6 +47,21 @@ def test_a_chat_line_becomes_the_native_submit_body_at_batch_priority():
     assert body["priority"] == "batch" and body["deadline"] == 1234.5 and "timeout_s" not in body
 
 
+@pytest.mark.parametrize("url", [CHAT, "/v1/completions", "/v1/responses", "/v1/models/tiny-llama/requests"])
+@pytest.mark.parametrize("own", [{"priority": "interactive"}, {"priority": "nope"}, {"priority": 7},
+                                 {"timeout_s": 5}, {"timeout_s": -1}, {"timeout_s": "x"}])
+def test_a_lines_own_priority_and_timeout_are_replaced_whatever_they_hold(url, own):
+    """The batch's priority and window replace a line's own: an invalid one is no more the line's fault than a valid
+    one (an invalid priority failed the whole batch's validation, a valid one was replaced)."""
+    body = ({"input": {"prompt": "x"}} if url.startswith("/v1/models/")
+            else {"model": "tiny-llama", "input": "x"} if url == "/v1/responses"
+            else {"model": "tiny-llama", "prompt": "x"} if url == "/v1/completions"
+            else {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]})
+    item = parse_line(line(url=url, body={**body, **own}), 0, url)
+    sent = submit_body(item, 1234.5)
+    assert sent["priority"] == "batch" and sent["deadline"] == 1234.5 and "timeout_s" not in sent
+
+
 def test_completion_embedding_and_native_lines():
     comp = parse_line(line(url="/v1/completions", body={"model": "m", "prompt": "x"}), 0, "/v1/completions")
     assert comp.kind == "completion" and comp.body["input"] == {"prompt": "x"}

@@ -183,6 +183,7 @@ async def run_check(lc: LineCheck, *parts: bytes) -> bytes:
 @pytest.mark.parametrize("parts", [
     (b'{"a": 1}\n{"b": 2}\n',),
     (b'{"a": 1}\n{"b": 2}',),  # no final newline
+    (b'{"a": "\\ud83d\\ude00"}\n{"b": 2}\n',),  # a surrogate pair escape: one character
     (b'{"a": 1}\r\n{"b": 2}\r\n',),  # CRLF
     tuple(bytes([b]) for b in b'{"a": 1}\n{"b": "\xc3\xa9"}\n'),  # byte by byte: lines and characters split
     (b'\xef\xbb', b'\xbf{"a": 1}\r\n{"b": 2}\r\n'),  # a byte order mark first (Windows' editors), split too
@@ -201,7 +202,10 @@ async def test_valid_files_pass_through_counted(parts: tuple[bytes, ...]):
     (b'"text"\n', "line 1 is a string"),
     (b'{"a": 1}\n{"a": \n', "line 2 is not valid JSON"),
     (b'{"a": "\xff"}\n', "line 1 is not valid JSON in UTF-8"),
-    (b'{"a": "\\ud800"}\n', "line 1 is not valid JSON"),  # a lone surrogate: no UTF-8 can carry it
+    # a lone surrogate: no UTF-8 can carry it (msgspec's own message, "Input data was truncated", misleads)
+    (b'{"a": "\\ud800"}\n', "line 1 is not valid JSON in UTF-8: it holds a lone UTF-16 surrogate escape"),
+    (b'{"a": "x\\uDC00y"}\n', "line 1 is not valid JSON in UTF-8: it holds a lone UTF-16 surrogate escape"),
+    (b'{"a": "\\ud800\n', "line 1 is not valid JSON in UTF-8: Input data was truncated"),  # truncated indeed
     (b'{}\n\xef\xbb\xbf{}\n', "line 2 is not valid JSON"),  # a byte order mark is one only before the first line
     (b'{}\n' * 11, "more than 10 lines"),
     (b'{"a": "' + b"x" * 300 + b'"}\n', "line 1 is longer than 200 bytes"),
