@@ -131,7 +131,7 @@ OPENAI_ERRORS = {
     "429": _oa_err("Over capacity, rate limit, quota, or deadline infeasible; see Retry-After and retry-after-ms"),
     "500": _oa_err("The model failed on this request (not retried: x-should-retry: false)"),
     "503": _oa_err("Redis unreachable; retry after Retry-After"),
-    "504": _oa_err("The deadline passed before any output, or no result within the gateway's longest wait "
+    "504": _oa_err("No output by the deadline, or no result within the gateway's longest wait "
                    "(the request goes on: GET /v1/requests/{id})"),
 }
 

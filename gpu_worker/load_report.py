@@ -35,6 +35,7 @@ class Snapshot:
     prefill_fixed_ms: float = 0.0
     prefill_ms_per_token: float = 0.0
     decode_ms_per_step: float = 0.0
+    decode_ms_per_row: float = 0.0  # what one more running row adds to a step
     oldest_wait_s: float = 0.0  # how long its longest-waiting request has waited (0: none waits)
 
 
@@ -78,6 +79,7 @@ class LoadReport:
             at=time.time(), lanes=lanes, max_rows=self.max_rows, free_rows=free_rows,
             prefill_fixed_ms=tracker.prefill.intercept * 1000, prefill_ms_per_token=tracker.prefill.slope * 1000,
             decode_ms_per_step=tracker.forecast_step_seconds(rows) * 1000,
+            decode_ms_per_row=tracker.forecast_row_seconds(rows) * 1000,
             oldest_wait_s=max(0.0, (time.time() if clock_now is None else clock_now) - oldest)
             if (oldest := scheduler.oldest_arrival()) is not None else 0.0,
         )

@@ -122,8 +122,8 @@ class ModelLoop(ThreadedLoop):
             out.extend(self.runner.remove({job.id for job in plan.evict}, FinishReason.DEADLINE))
         for job in plan.expired:
             metrics.EXPIRED_BEFORE_COMPUTE.labels(self.name, job.lane).inc()
-            out.append(expired_outcome(job.req, self._worker, now,
-                                       "or became unreachable (its estimated compute would end after it) while queued"))
+            out.append(expired_outcome(job.req, self._worker, now, "while queued") if job.deadline <= now else
+                       expired_outcome(job.req, self._worker, now, "while queued", unreachable=job.deadline - now))
         if plan.preempt:  # their partial work is dropped, not published; they wait again
             self.runner.remove({job.id for job in plan.preempt}, FinishReason.CANCELLED)
             self.scheduler.requeue(plan.preempt)

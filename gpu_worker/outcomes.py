@@ -65,11 +65,15 @@ def result_for(req: InferenceRequest, status: Status, *, worker: str, now: float
                          worker=worker)
 
 
-def expired_outcome(req: InferenceRequest, worker: str, now: float, where: str) -> Outcome:
-    return Outcome(req, result_for(
-        req, Status.EXPIRED, worker=worker, now=now, reason=FinishReason.DEADLINE,
-        error=ErrorInfo("deadline_exceeded", f"deadline passed {where}; not computed"),
-    ), computed=False)
+def expired_outcome(req: InferenceRequest, worker: str, now: float, where: str,
+                    unreachable: float | None = None) -> Outcome:
+    """A request ended without compute: its deadline passed `where`, or (`unreachable`: seconds it had left) its
+    estimated compute would end after it."""
+    message = (f"deadline passed {where}; not computed" if unreachable is None else
+               f"deadline unreachable {where}: its estimated compute would end after it ({unreachable:.2f} s away); "
+               "not computed")
+    return Outcome(req, result_for(req, Status.EXPIRED, worker=worker, now=now, reason=FinishReason.DEADLINE,
+                                   error=ErrorInfo("deadline_exceeded", message)), computed=False)
 
 
 def failed_outcome(req: InferenceRequest, worker: str, now: float, code: str, message: str,

@@ -241,8 +241,8 @@ class Scheduler(DynamicStage):
 
     def _unfinishable(self, now: float, left: Mapping[str, int]) -> list[Job]:
         """Running rows that cannot finish by their deadline at the measured token interval (or are past
-        it): they leave now, partial output kept, instead of taking rows and steps from work that can."""
-        return running_deadlines.unfinishable(self.running, left, now, self.tracker)
+        it), to evict while work waits for their rows (`running_deadlines.unfinishable`)."""
+        return running_deadlines.unfinishable(self.running, left, now, self.tracker, waiting=len(self) > 0)
 
     def _deadline_room(self, now: float, left: Mapping[str, int], free_rows: int) -> int:
         """Rows that may join without pushing a running row past its deadline (`running_deadlines.room`)."""

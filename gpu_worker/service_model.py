@@ -99,13 +99,18 @@ class RunningFit:
             return self._prior[1]
         proportional = self._my / self._mx if self._mx > 0 else 0.0
         var = self._mxx - self._mx * self._mx
-        if self.n < 3 or var <= 1e-9 * max(1.0, self._mxx):
+        if not self.spread:
             return proportional  # one x seen so far
         # Costs have a fixed part >= 0, so the line through the mean point can be no steeper than the
         # proportional one. Over a narrow range of x (a full batch: nearly always the same rows) the
         # least-squares slope is mostly noise: one slow iteration at one more row would otherwise
         # predict seconds per token and expire work that could finish.
         return min(max(0.0, (self._mxy - self._mx * self._my) / var), proportional)
+
+    @property
+    def spread(self) -> bool:
+        """Whether its slope is measured: samples at more than one x (else it is the proportional stand-in)."""
+        return self.n >= 3 and self._mxx - self._mx * self._mx > 1e-9 * max(1.0, self._mxx)
 
     @property
     def ratio(self) -> float:
@@ -237,6 +242,14 @@ class ServiceTracker:
         condemn what admission just took (a request admitted with an eta 20% inside its deadline was evicted after
         2 tokens on an idle stack just after a burst); a lasting slowdown moves both."""
         return min(self.step_seconds(rows), self.forecast_step_seconds(rows))
+
+    def forecast_row_seconds(self, rows: int) -> float:
+        """What one more running row adds to the step admission forecasts (`forecast_step_seconds`): 0 until the
+        averaged fit has seen steps of more than one size (its slope is then the proportional stand-in, which reads
+        a GPU's flat step as all per row)."""
+        if not self.decode_slow.spread:
+            return 0.0
+        return max(0.0, self.forecast_step_seconds(rows + 1) - self.forecast_step_seconds(rows))
 
     def forecast_step_seconds(self, rows: int) -> float:
         """The token interval admission forecasts a new request's tokens at (`decode_slow`)."""

@@ -13,7 +13,8 @@ read) and the lane's stream length. The estimate:
              estimated 100x too slow and refused). While no completion has been measured yet, only
              the requests that do not fit the free rows count, at what the rows could do;
     finish = start + its own compute (prefill of its prompt + one decode step per new token, at the
-             step time measured for the current batch).
+             step time measured for the current batch, plus what each row adds to a step for the rows it
+             and those ahead of it add to that batch, as far as there are free rows for them).
 Continuous batching always has "a free row" until memory runs out, but every row slows every step:
 throughput, not rows, is what a new request waits for.
 A request is refused (429 + Retry-After) when `now + ADMISSION_MARGIN x finish` passes its deadline (unless
@@ -160,6 +161,13 @@ def lane_free(s: LaneStats, lane: str, max_share: float) -> int:
     return max(0, min(s.free_rows, lane_rows(s.max_rows, max_share) - running)) if max_share < 1.0 else s.free_rows
 
 
+def joining_rows(s: LaneStats, joining: int) -> int:
+    """The rows an engine runs once `joining` requests start on it (as far as it has free rows for them), beyond
+    those its published step time was measured at (its running rows, at least one)."""
+    rows = sum(ln.running for ln in s.lanes)
+    return max(0, rows + min(joining, s.free_rows) - max(1, rows))
+
+
 def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int, new_tokens: int,
              window_s: float, max_share: float = 1.0) -> Estimate:
     """`queued`: entries already in the lane's stream (waiting or running) before this request; `max_share`: the
@@ -171,11 +179,15 @@ def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int,
     # older worker's engine that has run nothing) would promise any deadline: the model's other engines' stand in
     costs = [s for s in stats if s.decode_ms_per_step > 0] or [s for s in everyone if s.decode_ms_per_step > 0] \
         or stats
-    prefill = max(s.prefill_fixed_ms + s.prefill_ms_per_token * prompt_tokens for s in costs) / 1000
-    decode = max(s.decode_ms_per_step for s in costs) / 1000 * new_tokens
-    service = prefill + decode
     running = sum(ln.running for s in stats for ln in s.lanes if ln.lane == lane)
     ahead = max(0, queued - running)
+    prefill = max(s.prefill_fixed_ms + s.prefill_ms_per_token * prompt_tokens for s in costs) / 1000
+    # every row slows every step (where rows cost: a CPU): the step the request's tokens take is the one of the rows
+    # running then, those ahead of it and itself among them as far as there are free rows (a burst at an idle worker
+    # was admitted at the one-row step, and its requests then could not all finish: evicted, or expired in the queue)
+    share = -(-(ahead + 1) // len(costs))
+    decode = max(s.decode_ms_per_step + s.decode_ms_per_row * joining_rows(s, share) for s in costs) / 1000 * new_tokens
+    service = prefill + decode
     measured = sum(ln.completed_rps for s in stats for ln in s.lanes)
     free = sum(lane_free(s, lane, max_share) for s in stats)
     # requests a worker has read and not started: it holds them back (rows busy, or more rows would slow running

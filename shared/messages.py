@@ -149,6 +149,8 @@ class LaneStats:
     prefill_ms_per_token: float
     decode_ms_per_step: float
     lanes: tuple[LaneStat, ...] = ()
+    # what one more running row adds to a decode step (0 where rows cost nothing, a GPU's; and from older workers)
+    decode_ms_per_row: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -755,7 +755,7 @@ def result_error(view: dict[str, Any]) -> OpenAIError | None:
     if status == "succeeded" or (status == "expired" and _completion_tokens(view) > 0):
         return None
     if status == "expired":
-        return OpenAIError(504, f"the request's deadline passed before any output: {message}", code=code, retry=False)
+        return OpenAIError(504, f"no output by the request's deadline: {message}", code=code, retry=False)
     if status == "cancelled":
         return OpenAIError(409, f"the request was cancelled: {message}", code=code, retry=False)
     if status == "failed" and code in TEXT_FAILURES:

@@ -7,10 +7,10 @@ from shared.messages import LaneStat, LaneStats
 
 
 def stats(*, free=4, max_rows=8, rps=0.0, running=0, at_ms=10_000, fixed=10.0, per_tok=0.1, step=20.0,
-          lane="short", waiting=0):
+          lane="short", waiting=0, per_row=0.0):
     return LaneStats(model="m", worker="w", at_ms=at_ms, max_rows=max_rows, free_rows=free, deadline_aware=True,
                      prefill_fixed_ms=fixed, prefill_ms_per_token=per_tok, decode_ms_per_step=step,
-                     lanes=(LaneStat(lane, waiting, running, rps, 0.0),))
+                     lanes=(LaneStat(lane, waiting, running, rps, 0.0),), decode_ms_per_row=per_row)
 
 
 def test_only_fresh_stats_count():
@@ -56,6 +56,26 @@ def test_a_free_row_beyond_the_lanes_share_starts_nothing_of_it():
     busy = stats(free=30, max_rows=64, running=40, lane="long")  # 8 of its 48 rows left
     assert estimate([busy], "long", 40 + 8, 100, 32, 0.005, 0.75).start_s > 0.005
     assert estimate([busy], "long", 40 + 7, 100, 32, 0.005, 0.75).start_s == pytest.approx(0.005)
+
+
+def test_a_requests_tokens_are_forecast_at_the_step_of_the_rows_running_once_it_and_those_ahead_start():
+    """Where every row slows every step (2 ms a row here, a CPU's), a burst at an idle worker is not forecast at the
+    one-row step: each request's tokens at the step of the rows running once it and those ahead of it started, as far
+    as there are free rows (10 sampled requests of 128 tokens, each 1 s alone, were all admitted for 2 s deadlines
+    and could not all finish)."""
+    idle = stats(free=8, max_rows=8, per_row=2.0)
+    compute = [estimate([idle], "short", queued, 100, 32, 0.005).finish_s for queued in range(10)]
+    base = 0.005 + 0.01 + 100 * 0.0001
+    assert compute[0] == pytest.approx(base + 32 * 0.020)  # alone: the one-row step
+    assert compute[3] == pytest.approx(base + 32 * (0.020 + 3 * 0.002))  # the 4th of a burst: 4 rows running
+    beyond = estimate([idle], "short", 9, 100, 32, 0.005)  # past the 8 free rows: it waits instead of adding rows
+    assert beyond.start_s > 0.005 and beyond.finish_s - beyond.start_s == pytest.approx(
+        base - 0.005 + 32 * (0.020 + 7 * 0.002))
+    busy = stats(free=4, max_rows=8, running=4, per_row=2.0)  # the step published at its 4 running rows
+    assert estimate([busy], "short", 4, 100, 32, 0.005).finish_s == pytest.approx(base + 32 * (0.020 + 0.002))
+    assert estimate([busy], "short", 6, 100, 32, 0.005).finish_s == pytest.approx(base + 32 * (0.020 + 3 * 0.002))
+    # where rows cost nothing (a GPU's flat step; an older worker publishing none) nothing changes
+    assert estimate([stats(free=8, max_rows=8)], "short", 3, 100, 32, 0.005).finish_s == pytest.approx(0.665)
 
 
 def test_workers_add_up():

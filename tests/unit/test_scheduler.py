@@ -364,10 +364,16 @@ def test_a_running_row_past_its_deadline_is_evicted():
     assert [j.id for j in plan.evict] == ["r1"]
 
 
+def waiting(s, i=99):
+    """Work waiting for a row: what an unfinishable running row is evicted for."""
+    s.add(item(i, arrived=0.0, deadline=1000.0))
+
+
 def test_a_running_row_that_cannot_fit_its_remaining_tokens_is_evicted_before_its_deadline():
     s = sched()
     measured(s)  # 2 rows: 20 ms a token
     s.started([item(1, deadline=1.0), item(2, deadline=100.0)])
+    waiting(s)
     # 100 tokens left at 20 ms: 2 s (1.6 s at the optimism factor) > 0.9 s left
     plan = s.plan(0.1, free_rows=2, left={"r1": 100, "r2": 100})
     assert [j.id for j in plan.evict] == ["r1"]
@@ -390,8 +396,10 @@ def test_a_cold_fit_judges_only_the_next_step():
     for _ in range(8):  # warm: the steps are flat in the rows, as an echo model's and a GPU's are
         s.tracker.observe_step(3, 0.2)
     assert s.plan(0.0, free_rows=2, left={"r1": 199, "r2": 199}).evict == []
-    for _ in range(200):  # a lasting 0.5 s a token is judged on the whole: 80 s of work
-        s.tracker.observe_step(3, 0.5)
+    for _ in range(70):  # a lasting 0.5 s a token, whatever the rows, is judged on the whole: 80 s of work
+        for rows in (1, 2, 3):
+            s.tracker.observe_step(rows, 0.5)
+    waiting(s)
     assert {j.id for j in s.plan(0.0, free_rows=2, left={"r1": 199, "r2": 199}).evict} == {"r1", "r2"}
 
 
@@ -410,6 +418,7 @@ def test_a_spell_of_slow_steps_does_not_condemn_a_row_the_averaged_interval_lets
     assert s.plan(0.0, free_rows=2, left={"r1": n, "r2": n}).evict == []  # it fits at the averaged interval
     for _ in range(400):  # the slowdown lasts: the averaged interval learns it too
         s.tracker.observe_step(2, 0.06)
+    waiting(s)
     assert [j.id for j in s.plan(0.0, free_rows=2, left={"r1": n, "r2": n}).evict] == ["r1"]
 
 
@@ -418,11 +427,61 @@ def test_a_row_whose_next_step_would_end_past_its_deadline_leaves_before_it():
     row is not stepped into its deadline and written as a success past it (CI: an echo row finished past its deadline
     by its last step)."""
     s = sched()
-    measured(s)  # 3 rows: 30 ms a step
+    for _ in range(4):
+        for rows in (1, 2, 3):
+            s.tracker.observe_step(rows, 0.03)  # 30 ms a step, flat in the rows (as an echo model's, a GPU's)
     step = s.tracker.step_seconds(3)
     # 80% of a step fits r1, not a step; a step fits r3, not with room for it to run long; r2 has two steps
     s.started([item(1, deadline=0.9 * step), item(2, deadline=2 * step), item(3, deadline=1.2 * step)])
     assert [j.id for j in s.plan(0.0, free_rows=2, left={"r1": 1, "r2": 1, "r3": 1}).evict] == ["r1", "r3"]
+
+
+def test_with_nothing_waiting_a_row_that_cannot_finish_steps_on_until_its_last_step():
+    """Evicting a row that cannot finish frees its row for waiting work; with none waiting it gains no one anything:
+    the row keeps stepping, its partial output growing, until its next step would end past its deadline (an idle
+    worker evicted 10 sampled rows of 128 tokens after 7 tokens, where they would have made 124 by their deadline)."""
+    s = sched()
+    measured(s)  # 2 rows: 20 ms a token
+    s.started([item(1, deadline=1.0), item(2, deadline=100.0)])
+    assert s.plan(0.1, free_rows=2, left={"r1": 100, "r2": 100}).evict == []  # 1.6 s of work, 0.9 s left: on
+    assert s.plan(0.96, free_rows=2, left={"r1": 60, "r2": 60}).evict == []  # its next step (30 ms) still fits
+    assert [j.id for j in s.plan(0.975, free_rows=2, left={"r1": 59, "r2": 59}).evict] == ["r1"]  # it would not
+    waiting(s)  # work arrives: now the row that cannot finish leaves for it
+    s2 = sched()
+    measured(s2)
+    s2.started([item(1, deadline=1.0), item(2, deadline=100.0)])
+    waiting(s2)
+    assert [j.id for j in s2.plan(0.1, free_rows=2, left={"r1": 100, "r2": 100}).evict] == ["r1"]
+
+
+def test_with_nothing_waiting_no_row_leaves_before_its_last_step_even_beside_rows_that_could_finish():
+    """"Cannot finish" counts every token up to `max_new_tokens`, where most generations stop sooner: with nothing
+    waiting, no row is evicted on that forecast, not even one whose steps slow another's (evicting three rows so
+    that seven might finish ended the seven cut short as well)."""
+    s = sched(max_batch=8)
+    measured(s)  # 10 ms a token per row
+    # r1: 20 tokens by 0.5 s: fits at 2 rows (0.33 s), not at 3 (0.50 s); r2, r3: 200 tokens by 1 s: never
+    s.started([item(1, deadline=0.5), item(2, deadline=1.0), item(3, deadline=1.1)])
+    assert s.plan(0.0, free_rows=2, left={"r1": 20, "r2": 200, "r3": 200}).evict == []
+    waiting(s)  # with work waiting: the two that cannot finish leave, r1 finishes
+    assert {j.id for j in s.plan(0.0, free_rows=2, left={"r1": 20, "r2": 200, "r3": 200}).evict} == {"r2", "r3"}
+
+
+def test_rows_that_cannot_finish_beside_all_the_others_are_kept_as_far_as_they_can_finish_beside_fewer():
+    """Ten rows, one able to finish at the 10-row interval: evicting the other nine leaves rows idle that seven of
+    them could have finished in; the most that can finish beside one another stay (those that finish beside all
+    first, then those with the fewest tokens left) and the rest leave for the waiting work."""
+    s = sched(max_batch=16)
+    measured(s)  # 10 ms a token per row: 100 ms at 10 rows, 60 ms at 6
+    s.started([item(i, deadline=1.0) for i in range(10)])
+    left = {f"r{i}": 10 + i for i in range(10)}  # 10-19 tokens: at 7 rows the first seven fit 1 s, at 8 five
+    waiting(s)
+    plan = s.plan(0.0, free_rows=0, left=left)
+    kept = set(left) - {j.id for j in plan.evict}
+    assert kept == {f"r{i}" for i in range(7)}
+    assert all(finish_work_s(left[r], s.tracker.step_seconds(7), s.tracker.doom_step_seconds(7)) <= 1.0 for r in kept)
+    assert sum(finish_work_s(n, s.tracker.step_seconds(8), s.tracker.doom_step_seconds(8)) <= 1.0
+               for n in left.values()) < 8
 
 
 def test_a_cold_fit_does_not_hold_back_a_prefill_for_a_row_it_misjudges():

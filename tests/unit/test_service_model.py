@@ -169,3 +169,18 @@ def test_a_tracker_seeded_with_a_runners_costs_estimates_requests_before_measuri
 def test_a_prior_through_two_timed_prefills(short, long, fixed, per_token):
     prior = CostPrior.through(short, long, step_s=0.005)
     assert (prior.prefill_fixed_s, prior.prefill_per_token_s, prior.step_s) == pytest.approx((fixed, per_token, 0.005))
+
+
+def test_what_a_row_adds_to_a_step_is_published_only_once_measured():
+    """Admission adds what each joining row costs a step (`forecast_row_seconds`); while every step seen had one size,
+    the fit's slope is the proportional stand-in (a GPU's flat 7 ms step at 10 rows would read as 0.7 ms a row), so
+    nothing is added until steps of several sizes were seen."""
+    t = ServiceTracker(("short",))
+    for _ in range(10):
+        t.observe_step(10, 0.007)
+    assert t.forecast_row_seconds(10) == 0.0
+    t = ServiceTracker(("short",))
+    for _ in range(40):
+        for rows in (1, 4, 8):
+            t.observe_step(rows, 0.010 + 0.002 * rows)  # a CPU's: 2 ms a row
+    assert t.forecast_row_seconds(4) == pytest.approx(0.002, rel=0.2)
