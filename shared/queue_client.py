@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -53,6 +54,9 @@ STATS_CACHE_S = 0.1
 # of reading it: under load every submit would otherwise pay a round trip for it; other processes' submits in this
 # window are what admission does not see (at 2,000 submits/s, up to 100 requests, about as many as are in flight).
 LANE_LENGTH_CACHE_S = 0.05
+# An admission whose store has not returned counts as queued in the lane for at most this long (a request admitted
+# and then not stored, an idempotency replay say, stops counting then).
+ADMITTING_S = 1.0
 # The socket timeout of a caller-facing client (gateway, SDK direct mode): no command it sends blocks in Redis, so
 # one that has not answered in this long meets a Redis that is stopped or wedged (its 503 then comes this soon).
 REQUEST_SOCKET_TIMEOUT_S = 3.0
@@ -122,6 +126,9 @@ class QueueClient:
         self.clock = clock
         self._stats: dict[str, tuple[float, list[LaneStats]]] = {}  # model -> (read at, monotonic; the figures)
         self._lengths: dict[str, LaneLength] = {}  # lane stream -> its length as last seen
+        # lane stream -> when each request admitted to it and not stored yet was admitted: a burst's submits read
+        # the lane's length concurrently, before any of them is stored, and each must count the others
+        self._admitting: dict[str, deque[float]] = {}
         # (model, lane) -> what this process admitted and refused for deadlines lately (`admission.CONSISTENT_S`)
         self._recent: dict[tuple[str, str], tuple[admission.RecentAdmits, admission.RecentAdmits]] = {}
         self._submits: Coalescer[tuple[InferenceRequest, Decision], Submitted] = Coalescer(
@@ -166,7 +173,14 @@ class QueueClient:
                     continue  # a worker of another schema version: its figures do not count
             self._stats[model] = (at, stats)
         self._lengths[stream] = LaneLength(at, int(queued))
-        return int(queued), admission.fresh(stats, self.now_ms())
+        return int(queued) + self._unstored(stream, at), admission.fresh(stats, self.now_ms())
+
+    def _unstored(self, stream: str, at: float) -> int:
+        """Requests this process admitted to the lane whose store has not returned (within `ADMITTING_S`)."""
+        pending = self._admitting.get(stream)
+        while pending and at - pending[0] > ADMITTING_S:
+            pending.popleft()
+        return len(pending) if pending else 0
 
     async def admit(self, req: InferenceRequest, spec: ModelSpec) -> tuple[Decision, int]:
         queued, stats = await self.load(req.model, req.lane)
@@ -189,8 +203,11 @@ class QueueClient:
             admitted.note(now, prompt_tokens, new_tokens, budget)
         elif decision.code == "deadline_infeasible" and decision.retryable:
             refused.note(now, prompt_tokens, new_tokens, budget)
-        if decision.accept and (seen := self._lengths.get(self.keys.lane_stream(req.model, req.lane))) is not None:
-            seen.admitted += 1
+        stream = self.keys.lane_stream(req.model, req.lane)
+        if decision.accept:
+            self._admitting.setdefault(stream, deque()).append(time.monotonic())
+            if (seen := self._lengths.get(stream)) is not None:
+                seen.admitted += 1
         return decision, queued
 
     async def submit(self, req: InferenceRequest, decision: Decision) -> Submitted:
@@ -215,7 +232,12 @@ class QueueClient:
             if req.callback is not None:  # its webhook must go by its deadline, whoever is alive to expire it
                 due = self.store.expiry_due_ms(req.deadline_ms, self.settings.expiry_grace_s)
                 pipe.zadd(self.keys.callback_deadlines(), {req.id: due})
-        replies = await self.store.execute_durably(pipe)  # with durable writes on, once the replicas have it
+        try:
+            replies = await self.store.execute_durably(pipe)  # with durable writes on, once the replicas have it
+        finally:
+            for stream in streams:  # stored (counted by the lane's length from now on), or failed
+                if pending := self._admitting.get(stream):
+                    pending.popleft()
         for stream, i in zip(streams, lengths, strict=True):
             self._lengths[stream] = LaneLength(at, int(replies[i]))
         return [Submitted(req, int(replies[i]), decision, replies[j] == 1)

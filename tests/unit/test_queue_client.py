@@ -57,6 +57,7 @@ async def test_right_after_its_own_store_a_process_counts_on_the_length_it_saw_p
     """Under load a submit costs one round trip: the lane's length comes back with every store, and a submit
     right after counts on it (plus the requests this process admitted since) instead of reading it again."""
     monkeypatch.setattr(queue_client, "LANE_LENGTH_CACHE_S", 0.2)
+    monkeypatch.setattr(queue_client, "ADMITTING_S", 0.2)  # d4 below, admitted and never stored, stops counting too
     await q.redis.hset(q.keys.lane_stats("echo"), "w1", stats("w1"))
     stream = q.keys.lane_stream("echo", "short")
     for _ in range(3):
@@ -83,6 +84,21 @@ async def test_right_after_its_own_store_a_process_counts_on_the_length_it_saw_p
     await asyncio.sleep(0.25)
     d5, _ = await q.admit(ops._build(q, body, SPEC, "t"), SPEC)
     assert d5.queued == 8  # stale: read again
+
+
+async def test_a_burst_of_concurrent_submits_counts_each_other_before_any_is_stored(q, monkeypatch):
+    """The submits of a burst read the lane's length concurrently, before any of them is stored: each must count the
+    ones this process admitted ahead of it (they all read 0, and 10 requests, each 1 s alone and 2 s together, were
+    all admitted for 2 s deadlines); once stored, a request counts through the lane's length instead."""
+    monkeypatch.setattr(queue_client, "LANE_LENGTH_CACHE_S", 0.0)  # every submit reads the length
+    await q.redis.hset(q.keys.lane_stats("echo"), "w1", stats("w1"))
+    body = {"input": {"prompt": "hi"}}
+    reqs = [ops._build(q, body, SPEC, "t") for _ in range(5)]
+    decisions = await asyncio.gather(*(q.admit(r, SPEC) for r in reqs))
+    assert sorted(d.queued for d, _ in decisions) == [0, 1, 2, 3, 4]
+    await q.submit_many([(r, d) for r, (d, _) in zip(reqs, decisions, strict=True)])
+    later, _ = await q.admit(ops._build(q, body, SPEC, "t"), SPEC)
+    assert later.queued == 5  # the five stored: counted once, by the lane's length
 
 
 async def test_queue_positions_are_the_lane_length_after_each_xadd(q):
