@@ -33,6 +33,7 @@ from shared.redis_io import UNAVAILABLE, NotReplicated
 from shared.states import FinishReason, Status, Task
 from shared.submit import build_request
 from shared.views import Accepted, links, record_view
+from shared.waiters import SubscriptionUnavailable
 
 log = get_logger(__name__)
 
@@ -357,7 +358,7 @@ async def _store_and_answer(q: QueueClient, inference: InferenceRequest, decisio
     status: Literal["queued", "running"] = "queued"
     if wait > 0:
         # subscribed before the store: its result cannot come unseen, so the record is not read before waiting
-        subscribing = True
+        subscribing, submitted, rec = True, None, None
         try:
             async with q.waiting(inference.id) as sub:
                 subscribing = False
@@ -368,7 +369,13 @@ async def _store_and_answer(q: QueueClient, inference: InferenceRequest, decisio
         except BaseException as exc:
             if subscribing:  # nothing stored: give back what admission took
                 await _unwind(q, inference, claim, exc)
-            raise
+            # stored, and then Redis went away while it waited: the request is accepted and runs, so its caller
+            # is told so (202, its id), not "unavailable, retry" (a retry without a key would compute it twice)
+            if submitted is None or not isinstance(exc, (*UNAVAILABLE, SubscriptionUnavailable)):
+                raise
+            log.warning("the wait for a stored request failed; answered 202", request_id=inference.id,
+                        error=repr(exc))
+        assert submitted is not None
         if rec is not None and rec.terminal:
             return Answer(200, record_view(rec), headers)
         if rec is not None and rec.state is Status.RUNNING:  # the wait ran out while it computes: say so

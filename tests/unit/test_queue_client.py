@@ -215,3 +215,25 @@ async def test_admissions_inside_the_margin_keep_the_inner_margin_however_long_t
         assert not past.accept and past.code == "deadline_infeasible"
     finally:
         await q.close()
+
+
+@pytest.mark.parametrize("failure", ["connection", "subscription"])
+async def test_a_stored_request_whose_wait_loses_redis_is_answered_202_not_503(q, monkeypatch, failure):
+    """Stored, then Redis went away while the caller waited (a restart): the request is accepted and will run, so
+    the caller gets 202 with its id; a 503 "retry" had a caller without an Idempotency-Key submit it again, computed
+    and billed twice, with two webhooks (a user's probe). Before the store, the same failure is still a 503."""
+    import redis
+
+    from shared.waiters import SubscriptionUnavailable
+
+    async def lost(*args, **kwargs):
+        raise redis.ConnectionError("Connection closed by server.") if failure == "connection" \
+            else SubscriptionUnavailable("Connection closed by server.")
+
+    monkeypatch.setattr(q, "wait_on", lost)
+    answer = await ops.submit(q, {"input": {"prompt": "hi"}}, SPEC, "t", wait=5.0)
+    assert answer.status == 202 and answer.body["id"].startswith("req_")
+    assert (await q.get(answer.body["id"])) is not None  # stored: it runs
+    monkeypatch.setattr(q, "submit", lost)  # the store itself fails: nothing accepted
+    with pytest.raises((redis.ConnectionError, SubscriptionUnavailable)):
+        await ops.submit(q, {"input": {"prompt": "hi"}}, SPEC, "t", wait=5.0)
