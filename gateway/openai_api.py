@@ -475,8 +475,14 @@ async def retrieve_model(svc: GatewayService, req: ApiRequest, model: str) -> Ap
 
 
 def _entry(svc: GatewayService, spec: ModelSpec) -> dict[str, Any]:
-    """A model as OpenAI lists it, with vLLM's `max_model_len` where the model's context is known here."""
-    return oa.model_entry(spec.name, max_model_len=ops.effective_limits(svc, spec).get("context_length"))
+    """A model as OpenAI lists it, with vLLM's `max_model_len` where the model's context is known here: the longest
+    sequence a request can reach, its context or less where the model file's limits on a prompt and on its new
+    tokens add up to less (a vLLM client sizes a prompt as `max_model_len - max_tokens`: tiny-llama's context of
+    4,096 had it send prompts past the 2,048 a prompt may hold)."""
+    limits = ops.effective_limits(svc, spec)
+    context = limits.get("context_length")
+    return oa.model_entry(spec.name, max_model_len=None if context is None else min(
+        context, limits["max_input_tokens"] + limits["max_new_tokens"]))
 
 
 def list_data(svc: GatewayService) -> list[dict[str, Any]]:

@@ -105,6 +105,10 @@ def plan(tools: list[ToolDef] | None, choice: str | ToolChoice | None, parallel:
     for i, tool in enumerate(tools):
         if tool.type != "function":
             raise ToolError(f"tools[{i}].type", f"only 'function' tools are served (got {tool.type!r})", True)
+        kind = (tool.function.parameters or {}).get("type", "object")
+        if kind != "object":  # a call's arguments are a JSON object: anything else is no call a next turn can send
+            raise ToolError(f"tools[{i}].function.parameters", f"invalid schema for function "
+                            f"{tool.function.name!r}: it must be a JSON Schema of type 'object' (got {kind!r})")
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise ToolError("tools", "function names must differ from each other")

@@ -450,7 +450,8 @@ async def test_the_model_list_gives_the_limits_a_request_can_meet(redis_url, pre
                                                                    tmp_path):
     """A model whose context is shorter than its model file's limits is listed with the limits submit holds it to
     (a prompt leaves room for one new token) and its context (`context_length`; OpenAI's entry: vLLM's
-    `max_model_len`); a model within them is listed as its file says; an encoder at most its positions."""
+    `max_model_len`, the longest sequence a request can reach); a model within them is listed as its file says; an
+    encoder at most its positions."""
     from shared.token_limits import TokenLimits
 
     short = model_of_files(tmp_path, model_cache, "short-context", STRICT_TEMPLATE, positions=128)
@@ -468,7 +469,10 @@ async def test_the_model_list_gives_the_limits_a_request_can_meet(redis_url, pre
         assert limits["minilm"]["max_texts"] == MINILM.max_texts and "max_new_tokens" not in limits["minilm"]
         assert "max_texts" not in limits["tiny-llama"]  # each task's own limits
         entries = {m["id"]: m for m in listed["data"]}
-        assert entries["short-context"]["max_model_len"] == 128 and entries["tiny-llama"]["max_model_len"] == context
+        assert entries["short-context"]["max_model_len"] == 128  # its context, which a prompt and its tokens share
+        # the longest sequence a request can reach: a prompt and its new tokens at their model file's limits, short
+        # of the model's context (a vLLM client sizes a prompt as max_model_len - max_tokens)
+        assert entries["tiny-llama"]["max_model_len"] == LLAMA.max_input_tokens + LLAMA.max_new_tokens < context
         assert "max_model_len" not in entries["minilm"]
         one = (await gw.client.get("/v1/models/short-context")).json()
         assert one == entries["short-context"]

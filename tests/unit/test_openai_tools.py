@@ -41,6 +41,18 @@ def test_a_named_function_holds_the_answer_to_its_parameters():
         "name": "get_weather", "arguments": '{"city": "Paris"}'}}]
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}, "none"])
+@pytest.mark.parametrize("kind", ["string", "array", ["object", "null"]])
+def test_a_function_whose_parameters_are_not_an_object_is_refused(choice, kind):
+    """A call's arguments are a JSON object: a schema of another type was taken, the answer followed it (arguments
+    '" does"'), and the next turn, sending that call back, was refused for arguments that are no object."""
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": kind, "maxLength": 5}}}
+    with pytest.raises(oa.OpenAIError) as err:
+        oa.translate_chat(chat(tools=[WEATHER, bad], tool_choice=choice))
+    assert err.value.status == 400 and err.value.param == "tools[1].function.parameters"
+    assert "type 'object'" in err.value.message
+
+
 def test_required_is_a_list_of_calls_to_the_tools_given():
     tr = oa.translate_chat(chat(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False))
     schema = tr.body["params"]["response_format"]["schema"]
