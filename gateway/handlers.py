@@ -8,6 +8,8 @@ Redis being unreachable is a 503 with Retry-After; nothing a caller sends produc
 
 from __future__ import annotations
 
+import dataclasses
+
 import structlog
 from redis.exceptions import ResponseError
 
@@ -19,6 +21,7 @@ from shared import operations as ops
 from shared.events import follow, parse_last_event_id, tokens_sent
 from shared.messages import REPLAYABLE
 from shared.redis_io import UNAVAILABLE, fewest_replicas
+from shared.states import Status
 from shared.views import callback_view
 
 log = structlog.get_logger(__name__)
@@ -37,6 +40,11 @@ async def submit(svc: GatewayService, req: ApiRequest, model: str) -> ApiRespons
         # the answer is the request's event stream, from its acceptance on
         answer = await ops.submit(svc, body, spec, req.tenant, idempotency_key=key)
         rec = await ops.visible(svc, req.tenant, answer.body["id"])
+        if answer.body.get("status") == "queued" and rec.state is Status.RUNNING:
+            # a worker started it between the store and this read: the stream still opens with what the submit
+            # answered, and announces `running` before the first delta (CI, on a loaded Redis Cluster: it opened
+            # with `running`, and the caller never saw its request queued)
+            rec = dataclasses.replace(rec, state=Status.QUEUED)
         return ApiResponse(200, headers={**answer.headers, "X-Request-Id": rec.id}, events=follow(svc, rec))
     return _response(await ops.submit(svc, body, spec, req.tenant, wait=wait, idempotency_key=key))
 

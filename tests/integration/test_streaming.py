@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any
 
@@ -293,3 +294,33 @@ async def test_an_event_source_client_gets_events_without_asking_for_stream(redi
             r = await gw.client.post("/v1/models/echo/requests", json={**body, "stream": True},
                                      headers={"Accept": accept})
             assert (r.status_code == 202) == (accept.startswith("text/event-stream;q=0")), (accept, r.status_code)
+
+
+async def test_a_streamed_submit_opens_with_queued_though_its_worker_started_it_before_the_gateway_read_it(
+        redis_url, prefix, monkeypatch):
+    """The streamed submit reads the record after storing it; a worker that starts the request in between made the
+    stream open with `running` (CI, on a loaded Redis Cluster): it opens with what the submit answered, `queued`, and
+    announces `running` before the first delta."""
+    from shared import operations as ops
+    from shared.config import ModelSpec
+    from shared.states import Status, Task
+
+    echo = ModelSpec(name="echo", task=Task.GENERATE, source="", kind="echo", max_input_tokens=64,
+                     max_new_tokens=200, step_ms=10).validate()
+    settings = make_settings(redis_url, prefix, models=(echo,))
+    real_visible = ops.visible
+
+    async def started_meanwhile(q, tenant, request_id):
+        rec = await real_visible(q, tenant, request_id)
+        return rec if rec.terminal else dataclasses.replace(rec, state=Status.RUNNING)
+
+    monkeypatch.setattr(ops, "visible", started_meanwhile)
+    body = {"input": {"prompt": "ab"}, "params": {"max_new_tokens": 20}, "stream": True}
+    async with running_worker(settings, {}), running_gateway(settings) as gw, \
+            gw.client.stream("POST", "/v1/models/echo/requests", json=body,
+                             headers={"Accept": "text/event-stream"}) as r:
+        events = await read_events(r)
+    names = [e["event"] for e in events]
+    assert names[0] == "status" and events[0]["data"]["status"] == "queued", names[:4]
+    statuses = [e["data"]["status"] for e in events if e["event"] == "status"]
+    assert statuses[-1] == "running" and "status" not in names[names.index("delta"):], names
