@@ -41,8 +41,9 @@ import structlog
 from shared import files, jsonl
 from shared import operations as ops
 from shared.api_errors import ApiError, TooManyRequests
-from shared.batch_store import ENDED, BatchState, BatchStore
+from shared.batch_store import BatchState, BatchStore
 from shared.batches import (
+    TERMINAL,
     WINDOW_ENDED,
     BatchError,
     Item,
@@ -218,7 +219,7 @@ class BatchRunner:
             await self.finalize(st, final)
         elif st.progress.status == "finalizing":  # a runner died writing the files: write them again
             await self.finalize(st, "completed")  # the final status it recorded stays
-        elif st.progress.status in ENDED:  # a runner died right after the end: what follows it is still to do
+        elif st.progress.status in TERMINAL:  # a runner died right after the end: what follows it is still to do
             await self.after_end(batch_id)
 
     def _tool_parser(self, model: str) -> str:
@@ -275,11 +276,8 @@ class BatchRunner:
         now = int(self.clock())
         if errors:
             await self.store.set_fields(meta.id, errors=json.dumps(errors), total=0)
-            # the webhook first (as `finalize`): a runner that dies before the move validates again and queues the
-            # same delivery id, which the dispatcher schedules once
-            await self.store.queue_webhook(self._webhook(meta, "failed"))
             await self.store.move(meta.id, "failed", "failed_at", now, from_=("validating", "cancelling"))
-            await self.store.finished(meta.id)
+            await self.after_end(meta.id)  # its webhook, then out of the active set (the next runner's, if it dies)
             log.info("batch failed validation", batch_id=meta.id, errors=len(errors))
             return False
         # the batch's model, as OpenAI's batch object shows it: the one its lines name ("" where they name several)
@@ -557,7 +555,7 @@ class BatchRunner:
             return
         await self.store.queue_webhook(self._webhook(st.meta, st.progress.status))
         keep = {st.progress.output_file_id, st.progress.error_file_id}
-        for attempt in range(1, await self.store.attempts(batch_id)):
+        for attempt in range(1, st.attempts):
             for suffix in ("output", "errors"):
                 if (fid := output_file_id(batch_id, suffix, attempt)) not in keep:
                     meta = await files.get_meta(self.q.redis, self.q.keys, fid)

@@ -110,9 +110,6 @@ redis.call('HSET', KEYS[1], 'status', ARGV[3], 't:' .. ARGV[4], ARGV[5])
 return 1
 """
 
-ENDED = ("completed", "failed", "cancelled", "expired")
-
-
 class Finalizing(NamedTuple):
     """A finalizing attempt, as `BatchStore.begin_finalize` answers: the batch's status, the attempt's number (0: none
     began, the status says why) and the final status it ends with."""
@@ -129,6 +126,7 @@ class BatchState:
     next_line: int  # the first input line not fed yet
     next_offset: int  # its byte offset in the input file
     expiring: bool = False  # a line was answered `batch_expired`: the batch ends `expired`
+    attempts: int = 0  # finalizing attempts begun (`begin_finalize`)
 
 
 # KEYS items, batch; ARGV next line, next offset, then (line, item ref) pairs: items in flight and the feed
@@ -181,7 +179,7 @@ class BatchStore:
                      model=(_text(f["model"]) or None) if "model" in f else None,
                      input_tokens=int(f.get("in_tokens", 0)), output_tokens=int(f.get("out_tokens", 0)))
         return BatchState(_META_DEC.decode(f["m"]), p, int(f.get("next", 0)), int(f.get("offset", 0)),
-                          expiring="expiring" in f)
+                          expiring="expiring" in f, attempts=int(f.get("fin", 0)))
 
     async def ids(self, tenant: str) -> list[str]:
         """The tenant's batches, newest first."""
@@ -258,10 +256,6 @@ class BatchStore:
         pairs = [x for kv in fields.items() for x in kv]
         return bool(await self._end(keys=[self.keys.batch(batch_id), self.keys.batch_lease(batch_id)],
                                     args=[owner, attempt, status, time_field, now_s, *pairs]))
-
-    async def attempts(self, batch_id: str) -> int:
-        """How many finalizing attempts the batch has had."""
-        return int(await self.redis.hget(self.keys.batch(batch_id), "fin") or 0)
 
     async def queue_webhook(self, webhook: CallbackDelivery | None) -> None:
         """A batch's webhook onto the callback stream (nothing when the batch named no `callback_url`)."""
