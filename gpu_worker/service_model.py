@@ -61,13 +61,15 @@ class CostPrior:
     step_per_row_s: float = 0.0
 
     @classmethod
-    def through(cls, short: tuple[int, float], long: tuple[int, float], step_s: float = 0.0) -> CostPrior:
-        """The prefill line through two timed prefills, (prompt tokens, seconds) each, and a one-row decode step. A
-        longer prompt that ran no slower (noise) leaves it flat at the slower of the two."""
+    def through(cls, short: tuple[int, float], long: tuple[int, float], step_s: float = 0.0,
+                step_per_row_s: float = 0.0) -> CostPrior:
+        """The prefill line through two timed prefills, (prompt tokens, seconds) each, and the decode step's line (its
+        fixed part, what each row adds). A longer prompt that ran no slower (noise) leaves it flat at the slower of
+        the two."""
         (n0, s0), (n1, s1) = sorted([short, long])
         per_token = max(0.0, (s1 - s0) / (n1 - n0)) if n1 > n0 else 0.0
         return cls(prefill_fixed_s=max(0.0, max(s0, s1) - per_token * n1), prefill_per_token_s=per_token,
-                   step_s=max(0.0, step_s))
+                   step_s=max(0.0, step_s), step_per_row_s=max(0.0, step_per_row_s))
 
 
 class RunningFit:
@@ -82,6 +84,11 @@ class RunningFit:
 
     def seed(self, intercept: float, slope: float) -> None:
         self._prior = (max(0.0, intercept), max(0.0, slope))
+
+    @property
+    def prior_slope(self) -> float:
+        """The slope it was seeded with (what stands in for a measured one)."""
+        return self._prior[1]
 
     def add(self, x: float, y: float) -> None:
         if self.n >= WARM_SAMPLES and (bound := self.predict(x)) > 0:
@@ -244,11 +251,11 @@ class ServiceTracker:
         return min(self.step_seconds(rows), self.forecast_step_seconds(rows))
 
     def forecast_row_seconds(self, rows: int) -> float:
-        """What one more running row adds to the step admission forecasts (`forecast_step_seconds`): 0 until the
-        averaged fit has seen steps of more than one size (its slope is then the proportional stand-in, which reads
-        a GPU's flat step as all per row)."""
+        """What one more running row adds to the step admission forecasts (`forecast_step_seconds`): until the
+        averaged fit has seen steps of more than one size, what the warm-up measured (`seed`; its slope is then the
+        proportional stand-in, which reads a GPU's flat step as all per row)."""
         if not self.decode_slow.spread:
-            return 0.0
+            return self.decode_slow.prior_slope
         return max(0.0, self.forecast_step_seconds(rows + 1) - self.forecast_step_seconds(rows))
 
     def forecast_step_seconds(self, rows: int) -> float:
