@@ -32,7 +32,7 @@ from gateway.api import (
     answered_once,
     sse_data,
 )
-from gateway.routes import ROUTES, RouteSpec, dispatch, errors_for
+from gateway.routes import ROUTES, RouteSpec, dispatch, errors_for, identified
 from gateway.service import GatewayService
 from shared.config import Settings
 from shared.heap import freeze_startup_heap, thaw_heap
@@ -111,8 +111,9 @@ async def client_gone(request: Request) -> None:
         pass
 
 
-def _send(resp: ApiResponse, accept: str | None, once_s: float | None = None) -> Response:
+def _send(resp: ApiResponse, accept: str | None, once_s: float | None = None, path: str = "") -> Response:
     """`once_s`: the app answers once (Lambda, through Mangum): an event stream holds that long at most."""
+    resp = identified(resp, path)
     if resp.events is not None:
         if once_s is not None:
             resp = dataclasses.replace(resp, events=answered_once(resp.events, once_s, resp.cut))
@@ -143,7 +144,8 @@ def _endpoint(route: RouteSpec, svc: GatewayService, answers_once: bool):  # typ
         except ApiError as exc:
             resp = route.errors(exc)
         metrics.http_latency(name, resp.status).observe(time.perf_counter() - t0)
-        return _send(resp, request.headers.get("accept"), svc.settings.max_wait_s if answers_once else None)
+        return _send(resp, request.headers.get("accept"), svc.settings.max_wait_s if answers_once else None,
+                     request.url.path)
 
     endpoint.__name__ = name
     return endpoint
@@ -180,20 +182,23 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     codes = {404: "not_found", 405: "method_not_allowed"}
     message = exc.detail if isinstance(exc, HTTPException) else "internal error"
     if status == 404:
-        return _send(errors_for(request.url.path)(NotFound(f"no route {request.method} {request.url.path}")), None)
+        return _send(errors_for(request.url.path)(NotFound(f"no route {request.method} {request.url.path}")), None,
+                     path=request.url.path)
     headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else {}
     if status == 405:
         allowed = headers.get("Allow") or headers.get("allow") or ""
         message = f"{request.method} is not allowed on {request.url.path} (allowed: {allowed})"
         # in the shape of the path's routes (OpenAI's on its routes), `Allow` kept
-        return _send(errors_for(request.url.path)(MethodNotAllowed(message, headers={"Allow": allowed})), None)
+        return _send(errors_for(request.url.path)(MethodNotAllowed(message, headers={"Allow": allowed})), None,
+                     path=request.url.path)
     return _send(ApiResponse(status, {"error": {"code": codes.get(status, "error"), "message": message}},
-                             headers), None)
+                             headers), None, path=request.url.path)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error", path=request.url.path)
-    return _send(ApiResponse(500, {"error": {"code": "internal", "message": "internal error"}}), None)
+    return _send(ApiResponse(500, {"error": {"code": "internal", "message": "internal error"}}), None,
+                 path=request.url.path)
 
 
 # headers whose value decides who calls or which request a call is: sent twice with two values, which one was meant

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +115,19 @@ def no_route_response(exc: ApiError) -> ApiResponse:
 log = structlog.get_logger(__name__)
 
 
+def identified(resp: ApiResponse, path: str = "") -> ApiResponse:
+    """An error answer with an `X-Request-Id` as every answer has (OpenAI's clients show it with the error): a call
+    refused before it became a request has no request id, so it gets an `err_` id of its own, logged with the error
+    (never a request id: `GET /v1/requests/{id}` would call it unknown, then gone)."""
+    if resp.status < 400 or any(k.lower() == "x-request-id" for k in resp.headers):
+        return resp
+    error_id = "err_" + secrets.token_hex(10)
+    err = resp.body.get("error") if isinstance(resp.body, dict) else None
+    log.info("call refused", error_id=error_id, status=resp.status, path=path,
+             code=err.get("code") if isinstance(err, dict) else None)
+    return dataclasses.replace(resp, headers={**resp.headers, "X-Request-Id": error_id})
+
+
 async def dispatch(route: RouteSpec, svc: GatewayService, req: ApiRequest, args: list[str],
                    trusted_tenant: str | None = None) -> ApiResponse:
     """Authenticate, run the handler, translate errors: in exactly one place for every transport.
@@ -141,9 +155,11 @@ async def handle(svc: GatewayService, req: ApiRequest, trusted_tenant: str | Non
     try:
         route, args = match(req.method, req.path)
     except ApiError as exc:
-        return errors_for(req.path)(exc)
+        return identified(errors_for(req.path)(exc), req.path)
     if route.with_body and len(req.body) > svc.settings.max_body_bytes:
-        return route.errors(PayloadTooLarge(f"body exceeds the limit of {svc.settings.max_body_bytes} bytes"))
+        return identified(route.errors(PayloadTooLarge(f"body exceeds the limit of {svc.settings.max_body_bytes} "
+                                                       "bytes")), req.path)
     if route.streamed_body and req.stream is None:
         req = dataclasses.replace(req, stream=one_chunk(req.body))
-    return await collect_events(await dispatch(route, svc, req, args, trusted_tenant), svc.settings.max_wait_s)
+    resp = await collect_events(await dispatch(route, svc, req, args, trusted_tenant), svc.settings.max_wait_s)
+    return identified(resp, req.path)
