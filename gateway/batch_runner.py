@@ -469,8 +469,12 @@ class BatchRunner:
         states = await pipe.execute()
 
         async def stop(ref: ItemRef) -> None:
-            with contextlib.suppress(ApiError):
-                await ops.cancel(self.q, tenant, ref.request_id)
+            # only while it is still queued, in one step: a request a worker starts between the read above and
+            # this cancel runs to its end and is written as it ends (cancelled through its worker, it ended with
+            # no output and a 409 line, neither finished nor `batch_cancelled`)
+            rec = await self.q.store.get(ref.request_id)
+            if rec is not None and rec.meta is not None and rec.meta.tenant == tenant:
+                await self.q.cancel_queued(rec, "cancelled with its batch before it ran")
 
         await asyncio.gather(*(stop(ref) for ref, state in zip(refs, states, strict=True)
                                if state in (b"queued", "queued")))
@@ -481,29 +485,36 @@ class BatchRunner:
         window ended."""
         code = "batch_cancelled" if ending == "cancelled" else "batch_expired"
         message = "the batch was cancelled before this request ran" if ending == "cancelled" else WINDOW_ENDED
+        seen = {ref.custom_id for ref in again}
         for ref in again:
             await self.store.write_line(meta.id, ref.line, Written(False, refused_line(
                 ref.custom_id, code, message, line_id="batch_req_" + ref.request_id.removeprefix("req_"))))
         entries = [pending.entry] if pending is not None else []
         if pending is not None and pending.attempt:  # a line fed again: its place in the file is behind the reader
-            await self._refuse(meta, pending.entry, code, message)
+            await self._refuse(meta, pending.entry, code, message, seen)
             entries = []
         last = None
         for entry in entries:
             last = entry
-            await self._refuse(meta, entry, code, message)
+            await self._refuse(meta, entry, code, message, seen)
         if reader is not None:
             async for entry in reader:
                 last = entry
-                await self._refuse(meta, entry, code, message)
+                await self._refuse(meta, entry, code, message, seen)
         if last is not None:
             await self.store.fed(meta.id, [], last.line + 1, last.end)
 
-    async def _refuse(self, meta: Any, entry: Entry, code: str, message: str) -> None:
+    async def _refuse(self, meta: Any, entry: Entry, code: str, message: str, seen: set[str]) -> None:
+        """A line not fed gets its error line, unless it is no request: cancelled before validation read it, a line
+        that does not parse, or repeats an earlier line's `custom_id`, was never a request and gets none (a line with
+        no `custom_id`, or one that a caller keying the results by it would see twice)."""
         try:
-            custom_id: str | None = parse_line(entry.raw, entry.line, meta.endpoint, self._tool_parser).custom_id
-        except BatchError:  # cancelled before validation read it: a line that is not a request has no custom_id
-            custom_id = None
+            custom_id = parse_line(entry.raw, entry.line, meta.endpoint, self._tool_parser).custom_id
+        except BatchError:
+            return
+        if custom_id in seen:
+            return
+        seen.add(custom_id)
         await self.store.write_line(meta.id, entry.line, Written(False, refused_line(
             custom_id, code, message, line_id=refused_line_id(meta.id, entry.line))))
 
@@ -520,9 +531,9 @@ class BatchRunner:
             return
         st = await self.store.get(batch_id)
         assert st is not None
-        total = max(st.progress.total, st.next_line)
-        if total > st.progress.total:  # cancelled before it was validated: its lines were counted as they were read
-            await self.store.set_fields(batch_id, total=total)
+        total = max(st.progress.total, st.next_line)  # the file's lines that may have one written
+        if total > st.progress.total:  # cancelled before it was validated: its requests are the lines written
+            await self.store.set_fields(batch_id, total=st.progress.completed + st.progress.failed)
         written: list[files.FileMeta] = []
         ids: dict[str, str] = {}
         try:

@@ -89,7 +89,10 @@ local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return nil end
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {status, 0, ''} end
 if status == 'in_progress' or status == 'cancelling' then
-  redis.call('HSET', KEYS[1], 'status', 'finalizing', 't:finalizing_at', ARGV[3], 'final', ARGV[2])
+  -- a cancel accepted (`cancelling`) ends the batch `cancelled`, even where its last line finished meanwhile
+  local final = ARGV[2]
+  if status == 'cancelling' and final == 'completed' then final = 'cancelled' end
+  redis.call('HSET', KEYS[1], 'status', 'finalizing', 't:finalizing_at', ARGV[3], 'final', final)
 elseif status ~= 'finalizing' then
   return {status, 0, ''}
 end

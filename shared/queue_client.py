@@ -322,9 +322,17 @@ class QueueClient:
             ended = await self._cancel_through_worker(rec)
             if ended is not None:
                 return ended.state is Status.CANCELLED  # else it finished otherwise first
-        won = await self.store.end_unanswered(rec, Status.CANCELLED, ErrorInfo("cancelled", "cancelled by the caller"),
-                                              self.now_ms(), "gateway")
-        if won and rec.meta is not None:
+        return await self._cancelled_here(rec, "cancelled by the caller")
+
+    async def cancel_queued(self, rec: StoredRecord, message: str) -> bool:
+        """Cancel only while no worker has started it (atomically: a worker's start after this finds it ended and
+        skips it; one before it leaves it running). True if the request ended cancelled by this call."""
+        return await self._cancelled_here(rec, message, only_if=Status.QUEUED)
+
+    async def _cancelled_here(self, rec: StoredRecord, message: str, only_if: Status | None = None) -> bool:
+        won = await self.store.end_unanswered(rec, Status.CANCELLED, ErrorInfo("cancelled", message), self.now_ms(),
+                                              "gateway", only_if=only_if)
+        if won and rec.meta is not None:  # a worker holding it unstarted drops it; the tenant's quota is freed
             await self.redis.publish(self.keys.cancel_channel(rec.meta.model), rec.id)
             await self.redis.zrem(self.keys.tenant_active(rec.meta.tenant), rec.id)
         return won

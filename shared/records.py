@@ -91,8 +91,9 @@ end
 return n
 """
 
-# KEYS records; for each record 7 ARGV: state, result, ttl_ms, keep ('1': a record with its state and meta keeps
-# the TTL it has), channel, meta, "completed" delivery or ''. Returns 1 for each write that won, else 0. A
+# KEYS records; for each record 8 ARGV: state, result, ttl_ms, keep ('1': a record with its state and meta keeps
+# the TTL it has), channel, meta, "completed" delivery or '', the state it must be in or '' (any not terminal).
+# Returns 1 for each write that won, else 0. A
 # record's result, its done event and its webhook delivery (into the outbox) are one atomic step: a request
 # completes once, its event is published once, its callback is queued once. The event carries the terminal record
 # when the result is small, so a waiter answers without reading the record back: `RECORD_EVENT`, then state,
@@ -101,11 +102,12 @@ FINISH_LUA = f"""
 local terminal = {_TERMINAL_LUA}
 local out = {{}}
 for i, key in ipairs(KEYS) do
-  local a = 7 * i - 6
+  local a = 8 * i - 7
   local state, result, channel, meta_arg, done = ARGV[a], ARGV[a + 1], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
+  local only = ARGV[a + 7]
   local cur = redis.call('HMGET', key, 'state', 'meta', 'started', 'attempts', 'cb')
   local s = cur[1]
-  if s and terminal[s] then
+  if (s and terminal[s]) or (only ~= '' and s ~= only) then
     out[i] = 0
   else
     local f = {{'state', state, 'result', result}}
@@ -246,19 +248,21 @@ class RecordStore:
         await self.flush([d for d, s in zip(started, states, strict=True) if d is not None and s is Status.RUNNING])
         return states
 
-    def _finish_args(self, result: RequestResult, meta: RequestMeta | None) -> list[Any]:
+    def _finish_args(self, result: RequestResult, meta: RequestMeta | None, only_if: str = "") -> list[Any]:
         done = completed_delivery(result, meta)
         # The record lives until its deadline plus the result TTL (`queued_ttl_ms`); where that deadline is near,
         # the record keeps it (the result is kept at most `KEEP_TTL_SHARE` longer than the result TTL) and the
         # finish saves a PEXPIRE. A deadline already past would keep it shorter: the TTL is set.
         keep = meta is not None and 0 <= meta.deadline_ms - result.finished_ms <= self.result_ttl_ms * KEEP_TTL_SHARE
         return [result.status.value, encode(result), self.result_ttl_ms, "1" if keep else "",
-                self.keys.done_channel(result.id), encode(meta) if meta else b"", encode(done) if done else b""]
+                self.keys.done_channel(result.id), encode(meta) if meta else b"", encode(done) if done else b"",
+                only_if]
 
-    async def finish(self, result: RequestResult, meta: RequestMeta | None = None) -> bool:
+    async def finish(self, result: RequestResult, meta: RequestMeta | None = None, *,
+                     only_if: Status | None = None) -> bool:
         """Write a terminal result, publish "done" and queue the webhook, atomically; then move the webhook to the
-        callback stream. True if this write won."""
-        won = (await self.finish_all([(result, meta)]))[0]
+        callback stream. True if this write won. `only_if`: only while the record is in that state (else False)."""
+        won = (await self.finish_all([(result, meta)], only_if=only_if))[0]
         if won and (done := completed_delivery(result, meta)) is not None:
             await self.flush([done])
         return won
@@ -277,17 +281,18 @@ class RecordStore:
         expired = ErrorInfo("deadline_exceeded", "no result by the deadline")
         return await self.end_unanswered(rec, Status.EXPIRED, expired, now_ms, by)
 
-    async def end_unanswered(self, rec: StoredRecord, status: Status, error: ErrorInfo, now_ms: int, by: str) -> bool:
+    async def end_unanswered(self, rec: StoredRecord, status: Status, error: ErrorInfo, now_ms: int, by: str, *,
+                             only_if: Status | None = None) -> bool:
         """End a request no worker writes the result of (an expiry past the grace, a cancel no worker answered):
         what its caller was streamed is its output, as a worker's own cut keeps it, so the deltas still add up to
-        the final output. True if this write won."""
+        the final output. True if this write won; `only_if`: only while the record is in that state."""
         output = streamed_output(stream_deltas(await self.redis.xrange(self.keys.events(rec.id))))
         if output is not None:
             error = ErrorInfo(error.code, f"{error.message} after {output['completion_tokens']} tokens were streamed; "
                                           "partial output kept")
         reason = FinishReason.DEADLINE if status is Status.EXPIRED else FinishReason.CANCELLED
         won = await self.finish(RequestResult(id=rec.id, status=status, output=output, finish_reason=reason,
-                                              error=error, finished_ms=now_ms, worker=by), rec.meta)
+                                              error=error, finished_ms=now_ms, worker=by), rec.meta, only_if=only_if)
         if won and output is not None:
             # the deltas live as long as the record did; a record ended late (an expiry no dispatcher ran meanwhile)
             # now outlives that: they are kept as long as its result, so a stream resumed from its last event id
@@ -296,7 +301,7 @@ class RecordStore:
         return won
 
     async def finish_all(self, finished: Sequence[tuple[RequestResult, RequestMeta | None]], *,
-                         durable: bool = True) -> list[bool]:
+                         durable: bool = True, only_if: Status | None = None) -> list[bool]:
         """Write terminal results (see `finish`), one script call for all (for each hash slot's, on a cluster);
         True for each write that won. The caller then passes the winners' deliveries (`completed_delivery`) to
         `flush`, before it acks their stream entries. `durable` False: not waited on the replicas for, whatever the
@@ -305,9 +310,10 @@ class RecordStore:
             return []
         groups = script_groups(self.redis, [self.keys.record(result.id) for result, _ in finished])
         pipe = self.redis.pipeline(transaction=False)
+        only = only_if.value if only_if else ""
         for group in groups:
             in_pipeline(pipe, FINISH_LUA, [self.keys.record(finished[i][0].id) for i in group],
-                        [arg for i in group for arg in self._finish_args(*finished[i])])
+                        [arg for i in group for arg in self._finish_args(*finished[i], only)])
         won = ungroup(groups, await (self.execute_durably(pipe) if durable else pipe.execute()), len(finished))
         return [bool(w) for w in won]
 

@@ -218,9 +218,9 @@ async def test_cancel_stops_feeding_and_every_line_is_answered_once(redis_url, p
 
 async def test_a_batch_cancelled_before_it_was_validated_counts_every_line_it_answers(
         redis_url, prefix, loaded_models, tmp_path):
-    """Cancelled while `validating` (no runner had read it yet): every line gets its `batch_cancelled` line, one
-    that is not a request too (validation never ran to refuse it), and the counts add up: `total` is the lines,
-    never less than `failed`."""
+    """Cancelled while `validating` (no runner had read it yet): every line that is a request gets its
+    `batch_cancelled` line; one that is not (no `custom_id` to key it by) gets none, and the counts add up: `total`
+    is the lines written, never less than `failed`."""
     settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
     async with running_gateway(settings) as gw:  # no runner yet: the batch stays `validating`
         client = client_for(gw)
@@ -233,10 +233,10 @@ async def test_a_batch_cancelled_before_it_was_validated_counts_every_line_it_an
             done = await until_done(client, b.id, 30)
         assert done.status == "cancelled" and done.output_file_id is None
         err = await lines_of(client, done.error_file_id)
-        assert [x["custom_id"] for x in err] == ["c-0", "c-1", "c-2", "c-3", None]
+        assert [x["custom_id"] for x in err] == ["c-0", "c-1", "c-2", "c-3"]  # before: a line with custom_id null too
         assert all(code_of(x) == "batch_cancelled" for x in err)
         counts = done.request_counts
-        assert (counts.total, counts.completed, counts.failed) == (5, 0, 5)
+        assert (counts.total, counts.completed, counts.failed) == (4, 0, 4)
 
 
 async def test_a_runner_that_dies_mid_batch_is_taken_over_without_a_lost_or_repeated_line(
@@ -473,6 +473,28 @@ async def test_a_runner_that_dies_as_it_begins_finalizing_leaves_the_final_statu
         await first.q.close()
 
 
+async def test_a_cancel_accepted_as_the_last_line_finished_ends_the_batch_cancelled(redis_url, prefix, tmp_path):
+    """The runner saw every line written and chose `completed`; a cancel accepted meanwhile (`cancelling`, answered
+    to its caller) wins: the batch ends `cancelled`, as OpenAI's `cancelling` always does (it ended `completed`)."""
+    from shared.batch_store import BatchStore
+
+    settings = make_settings(redis_url, prefix, files_dir=str(tmp_path / "files"))
+    first = BatchRunner(settings, poll_s=0.05, name="first")
+    try:
+        store = BatchStore(first.q.redis, Keys(prefix))
+        batch_id = await a_written_batch(store, first.q.redis, prefix)
+        assert await store.move(batch_id, "cancelling", "cancelling_at", 5, from_=("in_progress",)) == "cancelling"
+        assert await store.lease(batch_id, "first", 15_000)
+        assert await store.begin_finalize(batch_id, "first", "completed", 6) == ("finalizing", 1, "cancelled")
+        st = await store.get(batch_id)
+        await first.finalize(st, "completed")
+        done = await store.get(batch_id)
+        assert done.progress.status == "cancelled" and "completed_at" not in done.progress.times
+        assert done.progress.times["cancelled_at"] >= 6 and done.progress.completed == 4
+    finally:
+        await first.q.close()
+
+
 async def test_a_batchs_end_is_a_signed_webhook_with_the_batch(redis_url, prefix, loaded_models, tmp_path):
     from shared.webhooks import verify
     from tests.integration.test_webhooks import SECRET, dispatcher, settings_for
@@ -603,7 +625,9 @@ async def test_batches_are_listed_newest_first_within_one_second(redis_url, pref
 
 async def test_a_cancel_while_a_file_is_validated_stops_its_validation(redis_url, prefix, tmp_path, monkeypatch):
     """Validation looks for a cancel as it reads (every `CANCEL_CHECK_LINES`): a 50,000-line file's cancel does not
-    wait for every line to be checked, and a bad line past where it stopped does not fail the cancelled batch."""
+    wait for every line to be checked, and a bad line past where it stopped does not fail the cancelled batch; a line
+    repeating an earlier line's `custom_id` gets no line of its own (a caller keying the results by it saw it
+    twice)."""
     from gateway import batch_runner
 
     monkeypatch.setattr(batch_runner, "CANCEL_CHECK_LINES", 2)
@@ -617,4 +641,6 @@ async def test_a_cancel_while_a_file_is_validated_stops_its_validation(redis_url
             done = await until_done(client, b.id, 30)
         assert done.status == "cancelled" and done.errors is None, done  # not `failed` for the line it never checked
         err = await lines_of(client, done.error_file_id)
-        assert [code_of(x) for x in err] == ["batch_cancelled"] * 4
+        assert [code_of(x) for x in err] == ["batch_cancelled"] * 3
+        assert [x["custom_id"] for x in err] == ["c-0", "c-1", "c-2"]
+        assert (done.request_counts.total, done.request_counts.failed) == (3, 3)

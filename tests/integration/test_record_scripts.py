@@ -145,3 +145,28 @@ async def test_a_finish_near_its_deadline_keeps_the_records_ttl(parts):
     assert ttl_ms - 2000 < await client.pttl(keys.record(far.id)) <= ttl_ms
     assert ttl_ms - 2000 < await client.pttl(keys.record(late.id)) <= ttl_ms
     assert ttl_ms - 2000 < await client.pttl(keys.record(bare.id)) <= ttl_ms
+
+
+async def test_a_cancel_only_while_queued_never_ends_a_request_a_worker_started(parts):
+    """A batch's cancel stops only what no worker has started, in one step with the check (`only_if`): read as
+    queued, started by a worker, then cancelled, the request runs on (it was cancelled through its worker and ended
+    with no output, neither finished nor `batch_cancelled`); one still queued ends cancelled, and a worker's start
+    after that skips it."""
+    from shared.ids import new_request_id
+    from shared.messages import ErrorInfo
+
+    client, _keys, store = parts
+    a, b = make_request(new_request_id()), make_request(new_request_id())
+    await queue(client, store, [a, b])
+    seen_a, seen_b = await store.get(a.id), await store.get(b.id)
+    assert seen_a.state is Status.QUEUED and seen_b.state is Status.QUEUED
+    assert await store.start([a], int(time.time() * 1000)) == [Status.RUNNING]  # a worker starts it meanwhile
+    why = ErrorInfo("cancelled", "cancelled with its batch before it ran")
+    for rec, won in ((seen_a, False), (seen_b, True)):
+        assert await store.end_unanswered(rec, Status.CANCELLED, why, int(time.time() * 1000), "gateway",
+                                          only_if=Status.QUEUED) is won
+    assert (await store.get(a.id)).state is Status.RUNNING
+    ended = await store.get(b.id)
+    assert ended.state is Status.CANCELLED and ended.result.error.message == why.message
+    assert await store.start([b], int(time.time() * 1000)) != [Status.RUNNING]  # never started after it
+    assert await store.finish(done(a), a.meta())  # the started one ends as its worker ends it
