@@ -5,7 +5,8 @@ request's delta stream (`Keys.events`) and wakes the request's "done" channel, o
 step for all its streaming rows. `follow` turns that, and the request's record, into the events the
 gateway serves as Server-Sent Events (`GET /v1/requests/{id}/events`) and the OpenAI routes as chunks:
 
-- `status` `{id, status}`: on connecting, and whenever the status changes (queued -> running);
+- `status` `{id, status}`: on connecting, and whenever the status changes (queued -> running: a worker's start of a
+  streaming request wakes its followers; one that does not stream says it with its output);
 - `delta` `{index, text, token_ids}`: the output's tokens from `index` on and the text they add (and, with
   `params.logprobs`, `logprobs`: an entry per token, as the result's `output.logprobs`);
 - `done`: the request's record view (as GET answers), always the last event. Cancelled, expired and

@@ -52,15 +52,17 @@ OUTBOX_EVENTS = ("started", "completed")  # the webhooks a record's own scripts 
 _TERMINAL_LUA = "{" + ", ".join(f"['{s.value}']=true" for s in TERMINAL) + "}"
 
 
-# KEYS records; ARGV started_ms, then for each record: meta, ttl_ms, "started" delivery or ''. Returns each record's
-# state after the call. One read and one write a record in the common case: the meta is written where the record
-# lacks it, the TTL only where the record is missing or lacks its meta (a submit's pipeline writes the state, the
-# TTL, then the meta: a record with its meta has its TTL).
+# KEYS records; ARGV started_ms, then for each record: meta, ttl_ms, "started" delivery or '', its done channel or ''.
+# Returns each record's state after the call. One read and one write a record in the common case: the meta is
+# written where the record lacks it, the TTL only where the record is missing or lacks its meta (a submit's pipeline
+# writes the state, the TTL, then the meta: a record with its meta has its TTL). With a channel (a streaming
+# request), a start wakes the request's followers, whose streams announce `running` when it starts, not with its
+# first tokens (a long prefill, or text held back, said `queued` until then); others publish nothing.
 START_LUA = f"""
 local terminal = {_TERMINAL_LUA}
 local out = {{}}
 for i, key in ipairs(KEYS) do
-  local at = 3 * i - 1
+  local at = 4 * i - 2
   local cur = redis.call('HMGET', key, 'state', 'attempts', 'meta')
   local s = cur[1]
   if s and terminal[s] then
@@ -71,6 +73,7 @@ for i, key in ipairs(KEYS) do
     if not cur[3] then f[#f + 1] = 'meta'; f[#f + 1] = ARGV[at] end
     redis.call('HSET', key, unpack(f))
     if not (s and cur[3]) then redis.call('PEXPIRE', key, ARGV[at + 1]) end
+    if s ~= 'running' and ARGV[at + 3] ~= '' then redis.call('PUBLISH', ARGV[at + 3], 'running') end
     out[i] = 'running'
   end
 end
@@ -240,7 +243,8 @@ class RecordStore:
             args: list[Any] = [started_ms]
             for i in group:
                 d = started[i]
-                args += [encode(reqs[i].meta()), self.queued_ttl_ms(reqs[i], started_ms), encode(d) if d else b""]
+                args += [encode(reqs[i].meta()), self.queued_ttl_ms(reqs[i], started_ms), encode(d) if d else b"",
+                         self.keys.done_channel(reqs[i].id) if reqs[i].stream else ""]
             in_pipeline(pipe, START_LUA, [self.keys.record(reqs[i].id) for i in group], args)
         states = ungroup(groups, await pipe.execute(), len(reqs))
         states = [Status(_text(s)) for s in states]

@@ -274,6 +274,34 @@ async def test_a_status_event_comes_first_and_never_between_deltas(redis_url, pr
             check(await events_of(gw.client, rid), "running")  # joined mid-run
 
 
+async def test_a_stream_announces_running_when_its_worker_starts_it_not_with_its_first_tokens(redis_url, prefix):
+    """A streaming request whose text is held back (the output so far always begins its stop string) releases no
+    token until its end: its stream says `running` when a worker starts it, ~0.6 s before its one delta (it said
+    `queued` to the end; so did a long prefill until its first token), as GET would have said."""
+    import time
+
+    from shared.config import ModelSpec
+    from shared.states import Task
+
+    echo = ModelSpec(name="echo", task=Task.GENERATE, source="", kind="echo", max_input_tokens=64,
+                     max_new_tokens=200, step_ms=10).validate()
+    settings = make_settings(redis_url, prefix, models=(echo,))
+    body = {"input": {"prompt": "ab"}, "params": {"max_new_tokens": 60, "stop": ["ab" * 31 + "X"]}, "stream": True}
+    async with running_worker(settings, {}), running_gateway(settings) as gw:
+        async with gw.client.stream("POST", "/v1/models/echo/requests", json=body,
+                                    headers={"Accept": "text/event-stream"}) as r:
+            timed: list[tuple[float, str]] = []
+            async for line in r.aiter_lines():
+                if line.startswith("data:") and '"status"' in line and '"running"' in line:
+                    timed.append((time.monotonic(), "running"))
+                elif line == "event: delta":
+                    timed.append((time.monotonic(), "delta"))
+                elif line == "event: done":
+                    break
+        assert [name for _, name in timed] == ["running", "delta"], timed
+        assert timed[1][0] - timed[0][0] > 0.3, timed  # announced as it started, not with the output
+
+
 async def test_an_event_source_client_gets_events_without_asking_for_stream(redis_url, prefix):
     """`Accept: text/event-stream` alone (an EventSource client) answers the submit with its events, the
     output as one delta before `done`; a client that prefers JSON, or refuses events, gets the 202."""
