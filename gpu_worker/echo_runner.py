@@ -28,7 +28,7 @@ from gpu_worker.runner import count_calls
 from gpu_worker.sequences import EngineStats, GenResult, completes_stop
 from gpu_worker.service_model import CostPrior
 from gpu_worker.stream_release import Release, next_delta
-from gpu_worker.token_logprobs import asked, certain, certain_prompt, plain, with_logprobs
+from gpu_worker.token_logprobs import asked, certain, certain_prompt, with_logprobs
 from shared.config import ModelSpec
 from shared.faults import Faults
 from shared.lanes import assign_lane
@@ -45,6 +45,16 @@ def encode_text(text: str) -> list[int]:
 def decode_tokens(ids: list[int]) -> str:
     """Text of echo tokens: the UTF-8 decoding of those below 256 (the others spell nothing)."""
     return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", "replace")
+
+
+def token_text(token_id: int) -> tuple[str, list[int] | None]:
+    """An echo token's text alone, and its byte where the text cannot hold it (a byte of a multi-byte character:
+    its text U+FFFD), as log probabilities name tokens (`gpu_worker.token_logprobs.TokenFn`)."""
+    if 0 <= token_id < 0x80:
+        return chr(token_id), None
+    if token_id < 0x100:
+        return "\ufffd", [token_id]
+    return "", None
 
 
 @dataclass(slots=True)
@@ -194,7 +204,7 @@ class EchoRunner:
             if job.stream is not None:
                 delta = next_delta(job.stream, job.stream.output(row.tokens), decode_tokens)
                 if delta is not None:
-                    delta = with_logprobs(delta, job, certain(row.tokens, asked(job)), plain(decode_tokens))
+                    delta = with_logprobs(delta, job, certain(row.tokens, asked(job)), token_text)
                     out.append(Delta(job.req, delta, first=job.stream.first))
                     job.stream.first = False
         return out
@@ -230,4 +240,5 @@ class EchoRunner:
                       ttft_s=row.prefill_s, decode_s=max(0.0, now - row.first_token_at),
                       admitted_at=row.admitted_at, owner=row.job, logprobs=certain(row.tokens, asked(row.job)),
                       prompt_logprobs=certain_prompt(row.job))
-        return Outcome(row.job.req, generation_result(row.job, r, now, worker=self.worker, decode=decode_tokens))
+        return Outcome(row.job.req, generation_result(row.job, r, now, worker=self.worker, decode=decode_tokens,
+                                                        token=token_text))

@@ -259,6 +259,22 @@ def test_log_probabilities_of_the_echo_model_are_certain():
     assert "logprobs" not in out.result.output
 
 
+def test_an_echo_tokens_log_probability_names_its_own_byte_where_it_is_part_of_a_character():
+    """A byte of a multi-byte character is its `token` U+FFFD and its `bytes` the byte itself (they were U+FFFD's
+    own three bytes: joined, an OpenAI client's `bytes` spelled replacement characters instead of the text)."""
+    runner = EchoRunner(SPEC, "w", max_rows=4)
+    text = "a\u00e9\U0001F600"
+    req = request(prompt=text, max_new_tokens=len(text.encode()))
+    req = dataclasses.replace(req, params={**req.params, "logprobs": 1, "prompt_logprobs": 0})
+    (out,) = run_to_end(runner, [job(runner, req)]).values()
+    output = out.result.output
+    entries = output["logprobs"]
+    assert [e["token"] for e in entries] == ["a"] + ["\ufffd"] * 6
+    assert b"".join(bytes(e.get("bytes") or e["token"].encode()) for e in entries).decode() == output["text"] == text
+    assert all(t.get("bytes") == e.get("bytes") for e in entries for t in e["top_logprobs"])
+    assert [e.get("bytes") for e in output["prompt_logprobs"]] == [None, *[[b] for b in text.encode()[1:]]]
+
+
 def test_stop_token_ids_end_a_row_before_stop_strings_id_kept_text_not():
     """As a model's runner: a stop token is checked before the stop strings; its id stays in the output, its text
     does not (as a stream sends it); an id past the vocabulary is refused."""
