@@ -201,9 +201,10 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
                  path=request.url.path)
 
 
-# headers whose value decides who calls or which request a call is: sent twice with two values, which one was meant
-# is not known (the last one won: a call could run as the other tenant, or under the other key)
-SINGLE_HEADERS = ("authorization", "x-api-key", "idempotency-key")
+# headers whose value decides who calls, which request a call is or where its stream resumes: sent twice with two
+# values, which one was meant is not known (the last one won: a call could run as the other tenant, or under the
+# other key, or a stream resume elsewhere than its caller's place)
+SINGLE_HEADERS = ("authorization", "x-api-key", "idempotency-key", "last-event-id")
 
 
 def _headers(request: Request) -> dict[str, str]:

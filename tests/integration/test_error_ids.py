@@ -15,6 +15,7 @@ from openai import AsyncOpenAI
 
 from gateway import routes
 from gateway.api import ApiRequest
+from shared.ids import new_request_id
 from tests.stack import RunningGateway, make_settings, running_gateway
 
 pytestmark = [pytest.mark.redis]
@@ -61,6 +62,11 @@ async def test_native_errors_carry_an_id_and_successes_keep_theirs(gw: RunningGa
         r = await gw.client.request(method, path, content=body, headers={"content-type": "application/json"})
         assert r.status_code == status, r.text
         assert ERROR_ID.match(r.headers["x-request-id"]), (path, r.headers)
+    # a stream's place sent twice with two values: which one was meant is not known (the last one won)
+    twice = await gw.client.get(f"/v1/requests/{new_request_id()}/events",
+                                headers=[("Last-Event-ID", "3"), ("Last-Event-ID", "9")])
+    assert twice.status_code == 400 and twice.json()["error"]["code"] == "repeated_header", twice.text
+    assert ERROR_ID.match(twice.headers["x-request-id"])
     ok = await gw.client.get("/healthz")
     assert ok.status_code == 200 and "x-request-id" not in ok.headers  # no call to name: nothing invented
 
