@@ -1,13 +1,15 @@
 """The script a worker appends a streaming request's token deltas with (`RedisQueue.publish_deltas`)."""
 
-# KEYS[1] a request's delta stream, KEYS[2] its record (the same slot); ARGV the delta, on its first delta the ttl ms
-# (the result's) and the margin ms, else '' twice, its "done" channel, the message (the delta itself: a follower needs
-# no read). The stream lives as long as the record can (the record's TTL now, which runs to the request's deadline
-# plus the result TTL, plus the margin: a finish by the deadline, or an expiry within the grace after it, sets the
-# result TTL again from then), so a caller resuming with Last-Event-ID never finds the record without its deltas.
+# KEYS[1] a request's delta stream, KEYS[2] its record (the same slot); ARGV the delta, the ttl ms (the result's),
+# the margin ms, its "done" channel, the message (the delta itself: a follower needs no read), '1' on its first delta.
+# The stream lives as long as the record can (the record's TTL now, which runs to the request's deadline plus the
+# result TTL, plus the margin: a finish by the deadline, or an expiry within the grace after it, sets the result TTL
+# again from then), so a caller resuming with Last-Event-ID never finds the record without its deltas. The TTL is set
+# on the first delta, and on a later one that found no stream (a Redis restarted without persistence: the stream it
+# made would have lived forever).
 DELTA_LUA = """
 redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
-if ARGV[2] ~= '' then
+if ARGV[6] == '1' or redis.call('PTTL', KEYS[1]) == -1 then
   local ttl = tonumber(ARGV[2])
   local rec = redis.call('PTTL', KEYS[2])
   if rec > 0 then ttl = math.max(ttl, rec + tonumber(ARGV[3])) end

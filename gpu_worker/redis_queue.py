@@ -232,8 +232,8 @@ class RedisQueue:
                 for request_id, delta, first in deltas:
                     data = encode(delta)
                     in_pipeline(pipe, DELTA_LUA, [self.keys.events(request_id), self.keys.record(request_id)],
-                                [data, self.store.result_ttl_ms if first else "", self.margin_ms if first else "",
-                                 self.keys.done_channel(request_id), DELTA + data])
+                                [data, self.store.result_ttl_ms, self.margin_ms, self.keys.done_channel(request_id),
+                                 DELTA + data, "1" if first else ""])
                 await pipe.execute()
 
     async def streamed(self, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:

@@ -40,3 +40,11 @@ async def test_without_a_record_the_deltas_keep_the_result_ttl(parts):
     await queue.publish_deltas([("near", StreamDelta(0, (5,), "a"), True), ("none", StreamDelta(0, (1,), "x"), True)])
     for rid in ("near", "none"):
         assert RESULT_TTL_S * 1000 - 5_000 < await client.pttl(keys.events(rid)) <= RESULT_TTL_S * 1000
+
+
+async def test_a_later_delta_that_finds_no_stream_gives_the_one_it_makes_a_ttl(parts):
+    """A Redis restarted without persistence loses the stream while its worker runs on: the stream the next delta
+    makes expires as a first delta's would (it lived forever)."""
+    client, keys, queue = parts
+    await queue.publish_deltas([("lost", StreamDelta(7, (5,), "a"), False)])
+    assert RESULT_TTL_S * 1000 - 5_000 < await client.pttl(keys.events("lost")) <= RESULT_TTL_S * 1000
