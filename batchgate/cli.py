@@ -440,9 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchgate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_AnyOrder)
 
-    def common(p: argparse.ArgumentParser) -> None:
+    def common(p: argparse.ArgumentParser, serves: bool = True) -> None:
         p.add_argument("--config", help="YAML or TOML model config (else BATCHGATE_CONFIG, else built-ins)")
-        p.add_argument("--models", help="comma-separated model names to serve (else BATCHGATE_MODELS)")
+        p.add_argument("--models", help=f"comma-separated model names {'to serve' if serves else 'the gateways serve'} "
+                                        "(else BATCHGATE_MODELS)")
         p.add_argument("--redis-url", help="Redis URL (else BATCHGATE_REDIS_URL or REDIS_URL)")
 
     def admin(p: argparse.ArgumentParser) -> None:  # the operations commands serve no models
@@ -470,11 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
     wk.set_defaults(func=cmd_worker)
 
     cb = sub.add_parser("callbacks", help="run a webhook dispatcher (several may run)")
-    common(cb)
+    common(cb, serves=False)
     cb.set_defaults(func=cmd_callbacks)
 
     bt = sub.add_parser("batches", help="run a batch runner for the Batch API (several may run)")
-    common(bt)
+    common(bt, serves=False)
     bt.set_defaults(func=cmd_batches)
 
     wh = sub.add_parser(

@@ -14,7 +14,7 @@ import structlog
 from redis.exceptions import ResponseError
 
 from gateway import openai_api
-from gateway.api import ApiRequest, ApiResponse, BadRequest, Conflict, NotFound, ServiceUnavailable, wants_events
+from gateway.api import ApiRequest, ApiResponse, BadRequest, Conflict, ServiceUnavailable, wants_events
 from gateway.parsing import parse_body, parse_idempotency_key, parse_wait
 from gateway.service import GatewayService
 from shared import operations as ops
@@ -81,7 +81,7 @@ async def replay_callback(svc: GatewayService, req: ApiRequest, request_id: str)
     """Send a dead-lettered (or failed) webhook again, from attempt zero."""
     rec = await ops.visible(svc, req.tenant, request_id)
     if rec.meta is None or rec.meta.callback is None:
-        raise NotFound("this request has no callback", code="no_callback")
+        raise Conflict("this request has no callback: nothing to replay", code="no_callback")  # it exists: not 404
     if rec.callback is None:
         raise Conflict("the callback has not been attempted yet", code="callback_pending")
     now, latest = svc.now_ms(), None

@@ -488,9 +488,9 @@ class Settings:
                               f"{self.callback_lease_s:g} <= {self.callback_timeout_s:g}): another dispatcher "
                               "takes a delivery over when its lease ends, even mid-attempt")
         if self.cpu_engines not in ("shared", "parallel"):
-            raise ConfigError("BATCHGATE_CPU_ENGINES must be shared or parallel")
+            raise ConfigError(f"BATCHGATE_CPU_ENGINES must be shared or parallel (got {self.cpu_engines!r})")
         if self.auth not in ("api_key", "off"):
-            raise ConfigError("BATCHGATE_AUTH must be api_key or off")
+            raise ConfigError(f"BATCHGATE_AUTH must be api_key or off (got {self.auth!r})")
         self._validate_logging()
         self._validate_webhook_secret()
         from shared.ssrf import AllowList  # stdlib only: no cycle

@@ -153,6 +153,10 @@ async def test_each_events_delivery_is_shown_and_a_dead_started_one_is_replayed(
         events = [r.headers["batchgate-event"] for r in rx.requests]
         assert events.count("started") == 3 and events.count("completed") == 1  # two 500s, then the replay
         assert (await gw.client.post(f"/v1/requests/{rid}/callback:replay")).status_code == 409
+        # a request submitted without a callback: it exists (a 404 read as an unknown id), nothing to replay
+        plain = (await gw.client.post("/v1/models/minilm/requests", json={"input": {"text": "x"}})).json()["id"]
+        none = await gw.client.post(f"/v1/requests/{plain}/callback:replay")
+        assert none.status_code == 409 and none.json()["error"]["code"] == "no_callback", none.text
 
 
 async def test_retries_on_500_and_timeout_then_delivered_once_with_backoff(redis_url, prefix):

@@ -305,3 +305,9 @@ def test_a_redis_urls_password_is_never_shown():
         assert "S3cret" not in str(exc) and ":***@h" in str(exc)
     else:
         raise AssertionError("a bad port is refused")
+
+
+@pytest.mark.parametrize(("name", "value"), [("BATCHGATE_AUTH", "bogus"), ("BATCHGATE_CPU_ENGINES", "many")])
+def test_a_choice_out_of_its_set_names_the_value_given(name, value):
+    with pytest.raises(ConfigError, match=f"{name} must be .*got '{value}'"):
+        Settings.from_environ({name: value})
