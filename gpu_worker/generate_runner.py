@@ -137,7 +137,8 @@ class GenerateRunner:
         """The prompt's token ids as the model reads them (`truncate_prompt_tokens` cut), or (code, message) where
         they cannot be had."""
         if "input_ids" in req.input:
-            ids = params.cut_prompt(list(req.input["input_ids"]), self.spec.max_input_tokens)  # cut, then read
+            ids = params.cut_prompt(list(req.input["input_ids"]), self.spec.max_input_tokens,  # cut, then read
+                                    self.context)
             if any(i >= self.vocab for i in ids):
                 return "invalid_input", f"input_ids must be below the vocabulary size {self.vocab}"
             return ids
@@ -156,7 +157,7 @@ class GenerateRunner:
                 continue_final_message=req.input.get("continue_final_message", False)))
         else:
             ids = self.tokenizer(req.input["prompt"], add_special_tokens=True)["input_ids"]
-        return params.cut_prompt(ids, self.spec.max_input_tokens)  # truncate_prompt_tokens: its last tokens
+        return params.cut_prompt(ids, self.spec.max_input_tokens, self.context)  # truncate_prompt_tokens: its last
 
     def _spec(self, job: Job) -> GenSpec:
         params = cast(GenerateParams, job.params)  # prepare builds a generation job's params so

@@ -223,16 +223,18 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValidationError("params.min_tokens", f"must be at most {bound}, got {params.min_tokens}")
         return params
 
-    def prompt_kept(self, max_input_tokens: int) -> int | None:
-        """How many of a prompt's last tokens it keeps (`truncate_prompt_tokens`, -1 the model's prompt limit);
-        None: all of them."""
+    def prompt_kept(self, max_input_tokens: int, context: int | None = None) -> int | None:
+        """How many of a prompt's last tokens it keeps (`truncate_prompt_tokens`; -1: the most the model takes, its
+        prompt limit and, where its `context` is known, what that leaves beside `max_new_tokens`); None: all."""
         t = self.truncate_prompt_tokens
-        return None if t is None else max_input_tokens if t == -1 else t
+        if t is None or t != -1:
+            return t
+        return max_input_tokens if context is None else max(1, min(max_input_tokens, context - self.max_new_tokens))
 
-    def cut_prompt(self, ids: list[int], max_input_tokens: int) -> list[int]:
+    def cut_prompt(self, ids: list[int], max_input_tokens: int, context: int | None = None) -> list[int]:
         """A prompt's token ids as the model reads them: its last `prompt_kept` (left truncation, vLLM's default
         for generation), or its first (`truncation_side` right)."""
-        keep = self.prompt_kept(max_input_tokens)
+        keep = self.prompt_kept(max_input_tokens, context)
         if keep is None or len(ids) <= keep:
             return ids
         return ids[:keep] if self.truncation_side == "right" else ids[len(ids) - keep:]

@@ -227,7 +227,9 @@ def build_request(body: Any, spec: ModelSpec, tenant: str, now: float,
         params.check_truncation(spec.max_input_tokens)
         # a prompt the worker truncates may be any length the body's size allows; else one far past the model's
         # prompt limit is refused untokenized
-        keep = params.prompt_kept(spec.max_input_tokens)
+        # -1 keeps what the model's context leaves beside the output, where the gateway knows the context (a model
+        # file may allow more than the model takes: it kept the file's limit, and the prompt was then refused)
+        keep = params.prompt_kept(spec.max_input_tokens, limits.context(spec) if limits is not None else None)
         inp = sub.input.normalised(max_prompt_chars=spec.max_input_tokens * 16 if keep is None else None,
                                    max_input_tokens=spec.max_input_tokens if keep is None else None,
                                    templates_trusted=spec.trust_request_chat_template)

@@ -34,11 +34,12 @@ def request(rid: str, ids: list[int], **params) -> InferenceRequest:
                             created_ms=now, deadline_ms=now + 600_000, est_tokens=len(ids) + NEW)
 
 
-def serve(requests: list[InferenceRequest]) -> dict[str, tuple[list[int], int] | str]:
+def serve(requests: list[InferenceRequest], spec: ModelSpec = SPEC,
+          max_seq_len: int = 128) -> dict[str, tuple[list[int], int] | str]:
     """Each request's (token ids, prompt tokens), or the error code of one refused before it is computed."""
     model, tok = tiny_llama()
-    loaded = LoadedModel(spec=SPEC, path=None, model=model, tokenizer=tok, device=DEVICE, dtype=torch.float32)
-    runner = GenerateRunner(loaded, "w", max_rows=8, max_seq_len=128)
+    loaded = LoadedModel(spec=spec, path=None, model=model, tokenizer=tok, device=DEVICE, dtype=torch.float32)
+    runner = GenerateRunner(loaded, "w", max_rows=8, max_seq_len=max_seq_len)
     prepared = [runner.prepare(r, time.time()) for r in requests]
     done = [p for p in prepared if isinstance(p, Outcome)]
     done += runner.start([p for p in prepared if not isinstance(p, Outcome)], time.time())
@@ -58,6 +59,16 @@ def test_a_prompt_keeps_its_last_tokens_and_reads_as_they_read_alone():
     assert got["limit"] == got["eight"] and got["limit"][1] == 8
     assert got["short"][1] == len(PROMPTS["b"])  # shorter than what it keeps: whole
     assert serve([request("over", long)]) == {"over": "input_too_long"}  # without it, the same prompt is refused
+
+
+def test_minus_one_keeps_what_the_models_context_leaves_beside_the_output():
+    """A model file allowing more prompt than the model's context (256 tokens) takes: -1 keeps the prompt's last
+    256 - max_new_tokens tokens, read as they read alone (it kept the file's 400, and the request failed)."""
+    spec = dataclasses.replace(SPEC, max_input_tokens=400)
+    long = [3 + i % 50 for i in range(300)]
+    got = serve([request("limit", long, truncate_prompt_tokens=-1), request("tail", long[-(256 - NEW):])],
+                spec, max_seq_len=256)
+    assert got["limit"] == got["tail"] and got["limit"][1] == 256 - NEW
 
 
 def test_the_gateway_counts_and_places_a_truncated_prompt(model_cache, loaded_models):
@@ -87,16 +98,22 @@ def test_the_gateway_counts_and_places_a_truncated_prompt(model_cache, loaded_mo
         assert err.value.field == field, (params, err.value)
     context = limits.context(spec)
     assert context is not None
-    spec = dataclasses.replace(spec, max_input_tokens=context - 4)  # the context holds the kept prompt and output
+    # a model file that allows more prompt than the model's context leaves beside the output (the limits are the
+    # file's; the context is the model's): -1 keeps what the context leaves, so the prompt loses its start instead of
+    # being refused (it kept the file's limit, and the prompt plus its output was then refused)
     longer = {"input_ids": list(range(10)) * (context // 10 + 1)}
+    default_new = spec.default_max_new_tokens
+    for limit in (context - 4, context, context + 1000):
+        spec = dataclasses.replace(spec, max_input_tokens=limit)
+        req = build({"truncate_prompt_tokens": -1, "max_new_tokens": 8}, longer)
+        assert req.est_tokens == context and req.params["max_new_tokens"] == 8, limit
+        req = build({"truncate_prompt_tokens": -1}, longer)  # the default output keeps its room
+        assert req.est_tokens == context and req.params["max_new_tokens"] == default_new, limit
+    assert build({"truncate_prompt_tokens": -1, "max_new_tokens": 8}, {"input_ids": [1, 2, 3]}).est_tokens == 3 + 8
+    spec = dataclasses.replace(spec, max_new_tokens=context + 10)  # an output the context cannot hold: refused
     with pytest.raises(ValidationError) as err:
-        build({"truncate_prompt_tokens": -1, "max_new_tokens": 8}, longer)
+        build({"truncate_prompt_tokens": -1, "max_new_tokens": context}, longer)
     assert err.value.field == "params.max_new_tokens" and err.value.code == "context_length_exceeded"
-    assert build({"truncate_prompt_tokens": -1}, longer).params["max_new_tokens"] == 4  # a default shrinks to fit
-    spec = dataclasses.replace(spec, max_input_tokens=context)  # the cut prompt alone fills it: lower the cut
-    with pytest.raises(ValidationError) as err:
-        build({"truncate_prompt_tokens": -1}, longer)
-    assert err.value.field == "params.truncate_prompt_tokens" and err.value.code == "context_length_exceeded"
 
 
 def test_the_openai_routes_pass_it():
