@@ -221,6 +221,17 @@ def unloadable(spec: ModelSpec, path: Path, exc: BaseException) -> str:
     return f"model {spec.name}: transformers cannot load {path} as {what}: {reason}"
 
 
+def no_tokenizer(spec: ModelSpec, path: Path, exc: BaseException) -> str:
+    """One line for a model directory whose weights load but whose tokenizer does not (none there, most often)."""
+    files = [n for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+             if (path / n).is_file()]
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    found = f"its tokenizer files ({', '.join(files)}) do not load: {reason}" if files else (
+        "it holds no tokenizer (tokenizer.json, or tokenizer_config.json with its vocabulary)")
+    return (f"model {spec.name}: {path} has the model's weights, but {found}; put the tokenizer the model was "
+            "trained with beside them (tokenizer.save_pretrained(directory))")
+
+
 def load(spec: ModelSpec, cache_dir: str | Path) -> LoadedModel:
     """Load a model and its tokenizer from a local directory, on CUDA when present."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -240,11 +251,16 @@ def load(spec: ModelSpec, cache_dir: str | Path) -> LoadedModel:
             model = cls.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="sdpa")
         except (ValueError, ImportError):  # an architecture without SDPA support
             model = cls.from_pretrained(path, dtype=dtype, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (ValueError, ImportError, OSError, KeyError) as exc:
         if isinstance(exc, OSError) and exc.errno not in _NOT_THERE:
             raise  # the disk or the system failing (EIO, ENOSPC, EMFILE): not the directory's fault, a restart may do
         raise ConfigError(unloadable(spec, path, exc)) from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (ValueError, ImportError, OSError, KeyError) as exc:
+        if isinstance(exc, OSError) and exc.errno not in _NOT_THERE:
+            raise
+        raise ConfigError(no_tokenizer(spec, path, exc)) from exc
     model = model.to(device).eval()
     if spec.task is Task.GENERATE and spec.source.startswith("builtin:"):
         tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE

@@ -143,6 +143,10 @@ def check_tokens(inp: dict[str, Any], spec: ModelSpec, limits: TokenLimits, *, t
             counts = limits.count(spec, [inp["prompt"]])
             n, where = (counts[0] if counts is not None else None), "input.prompt"
         else:
+            if inp.get("chat_template") is None and limits.lacks_chat_template(spec):  # as its worker would fail it
+                raise ValidationError("input.messages", f"model {spec.name} has no chat template: send a prompt "
+                                                        "instead, or give the model one (its model file's "
+                                                        "chat_template)", code="no_chat_template")
             try:
                 n, where = limits.count_chat(
                     spec, inp["messages"], inp.get("tools"), inp.get("chat_template_kwargs"),

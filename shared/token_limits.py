@@ -289,7 +289,28 @@ class TokenLimits:
         self._configs: dict[str, dict[str, Any]] = {}
         self._sentence_configs: dict[str, dict[str, Any]] = {}
         self._templates: dict[str, tuple[Any, dict[str, str]] | None] = {}
+        self._untemplated: dict[str, bool] = {}
         self._lock = threading.Lock()
+
+    def lacks_chat_template(self, spec: ModelSpec) -> bool:
+        """The model has no chat template, as its worker will find: none in its model file, none among the tokenizer
+        files of its directory (where the worker loads its tokenizer from). False where that is not known here (a
+        tokenizer of the model file's elsewhere, the built-in models', no tokenizer files in sight)."""
+        if spec.task is not Task.GENERATE or spec.echo or spec.tokenizer or spec.chat_template \
+                or spec.source.startswith(BUILTIN_PREFIX):
+            return False
+        if spec.name not in self._untemplated:
+            directory = model_dir(spec, self.cache_dir)
+            lacks = False
+            if directory is not None and any((directory / n).is_file() for n in ("tokenizer.json",
+                                                                                  "tokenizer_config.json")):
+                try:
+                    config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+                except (OSError, ValueError):
+                    config = {}
+                lacks = not _template_sources(directory, config if isinstance(config, dict) else {})
+            self._untemplated[spec.name] = lacks
+        return self._untemplated[spec.name]
 
     def tokenizer(self, spec: ModelSpec) -> Any:
         if spec.name in self._tokenizers:

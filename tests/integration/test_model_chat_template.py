@@ -89,6 +89,24 @@ def test_without_one_a_base_model_answers_no_chat_template(tmp_path):
     assert outcome.result.error.code == "no_chat_template" and "chat_template" in outcome.result.error.message
 
 
+def test_the_gateway_refuses_a_conversation_for_a_model_without_a_template_at_submit(tmp_path):
+    """Known from the model's directory: a conversation is a 422 `no_chat_template` at submit (it was accepted, then
+    failed by the worker; an OpenAI stream answered 200 and then an error chunk); a prompt is served; the model
+    file's template, or the request's own where trusted, lifts it."""
+    directory = model_dir(tmp_path, None)
+    spec, limits = spec_of(directory), TokenLimits()
+    with pytest.raises(ValidationError) as err:
+        build_request({"input": {"messages": CONVO}}, spec, "t", time.time(), limits=limits)
+    assert (err.value.field, err.value.code) == ("input.messages", "no_chat_template")
+    assert "chat_template" in err.value.message
+    assert build_request({"input": {"prompt": "hi"}}, spec, "t", time.time(), limits=limits).input["prompt"] == "hi"
+    assert build_request({"input": {"messages": CONVO}}, spec_of(directory, TEMPLATE), "t", time.time(),
+                         limits=TokenLimits()).input["messages"]
+    trusting = dataclasses.replace(spec, trust_request_chat_template=True)
+    assert build_request({"input": {"messages": CONVO, "chat_template": TEMPLATE}}, trusting, "t", time.time(),
+                         limits=TokenLimits()).input["messages"]
+
+
 def test_a_file_that_cannot_be_read_is_refused_naming_the_model(tmp_path):
     directory = model_dir(tmp_path, None)
     spec = spec_of(directory, str(tmp_path / "missing.jinja"))

@@ -97,6 +97,19 @@ def test_a_directory_transformers_cannot_load_is_refused_in_one_line(tmp_path: P
     assert "\n" not in text and len(text) < 600, text
 
 
+def test_a_directory_without_a_tokenizer_is_refused_saying_so(tmp_path: Path) -> None:
+    """Weights that load beside no tokenizer: the refusal says the tokenizer is missing (it said transformers
+    cannot load the directory "as a causal LM", then the first line of the tokenizer's error, cut mid-sentence)."""
+    model, _ = tiny_llama()
+    model.save_pretrained(tmp_path / "m")
+    spec = ModelSpec(name="mine", task=Task.GENERATE, source=str(tmp_path / "m"), device="cpu", dtype="float32")
+    with pytest.raises(ConfigError) as err:
+        load(spec, tmp_path / "cache")
+    text = str(err.value)
+    assert text.startswith(f"model mine: {tmp_path / 'm'} has the model's weights, but it holds no tokenizer"), text
+    assert "causal LM" not in text and "\n" not in text
+
+
 def test_a_failing_disk_is_not_taken_for_a_bad_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An I/O error while reading the weights (EIO, a full disk) is the machine's, not the model file's: it is
     raised as it is (the worker exits 1 and is restarted), not turned into a ConfigError (exit 2: fix the
