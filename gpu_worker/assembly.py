@@ -47,7 +47,8 @@ def build_runners(loaded: Any, worker: str, faults: Faults,
     fused = verify_exact(loaded.model, spec.name)
     context = model_context(loaded.model)
     if context is not None and context < spec.max_seq_len:  # requests past it are refused, one by one
-        log.warning("the model's context is shorter than its model file allows: requests past it are refused",
+        log.warning("the model's context is shorter than its limits allow (max_input_tokens + max_new_tokens, the "
+                    "model file's or the defaults): requests past it are refused",
                     model=spec.name, context=context, max_input_tokens=spec.max_input_tokens,
                     max_new_tokens=spec.max_new_tokens)
     seq_lens = [min(engine_seq_len(spec, lanes), context or spec.max_seq_len) for _, lanes in groups]
