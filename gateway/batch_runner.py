@@ -63,7 +63,7 @@ from shared.messages import CallbackDelivery
 from shared.queue_client import QueueClient
 from shared.records import parse_record
 from shared.redis_io import UNAVAILABLE, raise_if_cancelling
-from shared.states import Task
+from shared.states import Status, Task
 from shared.submit import build_request
 from shared.views import record_view
 
@@ -465,19 +465,14 @@ class BatchRunner:
             return
         pipe = self.q.redis.pipeline(transaction=False)
         for ref in refs:
-            pipe.hget(self.q.keys.record(ref.request_id), "state")
-        states = await pipe.execute()
-
-        async def stop(ref: ItemRef) -> None:
-            # only while it is still queued, in one step: a request a worker starts between the read above and
-            # this cancel runs to its end and is written as it ends (cancelled through its worker, it ended with
-            # no output and a 409 line, neither finished nor `batch_cancelled`)
-            rec = await self.q.store.get(ref.request_id)
-            if rec is not None and rec.meta is not None and rec.meta.tenant == tenant:
-                await self.q.cancel_queued(rec, "cancelled with its batch before it ran")
-
-        await asyncio.gather(*(stop(ref) for ref, state in zip(refs, states, strict=True)
-                               if state in (b"queued", "queued")))
+            pipe.hgetall(self.q.keys.record(ref.request_id))
+        recs = [parse_record(ref.request_id, raw) for ref, raw in zip(refs, await pipe.execute(), strict=True)]
+        # only while it is still queued, in one step with the check (`cancel_queued`): a request a worker starts after
+        # the read above runs to its end and is written as it ends (cancelled through its worker, it ended with no
+        # output and a 409 line, neither finished nor `batch_cancelled`)
+        await asyncio.gather(*(self.q.cancel_queued(rec, "cancelled with its batch before it ran") for rec in recs
+                               if rec is not None and rec.state is Status.QUEUED and rec.meta is not None
+                               and rec.meta.tenant == tenant))
 
     async def _close_unfed(self, meta: Any, reader: AsyncIterator[Entry] | None, pending: Pending | None,
                            again: list[ItemRef], ending: str) -> None:

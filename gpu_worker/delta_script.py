@@ -6,10 +6,11 @@
 # result TTL, plus the margin: a finish by the deadline, or an expiry within the grace after it, sets the result TTL
 # again from then), so a caller resuming with Last-Event-ID never finds the record without its deltas. The TTL is set
 # on the first delta, and on a later one that found no stream (a Redis restarted without persistence: the stream it
-# made would have lived forever).
+# made would have lived forever). A later delta appends only to a stream that is there (NOMKSTREAM: no command added
+# to a step's deltas to find out); one that finds none makes it as a first delta does.
 DELTA_LUA = """
-redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
-if ARGV[6] == '1' or redis.call('PTTL', KEYS[1]) == -1 then
+if ARGV[6] == '1' or not redis.call('XADD', KEYS[1], 'NOMKSTREAM', '*', 'd', ARGV[1]) then
+  redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
   local ttl = tonumber(ARGV[2])
   local rec = redis.call('PTTL', KEYS[2])
   if rec > 0 then ttl = math.max(ttl, rec + tonumber(ARGV[3])) end

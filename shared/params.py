@@ -227,7 +227,7 @@ class GenerateParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """How many of a prompt's last tokens it keeps (`truncate_prompt_tokens`; -1: the most the model takes, its
         prompt limit and, where its `context` is known, what that leaves beside `max_new_tokens`); None: all."""
         t = self.truncate_prompt_tokens
-        if t is None or t != -1:
+        if t != -1:
             return t
         return max_input_tokens if context is None else max(1, min(max_input_tokens, context - self.max_new_tokens))
 

@@ -151,16 +151,21 @@ def pick_template(templates: dict[str, Any], tools: list[dict[str, Any]] | None)
     return templates.get("default")
 
 
+def tokenizer_config(directory: Path) -> dict[str, Any]:
+    """A model directory's `tokenizer_config.json` ({} where there is none, or it is not an object)."""
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def load_chat_template(directory: Path, source: str | None = None) -> tuple[dict[str, Any], dict[str, str]] | None:
     """The compiled chat templates in `directory` by name (or `source`, a model file's or a built-in model's, as
     `default`; none where there is none) and the special tokens they are rendered with; None where jinja2 is not
     installed or older than transformers takes. A template that does not compile here is left out (its
     conversations counted by contents)."""
-    try:
-        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = {}
-    config = config if isinstance(config, dict) else {}
+    config = tokenizer_config(directory)
     sources = {"default": source} if source else _template_sources(directory, config)
     env = template_env()
     if env is None:
@@ -304,11 +309,7 @@ class TokenLimits:
             lacks = False
             if directory is not None and any((directory / n).is_file() for n in ("tokenizer.json",
                                                                                   "tokenizer_config.json")):
-                try:
-                    config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
-                except (OSError, ValueError):
-                    config = {}
-                lacks = not _template_sources(directory, config if isinstance(config, dict) else {})
+                lacks = not _template_sources(directory, tokenizer_config(directory))
             self._untemplated[spec.name] = lacks
         return self._untemplated[spec.name]
 
