@@ -49,7 +49,9 @@ RECORD_EVENT = b"r"  # a done event that carries the terminal record (see FINISH
 KEEP_TTL_SHARE = 0.1  # a finish near its deadline keeps the record's TTL: results kept at most 10% longer
 RECORD_EVENT_MAX_BYTES = 65_536  # larger results are read from the record, not sent on every node of a cluster
 OUTBOX_EVENTS = ("started", "completed")  # the webhooks a record's own scripts queue
-_TERMINAL_LUA = "{" + ", ".join(f"['{s.value}']=true" for s in TERMINAL) + "}"
+WON, DELTAS_MOVED = 1, -1  # what FINISH_LUA answers for a write that won, and one whose deltas moved on
+UNANSWERED_TRIES = 5  # reads of the deltas an end no worker answered makes, while a late worker still writes them
+TERMINAL_LUA = "{" + ", ".join(f"['{s.value}']=true" for s in TERMINAL) + "}"
 
 
 # KEYS records; ARGV started_ms, then for each record: meta, ttl_ms, "started" delivery or '', its done channel or ''.
@@ -59,7 +61,7 @@ _TERMINAL_LUA = "{" + ", ".join(f"['{s.value}']=true" for s in TERMINAL) + "}"
 # request), a start wakes the request's followers, whose streams announce `running` when it starts, not with its
 # first tokens (a long prefill, or text held back, said `queued` until then); others publish nothing.
 START_LUA = f"""
-local terminal = {_TERMINAL_LUA}
+local terminal = {TERMINAL_LUA}
 local out = {{}}
 for i, key in ipairs(KEYS) do
   local at = 4 * i - 2
@@ -94,24 +96,28 @@ end
 return n
 """
 
-# KEYS records; for each record 8 ARGV: state, result, ttl_ms, keep ('1': a record with its state and meta keeps
-# the TTL it has), channel, meta, "completed" delivery or '', the state it must be in or '' (any not terminal).
-# Returns 1 for each write that won, else 0. A
+# KEYS records; for each record 10 ARGV: state, result, ttl_ms, keep ('1': a record with its state and meta keeps
+# the TTL it has), channel, meta, "completed" delivery or '', the state it must be in or '' (any not terminal), its
+# delta stream (the same slot) or '', and how many deltas the output was made of (a write of what a caller was
+# streamed: `RecordStore.end_unanswered`). Returns 1 for each write that won, 0 where the record had ended (or was
+# not in that state), -1 where its delta stream holds another count (a delta written meanwhile: read again). A
 # record's result, its done event and its webhook delivery (into the outbox) are one atomic step: a request
 # completes once, its event is published once, its callback is queued once. The event carries the terminal record
 # when the result is small, so a waiter answers without reading the record back: `RECORD_EVENT`, then state,
 # result, meta, started, attempts, cb, each as `<length>:<bytes>`, or `-` where the record lacks it.
 FINISH_LUA = f"""
-local terminal = {_TERMINAL_LUA}
+local terminal = {TERMINAL_LUA}
 local out = {{}}
 for i, key in ipairs(KEYS) do
-  local a = 8 * i - 7
+  local a = 10 * i - 9
   local state, result, channel, meta_arg, done = ARGV[a], ARGV[a + 1], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
-  local only = ARGV[a + 7]
+  local only, deltas = ARGV[a + 7], ARGV[a + 8]
   local cur = redis.call('HMGET', key, 'state', 'meta', 'started', 'attempts', 'cb')
   local s = cur[1]
   if (s and terminal[s]) or (only ~= '' and s ~= only) then
     out[i] = 0
+  elseif deltas ~= '' and redis.call('XLEN', deltas) ~= tonumber(ARGV[a + 9]) then
+    out[i] = -1
   else
     local f = {{'state', state, 'result', result}}
     if done ~= '' then f[#f + 1] = 'ob:completed'; f[#f + 1] = done end
@@ -252,7 +258,8 @@ class RecordStore:
         await self.flush([d for d, s in zip(started, states, strict=True) if d is not None and s is Status.RUNNING])
         return states
 
-    def _finish_args(self, result: RequestResult, meta: RequestMeta | None, only_if: str = "") -> list[Any]:
+    def _finish_args(self, result: RequestResult, meta: RequestMeta | None, only_if: str = "",
+                     deltas: tuple[str, int] | None = None) -> list[Any]:
         done = completed_delivery(result, meta)
         # The record lives until its deadline plus the result TTL (`queued_ttl_ms`); where that deadline is near,
         # the record keeps it (the result is kept at most `KEEP_TTL_SHARE` longer than the result TTL) and the
@@ -260,16 +267,20 @@ class RecordStore:
         keep = meta is not None and 0 <= meta.deadline_ms - result.finished_ms <= self.result_ttl_ms * KEEP_TTL_SHARE
         return [result.status.value, encode(result), self.result_ttl_ms, "1" if keep else "",
                 self.keys.done_channel(result.id), encode(meta) if meta else b"", encode(done) if done else b"",
-                only_if]
+                only_if, *(deltas or ("", ""))]
 
     async def finish(self, result: RequestResult, meta: RequestMeta | None = None, *,
                      only_if: Status | None = None) -> bool:
         """Write a terminal result, publish "done" and queue the webhook, atomically; then move the webhook to the
         callback stream. True if this write won. `only_if`: only while the record is in that state (else False)."""
-        won = (await self.finish_all([(result, meta)], only_if=only_if))[0]
-        if won and (done := completed_delivery(result, meta)) is not None:
+        return await self._finish_one(result, meta, only_if) == WON
+
+    async def _finish_one(self, result: RequestResult, meta: RequestMeta | None, only_if: Status | None = None,
+                          deltas: tuple[str, int] | None = None) -> int:
+        (code,) = await self._finish_codes([(result, meta)], only_if=only_if, deltas=deltas)
+        if code == WON and (done := completed_delivery(result, meta)) is not None:
             await self.flush([done])
-        return won
+        return code
 
     @staticmethod
     def expiry_due_ms(deadline_ms: int, grace_s: float) -> int:
@@ -289,14 +300,25 @@ class RecordStore:
                              only_if: Status | None = None) -> bool:
         """End a request no worker writes the result of (an expiry past the grace, a cancel no worker answered):
         what its caller was streamed is its output, as a worker's own cut keeps it, so the deltas still add up to
-        the final output. True if this write won; `only_if`: only while the record is in that state."""
-        output = streamed_output(stream_deltas(await self.redis.xrange(self.keys.events(rec.id))))
-        if output is not None:
-            error = ErrorInfo(error.code, f"{error.message} after {output['completion_tokens']} tokens were streamed; "
-                                          "partial output kept")
+        the final output. True if this write won; `only_if`: only while the record is in that state. A worker that
+        writes a delta between the read of the deltas and the write (one still running, late) makes the write read
+        them again (`DELTAS_MOVED`); one that goes on past `UNANSWERED_TRIES` reads ends nothing (False): it is
+        alive, and its own deadline cut ends it."""
+        events = self.keys.events(rec.id)
         reason = FinishReason.DEADLINE if status is Status.EXPIRED else FinishReason.CANCELLED
-        won = await self.finish(RequestResult(id=rec.id, status=status, output=output, finish_reason=reason,
-                                              error=error, finished_ms=now_ms, worker=by), rec.meta, only_if=only_if)
+        for _ in range(UNANSWERED_TRIES):
+            entries = await self.redis.xrange(events)
+            output = streamed_output(stream_deltas(entries))
+            said = error
+            if output is not None:
+                said = ErrorInfo(error.code, f"{error.message} after {output['completion_tokens']} tokens were "
+                                             "streamed; partial output kept")
+            result = RequestResult(id=rec.id, status=status, output=output, finish_reason=reason, error=said,
+                                   finished_ms=now_ms, worker=by)
+            code = await self._finish_one(result, rec.meta, only_if, (events, len(entries)))
+            if code != DELTAS_MOVED:
+                break
+        won = code == WON
         if won and output is not None:
             # the deltas live as long as the record did; a record ended late (an expiry no dispatcher ran meanwhile)
             # now outlives that: they are kept as long as its result, so a stream resumed from its last event id
@@ -310,6 +332,11 @@ class RecordStore:
         True for each write that won. The caller then passes the winners' deliveries (`completed_delivery`) to
         `flush`, before it acks their stream entries. `durable` False: not waited on the replicas for, whatever the
         setting (a write whose caller was already answered)."""
+        return [code == WON for code in await self._finish_codes(finished, durable=durable, only_if=only_if)]
+
+    async def _finish_codes(self, finished: Sequence[tuple[RequestResult, RequestMeta | None]], *,
+                            durable: bool = True, only_if: Status | None = None,
+                            deltas: tuple[str, int] | None = None) -> list[int]:
         if not finished:
             return []
         groups = script_groups(self.redis, [self.keys.record(result.id) for result, _ in finished])
@@ -317,9 +344,9 @@ class RecordStore:
         only = only_if.value if only_if else ""
         for group in groups:
             in_pipeline(pipe, FINISH_LUA, [self.keys.record(finished[i][0].id) for i in group],
-                        [arg for i in group for arg in self._finish_args(*finished[i], only)])
-        won = ungroup(groups, await (self.execute_durably(pipe) if durable else pipe.execute()), len(finished))
-        return [bool(w) for w in won]
+                        [arg for i in group for arg in self._finish_args(*finished[i], only, deltas)])
+        return [int(c) for c in ungroup(groups, await (self.execute_durably(pipe) if durable else pipe.execute()),
+                                        len(finished))]
 
     async def execute_durably(self, pipe: Any) -> list[Any]:
         """Execute a pipeline of writes; with durable results on, only once they reached the replicas (else

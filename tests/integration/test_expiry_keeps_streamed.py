@@ -106,3 +106,68 @@ async def test_a_cancel_no_worker_answers_keeps_what_was_streamed(parts, redis_u
         assert rec.result.output is None and rec.result.error.message == "cancelled by the caller"
     finally:
         await q.close()
+
+
+def racing_reads(monkeypatch, store, late_delta) -> list[int]:
+    """The store's delta reads, counted; after each of the first reads `late_delta(n)` runs (a worker that writes a
+    delta between the expiry's read and its write)."""
+    reads: list[int] = []
+    real = store.redis.xrange
+
+    async def xrange(key, *args, **kwargs):
+        got = await real(key, *args, **kwargs)
+        reads.append(len(got))
+        await late_delta(len(reads))
+        return got
+
+    monkeypatch.setattr(store.redis, "xrange", xrange)
+    return reads
+
+
+@pytest.mark.redis
+async def test_a_delta_written_during_the_expiry_is_in_the_output(parts, monkeypatch) -> None:  # noqa: F811
+    """The expiry reads the deltas, then writes them as the output with a check that none came between: a late worker
+    (still running past its deadline and the grace) whose delta lands in between makes it read them again, so what
+    the caller was streamed still adds up to the output; a delta after the end is refused (never streamed)."""
+    client, _, store, queue = parts
+    req = await queued(client, store, "req_race")
+    await store.start([req], int(time.time() * 1000))
+    await queue.publish_deltas([(req.id, StreamDelta(0, (5,), "a", prompt_tokens=1), True)])
+    time.sleep(0.1)
+
+    async def late_delta(n: int) -> None:
+        if n == 1:
+            await queue.publish_deltas([(req.id, StreamDelta(1, (6,), "b"), False)])
+
+    reads = racing_reads(monkeypatch, store, late_delta)
+    assert await store.expire_overdue(await store.get(req.id), int(time.time() * 1000), 0.0, "gateway")
+    assert reads == [1, 2]
+    rec = await store.get(req.id)
+    assert rec.state is Status.EXPIRED
+    assert rec.result.output == {"text": "ab", "token_ids": [5, 6], "completion_tokens": 2, "prompt_tokens": 1}
+    async with client.pubsub() as sub:
+        await sub.subscribe(store.keys.done_channel(req.id))
+        await sub.get_message(timeout=1.0)  # the subscription's confirmation
+        await queue.publish_deltas([(req.id, StreamDelta(2, (7,), "c"), False)])  # the late worker's next step
+        assert await sub.get_message(timeout=0.3) is None  # not sent to a follower
+    assert await client.xlen(store.keys.events(req.id)) == 2  # nor kept for a resume
+
+
+@pytest.mark.redis
+async def test_an_expiry_racing_a_worker_that_keeps_writing_gives_way(parts, monkeypatch) -> None:  # noqa: F811
+    """A worker that writes a delta between every read and write is alive: the expiry gives way after its tries
+    (ends nothing, says so) and the request runs on to the end its worker writes."""
+    from shared.records import UNANSWERED_TRIES
+
+    client, _, store, queue = parts
+    req = await queued(client, store, "req_busy")
+    await store.start([req], int(time.time() * 1000))
+    time.sleep(0.1)
+
+    async def late_delta(n: int) -> None:
+        await queue.publish_deltas([(req.id, StreamDelta(n - 1, (n,), "x"), n == 1)])
+
+    reads = racing_reads(monkeypatch, store, late_delta)
+    assert not await store.expire_overdue(await store.get(req.id), int(time.time() * 1000), 0.0, "gateway")
+    assert reads == list(range(UNANSWERED_TRIES))
+    assert (await store.get(req.id)).state is Status.RUNNING
