@@ -431,8 +431,13 @@ class Dispatcher:
                 return resp.status_code, parse_retry_after(resp.headers.get("retry-after")), ""
         except (httpx.TimeoutException, TimeoutError) as exc:
             return None, None, f"timeout ({type(exc).__name__})"
-        except httpx.HTTPError as exc:
+        except httpx.ConnectError as exc:
             return None, None, f"connect error ({type(exc).__name__})"
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            # connected and sent (or sending): the receiver may have taken the webhook before the connection went
+            return None, None, f"connection lost before an answer ({type(exc).__name__})"
+        except httpx.HTTPError as exc:
+            return None, None, f"transport error ({type(exc).__name__})"
 
 
 # --- the deployable --------------------------------------------------------------------------------

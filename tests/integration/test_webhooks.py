@@ -9,6 +9,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -596,3 +597,32 @@ async def test_a_dispatcher_started_before_its_redis_waits_for_it(tmp_path, pref
     waiting = Dispatcher(settings, default_secret=SECRET)  # its Redis gone again: stopped while it waits
     stop = asyncio.Event()
     await stops_while_waiting(asyncio.create_task(waiting.run(stop)), stop, waiting.ready)
+
+
+async def test_what_a_failed_attempt_says_tells_a_refused_connection_from_one_lost_after_sending(redis_url, prefix):
+    """An attempt no one took (nothing listens) is a connect error; one whose receiver read the POST and closed the
+    connection without an answer may have been taken: it says the connection was lost before an answer (it said
+    "connect error", sending operators to the network). Both are retried alike."""
+    got: list[bytes] = []
+
+    async def read_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        got.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.close()
+
+    server = await asyncio.start_server(read_then_close, "127.0.0.1", 0)
+    closing_port = server.sockets[0].getsockname()[1]
+    with socket.socket() as s:  # a free port: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        refused_port = s.getsockname()[1]
+    settings = settings_for(redis_url, prefix, callback_max_attempts=2)
+    async with server, running_gateway(settings) as gw, dispatcher(settings):
+        closing = await submit(gw, f"http://127.0.0.1:{closing_port}/hook")
+        refused = await submit(gw, f"http://127.0.0.1:{refused_port}/hook")
+        for rid in (closing, refused):
+            await complete(gw, rid)
+        for rid in (closing, refused):
+            await wait_until(lambda rid=rid: _cb_status(gw, rid, "dead"), timeout=20)
+        lost, unreached = await callback_of(gw, closing), await callback_of(gw, refused)
+    assert len(got) == 2 and got[0].startswith(b"POST /hook")  # both attempts reached the receiver
+    assert lost["last_error"] == "connection lost before an answer (RemoteProtocolError)", lost
+    assert unreached["last_error"] == "connect error (ConnectError)", unreached
