@@ -51,7 +51,7 @@ class CallbackView(msgspec.Struct, frozen=True):
     next_attempt_at: float | UnsetType | None = UNSET
     delivered_at: float | UnsetType | None = UNSET
     webhook_id: str | UnsetType = UNSET
-    # each event's delivery (the fields above are the latest one's), when the request has more than one
+    # each event's delivery, when the request has more than one; the fields above are the one `summary` picks
     deliveries: list[DeliveryView] | UnsetType = UNSET
 
 
@@ -111,7 +111,20 @@ def _delivery(state: CallbackState) -> DeliveryView:
                         webhook_id=state.delivery_id)
 
 
+# which delivery a callback's own fields show: one that did not arrive (failed, dead, disabled) before one on its way,
+# that before one delivered; among equals the `completed` webhook's (the one with the result)
+_SHOWN_FIRST = {"failed": 2, "dead": 2, "disabled": 2, "pending": 1}
+
+
+def summary(deliveries: Sequence[CallbackState]) -> CallbackState:
+    """The delivery a callback's status is told by: `delivered` only when every event's delivery was (it showed the
+    latest delivery: a `started` one retried and delivered after a `completed` one that failed read `delivered`)."""
+    return max(deliveries, key=lambda d: (_SHOWN_FIRST.get(d.status, 0), d.event == "completed"))
+
+
 def _callback(cb: Callback, state: CallbackState | None, deliveries: Sequence[CallbackState] = ()) -> CallbackView:
+    if deliveries:
+        state = summary(deliveries)
     if state is None:  # nothing to deliver yet (or the delivery is queued)
         return CallbackView(url=cb.url, events=list(cb.events), status="waiting")
     d = _delivery(state)
