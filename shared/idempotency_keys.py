@@ -5,13 +5,16 @@ to fix, not a connection failure to retry."""
 from __future__ import annotations
 
 MAX_KEY_CHARS = 255
-KEY_RULE = f"Idempotency-Key must be 1-{MAX_KEY_CHARS} printable ASCII characters"
+KEY_RULE = (f"Idempotency-Key must be 1-{MAX_KEY_CHARS} printable ASCII characters, no comma (a header sent twice "
+            "reaches a Lambda or a Cloud Function as one, its values joined by commas)")
 
 
 def valid_idempotency_key(key: str) -> bool:
     """1 to MAX_KEY_CHARS printable ASCII characters: what an HTTP header carries as it is (a header's other bytes
-    arrive as whatever the server decodes them to), in a header or a body alike."""
-    return 1 <= len(key) <= MAX_KEY_CHARS and key.isascii() and key.isprintable()
+    arrive as whatever the server decodes them to), in a header or a body alike; and no comma: API Gateway, Mangum
+    and WSGI servers join a header sent twice into one value with commas, so two keys would be taken as a third (a
+    retry with either one made a second request), where the HTTP gateway answers `repeated_header`."""
+    return 1 <= len(key) <= MAX_KEY_CHARS and key.isascii() and key.isprintable() and "," not in key
 
 
 def derived_key(key: str, index: int) -> str:

@@ -367,3 +367,31 @@ def test_a_lambda_answers_a_running_requests_events_within_its_longest_wait(stac
     metrics = apigw_v2(key, body="", path="/metrics", method="GET")
     metrics["rawQueryString"], metrics["queryStringParameters"] = "", {}
     assert mod.http_handler(metrics, FakeContext(30_000))["statusCode"] == 404
+
+
+def test_an_idempotency_key_sent_twice_is_refused_however_the_platform_joins_it(stack_env, monkeypatch):
+    """API Gateway (a REST API's multi-value headers through Mangum, an HTTP API itself) and a Cloud Function's WSGI
+    server join a header sent twice into one value with commas: two Idempotency-Keys were taken as a third key, so a
+    retry with either one made a second request. A key holds no comma, so they are a 400 there, as the HTTP gateway
+    answers a repeated header, and nothing is stored."""
+    key = api_key(stack_env)
+    mod = load("gateway.lambda_handler", stack_env, monkeypatch)
+    r = make_sync_redis(stack_env["BATCHGATE_REDIS_URL"])
+    keys_before = len(list(r.scan_iter(match=f"{stack_env['BATCHGATE_KEY_PREFIX']}:{{i:*", count=1000)))
+    v1 = apigw_v1(key)
+    v1["headers"]["idempotency-key"] = "kb-1"
+    v1["multiValueHeaders"]["idempotency-key"] = ["ka-1", "kb-1"]
+    v2 = apigw_v2(key)
+    v2["headers"]["idempotency-key"] = "ka-2,kb-2"  # as an HTTP API sends a header it got twice
+    for event in (v1, v2):
+        resp = mod.http_handler(event, FakeContext(30_000))
+        assert resp["statusCode"] == 400, resp
+        assert body_of(resp)["error"]["code"] == "invalid_idempotency_key"
+    functions_framework = pytest.importorskip("functions_framework")
+    sys.modules.pop("gateway.gcf_handler", None)
+    app = functions_framework.create_app(target="batchgate", source=str(Path("gateway/gcf_handler.py").resolve()))
+    resp = app.test_client().post("/v1/models/minilm/requests", json={"input": {"text": "hello"}},
+                                  headers=[("Authorization", f"Bearer {key}"), ("Idempotency-Key", "ka-3"),
+                                           ("Idempotency-Key", "kb-3")])
+    assert resp.status_code == 400 and resp.get_json()["error"]["code"] == "invalid_idempotency_key", resp.get_json()
+    assert len(list(r.scan_iter(match=f"{stack_env['BATCHGATE_KEY_PREFIX']}:{{i:*", count=1000))) == keys_before

@@ -8,7 +8,7 @@ import pytest
 from shared.sdk.client import AsyncBatchgateClient, BatchgateClient
 from shared.sdk.errors import InvalidRequest, NotFound
 
-BAD = ["a\nb", "", "x" * 256, "tab\there", "ключ"]  # (a header carries ASCII as it is)
+BAD = ["a\nb", "", "x" * 256, "tab\there", "ключ", "k1, k2"]  # (a header carries ASCII as it is; a comma joins two)
 
 
 @pytest.mark.parametrize("key", BAD)
