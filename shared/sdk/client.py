@@ -189,6 +189,13 @@ class _Common:
             return wait
         return max(0.0, min(wait, left))
 
+    def _not_done(self, request_id: str, status: str, timeout: float, cap: float | None) -> TimeoutError:
+        """What `result` raises when the wait ended first; one cut short by a Lambda invocation's end says so."""
+        if cap is not None and cap < timeout:
+            return TimeoutError(f"request {request_id} still {status} after {cap:.1f} s, the time left in this Lambda "
+                                f"invocation less deadline_margin_s (not the {timeout} s asked)")
+        return TimeoutError(f"request {request_id} still {status} after {timeout} s")
+
     @staticmethod
     def _parse(status: int, headers: Any, body: Any) -> Any:
         if status >= 400:
@@ -322,9 +329,10 @@ class AsyncBatchgateClient(_Common):
     async def result(self, request_id: str, timeout: float = 60.0) -> Result:
         """The finished result; raises RequestFailed if it failed, expired or was cancelled, TimeoutError if
         it is not done within `timeout`."""
+        cap = self._wait_cap(timeout)
         res = await self.wait(request_id, timeout)
         if not res.done:
-            raise TimeoutError(f"request {request_id} still {res.status} after {timeout} s")
+            raise self._not_done(request_id, res.status, timeout, cap)
         return self._checked(res)
 
     async def cancel(self, request_id: str) -> Result:
@@ -447,9 +455,10 @@ class BatchgateClient(_Common):
         return None
 
     def result(self, request_id: str, timeout: float = 60.0) -> Result:
+        cap = self._wait_cap(timeout)
         res = self.wait(request_id, timeout)
         if not res.done:
-            raise TimeoutError(f"request {request_id} still {res.status} after {timeout} s")
+            raise self._not_done(request_id, res.status, timeout, cap)
         return self._checked(res)
 
     def cancel(self, request_id: str) -> Result:
