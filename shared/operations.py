@@ -286,7 +286,8 @@ async def _batch_item(q: QueueClient, spec: ModelSpec, tenant: str, i: int, item
     key = item.get("idempotency_key")
     body = {k: v for k, v in item.items() if k != "idempotency_key"}
     if key is not None and (not isinstance(key, str) or not valid_idempotency_key(key)):
-        raise Unprocessable(f"idempotency_key must be a string of 1-{MAX_KEY_CHARS} printable characters",
+        raise Unprocessable(f"idempotency_key must be a string of 1-{MAX_KEY_CHARS} printable ASCII characters, "
+                            "no comma (the rule of the Idempotency-Key header)",
                             extra={"field": f"requests[{i}].idempotency_key"})
     key = call_key if key is None else key
     try:
