@@ -142,7 +142,9 @@ def callback_view(cb: Callback, state: CallbackState | None,
 
 def request_view(rec: StoredRecord) -> RequestView:
     meta, result = rec.meta, rec.result
-    started = result.started_ms if result and result.started_ms else rec.started_ms
+    # when its worker marked it running (the record's, which its `started` webhook told): the same time in every
+    # view and webhook of the request (the result's own, a few ms later at its prefill, only where the record lacks it)
+    started = rec.started_ms or (result.started_ms if result else None)
     callback: CallbackView | UnsetType = UNSET
     out_links = links(rec.id)
     if meta is not None and meta.callback is not None:

@@ -1,6 +1,6 @@
-"""What a request's `callback` says of itself when it has a delivery per event (`shared.views.summary`): `delivered`
-only when every one was, so the obvious check (`callback.status == "delivered"`) never reads a failed `completed`
-webhook as delivered."""
+"""A request's view (`shared.views`), as GET answers it and as its webhooks carry it: what its `callback` says of
+itself when it has a delivery per event (`summary`: `delivered` only when every one was, so the obvious check,
+`callback.status == "delivered"`, never reads a failed `completed` webhook as delivered), and one `started_at`."""
 
 from __future__ import annotations
 
@@ -42,3 +42,23 @@ def test_the_view_shows_the_summary_and_every_delivery() -> None:
                                                                        ("completed", "failed")]
     assert callback_view(cb, completed, [completed])["status"] == "failed"  # one event: that delivery
     assert callback_view(cb, None)["status"] == "waiting"  # none queued yet
+
+
+def test_started_at_is_the_same_in_every_view_and_webhook_of_a_request() -> None:
+    """`started_at` is when its worker marked it running (the record's, which the `started` webhook tells, sent while
+    it runs): the finished request's view and its `completed` webhook said the result's own start instead, its
+    prefill's, a few ms later (an outside probe: 207.514 in the `started` webhook, 207.519 after)."""
+    from shared.messages import RequestResult
+    from shared.records import StoredRecord
+    from shared.states import FinishReason, Status
+    from shared.views import record_view
+    from tests.fakes import make_request
+
+    meta = make_request("req_started").meta()
+    running = StoredRecord("req_started", Status.RUNNING, meta, None, started_ms=1_000_514)
+    result = RequestResult(id="req_started", status=Status.SUCCEEDED, output={"text": "x"},
+                           finish_reason=FinishReason.LENGTH, started_ms=1_000_519, finished_ms=1_000_600)
+    finished = StoredRecord("req_started", Status.SUCCEEDED, meta, result, started_ms=1_000_514)
+    assert record_view(running)["started_at"] == record_view(finished)["started_at"] == 1_000.514
+    lacking = StoredRecord("req_started", Status.SUCCEEDED, meta, result, started_ms=None)  # a record without it
+    assert record_view(lacking)["started_at"] == 1_000.519
