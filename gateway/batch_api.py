@@ -126,7 +126,7 @@ async def get_batch(svc: GatewayService, req: ApiRequest, batch_id: str) -> ApiR
 async def list_batches(svc: GatewayService, req: ApiRequest) -> ApiResponse:
     async def work() -> ApiResponse:
         raw_limit = req.query.get("limit", "20")
-        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= LIST_LIMIT:
+        if not (raw_limit.isascii() and raw_limit.isdigit()) or not 1 <= int(raw_limit) <= LIST_LIMIT:
             raise oa.invalid("limit", f"limit must be an integer from 1 to {LIST_LIMIT}")
         limit, after = int(raw_limit), req.query.get("after")
         ids = await _store(svc).ids(req.tenant)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -163,10 +164,9 @@ def _query_int(req: ApiRequest, name: str, default: int, low: int, high: int) ->
     raw = req.query.get(name)
     if raw is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise _invalid(name, f"must be an integer, got {raw[:32]!r}") from None
+    if not re.fullmatch(r"-?[0-9]+", raw):  # int() takes "+5", " 5", "5_0" and other scripts' digits too
+        raise _invalid(name, f"must be an integer, got {raw[:32]!r}")
+    value = int(raw)
     if not low <= value <= high:
         raise _invalid(name, f"must be between {low} and {high}, got {value}")
     return value

@@ -101,6 +101,8 @@ def parse_wait(req: ApiRequest, cap: float) -> float:
     if raw is None:
         return 0.0
     try:
+        if not raw.isascii() or "_" in raw:  # float() takes other scripts' digits and "1_0": the API's number does not
+            raise ValueError(raw)
         value = float(raw)
     except ValueError as exc:
         raise BadRequest(f"wait must be a number of seconds, got {raw!r}", code="invalid_wait") from exc

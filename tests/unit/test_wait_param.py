@@ -25,6 +25,7 @@ def test_a_wait_is_its_seconds_capped_at_the_gateways_maximum(query, prefer, exp
 @pytest.mark.parametrize("query, says", [
     ("abc", "a number of seconds"), ("", "a number of seconds"), ("inf", "finite"), ("-inf", "finite"),
     ("nan", "finite"), ("1e400", "finite"), ("-1", "non-negative"), ("-0.5", "non-negative"),
+    ("٣", "a number of seconds"), ("1_0", "a number of seconds"),
 ])
 def test_a_wait_that_is_no_time_is_a_400_saying_why(query, says):
     with pytest.raises(BadRequest) as err:
