@@ -392,6 +392,9 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         print(json.dumps({"tenant": cfg.name, "rate_per_s": _finite(cfg.rate_per_s), "burst": cfg.burst,
                           "max_backlog": cfg.max_backlog, "thin_callbacks": cfg.thin_callbacks,
                           "webhook_secrets": len(cfg.webhook_secrets)}, allow_nan=False))
+        if settings.auth == "api_key" and not await store.list_keys(args.tenant):  # a tenant is its keys: a typo?
+            print(f"batchgate: tenant {args.tenant!r} has no API keys yet (batchgate keys create --tenant "
+                  f"{args.tenant}); its settings apply once it has one", file=sys.stderr)
         await redis.aclose()
 
     return _run_admin(settings, main)

@@ -300,3 +300,15 @@ def test_a_stopped_worker_process_ends_with_its_exit_handlers_run_and_its_output
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 3 and done.stdout == "the last line, still in the buffer", done.stderr
     assert marker.read_text() == "ran"
+
+
+def test_tenants_set_for_a_tenant_without_keys_says_so(fake_redis, capsys):
+    """Settings for a tenant with no API key are kept (set them before its first key), with a line on stderr: a
+    mistyped name was taken in silence (an outside probe)."""
+    assert main(["tenants", "set", "ghost", "--rate", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert '"rate_per_s": 2.0' in out and "tenant 'ghost' has no API keys yet" in err
+    assert main(["keys", "create", "--tenant", "acme"]) == 0
+    capsys.readouterr()
+    assert main(["tenants", "set", "acme", "--rate", "2"]) == 0
+    assert capsys.readouterr().err == ""
