@@ -143,7 +143,7 @@ def lane_stats(spec: ModelSpec, worker: str, snap: Snapshot) -> LaneStats:
         model=spec.name, worker=worker, at_ms=int(snap.at * 1000), max_rows=snap.max_rows,
         free_rows=snap.free_rows, deadline_aware=spec.deadline_aware, prefill_fixed_ms=snap.prefill_fixed_ms,
         prefill_ms_per_token=snap.prefill_ms_per_token, decode_ms_per_step=snap.decode_ms_per_step,
-        decode_ms_per_row=snap.decode_ms_per_row,
-        lanes=tuple(LaneStat(lane, load.waiting, load.running, load.completed_rps, load.est_wait_ms)
-                    for lane, load in snap.lanes.items()),
+        decode_ms_per_row=snap.decode_ms_per_row, preemptible=snap.preemptible,
+        lanes=tuple(LaneStat(lane, load.waiting, load.running, load.completed_rps, load.est_wait_ms, load.order,
+                             load.frees_ms) for lane, load in snap.lanes.items()),
     )

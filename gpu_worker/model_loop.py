@@ -101,7 +101,7 @@ class ModelLoop(ThreadedLoop):
             self._publish(list(self.runner.take_deltas()))
         out.extend(self._step(plan.chunk_tokens))
         self._publish([*self.runner.take_deltas(), *out])
-        self.report.refresh(self.scheduler, self.runner.free_rows, self.runner.engine_stats(), self._clock())
+        self.report.refresh(self.scheduler, self.runner, self._clock())
         if self._drain_until is not None and (not self.runner.busy or self._clock() >= self._drain_until):
             self._hand_back()
             return None
@@ -219,7 +219,7 @@ class ModelLoop(ThreadedLoop):
             if isinstance(item, Outcome):
                 job = self.scheduler.finished(item.request.id)
                 if job is not None and item.computed and count:
-                    self.tracker.observe_completion(job.lane)
+                    self.tracker.observe_completion(job.lane, item.stop_share)
         if out:
             self._emit(out)
 

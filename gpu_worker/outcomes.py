@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.messages import ErrorInfo, InferenceRequest, RequestResult, StreamDelta
-from shared.states import FinishReason, Status
+from shared.states import FinishReason, Status, Task
+
+# a generation that ended by itself: what its length says of the model's (and its callers') usual outputs
+SELF_ENDED = frozenset({FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP})
 
 
 @dataclass(slots=True)
@@ -19,6 +22,16 @@ class Outcome:
     request: InferenceRequest
     result: RequestResult
     computed: bool = True  # False when the request never reached the model
+
+    @property
+    def stop_share(self) -> float | None:
+        """Of its `max_new_tokens`, the share a generation that ended by itself (its length, the model's EOS, a stop
+        string or token) made; None for one cut short (a deadline, a cancel), failed, or no generation."""
+        new = self.request.params.get("max_new_tokens") if self.request.task is Task.GENERATE else None
+        made = (self.result.output or {}).get("completion_tokens")
+        if not new or made is None or self.result.finish_reason not in SELF_ENDED:
+            return None
+        return min(1.0, made / new)
 
 
 @dataclass(slots=True)

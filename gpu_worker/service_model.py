@@ -145,9 +145,11 @@ class LaneCounters:
     completed: int = 0
     rate: float = 0.0  # completions per second, exponentially weighted
     measured: bool = False  # a first completion has set the rate
+    stop_share: float = 1.0  # of max_new_tokens, what generations that ended by themselves made (`load_outlook`)
 
 
 MEASURED_STEPS = 8  # bare decode steps seen before `bare_step_s` answers
+STOP_SHARE_ALPHA = 0.1  # the weight of the newest generation in a lane's `stop_share`
 ADMISSION_ALPHA = 0.01  # the weight of the newest token interval in the one admission forecasts with
 
 
@@ -220,8 +222,11 @@ class ServiceTracker:
         """A bare decode step of `rows` rows, as measured; 0.0 until MEASURED_STEPS were seen."""
         return self.bare.predict(rows) if self.bare.n >= MEASURED_STEPS else 0.0
 
-    def observe_completion(self, lane: str) -> None:
-        self.counters.setdefault(lane, LaneCounters()).completed += 1
+    def observe_completion(self, lane: str, stop_share: float | None = None) -> None:
+        counters = self.counters.setdefault(lane, LaneCounters())
+        counters.completed += 1
+        if stop_share is not None:  # a generation that ended by itself: the share of its max_new_tokens it made
+            counters.stop_share += STOP_SHARE_ALPHA * (stop_share - counters.stop_share)
 
     def tick(self, dt: float, busy: bool = True) -> None:
         """Fold the completions of the last `dt` seconds into each lane's rate. An idle interval (nothing

@@ -3,8 +3,10 @@
 Inputs are the workers' published `LaneStats` for the model (only fresh ones count; one per engine of
 a worker, each listing the lanes that engine serves, so only the engines serving the request's lane are
 read) and the lane's stream length. The estimate:
-    start  = the lane window, plus the time for the workers to drain the requests waiting ahead of
-             it, its own lane's entries not yet running, at the measured completion rate less the
+    start  = the lane window, plus the later of the first running row's end (`first_row_end_s`: with no row it
+             may take free, from the row ends each engine publishes) and the time for the workers to drain
+             the requests waiting ahead of it (`ahead_in`: those the workers start before it by (priority,
+             deadline), and the entries no worker has read yet) at the measured completion rate less the
              shorter lanes' own: the scheduler starts the shorter lanes of an engine first, and while
              a request waits their arrivals keep taking that share of the rows (under overload, most
              of a medium request's wait). While the workers hold nothing back (every request they
@@ -27,13 +29,14 @@ to the backlog cap, and the response says there was no estimate.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from shared.deadlines import cannot_finish
-from shared.messages import LaneStats
+from shared.messages import LaneStat, LaneStats
 
 STATS_MAX_AGE_MS = 5_000
 # A request is admitted only if its deadline leaves this much room over the estimated finish. The estimate is a
@@ -168,10 +171,38 @@ def joining_rows(s: LaneStats, joining: int) -> int:
     return max(0, rows + min(joining, s.free_rows) - max(1, rows))
 
 
+def ahead_in(ln: LaneStat, key: tuple[int, int] | None) -> int:
+    """How many of the requests an engine holds waiting in a lane start before one with `key` (rank, deadline ms):
+    those with a smaller or equal key in the order it published (each sample standing for its share of them), or
+    all of them where it published none or the request's key is unknown."""
+    if key is None or not ln.order or ln.waiting <= 0:
+        return max(0, ln.waiting)
+    before = bisect.bisect_right(ln.order, key)
+    return round(ln.waiting * before / len(ln.order))
+
+
+def first_row_end_s(stats: list[LaneStats], lane: str, max_share: float, now_ms: int | None) -> float:
+    """Seconds until the first running row this lane may take the place of ends: any row of an engine where the
+    lane is within its share, only its own rows where it holds all of that share. From the row ends each engine
+    published (less the time since); 0 where none were (an older worker)."""
+    soonest = math.inf
+    for s in stats:
+        age_ms = max(0, now_ms - s.at_ms) if now_ms is not None else 0
+        own = [ln for ln in s.lanes if ln.lane == lane]
+        capped = max_share < 1.0 and sum(ln.running for ln in own) >= lane_rows(s.max_rows, max_share)
+        for ln in own if capped else s.lanes:
+            if ln.frees_ms:
+                soonest = min(soonest, max(0.0, (ln.frees_ms[0] - age_ms) / 1000))
+    return 0.0 if soonest == math.inf else soonest
+
+
 def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int, new_tokens: int,
-             window_s: float, max_share: float = 1.0) -> Estimate:
+             window_s: float, max_share: float = 1.0, *, key: tuple[int, int] | None = None,
+             now_ms: int | None = None) -> Estimate:
     """`queued`: entries already in the lane's stream (waiting or running) before this request; `max_share`: the
-    share of an engine's rows the lane may hold (a free row it may not take starts nothing of it)."""
+    share of an engine's rows the lane may hold (a free row it may not take starts nothing of it); `key`: the
+    request's (priority rank, deadline ms), the order workers start waiting requests in (None: after all of them);
+    `now_ms`: the clock the stats' `at_ms` are on (how far their row ends have come since)."""
     everyone, stats = stats, serving(stats, lane)
     if not stats:
         return Estimate(0.0, 0.0, "none")
@@ -180,7 +211,10 @@ def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int,
     costs = [s for s in stats if s.decode_ms_per_step > 0] or [s for s in everyone if s.decode_ms_per_step > 0] \
         or stats
     running = sum(ln.running for s in stats for ln in s.lanes if ln.lane == lane)
-    ahead = max(0, queued - running)
+    # the lane's entries not running, less those the workers hold that their order starts after it (the stream's
+    # length is read fresh, the workers' figures up to a second old: what they hold beyond it is not counted)
+    behind = sum(max(0, ln.waiting) - ahead_in(ln, key) for s in stats for ln in s.lanes if ln.lane == lane)
+    ahead = max(0, queued - running - behind)
     prefill = max(s.prefill_fixed_ms + s.prefill_ms_per_token * prompt_tokens for s in costs) / 1000
     # every row slows every step (where rows cost: a CPU): the step the request's tokens take is the one of the rows
     # running then, those ahead of it and itself among them as far as there are free rows (a burst at an idle worker
@@ -193,14 +227,26 @@ def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int,
     # requests a worker has read and not started: it holds them back (rows busy, or more rows would slow running
     # ones past their deadlines), so what frees room for them is throughput, not rows
     held = sum(ln.waiting for s in stats for ln in s.lanes)
-    start = window_s
+    wait = 0.0
     if measured > 0 and (held or ahead >= free):
         # the rows free up at the measured rate, and the shorter lanes' new arrivals take their share of them first
-        start += ahead / max(measured - shorter_rate(stats, lane), MIN_DRAIN_SHARE * measured)
+        wait = ahead / max(measured - shorter_rate(stats, lane), MIN_DRAIN_SHARE * measured)
     elif ahead >= free:
-        start += (ahead - free + 1) / drain_rate(stats, service, max_share)
+        wait = (ahead - free + 1) / drain_rate(stats, service, max_share)
     # else the workers start everything they read and have rows for those ahead: a burst after light traffic,
-    # whose measured rate is the light traffic's arrivals, not what the rows can do
+    # whose measured rate is the light traffic's arrivals, not what the rows can do.
+    # And nothing starts before a row is there for it: with no row it may take free for it and those ahead (or the
+    # workers holding requests back), not before the first running row it may take the place of ends. Only the
+    # first: the rows started after it (a later request's can be shorter) end in an order no one knows, and the
+    # measured rate says how fast they turn over (a wait counted to the k-th row end was twice the measured one
+    # under overload, and refused requests that finished in time). An interactive request that cannot wait takes a
+    # batch-priority row (`preemptible`: the scheduler preempts one) instead
+    usable = 0 if held else free
+    if key is not None and key[0] == 0:
+        usable += sum(s.preemptible for s in stats)
+    if ahead + 1 > usable:
+        wait = max(wait, first_row_end_s(stats, lane, max_share, now_ms))
+    start = window_s + wait
     return Estimate(start, start + service, "stats")
 
 

@@ -132,6 +132,10 @@ class LaneStat:
     running: int  # in the running batch
     completed_rps: float  # completions per second, exponentially weighted
     est_wait_ms: float  # the worker's estimate of queueing delay for a new request in this lane
+    # the (priority rank, deadline ms) keys of the waiting requests in the order they start, sampled when many
+    # (`gpu_worker.load_outlook.waiting_order`); empty from an older worker or a FIFO one: all count as ahead
+    order: tuple[tuple[int, int], ...] = ()
+    frees_ms: tuple[int, ...] = ()  # ms from `at_ms` until each running row ends, ascending (the soonest ones)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +155,7 @@ class LaneStats:
     lanes: tuple[LaneStat, ...] = ()
     # what one more running row adds to a decode step (0 where rows cost nothing, a GPU's; and from older workers)
     decode_ms_per_row: float = 0.0
+    preemptible: int = 0  # running batch-priority rows an interactive request that cannot wait may take
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,7 @@ from shared.messages import ErrorInfo, InferenceRequest, LaneStats
 from shared.records import RecordStore, StoredRecord, record_from_event
 from shared.redis_io import make_redis
 from shared.ssrf import AllowList
-from shared.states import Status
+from shared.states import Priority, Status
 from shared.tenant_limits import TenantLimits
 from shared.token_limits import TokenLimits
 from shared.waiters import Subscription, SubscriptionUnavailable, WaiterHub
@@ -188,7 +188,8 @@ class QueueClient:
         new_tokens = int(req.params.get("max_new_tokens", 0))
         prompt_tokens = max(1, req.est_tokens - new_tokens)
         est = admission.estimate(stats, req.lane, queued, prompt_tokens, new_tokens,
-                                 (lane.window_ms if lane else 10.0) / 1000, lane.max_share if lane else 1.0)
+                                 (lane.window_ms if lane else 10.0) / 1000, lane.max_share if lane else 1.0,
+                                 key=(Priority(req.priority).rank, req.deadline_ms), now_ms=self.now_ms())
         now, deadline_s = self.clock(), req.deadline_ms / 1000
         budget = deadline_s - now
         admitted, refused = self._recent.setdefault((req.model, req.lane), (admission.RecentAdmits(),

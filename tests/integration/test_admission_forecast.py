@@ -82,3 +82,51 @@ async def test_admitted_requests_finish_by_their_deadline_near_the_time_admissio
               and o["eta_s"] and o["eta_s"] > 2.0]
     assert len(ratios) >= 20
     assert 0.6 <= statistics.median(ratios) <= 1.25, sorted(ratios)
+
+
+SLOW = ModelSpec(name="slow", task=Task.GENERATE, source="", kind="echo", max_input_tokens=64, max_new_tokens=128,
+                 max_running=4, step_ms=50.0).validate()
+
+
+async def submitted(client: httpx.AsyncClient, new: int, timeout_s: float, priority: str = "interactive"):
+    return await client.post("/v1/models/slow/requests", json={
+        "input": {"input_ids": [65, 66]}, "params": {"max_new_tokens": new}, "timeout_s": timeout_s,
+        "priority": priority})
+
+
+async def fresh_stats(gw, running: int) -> None:
+    """Until the worker's published figures show `running` rows (published every 0.5 s, read at most every 0.25 s)."""
+    end = time.monotonic() + 10
+    while True:
+        _, stats = await gw.service.load("slow", "short")
+        if sum(ln.running for s in stats for ln in s.lanes) == running and all(s.decode_ms_per_step for s in stats):
+            return
+        assert time.monotonic() < end, stats
+        await asyncio.sleep(0.1)
+
+
+async def test_admission_places_a_request_where_the_worker_starts_it(redis_url, prefix):
+    """Every row busy for seconds and nothing waiting: a request whose deadline comes before any row ends is refused
+    at submit (it was admitted with no wait, then expired in the queue: an outside probe, 6 of 6); one due after the
+    first row ends is admitted and served. A request due sooner than a flood of waiting requests is placed before
+    them, as the worker starts it (it was refused behind all of them: an outside probe)."""
+    settings = make_settings(redis_url, prefix, models=(SLOW,))
+    async with running_worker(settings, {}), running_gateway(settings) as gw:
+        warm = await asyncio.gather(*(submitted(gw.client, 4, 30) for _ in range(4)))
+        for r in warm:
+            assert (await gw.client.get(f"/v1/requests/{r.json()['id']}", params={"wait": 10})).json()[
+                "status"] == "succeeded"
+        busy = await asyncio.gather(*(submitted(gw.client, 100, 60) for _ in range(4)))  # 4 rows for 5 s
+        assert all(r.status_code == 202 for r in busy)
+        await fresh_stats(gw, running=4)
+        refused = await submitted(gw.client, 20, 2.5)  # 1 s of compute, but no row before ~4 s
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "deadline_infeasible", refused.text
+        flood = await asyncio.gather(*(submitted(gw.client, 60, 60) for _ in range(8)))  # waiting, due in 60 s
+        assert all(r.status_code == 202 for r in flood)
+        await asyncio.sleep(0.8)  # the worker holds them waiting, its figures published
+        urgent = await submitted(gw.client, 10, 5.5)  # 0.5 s of compute after a row ends, before the flood
+        assert urgent.status_code == 202, urgent.text
+        done = (await gw.client.get(f"/v1/requests/{urgent.json()['id']}", params={"wait": 15})).json()
+        assert done["status"] == "succeeded" and done["finished_at"] <= done["deadline"], done
+        for r in [*busy, *flood]:
+            await gw.client.delete(f"/v1/requests/{r.json()['id']}")

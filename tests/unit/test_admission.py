@@ -270,3 +270,88 @@ def test_away_from_the_line_what_was_decided_lately_cannot_change_a_decision(fin
         assert len(answers) == 1
     elif basis == "stats" and finish in (8.2, 8.9):  # inside the band or the margin: the recent decisions count
         assert len(answers) == 2
+
+
+def lanes_stats(*lanes: LaneStat, free=0, max_rows=4, rps=0.0, at_ms=10_000, preemptible=0, step=20.0):
+    return LaneStats(model="m", worker="w", at_ms=at_ms, max_rows=max_rows, free_rows=free, deadline_aware=True,
+                     prefill_fixed_ms=10.0, prefill_ms_per_token=0.1, decode_ms_per_step=step, lanes=lanes,
+                     preemptible=preemptible)
+
+
+SERVICE = 0.01 + 100 * 0.0001 + 32 * 0.02  # the compute of the requests below: 660 ms
+
+
+def test_with_every_row_busy_and_nothing_waiting_a_request_starts_when_the_first_row_ends():
+    """4 rows busy for another 3-5 s, nothing waiting: a request starts when the first ends, not at once (it was
+    admitted with the window's wait and a 2.5 s deadline, then expired in the queue: an outside probe, 6 of 6). The
+    row ends are aged by the time since the worker published them."""
+    busy = lanes_stats(LaneStat("short", 0, 4, 0.8, 0.0, frees_ms=(3000, 4000, 4500, 5000)))
+    est = estimate([busy], "short", 4, 100, 32, 0.005, key=(0, 60_000), now_ms=10_000)
+    assert est.start_s == pytest.approx(0.005 + 3.0) and est.finish_s == pytest.approx(0.005 + 3.0 + SERVICE)
+    later = estimate([busy], "short", 4, 100, 32, 0.005, key=(0, 60_000), now_ms=11_000)  # a second later
+    assert later.start_s == pytest.approx(0.005 + 2.0)
+    refused = decide(now_s=10.0, deadline_s=12.5, est=est, queued=4, max_backlog=100)
+    assert not refused.accept and refused.code == "deadline_infeasible" and refused.retryable
+    # requests ahead of it: the rows turn over at the measured rate (0.8/s), and not before the first one ends
+    assert estimate([busy], "short", 6, 100, 32, 0.005, key=(0, 60_000), now_ms=10_000).start_s == pytest.approx(
+        0.005 + max(2 / 0.8, 3.0))
+    assert estimate([busy], "short", 10, 100, 32, 0.005, key=(0, 60_000), now_ms=10_000).start_s == pytest.approx(
+        0.005 + 6 / 0.8)
+    # a free row: no wait for one
+    free = lanes_stats(LaneStat("short", 0, 3, 0.8, 0.0, frees_ms=(3000, 4000, 4500)), free=1)
+    assert estimate([free], "short", 3, 100, 32, 0.005, key=(0, 60_000), now_ms=10_000).start_s == pytest.approx(
+        0.005)
+
+
+def test_a_request_is_behind_only_the_waiting_requests_the_worker_starts_before_it():
+    """The worker starts waiting requests in (priority, deadline) order: a request due sooner than another tenant's
+    flood, or interactive behind queued batch-priority work, has none of them ahead of it (they were all counted,
+    and the request refused as infeasible though it was started first and finished in time: an outside probe)."""
+    flood = tuple((0, 70_000 + i) for i in range(16))  # 16 interactive requests due at 70 s
+    engine = lanes_stats(LaneStat("short", 16, 4, 0.8, 0.0, order=flood, frees_ms=(1000, 2000, 3000, 4000)))
+    urgent = estimate([engine], "short", 20, 100, 32, 0.005, key=(0, 15_000), now_ms=10_000)
+    assert urgent.start_s == pytest.approx(0.005 + 1.0)  # the first row to end is its own
+    assert decide(now_s=10.0, deadline_s=15.0, est=urgent, queued=20, max_backlog=100).accept
+    late = estimate([engine], "short", 20, 100, 32, 0.005, key=(0, 80_000), now_ms=10_000)
+    assert late.start_s > 0.005 + 16 / 0.8 - 1e-9  # after the whole flood, at the measured rate
+    equal = estimate([engine], "short", 20, 100, 32, 0.005, key=(0, 70_007), now_ms=10_000)  # ties: after them
+    assert equal.start_s == pytest.approx(0.005 + 8 / 0.8)
+    batch = tuple((1, 20_000 + i) for i in range(8))  # batch-priority work, due sooner, still after interactive
+    engine = lanes_stats(LaneStat("short", 8, 4, 0.8, 0.0, order=batch, frees_ms=(1000, 2000, 3000, 4000)))
+    assert estimate([engine], "short", 12, 100, 32, 0.005, key=(0, 60_000), now_ms=10_000).start_s == \
+        pytest.approx(0.005 + 1.0)
+    assert estimate([engine], "short", 12, 100, 32, 0.005, key=(1, 60_000), now_ms=10_000).start_s == \
+        pytest.approx(0.005 + 8 / 0.8)
+    # sampled: 64 keys standing for 640 waiting requests, 10 each
+    many = lanes_stats(LaneStat("short", 640, 4, 100.0, 0.0, order=tuple((0, 20_000 + 100 * i) for i in range(64))))
+    assert estimate([many], "short", 644, 100, 32, 0.005, key=(0, 20_000 + 100 * 31 + 50),
+                    now_ms=10_000).start_s == pytest.approx(0.005 + 320 / 100.0)
+    # the stream's entries no worker read yet are ahead whatever their keys; an older worker's (no order): all
+    assert estimate([many], "short", 650, 100, 32, 0.005, key=(0, 0), now_ms=10_000).start_s == pytest.approx(
+        0.005 + 6 / 100.0)
+    old = lanes_stats(LaneStat("short", 16, 4, 0.8, 0.0))
+    assert estimate([old], "short", 20, 100, 32, 0.005, key=(0, 15_000), now_ms=10_000).start_s == pytest.approx(
+        0.005 + 16 / 0.8)
+
+
+def test_an_interactive_request_takes_a_batch_priority_row_instead_of_waiting():
+    """Every row runs batch-priority work for seconds: an interactive request that cannot wait takes one of their
+    rows (the scheduler preempts), so it has no row end to wait for; a batch-priority one has."""
+    engine = lanes_stats(LaneStat("short", 0, 4, 0.8, 0.0, frees_ms=(3000, 4000, 4500, 5000)), preemptible=4)
+    assert estimate([engine], "short", 4, 100, 32, 0.005, key=(0, 12_500), now_ms=10_000).start_s == \
+        pytest.approx(0.005)
+    assert estimate([engine], "short", 4, 100, 32, 0.005, key=(1, 12_500), now_ms=10_000).start_s == \
+        pytest.approx(0.005 + 3.0)
+
+
+def test_a_lane_holding_its_whole_share_waits_for_its_own_rows():
+    """The long lane holds its 3 rows of 4 (0.75): a long request starts when one of the long rows ends, not when
+    the short row does; below its share, any row's end is one it may take."""
+    engine = lanes_stats(LaneStat("short", 0, 1, 5.0, 0.0, frees_ms=(200,)),
+                         LaneStat("long", 0, 3, 0.5, 0.0, frees_ms=(4000, 5000, 6000)))
+    assert estimate([engine], "long", 3, 100, 32, 0.005, 0.75, key=(0, 60_000), now_ms=10_000).start_s == \
+        pytest.approx(0.005 + 4.0)
+    below = lanes_stats(LaneStat("short", 0, 2, 5.0, 0.0, frees_ms=(200, 300)),
+                        LaneStat("long", 0, 2, 0.5, 0.0, frees_ms=(4000, 5000)))
+    assert estimate([below], "long", 2, 100, 32, 0.005, 0.75, key=(0, 60_000), now_ms=10_000).start_s == \
+        pytest.approx(0.005 + 0.2)

@@ -357,3 +357,24 @@ def test_batch_work_held_back_for_interactive_rows_starts_as_soon_as_they_end():
     assert all(w is None for w in waits), waits  # no idle wait between r0's end and r1's start
     run_until_idle(loop, runner)
     assert "r1" in finished(emitted)
+
+
+def test_the_published_load_places_a_new_request_where_the_worker_will_start_it():
+    """The snapshot admission reads (`gpu_worker.load_outlook`): the waiting requests' (rank, deadline) keys in the
+    order they start, when each running row ends (its tokens left at the forecast step), and the running
+    batch-priority rows an interactive request may take."""
+    loop, runner, clock, _ = make(rows=2)
+    loop.submit(Add([req(0, clock, new=10, timeout=10.0, priority=Priority.BATCH), req(1, clock, new=200)], clock.t))
+    loop._iterate()  # both start: the only two rows
+    waiting = [req(i, clock, timeout=t, priority=Priority.BATCH) for i, t in ((2, 30.0), (3, 20.0), (4, 15.0))]
+    loop.submit(Add(waiting, clock.t))
+    loop.report._last = -1e9  # the next round refreshes its load snapshot
+    loop._iterate()
+    snap = loop.snapshot
+    short = snap.lanes["short"]
+    key = {r.id: int(r.deadline_ms / 1000 * 1000) for r in waiting}
+    assert short.waiting == 3 and short.order == ((1, key["r4"]), (1, key["r3"]), (1, key["r2"]))  # by deadline
+    step_ms = loop.scheduler.tracker.forecast_step_seconds(2) * 1000
+    left = runner.remaining_tokens()
+    assert short.frees_ms == tuple(sorted(int(left[rid] * step_ms) for rid in ("r0", "r1")))
+    assert snap.preemptible == 1
