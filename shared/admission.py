@@ -181,6 +181,12 @@ def ahead_in(ln: LaneStat, key: tuple[int, int] | None) -> int:
     return round(ln.waiting * before / len(ln.order))
 
 
+def at_share(s: LaneStats, lane: str, max_share: float) -> bool:
+    """Whether the lane runs all the rows of the engine its share allows: another row of any lane is not its."""
+    return max_share < 1.0 and sum(ln.running for ln in s.lanes if ln.lane == lane) >= lane_rows(s.max_rows,
+                                                                                                  max_share)
+
+
 def first_row_end_s(stats: list[LaneStats], lane: str, max_share: float, now_ms: int | None) -> float:
     """Seconds until the first running row this lane may take the place of ends: any row of an engine where the
     lane is within its share, only its own rows where it holds all of that share. From the row ends each engine
@@ -188,9 +194,7 @@ def first_row_end_s(stats: list[LaneStats], lane: str, max_share: float, now_ms:
     soonest = math.inf
     for s in stats:
         age_ms = max(0, now_ms - s.at_ms) if now_ms is not None else 0
-        own = [ln for ln in s.lanes if ln.lane == lane]
-        capped = max_share < 1.0 and sum(ln.running for ln in own) >= lane_rows(s.max_rows, max_share)
-        for ln in own if capped else s.lanes:
+        for ln in [ln for ln in s.lanes if ln.lane == lane] if at_share(s, lane, max_share) else s.lanes:
             if ln.frees_ms:
                 soonest = min(soonest, max(0.0, (ln.frees_ms[0] - age_ms) / 1000))
     return 0.0 if soonest == math.inf else soonest
@@ -242,8 +246,10 @@ def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int,
     # under overload, and refused requests that finished in time). An interactive request that cannot wait takes a
     # batch-priority row (`preemptible`: the scheduler preempts one) instead
     usable = 0 if held else free
-    if key is not None and key[0] == 0:
-        usable += sum(s.preemptible for s in stats)
+    if key is not None and key[0] == 0:  # where the lane may take another row
+        usable += sum(s.preemptible for s in stats if not at_share(s, lane, max_share))
+        if ahead < usable:  # a row for it and for the interactive requests ahead of it, free or taken: no drain
+            wait = 0.0
     if ahead + 1 > usable:
         wait = max(wait, first_row_end_s(stats, lane, max_share, now_ms))
     start = window_s + wait

@@ -8,7 +8,9 @@ yet, in one pipeline. The caller gets its id only after both succeeded, so an id
 has a stream entry; a worker that finishes before the record exists simply creates it.
 
 Round trips per submit: one under load, two at most. Admission needs the lane's length and the workers' load
-figures. The figures are read at most every `STATS_CACHE_S` per process (workers publish them every 0.5 s). The
+figures. The figures are read at most every `STATS_CACHE_S` per process (workers publish them every 0.5 s, each
+engine's refreshed every second; the submits arriving while one process reads them use its last ones, while those
+are fresh). The
 length comes back with every store (an XLEN after the XADD: the request's exact queue position), and a submit
 within `LANE_LENGTH_CACHE_S` of the last one to the lane counts on it, plus the requests this process admitted
 since; otherwise admission reads it first. Then the store pipeline. A
@@ -159,7 +161,10 @@ class QueueClient:
                 return seen.length + seen.admitted, admission.fresh(cached[1], self.now_ms())
             queued, stats = await self.redis.xlen(stream), cached[1]
         else:
-            if cached is not None:  # the submits arriving while this one reads use the figures they have
+            if cached is not None and cached[1] and len(admission.fresh(cached[1], self.now_ms())) == len(cached[1]):
+                # the submits arriving while this one reads use the figures they have, while they are fresh: after
+                # 5 s without a submit they are not, and a burst decided on them had no estimate (every request
+                # admitted unchecked, and most expired in the queue: an outside probe); each reads its own then
                 self._stats[model] = (at, cached[1])
             pipe = self.redis.pipeline(transaction=False)
             pipe.xlen(stream)

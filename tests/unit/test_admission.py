@@ -355,3 +355,23 @@ def test_a_lane_holding_its_whole_share_waits_for_its_own_rows():
                         LaneStat("long", 0, 2, 0.5, 0.0, frees_ms=(4000, 5000)))
     assert estimate([below], "long", 2, 100, 32, 0.005, 0.75, key=(0, 60_000), now_ms=10_000).start_s == \
         pytest.approx(0.005 + 0.2)
+
+
+def test_batch_priority_rows_count_for_an_interactive_request_only_where_its_lane_may_take_a_row():
+    """The long lane holds its 2 rows of 4 (0.5): the 2 batch-priority short rows are not its to take, so an
+    interactive long request waits for a long row to end (it was admitted with no wait and expired: an outside
+    probe, 3 of 3). And an interactive request behind another one, on rows all running batch work with more
+    queued, has a row each to take: no drain at the batch work's completion rate (it was refused, and the later
+    one behind it finished in 0.5 s)."""
+    engine = lanes_stats(LaneStat("short", 0, 2, 0.5, 0.0, frees_ms=(3000, 3500)),
+                         LaneStat("long", 0, 2, 0.2, 0.0, frees_ms=(8000, 9000)), preemptible=2)
+    capped = estimate([engine], "long", 2, 100, 32, 0.005, 0.5, key=(0, 60_000), now_ms=10_000)
+    assert capped.start_s == pytest.approx(0.005 + 8.0)
+    batch_work = lanes_stats(LaneStat("short", 9, 4, 0.66, 0.0, order=((0, 11_000),) + ((1, 70_000),) * 8,
+                                      frees_ms=(3000, 4000, 4500, 5000)), preemptible=4)
+    behind_one = estimate([batch_work], "short", 13, 100, 32, 0.005, key=(0, 12_000), now_ms=10_000)
+    assert behind_one.start_s == pytest.approx(0.005)
+    assert decide(now_s=10.0, deadline_s=12.0, est=behind_one, queued=13, max_backlog=100).accept
+    # five interactive ahead of it and four rows to take: it waits
+    crowd = lanes_stats(LaneStat("short", 5, 4, 0.66, 0.0, order=((0, 11_000),) * 5, frees_ms=(3000,)), preemptible=4)
+    assert estimate([crowd], "short", 9, 100, 32, 0.005, key=(0, 12_000), now_ms=10_000).start_s > 3.0

@@ -237,3 +237,21 @@ async def test_a_stored_request_whose_wait_loses_redis_is_answered_202_not_503(q
     monkeypatch.setattr(q, "submit", lost)  # the store itself fails: nothing accepted
     with pytest.raises((redis.ConnectionError, SubscriptionUnavailable)):
         await ops.submit(q, {"input": {"prompt": "hi"}}, SPEC, "t", wait=5.0)
+
+
+async def test_a_burst_after_a_quiet_spell_is_decided_on_fresh_figures(q, monkeypatch):
+    """The figures cached at the last submit, 7 s ago, are too old to decide on: the submits arriving while one reads
+    them again read too (they used the old ones, which admission drops as stale, and admitted every request of the
+    burst without an estimate)."""
+    monkeypatch.setattr(queue_client, "LANE_LENGTH_CACHE_S", 0.0)
+    key = q.keys.lane_stats("echo")
+    await q.redis.hset(key, "w1", stats("w1"))
+    _, found = await q.load("echo", "short")
+    assert [s.worker for s in found] == ["w1"]
+    later = time.time() + 7
+    monkeypatch.setattr(q, "clock", lambda: later)
+    monkeypatch.setattr(queue_client.time, "monotonic", lambda real=time.monotonic: real() + 7)
+    await q.redis.hset(key, "w1", encode(dataclasses.replace(decode(stats("w1"), LaneStats),
+                                                             at_ms=int(later * 1000))))
+    burst = await asyncio.gather(*(q.load("echo", "short") for _ in range(5)))
+    assert all([s.worker for s in found] == ["w1"] for _, found in burst), burst
