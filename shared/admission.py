@@ -13,7 +13,8 @@ read) and the lane's stream length. The estimate:
              read has started) and have free rows for those ahead, nobody waits: the completion rate
              then measures the traffic, not what the rows can do (a burst after light traffic was
              estimated 100x too slow and refused). While no completion has been measured yet, only
-             the requests that do not fit the free rows count, at what the rows could do;
+             the requests that do not fit the free rows count, a whole turn of the rows (its own compute) for
+             each round of rows they fill: rows started together end together;
     finish = start + its own compute (prefill of its prompt + one decode step per new token, at the
              step time measured for the current batch, plus what each row adds to a step for the rows it
              and those ahead of it add to that batch, as far as there are free rows for them).
@@ -146,13 +147,6 @@ def shorter_rate(stats: list[LaneStats], lane: str) -> float:
     return total
 
 
-def drain_rate(stats: list[LaneStats], service_s: float, max_share: float = 1.0) -> float:
-    """Requests per second the workers finish: measured, else what their rows (the lane's share of them) could do."""
-    measured = sum(lane.completed_rps for s in stats for lane in s.lanes)
-    capacity = sum(lane_rows(s.max_rows, max_share) for s in stats) / max(service_s, 1e-3)
-    return measured if measured > 0 else capacity
-
-
 def lane_rows(max_rows: int, max_share: float) -> int:
     """The rows a lane held to `max_share` of an engine's may run at once (as the worker's dynamic stage holds it)."""
     return max(1, int(max_share * max_rows)) if max_share < 1.0 else max_rows
@@ -236,7 +230,11 @@ def estimate(stats: list[LaneStats], lane: str, queued: int, prompt_tokens: int,
         # the rows free up at the measured rate, and the shorter lanes' new arrivals take their share of them first
         wait = ahead / max(measured - shorter_rate(stats, lane), MIN_DRAIN_SHARE * measured)
     elif ahead >= free:
-        wait = (ahead - free + 1) / drain_rate(stats, service, max_share)
+        # no completion measured yet (a fresh worker): the rows started together end together, so the requests
+        # beyond the free rows wait whole turns of the rows, at its own compute, not a share of one (the fifth of a
+        # burst at 4 idle rows was promised a quarter of a turn and expired: an outside probe, 4 of 4)
+        rows = max(1, sum(lane_rows(s.max_rows, max_share) for s in stats))
+        wait = math.ceil((ahead - free + 1) / rows) * service
     # else the workers start everything they read and have rows for those ahead: a burst after light traffic,
     # whose measured rate is the light traffic's arrivals, not what the rows can do.
     # And nothing starts before a row is there for it: with no row it may take free for it and those ahead (or the

@@ -30,8 +30,10 @@ def test_no_stats_means_no_estimate():
     ({"rps": 10.0, "free": 8, "waiting": 2}, 6, 100, 32, 0.605, 1.265),
     # a burst after light traffic (1.5/s measured): 12 ahead, 60 free rows, nothing held back: they start now
     ({"rps": 1.5, "free": 60, "max_rows": 64}, 12, 100, 32, 0.005, 0.665),
-    # same, no completions measured yet: drain at what 8 rows can do (8 / 0.66 s)
-    ({}, 6, 100, 32, 0.005 + 3 / (8 / 0.66), 0.005 + 3 / (8 / 0.66) + 0.66),
+    # same, no completions measured yet (a fresh worker): the rows started together end together, so the 3 beyond
+    # the free rows wait a whole turn of the 8 rows at its own compute (not 3/8 of one: a burst's fifth request at 4
+    # idle rows was promised a quarter of a turn and expired)
+    ({}, 6, 100, 32, 0.005 + 0.66, 0.005 + 0.66 + 0.66),
     # the queued entries are running ones, not waiting ones: nobody ahead
     ({"running": 6, "rps": 10.0}, 6, 100, 32, 0.005, 0.665),
     # nothing measured yet and a free row for it: just the window
