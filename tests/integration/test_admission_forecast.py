@@ -16,6 +16,7 @@ import pytest
 
 from shared.config import ModelSpec
 from shared.states import Task
+from tests.integration.test_stack import wait_until
 from tests.stack import make_settings, running_gateway, running_worker
 
 pytestmark = [pytest.mark.redis]
@@ -94,15 +95,15 @@ async def submitted(client: httpx.AsyncClient, new: int, timeout_s: float, prior
         "priority": priority})
 
 
-async def fresh_stats(gw, running: int) -> None:
-    """Until the worker's published figures show `running` rows (published every 0.5 s, read at most every 0.25 s)."""
-    end = time.monotonic() + 10
-    while True:
+def published(gw, running: int, waiting: int = 0):
+    """Whether the worker's published figures (every 0.5 s, read at most every 0.25 s) show `running` rows and
+    `waiting` requests held: a condition for `wait_until`."""
+    async def check() -> bool:
         _, stats = await gw.service.load("slow", "short")
-        if sum(ln.running for s in stats for ln in s.lanes) == running and all(s.decode_ms_per_step for s in stats):
-            return
-        assert time.monotonic() < end, stats
-        await asyncio.sleep(0.1)
+        lanes = [ln for s in stats for ln in s.lanes]
+        return (sum(ln.running for ln in lanes), sum(ln.waiting for ln in lanes)) == (running, waiting) and \
+            all(s.decode_ms_per_step for s in stats)
+    return check
 
 
 async def test_admission_places_a_request_where_the_worker_starts_it(redis_url, prefix):
@@ -118,12 +119,12 @@ async def test_admission_places_a_request_where_the_worker_starts_it(redis_url, 
                 "status"] == "succeeded"
         busy = await asyncio.gather(*(submitted(gw.client, 100, 60) for _ in range(4)))  # 4 rows for 5 s
         assert all(r.status_code == 202 for r in busy)
-        await fresh_stats(gw, running=4)
+        await wait_until(published(gw, running=4))
         refused = await submitted(gw.client, 20, 2.5)  # 1 s of compute, but no row before ~4 s
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "deadline_infeasible", refused.text
         flood = await asyncio.gather(*(submitted(gw.client, 60, 60) for _ in range(8)))  # waiting, due in 60 s
         assert all(r.status_code == 202 for r in flood)
-        await asyncio.sleep(0.8)  # the worker holds them waiting, its figures published
+        await wait_until(published(gw, running=4, waiting=8))  # the worker holds them, its figures say so
         urgent = await submitted(gw.client, 10, 5.5)  # 0.5 s of compute after a row ends, before the flood
         assert urgent.status_code == 202, urgent.text
         done = (await gw.client.get(f"/v1/requests/{urgent.json()['id']}", params={"wait": 15})).json()

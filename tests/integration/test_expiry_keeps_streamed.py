@@ -133,14 +133,14 @@ async def test_a_delta_written_during_the_expiry_is_in_the_output(parts, monkeyp
     req = await queued(client, store, "req_race")
     await store.start([req], int(time.time() * 1000))
     await queue.publish_deltas([(req.id, StreamDelta(0, (5,), "a", prompt_tokens=1), True)])
-    time.sleep(0.1)
 
     async def late_delta(n: int) -> None:
         if n == 1:
             await queue.publish_deltas([(req.id, StreamDelta(1, (6,), "b"), False)])
 
     reads = racing_reads(monkeypatch, store, late_delta)
-    assert await store.expire_overdue(await store.get(req.id), int(time.time() * 1000), 0.0, "gateway")
+    later_ms = int(time.time() * 1000) + 1000  # its 50 ms deadline past, as of then: no sleep for it
+    assert await store.expire_overdue(await store.get(req.id), later_ms, 0.0, "gateway")
     assert reads == [1, 2]
     rec = await store.get(req.id)
     assert rec.state is Status.EXPIRED
@@ -162,12 +162,12 @@ async def test_an_expiry_racing_a_worker_that_keeps_writing_gives_way(parts, mon
     client, _, store, queue = parts
     req = await queued(client, store, "req_busy")
     await store.start([req], int(time.time() * 1000))
-    time.sleep(0.1)
 
     async def late_delta(n: int) -> None:
         await queue.publish_deltas([(req.id, StreamDelta(n - 1, (n,), "x"), n == 1)])
 
     reads = racing_reads(monkeypatch, store, late_delta)
-    assert not await store.expire_overdue(await store.get(req.id), int(time.time() * 1000), 0.0, "gateway")
+    later_ms = int(time.time() * 1000) + 1000
+    assert not await store.expire_overdue(await store.get(req.id), later_ms, 0.0, "gateway")
     assert reads == list(range(UNANSWERED_TRIES))
     assert (await store.get(req.id)).state is Status.RUNNING
