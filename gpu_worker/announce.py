@@ -18,7 +18,8 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ResponseError
 
-from shared.codec import encode
+from shared.codec import decode, encode
+from shared.errors import CodecError
 from shared.keys import Keys
 from shared.messages import LaneStats
 from shared.redis_io import UNAVAILABLE, pubsub_of, raise_if_cancelling, tolerate_outage
@@ -38,6 +39,10 @@ class Announcer(Protocol):
     async def heartbeat(self, worker: str, info: dict[str, Any]) -> None: ...
 
     async def publish_stats(self, stats: Stats) -> None: ...
+
+    async def peer_stats(self, model: str) -> list[LaneStats]:
+        """Every worker's published figures for `model` (none while Redis cannot be reached)."""
+        ...
 
     def cancels(self, models: Sequence[str]) -> AsyncIterator[str]:
         """Ids of requests cancelled from now on, for ever (reconnecting as needed)."""
@@ -81,6 +86,16 @@ class RedisAnnouncer:
                 pipe.pexpire(key, STATS_TTL_MS)
         async with tolerate_outage():
             await pipe.execute()
+
+    async def peer_stats(self, model: str) -> list[LaneStats]:
+        raw: dict[bytes, bytes] = {}
+        async with tolerate_outage():
+            raw = await self.redis.hgetall(self.keys.lane_stats(model))
+        out = []
+        for blob in raw.values():
+            with contextlib.suppress(CodecError):  # a worker of another schema version
+                out.append(decode(blob, LaneStats))
+        return out
 
     async def cancels(self, models: Sequence[str]) -> AsyncIterator[str]:
         channels = [self.keys.cancel_channel(m) for m in models]
@@ -130,6 +145,9 @@ class MemoryAnnouncer:
     async def publish_stats(self, stats: Stats) -> None:
         for model, fields in stats.items():
             self.stats.setdefault(model, {}).update(fields)
+
+    async def peer_stats(self, model: str) -> list[LaneStats]:
+        return list(self.stats.get(model, {}).values())
 
     async def cancels(self, models: Sequence[str]) -> AsyncIterator[str]:
         while True:

@@ -27,9 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpu_worker.job import Job
 from shared.deadlines import cannot_finish
+
+if TYPE_CHECKING:
+    from gpu_worker.runner import Runner
+    from gpu_worker.scheduler import Scheduler
 
 # what stepping batch rows may add to a step interactive rows decode in: about nothing (on a CPU, where a row costs
 # ~4% of a one-row step, none step; on a GPU, where a step is flat in rows, all do)
@@ -131,3 +136,14 @@ class Sharing:
                     prefill=prefill, foreground_at=self.foreground_at)
         self.held = out.hold
         return out
+
+    def apply(self, scheduler: Scheduler, runner: Runner, total_rows: int, now: float) -> None:
+        """`next` for a compute loop's round: its runner holds back the rows that sit out the next step; its scheduler
+        learns how many batch-priority rows it may start next round, and with how many prompt tokens."""
+        running, t, held = scheduler.running, scheduler.tracker, self.held
+        share = self.next(running.values(), runner.remaining_tokens(), now, total_rows=total_rows,
+                          interval_s=t.step_seconds(len(running)), step_s=t.bare_step_s,
+                          prefill=(t.prefill.intercept, t.prefill.slope))
+        if share.hold or held:
+            runner.hold_back(share.hold)
+        scheduler.background_rows, scheduler.background_tokens = share.start_rows, share.prefill_tokens

@@ -35,4 +35,13 @@ class Drain:
     until: float
 
 
-Command = Add | Adopt | Cancel | Drain
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Another worker's engine serving `lanes` is at `level` (waiting less free rows), lower than this one: hand it
+    back the waiting requests this engine would start last (`gpu_worker.rebalance`)."""
+
+    lanes: frozenset[str]
+    level: int
+
+
+Command = Add | Adopt | Cancel | Drain | Release

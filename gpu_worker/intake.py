@@ -40,7 +40,7 @@ BACKOFF_MAX_S = 5.0
 class Intake:
     def __init__(self, settings: Settings, queue: WorkQueue, consumer: str, engines: dict[str, ModelEngines],
                  held: dict[str, Held], room: asyncio.Event, publish: Callable[[list[Emitted]], Awaitable[None]],
-                 buffer: int | None = None) -> None:
+                 buffer: int | None = None, leaving: set[bytes] | None = None) -> None:
         self.settings = settings
         self.queue = queue
         self.consumer = consumer
@@ -50,6 +50,10 @@ class Intake:
         self.room = room  # set by the publisher whenever it releases held entries
         self._publish = publish
         self._buffer = buffer
+        self.leaving = leaving if leaving is not None else set()  # `Publisher.leaving`
+        # by model: another worker is less loaded (`gpu_worker.rebalance`): hold no more than the rows, so that what
+        # this worker handed back, and the stream's new work, is read by the other
+        self.lean: dict[str, bool] = {}
 
     def streams(self, model: str) -> list[str]:
         spec = self.settings.model(model)
@@ -60,12 +64,14 @@ class Intake:
         spec = self.settings.model(model)
         if spec is None:
             return 0
-        if self._buffer is not None:
+        rows = spec.max_running if spec.task is Task.GENERATE else spec.max_batch_size
+        if self.lean.get(model):
+            limit = rows * max(1, len(self.engines[model].loops))
+        elif self._buffer is not None:
             limit = self._buffer
         else:
             # enough to order by deadline and priority across a window of the stream; bounded so that
             # one worker does not hoard a burst that other workers could serve
-            rows = spec.max_running if spec.task is Task.GENERATE else spec.max_batch_size
             limit = max(2 * rows + spec.max_batch_size, MIN_INTAKE_BUFFER)
         return limit - sum(1 for h in self.held.values() if h.model == model)
 
@@ -102,7 +108,9 @@ class Intake:
             if req is None:
                 continue
             held = self.held.get(req.id)
-            if held is not None:  # a second entry for a request we already hold (a retried XADD, a hand-back)
+            if held is not None and held.entry_id in self.leaving:
+                held = None  # being handed back (to a less loaded worker) and read here again: this entry is its own
+            if held is not None:  # a second entry for a request we already hold (a retried XADD)
                 if held.entry_id != entry.id:
                     await self.queue.ack([Held(model, entry.stream, entry.id, req)])
                 continue

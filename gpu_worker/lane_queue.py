@@ -43,10 +43,13 @@ class LaneQueue:
     def __len__(self) -> int:
         return len(self._live)
 
+    def key(self, item: Job) -> tuple[int, float]:
+        """What the lane starts its requests in order of: (priority rank, deadline), or arrival in FIFO mode."""
+        return (0, item.arrived) if self.fifo else (item.rank, item.deadline)
+
     def push(self, item: Job) -> None:
         self._live[item.id] = item
-        key = (0, item.arrived) if self.fifo else (item.rank, item.deadline)
-        heapq.heappush(self._heap, (*key, next(self._seq), item))
+        heapq.heappush(self._heap, (*self.key(item), next(self._seq), item))
 
     def remove(self, request_id: str) -> Job | None:
         item = self._live.pop(request_id, None)  # its heap entry is skipped when it surfaces

@@ -15,11 +15,12 @@ from collections.abc import Callable
 import structlog
 
 from gpu_worker import background_rows, metrics
-from gpu_worker.commands import Add, Adopt, Cancel, Command
+from gpu_worker.commands import Add, Adopt, Cancel, Command, Release
 from gpu_worker.compute_thread import ThreadedLoop
 from gpu_worker.job import Job, JobState
 from gpu_worker.load_report import LoadReport, Snapshot
 from gpu_worker.outcomes import Ack, Emitted, HandBack, Outcome, expired_outcome, failed_outcome
+from gpu_worker.rebalance import take
 from gpu_worker.runner import Runner
 from gpu_worker.scheduler import Plan, Scheduler
 from shared.deadlines import cannot_finish
@@ -138,15 +139,8 @@ class ModelLoop(ThreadedLoop):
     def _share_rows(self, now: float) -> None:
         """Which batch-priority rows sit out the next step beside interactive rows, and how many may start next
         round, and with how many prompt tokens (`gpu_worker.background_rows`)."""
-        if not self.scheduler.deadline_aware:
-            return
-        running, t, held = self.scheduler.running, self.tracker, self._sharing.held
-        share = self._sharing.next(running.values(), self.runner.remaining_tokens(), now, total_rows=self.max_rows,
-                                   interval_s=t.step_seconds(len(running)), step_s=t.bare_step_s,
-                                   prefill=(t.prefill.intercept, t.prefill.slope))
-        if share.hold or held:
-            self.runner.hold_back(share.hold)
-        self.scheduler.background_rows, self.scheduler.background_tokens = share.start_rows, share.prefill_tokens
+        if self.scheduler.deadline_aware:
+            self._sharing.apply(self.scheduler, self.runner, self.max_rows, now)
 
     def _start(self, batch: list[Job], *, chunked: bool = False) -> list[Emitted]:
         g0 = self._clock()
@@ -233,6 +227,9 @@ class ModelLoop(ThreadedLoop):
         elif isinstance(cmd, Cancel):
             acks: list[Emitted] = [Ack(job.req) for rid in cmd.ids if (job := self.scheduler.cancel(rid)) is not None]
             self._publish([*acks, *self.runner.remove(cmd.ids, FinishReason.CANCELLED)], count=False)
+        elif isinstance(cmd, Release):  # another worker has rows to spare (`gpu_worker.rebalance`)
+            if self._drain_until is None and (jobs := take(self.scheduler.queues, self.runner.free_rows, cmd)):
+                self._emit([HandBack([job.req for job in jobs])])
         else:
             self._drain_until = cmd.until
             self.scheduler.hold(float("inf"))

@@ -32,6 +32,9 @@ class Publisher:
         self.held = held
         self._released = on_released
         self.inbox: asyncio.Queue[list[Emitted] | None] = asyncio.Queue()  # from the compute side, via the worker
+        # the entries being handed back: a fresh entry of one of their requests, read meanwhile (by this worker's
+        # intake, once room frees), is the request's new one, not a duplicate to drop
+        self.leaving: set[bytes] = set()
 
     async def run(self) -> None:
         """Publish until `close()`; never cancelled mid-write (a cancelled hand-back would strand entries)."""
@@ -55,6 +58,9 @@ class Publisher:
         self.inbox.put_nowait(None)
 
     async def publish(self, items: list[Emitted]) -> None:
+        handed = {h.entry_id for i in items if isinstance(i, HandBack)
+                  for r in i.requests if (h := self.held.get(r.id)) is not None}
+        self.leaving |= handed
         steps = self._steps(items)
         backoff = BACKOFF_START_S
         while steps:
@@ -71,7 +77,10 @@ class Publisher:
             if isinstance(item, Outcome):
                 observe(item)  # once, after the write landed (a retried write must not count twice)
             for req in (item.requests if isinstance(item, HandBack) else [item.request]):
-                self.held.pop(req.id, None)
+                h = self.held.get(req.id)
+                if h is not None and (not isinstance(item, HandBack) or h.entry_id in handed):
+                    del self.held[req.id]  # not the fresh entry of a request handed back, if read meanwhile
+        self.leaving -= handed
         self._released()
 
     def _steps(self, items: list[Emitted]) -> list[Callable[[], Awaitable[None]]]:

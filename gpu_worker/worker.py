@@ -14,6 +14,7 @@ outcome, or handed back on shutdown; if the process dies, its entries are reclai
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -32,6 +33,7 @@ from gpu_worker.announce import (
 from gpu_worker.intake import Intake
 from gpu_worker.outcomes import Emitted
 from gpu_worker.publisher import Publisher
+from gpu_worker.rebalance import rebalance_loop
 from gpu_worker.upkeep import Upkeep
 from gpu_worker.work_queue import Held, QueueUnavailable, WorkQueue
 from shared.config import ModelSpec, Settings
@@ -80,7 +82,7 @@ class Worker:
         self._room = asyncio.Event()
         self.publisher = Publisher(self.queue, self.held, self._room.set)
         self.intake = Intake(settings, self.queue, self.name, self.engines, self.held, self._room,
-                             self.publisher.inbox.put, intake_buffer)
+                             self.publisher.inbox.put, intake_buffer, self.publisher.leaving)
         self.upkeep = Upkeep(self.intake, lambda: self._draining)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.ready = asyncio.Event()
@@ -138,6 +140,8 @@ class Worker:
             asyncio.create_task(cancel_loop(self.announcer, list(self.engines), self.cancel), name="cancels"),
             asyncio.create_task(heartbeat_loop(self.announcer, self.name, self._heartbeat_info), name="heartbeat"),
             asyncio.create_task(stats_loop(self.announcer, self._lane_stats), name="stats"),
+            asyncio.create_task(rebalance_loop(self.engines, self.name, self.announcer.peer_stats, self.intake.lean),
+                                name="rebalance"),
         ]
         for task in [*intake, publisher, *background]:
             task.add_done_callback(self._task_ended)
@@ -231,8 +235,11 @@ class Worker:
         return {"instance": self.instance, "models": list(self.engines), "held": len(self.held)}
 
     def _lane_stats(self) -> dict[str, Any]:
-        # one field per engine: its own lanes, rows and costs
-        return {model: engines.lane_stats(self.name) for model, engines in self.engines.items()}
+        # one field per engine: its own lanes, rows and costs; a draining worker starts nothing more: no row is free
+        stats = {model: engines.lane_stats(self.name) for model, engines in self.engines.items()}
+        if self._draining:
+            return {m: {f: dataclasses.replace(s, free_rows=0) for f, s in fs.items()} for m, fs in stats.items()}
+        return stats
 
     def cancel(self, request_id: str) -> None:
         held = self.held.get(request_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpu_worker import background_rows
-from gpu_worker.commands import Add, Cancel, Drain
+from gpu_worker.commands import Add, Cancel, Drain, Release
 from gpu_worker.job import Job
 from gpu_worker.lane_queue import LanePolicy
 from gpu_worker.model_loop import ModelLoop
@@ -378,3 +378,29 @@ def test_the_published_load_places_a_new_request_where_the_worker_will_start_it(
     left = runner.remaining_tokens()
     assert short.frees_ms == tuple(sorted(int(left[rid] * step_ms) for rid in ("r0", "r1")))
     assert snap.preemptible == 1
+
+
+def test_a_release_hands_back_the_waiting_work_it_would_start_last_to_a_less_loaded_worker():
+    loop, runner, clock, emitted = make(rows=2)
+    loop.submit(Add([req(i, clock, new=1000, timeout=60.0 + i) for i in range(8)], clock.t))
+    loop._iterate()  # 2 start, 6 wait
+    loop.submit(Release(frozenset({"short"}), -2))  # another worker's engine has 2 rows free, nothing waiting
+    loop._iterate()
+    backs = [r.id for o in emitted if isinstance(o, HandBack) for r in o.requests]
+    assert sorted(backs) == ["r4", "r5", "r6", "r7"]  # 6 against -2: 4 go, the ones due last
+    assert sorted(j.id for q in loop.scheduler.queues.values() for j in q.items()) == ["r2", "r3"]
+    assert sorted(runner.started) == ["r0", "r1"]
+
+
+def test_no_release_while_draining_nor_for_lanes_the_other_does_not_serve():
+    loop, _runner, clock, emitted = make(rows=1)
+    loop.submit(Add([req(i, clock, new=1000) for i in range(4)], clock.t))
+    loop._iterate()
+    loop.submit(Release(frozenset({"long"}), -8))
+    loop._iterate()
+    assert not [o for o in emitted if isinstance(o, HandBack)]
+    loop.submit(Drain(clock.t + 100))
+    loop.submit(Release(frozenset({"short"}), -8))
+    loop._iterate()
+    backs = [o for o in emitted if isinstance(o, HandBack)]
+    assert len(backs) == 1 and sorted(r.id for r in backs[0].requests) == ["r1", "r2", "r3"]  # the drain's, once
