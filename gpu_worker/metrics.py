@@ -33,3 +33,5 @@ DEAD_LETTERS = Counter("batchgate_dead_letters_total", "Entries moved to the dea
 COMPUTE_ON_EXPIRED = Counter("batchgate_compute_on_expired_total",
                              "Requests whose compute started after their deadline (FIFO baseline only)", ["model"])
 PREEMPTIONS = Counter("batchgate_preemptions_total", "Batch-priority rows preempted for interactive work", ["model"])
+HANDED_TO_PEERS = Counter("batchgate_handed_to_peers_total",
+                          "Waiting requests handed back to the stream for a less loaded worker", ["model"])

@@ -229,6 +229,7 @@ class ModelLoop(ThreadedLoop):
             self._publish([*acks, *self.runner.remove(cmd.ids, FinishReason.CANCELLED)], count=False)
         elif isinstance(cmd, Release):  # another worker has rows to spare (`gpu_worker.rebalance`)
             if self._drain_until is None and (jobs := take(self.scheduler.queues, self.runner.free_rows, cmd)):
+                metrics.HANDED_TO_PEERS.labels(self.name).inc(len(jobs))
                 self._emit([HandBack([job.req for job in jobs])])
         else:
             self._drain_until = cmd.until

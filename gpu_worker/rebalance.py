@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpu_worker.commands import Release
-from gpu_worker.job import Job
+from gpu_worker.job import Job, JobState
 from gpu_worker.lane_queue import LaneQueue
 from shared.messages import LaneStats
 
@@ -73,6 +73,7 @@ def take(queues: Mapping[str, LaneQueue], free_rows: int, release: Release) -> l
     for _, rid, name in sorted(jobs)[len(jobs) - min(n, len(jobs)):]:
         job = queues[name].remove(rid)
         if job is not None:
+            job.state = JobState.DONE  # it leaves the compute side, as a hand-back
             out.append(job)
     return out
 

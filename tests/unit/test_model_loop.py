@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prometheus_client import REGISTRY
+
 from gpu_worker import background_rows
 from gpu_worker.commands import Add, Cancel, Drain, Release
 from gpu_worker.job import Job
@@ -380,12 +382,18 @@ def test_the_published_load_places_a_new_request_where_the_worker_will_start_it(
     assert snap.preemptible == 1
 
 
+def handed_to_peers() -> float:
+    return REGISTRY.get_sample_value("batchgate_handed_to_peers_total", {"model": "m"}) or 0.0
+
+
 def test_a_release_hands_back_the_waiting_work_it_would_start_last_to_a_less_loaded_worker():
     loop, runner, clock, emitted = make(rows=2)
     loop.submit(Add([req(i, clock, new=1000, timeout=60.0 + i) for i in range(8)], clock.t))
     loop._iterate()  # 2 start, 6 wait
+    before = handed_to_peers()
     loop.submit(Release(frozenset({"short"}), -2))  # another worker's engine has 2 rows free, nothing waiting
     loop._iterate()
+    assert handed_to_peers() - before == 4  # counted
     backs = [r.id for o in emitted if isinstance(o, HandBack) for r in o.requests]
     assert sorted(backs) == ["r4", "r5", "r6", "r7"]  # 6 against -2: 4 go, the ones due last
     assert sorted(j.id for q in loop.scheduler.queues.values() for j in q.items()) == ["r2", "r3"]

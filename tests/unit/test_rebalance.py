@@ -10,7 +10,7 @@ import pytest
 
 from gpu_worker import rebalance
 from gpu_worker.commands import Release
-from gpu_worker.job import Job
+from gpu_worker.job import Job, JobState
 from gpu_worker.lane_queue import LanePolicy, LaneQueue
 from gpu_worker.load_report import LaneLoad, Snapshot
 from gpu_worker.rebalance import Peer, lowest, peers, take
@@ -67,6 +67,7 @@ def test_take_hands_back_half_the_difference_those_it_would_start_last():
     # 10 waiting, no row free: level 10; the peer's -4 (4 rows free): 7 go, leaving 3 and 3
     got = take(q, 0, Release(frozenset({"short"}), -4))
     assert sorted(j.id for j in got) == [f"r{i}" for i in range(3, 10)]
+    assert {j.state for j in got} == {JobState.DONE}
     assert sorted(j.id for j in q["short"].items()) == ["r0", "r1", "r2"]
     assert q["short"].pop().id == "r0"  # the queue still pops in order, without the ones taken
 
