@@ -37,11 +37,12 @@ class Drain:
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """Another worker's engine serving `lanes` is at `level` (waiting less free rows), lower than this one: hand it
-    back the waiting requests this engine would start last (`gpu_worker.rebalance`)."""
+    """Another worker's engine serving `lanes`, of `rows` rows, is at `level` (waiting less free rows), less than a turn
+    of its rows: hand back for it waiting requests this engine cannot start now (`gpu_worker.rebalance`)."""
 
     lanes: frozenset[str]
     level: int
+    rows: int
 
 
 Command = Add | Adopt | Cancel | Drain | Release

@@ -35,6 +35,7 @@ MIN_INTAKE_BUFFER = 32
 ROOM_WAIT_S = 1.0
 BACKOFF_START_S = 0.1
 BACKOFF_MAX_S = 5.0
+POLL_S = 0.05  # how often a worker that holds more than it can start polls the streams while a peer has idle rows
 
 
 class Intake:
@@ -51,9 +52,13 @@ class Intake:
         self._publish = publish
         self._buffer = buffer
         self.leaving = leaving if leaving is not None else set()  # `Publisher.leaving`
-        # by model: another worker is less loaded (`gpu_worker.rebalance`): hold no more than the rows, so that what
-        # this worker handed back, and the stream's new work, is read by the other
-        self.lean: dict[str, bool] = {}
+        # by model: another worker has idle rows (set by `gpu_worker.rebalance`). While this worker holds more than it
+        # can start, it then polls the streams instead of waiting on them: what it hands back to that worker goes to
+        # it (it waits on them), not to a read of its own in flight (without this, this worker took back 5 to 35 of
+        # a 40-request burst's). Otherwise every worker waits on the streams, and new work goes to the one waiting
+        # longest, as it always did (polling while the peer merely had little waiting sent it every interactive
+        # arrival of a burst, more than it could start, and they expired: an outside probe)
+        self.peer_room: dict[str, bool] = {}
 
     def streams(self, model: str) -> list[str]:
         spec = self.settings.model(model)
@@ -64,14 +69,12 @@ class Intake:
         spec = self.settings.model(model)
         if spec is None:
             return 0
-        rows = spec.max_running if spec.task is Task.GENERATE else spec.max_batch_size
-        if self.lean.get(model):
-            limit = rows * max(1, len(self.engines[model].loops))
-        elif self._buffer is not None:
+        if self._buffer is not None:
             limit = self._buffer
         else:
             # enough to order by deadline and priority across a window of the stream; bounded so that
             # one worker does not hoard a burst that other workers could serve
+            rows = spec.max_running if spec.task is Task.GENERATE else spec.max_batch_size
             limit = max(2 * rows + spec.max_batch_size, MIN_INTAKE_BUFFER)
         return limit - sum(1 for h in self.held.values() if h.model == model)
 
@@ -89,13 +92,20 @@ class Intake:
                     await asyncio.wait_for(self.room.wait(), timeout=ROOM_WAIT_S)
                 continue
             try:
-                entries = await self.queue.read(self.consumer, streams, room, block_s)
+                polling = self.peer_room.get(model, False) and self.loaded(model)
+                entries = await self.queue.read(self.consumer, streams, room, 0.0 if polling else block_s)
                 await self.accept(model, entries)
                 backoff = BACKOFF_START_S
+                if polling and not entries:
+                    await asyncio.sleep(POLL_S)
             except QueueUnavailable as exc:
                 log.warning("intake: queue unavailable", model=model, error=str(exc), retry_in_s=backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    def loaded(self, model: str) -> bool:
+        """Some engine of `model` has more waiting than free rows (read across threads: counts only)."""
+        return any(len(loop.scheduler) > loop.runner.free_rows for loop in self.engines[model])
 
     async def accept(self, model: str, entries: list[Entry]) -> None:
         """Hold `entries` (read or reclaimed) and submit their requests to the model's engines."""

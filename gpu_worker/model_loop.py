@@ -9,6 +9,7 @@ through `emit`, in lists, to the worker's publisher.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -230,7 +231,7 @@ class ModelLoop(ThreadedLoop):
         elif isinstance(cmd, Release):  # another worker has rows to spare (`gpu_worker.rebalance`)
             if self._drain_until is None and (jobs := take(self.scheduler.queues, self.runner.free_rows, cmd)):
                 metrics.HANDED_TO_PEERS.labels(self.name).inc(len(jobs))
-                self._emit([HandBack([job.req for job in jobs])])
+                self._emit([HandBack([dataclasses.replace(job.req, moved=job.req.moved + 1) for job in jobs])])
         else:
             self._drain_until = cmd.until
             self.scheduler.hold(float("inf"))

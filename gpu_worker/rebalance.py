@@ -1,20 +1,27 @@
-"""Work one worker holds while another worker of the same model has rows to spare goes back to the stream for it.
+"""Work one worker holds while another worker of the same model runs short of work goes back to the stream for it.
 
 A worker reads ahead of its rows (`gpu_worker.intake`: 32 requests or more, so that it starts them in priority and
 deadline order across a window of the stream). With several workers, the one that reads first takes a burst's whole
-window: with 4 rows each, 40 requests ran on one worker in 10.4 s while the other sat idle (6.3 s with this). So every
-`CHECK_S` each worker reads the load its peers publish (`LaneStats`, the figures admission reads) and, per engine:
+window: with 4 rows each, 40 requests ran on one worker in 10.4 s while the other sat idle. So every `CHECK_S` each
+worker reads the load its peers publish (`LaneStats`, the figures admission reads) and, per engine with more waiting
+requests than free rows:
 
-- its level is its waiting requests less its free rows (negative: rows to spare), a peer engine's the same;
-- where a peer engine that serves its lanes is at least 2 lower, it hands back the waiting requests it would start
-  last, half the difference (so that both end level), never one it can start at once (`take`); the peer, which has
-  room in its read-ahead, reads them from the stream;
-- while a peer is lower, its intake holds no more than its rows (`Intake.lean`): it does not read back what it
-  handed back, and the stream's new work goes to the peer.
+- a level is an engine's waiting requests less its free rows (negative: rows to spare). It looks for a peer engine
+  serving any of its lanes whose level is below one turn of its rows: rows free, or about to be with little waiting
+  (one with a turn or more waiting does not count: under a steady overload every worker holds a window of work, and
+  moving it gains nothing and costs Redis writes);
+- it hands back, as fresh stream entries, waiting requests of those lanes it cannot start now: the first in its start
+  order (the most urgent go to the rows that are free soonest, as one EDF queue over both workers would start them),
+  enough to bring the peer to one turn of its rows, at most half the difference of the two levels (`take`);
+- a request moves once at most (`InferenceRequest.moved`): read back by the worker that handed it back (its intake
+  may read first), or by a peer that then fills up, it stays. So nothing goes back and forth.
 
-Pure but for `rebalance_loop` (the clock and the figures are passed in). It acts on a peer's figures only when they
-were taken after its own last hand-back (`SETTLE_MS` after it): figures from before show none of it, and acting on
-them twice would send the peer too much, which it would then hand back.
+The peer, with room in its read-ahead, reads them at once: one script writes them (`gpu_worker.hand_back_script`),
+so a peer waiting on the streams is served all of them, and while a peer has idle rows this worker polls the streams
+rather than waits on them (`Intake.peer_room`), so no blocking read of its own is served first. Pure but for
+`rebalance_loop` (the clock and the figures are passed in). It acts on a peer's figures only when they were taken
+after its own last hand-back (`SETTLE_MS` after it): figures from before show none of it, and acting on them twice
+would send the peer too much.
 """
 
 from __future__ import annotations
@@ -29,72 +36,81 @@ from gpu_worker.commands import Release
 from gpu_worker.job import Job, JobState
 from gpu_worker.lane_queue import LaneQueue
 from shared.messages import LaneStats
+from shared.redis_io import raise_if_cancelling
 
 if TYPE_CHECKING:
     from gpu_worker.engines import ModelEngines
 
 CHECK_S = 0.25  # how often peers' figures are read (they publish every 0.5 s)
-FRESH_MS = 3_000  # a peer's figures older than this do not count (a worker that stopped or hangs)
+FRESH_MS = 3_000  # a peer's figures older (or newer, by clock skew) than this do not count: it stopped, or hangs
 SETTLE_MS = 250  # a peer's figures count again once taken this long after this worker's last hand-back
+MAX_MOVES = 1  # a request is handed to another worker this often at most
 
 
 @dataclass(frozen=True, slots=True)
 class Peer:
-    """One engine of another worker: the lanes it serves, its level (waiting less free rows), when it was taken."""
+    """One engine of another worker with less than a turn of its rows waiting: the lanes it serves, its level (waiting
+    less free rows), its rows, when its figures were taken."""
 
     lanes: frozenset[str]
     level: int
+    rows: int
     at_ms: int
 
 
 def peers(stats: Iterable[LaneStats], me: str, now_ms: int) -> list[Peer]:
-    """Other workers' engines of a model, from their published figures, fresh ones only."""
-    return [Peer(frozenset(lane.lane for lane in s.lanes), sum(lane.waiting for lane in s.lanes) - s.free_rows,
-                 s.at_ms) for s in stats if s.worker != me and abs(now_ms - s.at_ms) <= FRESH_MS]
+    """Other workers' engines of a model with less than a turn of their rows waiting, from fresh figures."""
+    out = [Peer(frozenset(lane.lane for lane in s.lanes), sum(lane.waiting for lane in s.lanes) - s.free_rows,
+                s.max_rows, s.at_ms) for s in stats if s.worker != me and abs(now_ms - s.at_ms) <= FRESH_MS]
+    return [p for p in out if p.level < p.rows]
 
 
-def lowest(others: Iterable[Peer], lanes: Iterable[str], level: int, since_ms: int) -> Peer | None:
-    """The least loaded peer engine serving any of `lanes` with figures taken after `since_ms`, if it is at least 2
-    below `level` (one request moved makes a difference of 1 no difference)."""
-    fit = [p for p in others if not p.lanes.isdisjoint(lanes) and p.at_ms > since_ms and p.level <= level - 2]
+def lowest(others: Iterable[Peer], lanes: Iterable[str], since_ms: int) -> Peer | None:
+    """The least loaded peer engine serving any of `lanes`, of those with figures taken after `since_ms`."""
+    fit = [p for p in others if not p.lanes.isdisjoint(lanes) and p.at_ms > since_ms]
     return min(fit, key=lambda p: (p.level, -p.at_ms)) if fit else None
 
 
 def take(queues: Mapping[str, LaneQueue], free_rows: int, release: Release) -> list[Job]:
-    """Remove and return the waiting requests to hand back to `release`'s peer: of the lanes it serves, those this
-    engine would start last, half the difference of the two levels, none this engine could start now."""
-    waiting = sum(len(q) for q in queues.values())
-    level = waiting - free_rows
-    n = min(max(0, level), (level - release.level) // 2)
-    if n <= 0:
-        return []
-    jobs = [(q.key(job), job.id, name) for name, q in queues.items() if name in release.lanes for job in q.items()]
-    out: list[Job] = []
-    for _, rid, name in sorted(jobs)[len(jobs) - min(n, len(jobs)):]:
-        job = queues[name].remove(rid)
-        if job is not None:
-            job.state = JobState.DONE  # it leaves the compute side, as a hand-back
-            out.append(job)
-    return out
+    """Remove and return the waiting requests to hand back for `release`'s peer: after the first `free_rows` in this
+    engine's start order (it starts those now), the next ones of the lanes the peer serves that have not moved
+    before; enough to bring the peer to a turn of its rows waiting, at most half the difference of the two levels,
+    so that this engine does not end the less loaded one."""
+    waiting = {job.id: (name, job) for name, q in queues.items() for job in q.items()}
+    order = sorted((queues[name].key(job), rid) for rid, (name, job) in waiting.items())
+    level = len(order) - free_rows
+    n = min(level, (level - release.level) // 2, release.rows - release.level)
+    movable = [waiting[rid] for _, rid in order[max(0, free_rows):]]
+    chosen = [(name, job) for name, job in movable if name in release.lanes and job.req.moved < MAX_MOVES][:max(0, n)]
+    for name, job in chosen:
+        queues[name].remove(job.id)
+        job.state = JobState.DONE  # it leaves the compute side, as a hand-back
+    return [job for _, job in chosen]
 
 
 async def rebalance_loop(engines: Mapping[str, ModelEngines], me: str,
-                         read: Callable[[str], Awaitable[list[LaneStats]]], lean: dict[str, bool],
+                         read: Callable[[str], Awaitable[list[LaneStats]]], peer_room: dict[str, bool],
                          clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
-    """Every `CHECK_S`: read each model's published figures, hand back to lower peers, set the intake's `lean`."""
+    """Every `CHECK_S`: read each model's published figures; tell each engine with more waiting than free rows of the
+    least loaded peer engine serving its lanes, if one has less than a turn waiting."""
     handed_ms: dict[str, int] = {}
     while True:
         await asyncio.sleep(CHECK_S)
         for model, group in engines.items():
-            others = peers(await read(model), me, clock_ms())
+            loaded = [loop for loop in group if sum(load.waiting for load in loop.snapshot.lanes.values())
+                      > loop.snapshot.free_rows]
+            if not loaded:
+                continue
+            figures = await read(model)
+            raise_if_cancelling()  # a Redis call may swallow the worker's cancellation at shutdown: never run on
+            found = peers(figures, me, clock_ms())
+            # while a peer has idle rows, the intake polls instead of waiting on the streams (`Intake.peer_room`):
+            # from the next check on, what is handed back for it cannot go to a blocking read of this worker's own
+            was, peer_room[model] = peer_room.get(model, False), any(p.level < 0 for p in found)
+            others = [p for p in found if p.level >= 0 or was]
             since = handed_ms.get(model, -SETTLE_MS) + SETTLE_MS
-            lean[model] = False
-            for loop in group if others else ():
-                snap = loop.snapshot
-                level = sum(load.waiting for load in snap.lanes.values()) - snap.free_rows
-                lean[model] |= any(not p.lanes.isdisjoint(loop.scheduler.own_lanes) and p.level <= level - 2
-                                   for p in others)
-                peer = lowest(others, loop.scheduler.own_lanes, level, since)
-                if peer is not None and level > 0:
-                    loop.submit(Release(peer.lanes, peer.level))
+            for loop in loaded if others else ():
+                peer = lowest(others, loop.scheduler.own_lanes, since)
+                if peer is not None:
+                    loop.submit(Release(peer.lanes, peer.level, peer.rows))
                     handed_ms[model] = clock_ms()

@@ -26,6 +26,7 @@ import structlog
 from redis.exceptions import ResponseError
 
 from gpu_worker.delta_script import DELTA_LUA, EVENTS_SLACK_S
+from gpu_worker.hand_back_script import HAND_BACK_LUA, hand_back_calls
 from gpu_worker.redis_replies import as_bytes, as_str, no_group, queue_errors, stream_items
 from gpu_worker.work_queue import DeadLetter, Entry, Finished, Held, entry_fields
 from shared.codec import encode
@@ -206,10 +207,8 @@ class RedisQueue:
             async with queue_errors():
                 await self.store.requeue([h.request.id for h in held])
                 pipe = self.redis.pipeline(transaction=False)
-                for h in held:
-                    pipe.xadd(h.stream, entry_fields(h.request))
-                    pipe.xack(h.stream, GROUP, h.entry_id)
-                    pipe.xdel(h.stream, h.entry_id)
+                for streams, args in hand_back_calls(held):
+                    in_pipeline(pipe, HAND_BACK_LUA, streams, args)
                 await self._execute_acks(pipe)
 
     def _ack_in(self, pipe: aioredis.client.Pipeline, held: Sequence[Held]) -> None:

@@ -140,8 +140,9 @@ class Worker:
             asyncio.create_task(cancel_loop(self.announcer, list(self.engines), self.cancel), name="cancels"),
             asyncio.create_task(heartbeat_loop(self.announcer, self.name, self._heartbeat_info), name="heartbeat"),
             asyncio.create_task(stats_loop(self.announcer, self._lane_stats), name="stats"),
-            asyncio.create_task(rebalance_loop(self.engines, self.name, self.announcer.peer_stats, self.intake.lean),
-                                name="rebalance"),
+            asyncio.create_task(
+                rebalance_loop(self.engines, self.name, self.announcer.peer_stats, self.intake.peer_room),
+                name="rebalance"),
         ]
         for task in [*intake, publisher, *background]:
             task.add_done_callback(self._task_ended)

@@ -52,6 +52,9 @@ class InferenceRequest:
     # scheduler ages a lane by how long its requests have waited past this, so work that is on the schedule it was
     # promised lets shorter work go first (`gpu_worker.dynamic_stage.DynamicStage.urgency`)
     start_eta_ms: int | None = None
+    # how often a worker handed it, unstarted, to a less loaded one (`gpu_worker.rebalance`): once at most, so that
+    # no request goes back and forth between workers
+    moved: int = 0
 
     def meta(self) -> RequestMeta:
         return RequestMeta(

@@ -8,7 +8,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +84,9 @@ class FakeEngines:
 
     def stats_fields(self, worker: str) -> list[str]:
         return [worker]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())  # no compute loops: nothing for `gpu_worker.rebalance` to hand back
 
     # --- for tests -------------------------------------------------------------------------------------
     def finish(self, request_id: str) -> None:

@@ -386,17 +386,18 @@ def handed_to_peers() -> float:
     return REGISTRY.get_sample_value("batchgate_handed_to_peers_total", {"model": "m"}) or 0.0
 
 
-def test_a_release_hands_back_the_waiting_work_it_would_start_last_to_a_less_loaded_worker():
+def test_a_release_hands_the_most_urgent_waiting_work_to_an_idle_worker_once():
     loop, runner, clock, emitted = make(rows=2)
     loop.submit(Add([req(i, clock, new=1000, timeout=60.0 + i) for i in range(8)], clock.t))
     loop._iterate()  # 2 start, 6 wait
     before = handed_to_peers()
-    loop.submit(Release(frozenset({"short"}), -2))  # another worker's engine has 2 rows free, nothing waiting
+    loop.submit(Release(frozenset({"short"}), -2, 2))  # another worker's engine has its 2 rows free, nothing waiting
     loop._iterate()
     assert handed_to_peers() - before == 4  # counted
-    backs = [r.id for o in emitted if isinstance(o, HandBack) for r in o.requests]
-    assert sorted(backs) == ["r4", "r5", "r6", "r7"]  # 6 against -2: 4 go, the ones due last
-    assert sorted(j.id for q in loop.scheduler.queues.values() for j in q.items()) == ["r2", "r3"]
+    backs = [r for o in emitted if isinstance(o, HandBack) for r in o.requests]
+    assert [r.id for r in backs] == ["r2", "r3", "r4", "r5"]  # 6 against 2 free: 4 go, the ones due first
+    assert {r.moved for r in backs} == {1}  # they are not moved again
+    assert sorted(j.id for q in loop.scheduler.queues.values() for j in q.items()) == ["r6", "r7"]
     assert sorted(runner.started) == ["r0", "r1"]
 
 
@@ -404,11 +405,11 @@ def test_no_release_while_draining_nor_for_lanes_the_other_does_not_serve():
     loop, _runner, clock, emitted = make(rows=1)
     loop.submit(Add([req(i, clock, new=1000) for i in range(4)], clock.t))
     loop._iterate()
-    loop.submit(Release(frozenset({"long"}), -8))
+    loop.submit(Release(frozenset({"long"}), -8, 8))
     loop._iterate()
     assert not [o for o in emitted if isinstance(o, HandBack)]
     loop.submit(Drain(clock.t + 100))
-    loop.submit(Release(frozenset({"short"}), -8))
+    loop.submit(Release(frozenset({"short"}), -8, 8))
     loop._iterate()
     backs = [o for o in emitted if isinstance(o, HandBack)]
     assert len(backs) == 1 and sorted(r.id for r in backs[0].requests) == ["r1", "r2", "r3"]  # the drain's, once
