@@ -18,8 +18,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ResponseError
 
-from shared.codec import decode, encode
-from shared.errors import CodecError
+from shared.codec import decode_readable, encode
 from shared.keys import Keys
 from shared.messages import LaneStats
 from shared.redis_io import UNAVAILABLE, pubsub_of, raise_if_cancelling, tolerate_outage
@@ -91,11 +90,7 @@ class RedisAnnouncer:
         raw: dict[bytes, bytes] = {}
         async with tolerate_outage():
             raw = await self.redis.hgetall(self.keys.lane_stats(model))
-        out = []
-        for blob in raw.values():
-            with contextlib.suppress(CodecError):  # a worker of another schema version
-                out.append(decode(blob, LaneStats))
-        return out
+        return decode_readable(raw.values(), LaneStats)  # a worker of another schema version's are left out
 
     async def cancels(self, models: Sequence[str]) -> AsyncIterator[str]:
         channels = [self.keys.cancel_channel(m) for m in models]

@@ -30,16 +30,26 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from gpu_worker.commands import Release
 from gpu_worker.job import Job, JobState
 from gpu_worker.lane_queue import LaneQueue
+from gpu_worker.load_report import Snapshot
 from shared.messages import LaneStats
 from shared.redis_io import raise_if_cancelling
 
-if TYPE_CHECKING:
-    from gpu_worker.engines import ModelEngines
+
+class EngineLoop(Protocol):
+    """What the loop needs of a compute loop (`ModelLoop`, which imports `take` from here: no import back)."""
+
+    @property
+    def snapshot(self) -> Snapshot: ...
+
+    @property
+    def scheduler(self) -> Any: ...  # its `own_lanes`
+
+    def submit(self, cmd: Release) -> None: ...
 
 CHECK_S = 0.25  # how often peers' figures are read (they publish every 0.5 s)
 FRESH_MS = 3_000  # a peer's figures older (or newer, by clock skew) than this do not count: it stopped, or hangs
@@ -88,7 +98,7 @@ def take(queues: Mapping[str, LaneQueue], free_rows: int, release: Release) -> l
     return [job for _, job in chosen]
 
 
-async def rebalance_loop(engines: Mapping[str, ModelEngines], me: str,
+async def rebalance_loop(engines: Mapping[str, Iterable[EngineLoop]], me: str,
                          read: Callable[[str], Awaitable[list[LaneStats]]], peer_room: dict[str, bool],
                          clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
     """Every `CHECK_S`: read each model's published figures; tell each engine with more waiting than free rows of the

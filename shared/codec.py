@@ -8,6 +8,7 @@ in `CodecError`, so a bad entry in a stream is an error to handle, never a crash
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import cache
 from typing import Any, TypeVar
 
@@ -56,3 +57,14 @@ def decode(data: bytes, cls: type[M]) -> M:
         return _decoder(cls).decode(envelope.d)
     except (msgspec.DecodeError, TypeError, ValueError) as exc:
         raise CodecError(f"malformed {kind} message: {exc}") from exc
+
+
+def decode_readable(blobs: Iterable[bytes], cls: type[M]) -> list[M]:
+    """The messages among `blobs` this build can read; the others (another schema version's, say) left out."""
+    out: list[M] = []
+    for blob in blobs:
+        try:
+            out.append(decode(blob, cls))
+        except CodecError:
+            continue
+    return out

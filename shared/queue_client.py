@@ -34,9 +34,8 @@ from shared import admission
 from shared.admission import Decision
 from shared.callback_store import CallbackStore
 from shared.coalesce import Coalescer
-from shared.codec import decode, encode
+from shared.codec import decode_readable, encode
 from shared.config import ModelSpec, Settings
-from shared.errors import CodecError
 from shared.idempotency import IdempotencyClaim, IdempotencyStore
 from shared.keys import Keys
 from shared.logs import get_logger
@@ -170,12 +169,7 @@ class QueueClient:
             pipe.xlen(stream)
             pipe.hgetall(self.keys.lane_stats(model))
             queued, raw = await pipe.execute()
-            stats = []
-            for blob in raw.values():
-                try:
-                    stats.append(decode(blob, LaneStats))
-                except CodecError:
-                    continue  # a worker of another schema version: its figures do not count
+            stats = decode_readable(raw.values(), LaneStats)  # another schema version's figures do not count
             self._stats[model] = (at, stats)
         self._lengths[stream] = LaneLength(at, int(queued))
         return int(queued) + self._unstored(stream, at), admission.fresh(stats, self.now_ms())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import Counter
+from collections.abc import Awaitable
 
 import pytest
 
@@ -14,6 +15,7 @@ from shared.config import ModelSpec
 from shared.keys import Keys
 from shared.records import RecordStore
 from shared.states import Status, Task
+from tests.integration.test_stack import wait_until
 from tests.stack import make_settings, running_gateway, running_worker
 
 pytestmark = [pytest.mark.redis]
@@ -23,11 +25,16 @@ ECHO = ModelSpec(name="echo", task=Task.GENERATE, source="", kind="echo", max_in
 BURST = 40  # 10 turns of one worker's 4 rows, 5 of both workers'
 
 
+async def _count(reply: Awaitable[int], at_least: int) -> bool:
+    return await reply >= at_least
+
+
 async def test_a_burst_one_worker_read_is_shared_with_an_idle_worker(redis_url, prefix, aioredis_client):
     first = make_settings(redis_url, prefix, models=(ECHO,))
     second = dataclasses.replace(first, worker_name=f"{first.worker_name}-b")
     async with running_worker(first, {}), running_worker(second, {}), running_gateway(first) as gw:
-        await asyncio.sleep(1.5)  # both have published their figures (every 0.5 s): each sees the other idle
+        stats = Keys(prefix).lane_stats("echo")  # both have published their figures: each sees the other idle
+        await wait_until(lambda: _count(aioredis_client.hlen(stats), 2))
         body = {"input": {"input_ids": [65] * 8}, "params": {"max_new_tokens": 20}, "timeout_s": 60}
         sent = await asyncio.gather(*(gw.client.post("/v1/models/echo/requests", json=body) for _ in range(BURST)))
         assert [r.status_code for r in sent] == [202] * BURST

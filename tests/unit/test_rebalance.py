@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -119,9 +120,15 @@ class FakeScheduler:
 
 @dataclass
 class FakeLoop:
-    snapshot: Snapshot
+    load: Snapshot
     scheduler: FakeScheduler
     got: list[Release] = field(default_factory=list)
+    looked: asyncio.Event = field(default_factory=asyncio.Event)  # the loop read its figures (a check ran)
+
+    @property
+    def snapshot(self) -> Snapshot:
+        self.looked.set()
+        return self.load
 
     def submit(self, cmd: Release) -> None:
         self.got.append(cmd)
@@ -145,7 +152,7 @@ async def run_checks(monkeypatch, loops: dict[str, list[FakeLoop]], figures: lis
             return next(reads)
         except StopIteration:
             done.set()
-            await asyncio.sleep(3600)
+            await asyncio.Event().wait()  # no more figures: the test cancels it here
             raise
 
     peer_room: dict[str, bool] = {}
@@ -183,7 +190,9 @@ async def test_an_engine_that_can_start_what_waits_reads_no_figures(monkeypatch)
         return [stats("b", free=4, waiting={"short": 0})]
 
     task = asyncio.create_task(rebalance.rebalance_loop({"m": [idle_here]}, "me", read, {}, lambda: NOW_MS))
-    await asyncio.sleep(0.05)
+    for _ in range(3):  # three checks
+        await idle_here.looked.wait()
+        idle_here.looked.clear()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -211,11 +220,14 @@ class Engines(list):
 
 class RecordingQueue:
     def __init__(self) -> None:
-        self.blocks: list[float] = []
+        self.blocks: list[tuple[float, float]] = []  # (when, how long it would block)
+        self.three = asyncio.Event()
 
     async def read(self, consumer: str, streams: list[str], count: int, block_s: float) -> list:
-        self.blocks.append(block_s)
-        await asyncio.sleep(0.001)
+        self.blocks.append((time.monotonic(), block_s))
+        if len(self.blocks) >= 3:
+            self.three.set()
+        await asyncio.sleep(0)  # nothing there: a blocking read would wait here, this fake answers at once
         return []
 
 
@@ -230,13 +242,13 @@ async def test_the_intake_polls_only_while_it_holds_more_than_it_can_start_and_a
     intake.peer_room["m"] = peer_room
     assert intake.loaded("m") is (waiting > 4)
     task = asyncio.create_task(intake.run("m"))
-    await asyncio.sleep(0.03)
+    await asyncio.wait_for(queue.three.wait(), 5)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert queue.blocks and set(queue.blocks) == ({0.0} if polls else {0.02})
+    assert {block for _, block in queue.blocks} == ({0.0} if polls else {0.02})
     if polls:  # not a busy loop: a poll that found nothing waits before the next
-        assert len(queue.blocks) <= 0.03 / intake_module.POLL_S + 1
+        assert queue.blocks[2][0] - queue.blocks[0][0] >= 2 * intake_module.POLL_S * 0.9
 
 
 async def test_the_loop_ends_even_when_its_redis_call_swallows_the_cancellation(monkeypatch):
@@ -248,7 +260,7 @@ async def test_the_loop_ends_even_when_its_redis_call_swallows_the_cancellation(
     async def swallowing(model: str) -> list[LaneStats]:
         in_call.set()
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.sleep(3600)
+            await asyncio.Event().wait()  # a Redis call that never answers
         return []
 
     task = asyncio.create_task(rebalance.rebalance_loop({"m": [loaded(waiting=8, free=0)]}, "me", swallowing, {}))

@@ -196,9 +196,13 @@ async def test_an_entry_delivered_too_often_is_dead_lettered_and_fails():
 
 
 class SlowHandBack(MemoryQueue):
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = asyncio.Event()
+
     async def hand_back(self, held: Sequence[Held]) -> None:
         await super().hand_back(held)
-        await asyncio.sleep(0.3)  # the fresh entry is in the stream; ours is not released yet
+        await self.go.wait()  # the fresh entry is in the stream; ours is not released until the test says so
 
 
 @pytest.mark.parametrize("queue", [MemoryQueue, SlowHandBack])
@@ -216,7 +220,9 @@ async def test_hand_back_queues_a_fresh_entry_and_drops_ours(queue: type[MemoryQ
         await until(lambda: "r0" in r.worker.held and r.worker.held["r0"].entry_id != first)
         await until(lambda: "r0" in r.engines.running)  # read again, as any worker would
         assert first not in q.entries(STREAM) and len(q.entries(STREAM)) == 1
-        await asyncio.sleep(0.4)  # the publisher has released what it handed back
+        if isinstance(q, SlowHandBack):
+            q.go.set()
+        await until(lambda: not r.worker.publisher.leaving)  # the publisher has released what it handed back
         assert "r0" in r.worker.held and r.engines.computed == ["r0", "r0"]
         r.engines.finish("r0")
         await until(lambda: state(q, "r0") is Status.SUCCEEDED and not r.worker.held and not q.entries(STREAM))
