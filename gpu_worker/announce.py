@@ -26,6 +26,7 @@ from shared.redis_io import UNAVAILABLE, pubsub_of, raise_if_cancelling, tolerat
 log = structlog.get_logger(__name__)
 
 HEARTBEAT_S = 2.0
+ALIVE_S = 5 * HEARTBEAT_S  # a worker's liveness mark outlives its last heartbeat by this much
 SILENT_WORKER_S = 60.0  # a heartbeat older than this is removed
 STATS_INTERVAL_S = 0.5
 STATS_TTL_MS = 30_000
@@ -53,6 +54,10 @@ class Announcer(Protocol):
     async def last_heartbeat(self, worker: str) -> dict[str, Any] | None:
         """The last heartbeat announced under this name (None: none)."""
 
+    async def departed(self, workers: Sequence[str]) -> set[str]:
+        """Those of `workers` whose liveness mark expired (none while Redis cannot be reached). A worker whose
+        last heartbeat carried no mark (an older version's, in a rolling upgrade) is never counted departed."""
+
 
 class RedisAnnouncer:
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
@@ -63,7 +68,8 @@ class RedisAnnouncer:
         """Announce `info` (with its time) and remove workers silent for a minute."""
         now = info["at"]
         async with tolerate_outage():
-            await self.redis.hset(self.keys.workers(), worker, json.dumps(info).encode())
+            await self.redis.set(self.keys.alive(worker), str(info.get("instance", "")), px=int(ALIVE_S * 1000))
+            await self.redis.hset(self.keys.workers(), worker, json.dumps({**info, "alive_s": ALIVE_S}).encode())
             for name, raw in (await self.redis.hgetall(self.keys.workers())).items():
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     if now - json.loads(raw)["at"] > SILENT_WORKER_S:
@@ -75,6 +81,18 @@ class RedisAnnouncer:
             return json.loads(raw) if raw else None
         except ValueError:
             return None
+
+    async def departed(self, workers: Sequence[str]) -> set[str]:
+        if not workers:
+            return set()
+        pipe = self.redis.pipeline(transaction=False)
+        for worker in workers:
+            pipe.exists(self.keys.alive(worker))
+        pipe.hmget(self.keys.workers(), list(workers))
+        async with tolerate_outage():
+            *marks, beats = await pipe.execute()
+            return {w for w, mark, beat in zip(workers, marks, beats, strict=True) if not mark and marked(beat)}
+        return set()
 
     async def publish_stats(self, stats: Stats) -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -114,6 +132,7 @@ class RedisAnnouncer:
     async def withdraw(self, worker: str, fields: dict[str, list[str]]) -> None:
         with contextlib.suppress(ResponseError):
             async with tolerate_outage():
+                await self.redis.delete(self.keys.alive(worker))
                 await self.redis.hdel(self.keys.workers(), worker)
                 for model, names in fields.items():
                     if names:
@@ -137,6 +156,10 @@ class MemoryAnnouncer:
     async def last_heartbeat(self, worker: str) -> dict[str, Any] | None:
         return self.workers.get(worker)
 
+    async def departed(self, workers: Sequence[str]) -> set[str]:
+        """A name this announcer never heard, or that withdrew (tests: or whose entry they removed)."""
+        return {w for w in workers if w not in self.workers}
+
     async def publish_stats(self, stats: Stats) -> None:
         for model, fields in stats.items():
             self.stats.setdefault(model, {}).update(fields)
@@ -153,6 +176,16 @@ class MemoryAnnouncer:
         for model, names in fields.items():
             for name in names:
                 self.stats.get(model, {}).pop(name, None)
+
+
+def marked(heartbeat: bytes | None) -> bool:
+    """Whether a stored heartbeat is absent or came with a liveness mark (see `Announcer.departed`)."""
+    if heartbeat is None:
+        return True
+    try:
+        return "alive_s" in json.loads(heartbeat)
+    except (ValueError, TypeError):
+        return True
 
 
 NAME_TAKEN_S = 3 * HEARTBEAT_S  # a heartbeat this recent under a worker's name: another live worker has that name

@@ -128,10 +128,11 @@ class MemoryQueue:
         return sum(g.renew(consumer, ids, self.clock()) for stream, ids in held.items()
                    if ids and (g := self._group(stream)) is not None)
 
-    async def reclaim(self, consumer: str, stream: str, min_idle_s: float, count: int) -> list[Entry]:
+    async def reclaim(self, consumer: str, stream: str, min_idle_s: float, count: int,
+                      owner: str | None = None) -> list[Entry]:
         self._check()
         s = self.streams.get(stream)
-        return s.claim_idle(consumer, min_idle_s, count, self.clock()) if s is not None else []
+        return s.claim_idle(consumer, min_idle_s, count, self.clock(), owner) if s is not None else []
 
     async def dead_letter(self, dead_stream: str, letters: Sequence[DeadLetter]) -> None:
         self._check()

@@ -70,8 +70,10 @@ class Stream:
                     break
         return out
 
-    def claim_idle(self, consumer: str, min_idle_s: float, count: int, now: float) -> list[Entry]:
-        """Up to `count` entries idle for `min_idle_s`, now `consumer`'s, each with a delivery more."""
+    def claim_idle(self, consumer: str, min_idle_s: float, count: int, now: float,
+                   owner: str | None = None) -> list[Entry]:
+        """Up to `count` entries idle for `min_idle_s` (only `owner`'s, when given), now `consumer`'s, each with a
+        delivery more."""
         g = self.group
         if g is None:
             return []
@@ -81,7 +83,7 @@ class Stream:
             p = g.pending[eid]
             if len(out) >= count:
                 break
-            if now - p.delivered_at < min_idle_s:
+            if now - p.delivered_at < min_idle_s or (owner is not None and p.consumer != owner):
                 continue
             if eid not in self.entries:  # deleted meanwhile: dropped from the pending list, not returned
                 del g.pending[eid]

@@ -7,7 +7,8 @@
   and if nothing is, waits on XREAD BLOCK `$` (which takes nothing) before taking what arrived.
 - renew: `XCLAIM <stream> <group> <self> 0 <ids> JUSTID` resets the idle time without counting a
   delivery, for the entries still in our own pending list only.
-- reclaim: XAUTOCLAIM, then XPENDING for the delivery counts; entries deleted meanwhile are dropped.
+- reclaim: XAUTOCLAIM (one owner's: XPENDING IDLE, then XCLAIM), then XPENDING for the delivery counts;
+  entries deleted meanwhile are dropped.
 - terminal records: the Lua scripts of `shared.records` (first terminal write wins, atomically with
   the done event and the webhook delivery); acks go in a second pipeline, after the records landed.
 - trimming: an acked entry is deleted at once (XDEL); the dead-letter stream is capped (approximate).
@@ -135,16 +136,23 @@ class RedisQueue:
                     renewed += len(keep)
         return renewed
 
-    async def reclaim(self, consumer: str, stream: str, min_idle_s: float, count: int) -> list[Entry]:
+    async def reclaim(self, consumer: str, stream: str, min_idle_s: float, count: int,
+                      owner: str | None = None) -> list[Entry]:
+        idle_ms = int(min_idle_s * 1000)
         async with queue_errors():
             try:
-                resp = await self.redis.xautoclaim(stream, GROUP, consumer, int(min_idle_s * 1000), start_id="0-0",
-                                                   count=count)
+                if owner is None:
+                    resp = await self.redis.xautoclaim(stream, GROUP, consumer, idle_ms, start_id="0-0", count=count)
+                    entries = resp[1] if len(resp) > 1 else []
+                else:  # XPENDING's IDLE filter, then XCLAIM with the same floor (an entry renewed meanwhile stays)
+                    rows = await self.redis.xpending_range(stream, GROUP, "-", "+", count, consumername=owner,
+                                                           idle=idle_ms)
+                    ids = [as_bytes(r["message_id"]) for r in rows]
+                    entries = await self.redis.xclaim(stream, GROUP, consumer, idle_ms, ids) if ids else []
             except ResponseError as exc:
                 if no_group(exc):
                     return []
                 raise
-            entries = resp[1] if len(resp) > 1 else []
             entries = [(as_bytes(eid), fields) for eid, fields in entries if fields]  # deleted entries come back empty
             if not entries:
                 return []

@@ -4,17 +4,23 @@
   delivered more than `max_deliveries` times keeps killing workers: it is dead-lettered and its
   request ends `failed`;
 - now and then, delete consumers of departed workers that own nothing.
+And, every heartbeat, take over at once the entries of a worker that is known to be gone, rather than
+after `reclaim_idle_s`: one whose liveness mark expired (`Announcer.departed`: silent for `ALIVE_S`), and
+this worker's own predecessor under its name (a supervisor's restart), whose entries were read before
+this process started. Only entries idle for `DEPARTED_IDLE_S` are taken (a worker that just started may
+read before its first heartbeat lands); the delivery counts and the dead-letter rule are the same.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
 
 from gpu_worker import metrics
+from gpu_worker.announce import HEARTBEAT_S
 from gpu_worker.intake import Intake
 from gpu_worker.outcomes import failed_outcome
 from gpu_worker.work_queue import DeadLetter, Entry, Finished, QueueUnavailable, decode_request
@@ -25,15 +31,20 @@ log = structlog.get_logger(__name__)
 
 CLEANUP_EVERY = 10  # upkeep cycles between consumer clean-ups
 MIN_INTERVAL_S = 0.1
+DEPARTED_IDLE_S = 2 * HEARTBEAT_S
+OWN_MARGIN_S = 1.0  # an own entry idle this much longer than this process has run was read by its predecessor
 
 
 class Upkeep:
-    def __init__(self, intake: Intake, draining: Callable[[], bool]) -> None:
+    def __init__(self, intake: Intake, draining: Callable[[], bool],
+                 departed: Callable[[Sequence[str]], Awaitable[set[str]]] | None = None) -> None:
         self.intake = intake
         self.queue = intake.queue
         self.settings = intake.settings
         self.consumer = intake.consumer
         self._draining = draining
+        self._departed = departed
+        self._started = time.monotonic()
 
     async def run(self) -> None:
         interval = max(MIN_INTERVAL_S, self.settings.reclaim_idle_s / 3)
@@ -53,6 +64,35 @@ class Upkeep:
             except QueueUnavailable as exc:
                 log.warning("upkeep: queue unavailable", error=str(exc))
 
+    async def watch(self) -> None:
+        """Take over the entries of departed workers, every heartbeat, while not draining."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            raise_if_cancelling()
+            if self._draining():
+                continue
+            try:
+                for model in list(self.intake.engines):
+                    await self.take_departed(model)
+            except QueueUnavailable as exc:
+                log.warning("upkeep: queue unavailable", error=str(exc))
+
+    async def take_departed(self, model: str) -> None:
+        for stream in self.intake.streams(model):
+            owners = await self.queue.consumers(stream)
+            others = [name for name, n in owners.items() if n and name != self.consumer]
+            gone = await self._departed(others) if others and self._departed is not None else set()
+            held = sum(1 for h in list(self.intake.held.values()) if h.stream == stream)
+            mine = owners.get(self.consumer, 0) > held  # it owns more than it holds: its predecessor's, or in flight
+            own_idle = time.monotonic() - self._started + OWN_MARGIN_S
+            for owner, min_idle in [*((g, DEPARTED_IDLE_S) for g in sorted(gone)),
+                                    *([(self.consumer, max(DEPARTED_IDLE_S, own_idle))] if mine else [])]:
+                room = self.intake.room_for(model)
+                if room <= 0:
+                    return
+                claimed = await self.queue.reclaim(self.consumer, stream, min_idle, room, owner=owner)
+                await self._take(model, stream, claimed, departed=owner)
+
     async def renew(self) -> int:
         by_stream: dict[str, list[bytes]] = {}
         for h in list(self.intake.held.values()):
@@ -60,23 +100,26 @@ class Upkeep:
         return await self.queue.renew(self.consumer, by_stream)
 
     async def reclaim(self, model: str) -> None:
-        limit = self.settings.max_deliveries
         for stream in self.intake.streams(model):
             room = self.intake.room_for(model)
             if room <= 0:
                 return
             claimed = await self.queue.reclaim(self.consumer, stream, self.settings.reclaim_idle_s, room)
-            if not claimed:
-                continue
-            metrics.REDELIVERIES.labels(model).inc(len(claimed))
-            poison = [c for c in claimed if c.deliveries > limit]
-            if poison:
-                await self.dead_letter(model, poison)
-            keep = [c for c in claimed if c.deliveries <= limit]
-            log.warning("reclaimed entries of a departed worker", model=model, stream=stream, count=len(keep),
-                        dead_lettered=len(poison))
-            if keep:
-                await self.intake.accept(model, keep)
+            await self._take(model, stream, claimed)
+
+    async def _take(self, model: str, stream: str, claimed: list[Entry], departed: str | None = None) -> None:
+        if not claimed:
+            return
+        limit = self.settings.max_deliveries
+        metrics.REDELIVERIES.labels(model).inc(len(claimed))
+        poison = [c for c in claimed if c.deliveries > limit]
+        if poison:
+            await self.dead_letter(model, poison)
+        keep = [c for c in claimed if c.deliveries <= limit]
+        log.warning("reclaimed entries of a departed worker", model=model, stream=stream, count=len(keep),
+                    dead_lettered=len(poison), departed=departed)
+        if keep:
+            await self.intake.accept(model, keep)
 
     async def dead_letter(self, model: str, poison: list[Entry]) -> None:
         """Entries that keep killing workers: dead-letter stream, and the request ends `failed`."""

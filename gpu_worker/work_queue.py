@@ -97,8 +97,10 @@ class WorkQueue(Protocol):
     async def renew(self, consumer: str, held: dict[str, list[bytes]]) -> int:
         """Reset the idle time of those entries (by stream) `consumer` still owns; returns how many."""
 
-    async def reclaim(self, consumer: str, stream: str, min_idle_s: float, count: int) -> list[Entry]:
-        """Take over up to `count` entries idle for `min_idle_s`, each with its raised delivery count."""
+    async def reclaim(self, consumer: str, stream: str, min_idle_s: float, count: int,
+                      owner: str | None = None) -> list[Entry]:
+        """Take over up to `count` entries idle for `min_idle_s` (only `owner`'s, when given), in id order, each
+        with its raised delivery count."""
 
     async def dead_letter(self, dead_stream: str, letters: Sequence[DeadLetter]) -> None:
         """Write each failed result (first wins), copy each entry to `dead_stream`, then ack and delete it."""

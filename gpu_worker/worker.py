@@ -83,7 +83,7 @@ class Worker:
         self.publisher = Publisher(self.queue, self.held, self._room.set)
         self.intake = Intake(settings, self.queue, self.name, self.engines, self.held, self._room,
                              self.publisher.inbox.put, intake_buffer, self.publisher.leaving)
-        self.upkeep = Upkeep(self.intake, lambda: self._draining)
+        self.upkeep = Upkeep(self.intake, lambda: self._draining, self.announcer.departed)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.ready = asyncio.Event()
         self._crash = asyncio.Event()
@@ -131,12 +131,14 @@ class Worker:
             return
         if not await self._unique_name(stop):
             return
+        await self.announcer.heartbeat(self.name, {**self._heartbeat_info(), "at": time.time()})  # before any read
         for engines in self.engines.values():
             engines.start()
         intake = [asyncio.create_task(self.intake.run(name), name=f"intake-{name}") for name in self.engines]
         publisher = asyncio.create_task(self.publisher.run(), name="publisher")
         background = [
             asyncio.create_task(self.upkeep.run(), name="upkeep"),  # renews holds until the very end
+            asyncio.create_task(self.upkeep.watch(), name="departed"),
             asyncio.create_task(cancel_loop(self.announcer, list(self.engines), self.cancel), name="cancels"),
             asyncio.create_task(heartbeat_loop(self.announcer, self.name, self._heartbeat_info), name="heartbeat"),
             asyncio.create_task(stats_loop(self.announcer, self._lane_stats), name="stats"),

@@ -131,5 +131,10 @@ class Keys:
     def workers(self) -> str:
         return f"{self.prefix}:workers"
 
+    def alive(self, worker: str) -> str:
+        """A worker's liveness mark: renewed with each heartbeat, it expires (on Redis's clock) once the worker
+        is silent; its stream entries can then be taken over at once (`gpu_worker.upkeep`)."""
+        return f"{self.prefix}:alive:{worker}"
+
     def done_channel_prefix(self) -> str:
         return f"{self.prefix}:{{r:"

@@ -7,6 +7,7 @@ import secrets
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import hypothesis
 import pytest
 import redis
 
@@ -18,6 +19,10 @@ from tests.torch_guard import (  # noqa: F401  (the fast tier's torch guard: eve
     pytest_sessionfinish,
     pytest_terminal_summary,
 )
+
+# property tests check what is computed, never how fast: Hypothesis's 200 ms per example failed one on a loaded machine
+hypothesis.settings.register_profile("batchgate", deadline=None)
+hypothesis.settings.load_profile("batchgate")
 
 TEST_REDIS_URL = os.environ.get("BATCHGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 # "cluster": the suites that use `redis_url` run against a Redis Cluster of 3 masters and 3 replicas on loopback,

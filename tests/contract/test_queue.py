@@ -210,6 +210,26 @@ async def test_each_reclaim_counts_a_delivery(backend):
     assert await b.queue.reclaim("w4", b.stream, 0.8, 10) == []
 
 
+async def test_reclaim_of_one_owner_takes_only_its_idle_entries_in_order(backend):
+    b = backend
+    await setup_stream(b, 5)
+    gone = [e.id for e in await b.queue.read("gone", [b.stream], 3, 0)]
+    other = [e.id for e in await b.queue.read("other", [b.stream], 2, 0)]
+    assert await b.queue.reclaim("me", b.stream, 0.2, 10, owner="gone") == []  # not idle yet
+    await b.elapse(0.3)
+    await b.queue.renew("gone", {b.stream: gone[2:]})  # renewed just now: not idle
+    claimed = await b.queue.reclaim("me", b.stream, 0.2, 10, owner="gone")
+    assert [c.id for c in claimed] == gone[:2] and {c.deliveries for c in claimed} == {2}
+    assert all(c.fields for c in claimed)
+    assert list(await b.queue.pending(b.stream, "other", 10)) == other  # idle, but another owner's: left alone
+    assert list(await b.queue.pending(b.stream, "gone", 10)) == gone[2:]
+    assert await b.queue.reclaim("me", b.stream, 0.2, 10, owner="me") == []  # just claimed: not idle
+    await b.elapse(0.3)
+    (c,) = await b.queue.reclaim("me", b.stream, 0.2, 1, owner="me")  # its own, up to `count`
+    assert c.id == gone[0] and c.deliveries == 3
+    assert await b.queue.reclaim("me", "no-such-stream", 0, 10, owner="gone") == []
+
+
 async def test_renewal_does_not_steal_back_a_reclaimed_entry(backend):
     b = backend
     await setup_stream(b, 1)

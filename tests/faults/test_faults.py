@@ -37,6 +37,39 @@ async def test_kill9_mid_batch(tmp_path, model_cache, prefix):
         assert sum(r["attempts"] > 1 for r in final.values()) >= 1  # the killed batch really was re-run
 
 
+def owned_by(c, worker: str) -> int:
+    r = c.redis.client()
+    return sum(len(r.xpending_range(f"{c.prefix}:{{m:tiny-llama}}:lane:{lane}", "workers", "-", "+", 100,
+                                    consumername=worker)) for lane in ("short", "medium", "long"))
+
+
+async def test_kill9_the_work_it_held_goes_on_within_seconds_not_after_the_reclaim_idle_time(
+        tmp_path, model_cache, prefix):
+    # reclaim by idle time only after 10 minutes here: the ledger's bound (90 s) is met only if the departed-worker
+    # path takes the entries (a restart under the worker's name, or a live peer once the liveness mark expired)
+    async with cluster(tmp_path, model_cache, prefix, BATCHGATE_RECLAIM_IDLE_S="600") as c:
+        a = await c.worker("w-a")
+        for _ in range(8):
+            await c.submit(LONG)
+        await until(lambda: running(c) >= 4)
+        a.signal(signal.SIGKILL)
+        t_fault = time.monotonic()
+        await c.worker("w-a")  # a supervisor's restart under the same name
+        final = await c.ledger("1b kill -9, restarted under its name", t_fault)
+        assert len(final) == 8 and all(r["status"] == "succeeded" for r in final.values())
+        assert sum(r["attempts"] > 1 for r in final.values()) >= 1
+        c.accepted.clear()
+        await c.worker("w-b")
+        for _ in range(12):
+            await c.submit(LONG)
+        await until(lambda: owned_by(c, "w-a") >= 2 and owned_by(c, "w-b") >= 2)
+        c.workers[1].signal(signal.SIGKILL)  # the restarted w-a
+        t_fault = time.monotonic()
+        final = await c.ledger("1c kill -9 beside a live worker", t_fault)
+        assert len(final) == 12 and all(r["status"] == "succeeded" for r in final.values())
+        assert sum(r["attempts"] > 1 for r in final.values()) >= 1
+
+
 async def test_kill9_after_result_write_before_ack(tmp_path, model_cache, prefix):
     async with cluster(tmp_path, model_cache, prefix) as c:
         a = await c.worker("w-a", BATCHGATE_FAULTS="kill_after_result_write=1")

@@ -20,6 +20,7 @@ import pytest
 from gpu_worker.announce import MemoryAnnouncer
 from gpu_worker.memory_queue import MemoryQueue
 from gpu_worker.outcomes import HandBack, result_for
+from gpu_worker.upkeep import DEPARTED_IDLE_S
 from gpu_worker.work_queue import Held
 from gpu_worker.worker import Worker
 from shared.codec import encode
@@ -169,6 +170,51 @@ async def test_a_dead_consumers_entries_are_reclaimed_and_a_live_ones_are_not():
         assert "long" in r.worker.held and r.engines.computed.count("long") == 1
         r.engines.finish("long")
         await until(lambda: state(q, "long") is Status.SUCCEEDED)
+    assert q.entries(STREAM) == {}
+
+
+async def test_a_departed_workers_entries_are_taken_at_once_and_a_live_ones_are_not():
+    clock = ManualClock()
+    q = MemoryQueue(clock)
+    await q.create_groups([STREAM])
+    for rid in ("orphan-1", "orphan-2", "peers"):
+        await q.enqueue(STREAM, make_request(rid))
+    assert len(await q.read("gone", [STREAM], 2, 0)) == 2  # a worker that died: it announces nothing any more
+    (peers,) = await q.read("peer", [STREAM], 1, 0)
+    async with running(q, settings(reclaim_idle_s=600.0)) as r:  # no reclaim by idle time in this test
+        r.announcer.workers["peer"] = {"instance": "p", "at": time.time()}  # alive: its heartbeat is current
+        await r.worker.upkeep.take_departed("m")
+        assert q.records == {}  # not idle for DEPARTED_IDLE_S yet (a worker may read before its first beat lands)
+        clock.advance(DEPARTED_IDLE_S)
+        await r.worker.upkeep.take_departed("m")
+        await until(lambda: state(q, "orphan-1") is Status.SUCCEEDED and state(q, "orphan-2") is Status.SUCCEEDED)
+        assert [q.records[rid].attempts for rid in ("orphan-1", "orphan-2")] == [1, 1]
+        assert await q.pending(STREAM, "gone", 10) == {}
+        assert list(await q.pending(STREAM, "peer", 10)) == [peers.id] and "peers" not in q.records
+        r.announcer.workers.pop("peer")  # the peer went silent too
+        await r.worker.upkeep.take_departed("m")
+        await until(lambda: state(q, "peers") is Status.SUCCEEDED)
+        assert r.engines.computed.count("peers") == 1
+
+
+async def test_a_restarted_worker_takes_back_its_predecessors_entries_at_once():
+    clock = ManualClock()
+    q = MemoryQueue(clock)
+    await q.create_groups([STREAM])
+    for rid in ("left-1", "left-2"):
+        await q.enqueue(STREAM, make_request(rid))
+    assert len(await q.read("w1", [STREAM], 2, 0)) == 2  # the worker's predecessor under its name, killed
+    clock.advance(DEPARTED_IDLE_S)  # a supervisor restarts it seconds later
+    async with running(q, settings(reclaim_idle_s=600.0), hold=lambda req: req.id == "new") as r:
+        await q.enqueue(STREAM, make_request("new"))
+        await until(lambda: "new" in r.engines.running)
+        await r.worker.upkeep.take_departed("m")
+        await until(lambda: state(q, "left-1") is Status.SUCCEEDED and state(q, "left-2") is Status.SUCCEEDED)
+        clock.advance(DEPARTED_IDLE_S)
+        await r.worker.upkeep.take_departed("m")  # what this process read itself is never taken again
+        assert r.engines.computed.count("new") == 1 and list(await q.pending(STREAM, "w1", 10)) != []
+        r.engines.finish("new")
+        await until(lambda: state(q, "new") is Status.SUCCEEDED)
     assert q.entries(STREAM) == {}
 
 
