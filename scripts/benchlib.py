@@ -278,6 +278,9 @@ async def saturate(url: str, jobs: Iterator[Job], *, concurrency: int, warm_s: f
         ticker = asyncio.create_task(show())
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         ticker.cancel()
+    if counted == 0:  # a capacity of 0 would only fail later, as a division by zero in the offered rate
+        raise SystemExit(f"{progress}capacity: no request finished within the {measure_s:g} s measured "
+                         f"(after {warm_s:g} s of warm-up); a loaded machine needs a longer --capacity-s")
     return counted / measure_s
 
 
