@@ -8,7 +8,8 @@ And, every heartbeat, take over at once the entries of a worker that is known to
 after `reclaim_idle_s`: one whose liveness mark expired (`Announcer.departed`: silent for `ALIVE_S`), and
 this worker's own predecessor under its name (a supervisor's restart), whose entries were read before
 this process started. Only entries idle for `DEPARTED_IDLE_S` are taken (a worker that just started may
-read before its first heartbeat lands); the delivery counts and the dead-letter rule are the same.
+read before its first heartbeat lands), and other workers are judged only after `ALIVE_S` of this worker
+reaching Redis without a break; the delivery counts and the dead-letter rule are the same.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import structlog
 
 from gpu_worker import metrics
-from gpu_worker.announce import HEARTBEAT_S
+from gpu_worker.announce import ALIVE_S, HEARTBEAT_S
 from gpu_worker.intake import Intake
 from gpu_worker.outcomes import failed_outcome
 from gpu_worker.work_queue import DeadLetter, Entry, Finished, QueueUnavailable, decode_request
@@ -45,6 +46,7 @@ class Upkeep:
         self._draining = draining
         self._departed = departed
         self._started = time.monotonic()
+        self._reached_since: float | None = None  # since when every departed-check reached Redis (monotonic)
 
     async def run(self) -> None:
         interval = max(MIN_INTERVAL_S, self.settings.reclaim_idle_s / 3)
@@ -69,18 +71,26 @@ class Upkeep:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             raise_if_cancelling()
-            if self._draining():
-                continue
-            try:
-                for model in list(self.intake.engines):
-                    await self.take_departed(model)
-            except QueueUnavailable as exc:
-                log.warning("upkeep: queue unavailable", error=str(exc))
+            if not self._draining():
+                await self.check_departed(time.monotonic())
 
-    async def take_departed(self, model: str) -> None:
+    async def check_departed(self, now: float) -> None:
+        """One round of `take_departed` over every model. Other workers are judged only once this one has reached
+        Redis for `ALIVE_S` without a break: while Redis was gone (a failover, a restart) every worker's mark may
+        have expired, and each live worker sets its own again at its next heartbeat."""
+        if self._reached_since is None:
+            self._reached_since = now
+        try:
+            for model in list(self.intake.engines):
+                await self.take_departed(model, judge_others=now - self._reached_since >= ALIVE_S)
+        except QueueUnavailable as exc:
+            self._reached_since = None
+            log.warning("upkeep: queue unavailable", error=str(exc))
+
+    async def take_departed(self, model: str, judge_others: bool = True) -> None:
         for stream in self.intake.streams(model):
             owners = await self.queue.consumers(stream)
-            others = [name for name, n in owners.items() if n and name != self.consumer]
+            others = [name for name, n in owners.items() if n and name != self.consumer] if judge_others else []
             gone = await self._departed(others) if others and self._departed is not None else set()
             held = sum(1 for h in list(self.intake.held.values()) if h.stream == stream)
             mine = owners.get(self.consumer, 0) > held  # it owns more than it holds: its predecessor's, or in flight

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gpu_worker.announce import MemoryAnnouncer
+from gpu_worker.announce import ALIVE_S, MemoryAnnouncer
 from gpu_worker.memory_queue import MemoryQueue
 from gpu_worker.outcomes import HandBack, result_for
 from gpu_worker.upkeep import DEPARTED_IDLE_S
@@ -195,6 +195,27 @@ async def test_a_departed_workers_entries_are_taken_at_once_and_a_live_ones_are_
         await r.worker.upkeep.take_departed("m")
         await until(lambda: state(q, "peers") is Status.SUCCEEDED)
         assert r.engines.computed.count("peers") == 1
+
+
+async def test_after_losing_redis_a_worker_judges_no_other_departed_until_every_live_one_has_beaten_again():
+    # while Redis was gone (a failover, a restart) every worker's liveness mark may have expired
+    clock = ManualClock()
+    q = MemoryQueue(clock)
+    await q.create_groups([STREAM])
+    await q.enqueue(STREAM, make_request("orphan"))
+    assert len(await q.read("gone", [STREAM], 1, 0)) == 1
+    clock.advance(DEPARTED_IDLE_S)
+    async with running(q, settings(reclaim_idle_s=600.0)) as r:
+        up = r.worker.upkeep
+        await up.check_departed(100.0)  # its first check: it has reached Redis for no time yet
+        q.available = False
+        await up.check_departed(100.0 + ALIVE_S)
+        q.available = True
+        await up.check_departed(102.0 + ALIVE_S)
+        await up.check_departed(101.0 + 2 * ALIVE_S)
+        assert "orphan" not in q.records and list(await q.pending(STREAM, "gone", 10)) != []
+        await up.check_departed(102.0 + 2 * ALIVE_S)  # ALIVE_S of Redis without a break
+        await until(lambda: state(q, "orphan") is Status.SUCCEEDED)
 
 
 async def test_a_restarted_worker_takes_back_its_predecessors_entries_at_once():
