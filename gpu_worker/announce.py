@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ResponseError
 
+from gpu_worker.redis_replies import queue_errors
 from shared.codec import decode_readable, encode
 from shared.keys import Keys
 from shared.messages import LaneStats
@@ -55,8 +56,9 @@ class Announcer(Protocol):
         """The last heartbeat announced under this name (None: none)."""
 
     async def departed(self, workers: Sequence[str]) -> set[str]:
-        """Those of `workers` whose liveness mark expired (none while Redis cannot be reached). A worker whose
-        last heartbeat carried no mark (an older version's, in a rolling upgrade) is never counted departed."""
+        """Those of `workers` whose liveness mark expired. A worker whose last heartbeat carried no mark (an older
+        version's, in a rolling upgrade) is never counted departed. Raises `QueueUnavailable` when Redis (or the
+        part of a cluster that holds a mark) cannot be reached: the caller must know, since marks expire then."""
 
 
 class RedisAnnouncer:
@@ -89,10 +91,9 @@ class RedisAnnouncer:
         for worker in workers:
             pipe.exists(self.keys.alive(worker))
         pipe.hmget(self.keys.workers(), list(workers))
-        async with tolerate_outage():
+        async with queue_errors():
             *marks, beats = await pipe.execute()
-            return {w for w, mark, beat in zip(workers, marks, beats, strict=True) if not mark and marked(beat)}
-        return set()
+        return {w for w, mark, beat in zip(workers, marks, beats, strict=True) if not mark and marked(beat)}
 
     async def publish_stats(self, stats: Stats) -> None:
         pipe = self.redis.pipeline(transaction=False)

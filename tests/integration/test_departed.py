@@ -12,11 +12,13 @@ import time
 import pytest
 
 from gpu_worker.announce import ALIVE_S, RedisAnnouncer
+from gpu_worker.work_queue import QueueUnavailable
 from shared.codec import decode
 from shared.config import ModelSpec
 from shared.keys import GROUP, Keys
 from shared.messages import InferenceRequest
 from shared.records import RecordStore
+from shared.redis_io import make_redis
 from shared.states import Status, Task
 from tests.integration.test_stack import wait_until
 from tests.stack import make_settings, running_gateway, running_worker
@@ -42,6 +44,10 @@ async def test_a_workers_liveness_mark_says_when_it_departed(aioredis_client, pr
     assert await announcer.departed(["live", "dead", "older"]) == {"dead"}
     await announcer.withdraw("live", {})  # a worker that left (drained): nothing of its stays
     assert await announcer.departed(["live"]) == {"live"} and await announcer.departed([]) == set()
+    unreachable = make_redis("redis://127.0.0.1:1/0", retries=0)  # nothing listens on port 1
+    with pytest.raises(QueueUnavailable):  # not "none departed": marks expire while Redis is gone, the caller waits
+        await RedisAnnouncer(unreachable, keys).departed(["live"])
+    await unreachable.aclose()
 
 
 def _ids(read) -> list[str]:
