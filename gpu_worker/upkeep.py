@@ -45,7 +45,7 @@ class Upkeep:
         self.consumer = intake.consumer
         self._draining = draining
         self._departed = departed
-        self._started = time.monotonic()
+        self._reading_since = time.monotonic()  # set again by `begin`, just before intake's first read
         self._reached_since: float | None = None  # since when every departed-check reached Redis (monotonic)
 
     async def run(self) -> None:
@@ -65,6 +65,11 @@ class Upkeep:
                     await self.queue.clean_departed(streams, self.consumer, 2 * self.settings.reclaim_idle_s)
             except QueueUnavailable as exc:
                 log.warning("upkeep: queue unavailable", error=str(exc))
+
+    def begin(self) -> None:
+        """Intake is about to read: what this process owns from now on is its own (a restart under the same name
+        comes seconds after loading its models, and what its predecessor read is that much older)."""
+        self._reading_since = time.monotonic()
 
     async def watch(self) -> None:
         """Take over the entries of departed workers, every heartbeat, while not draining."""
@@ -94,7 +99,7 @@ class Upkeep:
             gone = await self._departed(others) if others and self._departed is not None else set()
             held = sum(1 for h in list(self.intake.held.values()) if h.stream == stream)
             mine = owners.get(self.consumer, 0) > held  # it owns more than it holds: its predecessor's, or in flight
-            own_idle = time.monotonic() - self._started + OWN_MARGIN_S
+            own_idle = time.monotonic() - self._reading_since + OWN_MARGIN_S
             for owner, min_idle in [*((g, DEPARTED_IDLE_S) for g in sorted(gone)),
                                     *([(self.consumer, max(DEPARTED_IDLE_S, own_idle))] if mine else [])]:
                 room = self.intake.room_for(model)

@@ -132,6 +132,7 @@ class Worker:
         if not await self._unique_name(stop):
             return
         await self.announcer.heartbeat(self.name, {**self._heartbeat_info(), "at": time.time()})  # before any read
+        self.upkeep.begin()
         for engines in self.engines.values():
             engines.start()
         intake = [asyncio.create_task(self.intake.run(name), name=f"intake-{name}") for name in self.engines]

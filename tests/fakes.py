@@ -144,9 +144,12 @@ class FakeEngines:
 
 
 def fake_engines_factory(made: dict[str, FakeEngines], **options: Any) -> Callable[..., Any]:
-    """An `engines_factory` for `Worker`: FakeEngines per configured model, recorded in `made`."""
+    """An `engines_factory` for `Worker`: FakeEngines per configured model, recorded in `made`; `load_s`: the models
+    take this long to load."""
+    load_s = options.pop("load_s", 0.0)
 
     async def factory(settings: Any, *, mark_running: Any, emit: Any, **_: Any) -> dict[str, FakeEngines]:
+        await asyncio.sleep(load_s)
         for spec in settings.models:
             made[spec.name] = FakeEngines(spec, mark_running, emit, **options)
         return dict(made)

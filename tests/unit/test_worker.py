@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from gpu_worker import upkeep
 from gpu_worker.announce import ALIVE_S, MemoryAnnouncer
 from gpu_worker.memory_queue import MemoryQueue
 from gpu_worker.outcomes import HandBack, result_for
@@ -218,20 +219,22 @@ async def test_after_losing_redis_a_worker_judges_no_other_departed_until_every_
         await until(lambda: state(q, "orphan") is Status.SUCCEEDED)
 
 
-async def test_a_restarted_worker_takes_back_its_predecessors_entries_at_once():
+async def test_a_restarted_worker_takes_back_its_predecessors_entries_at_once(monkeypatch):
+    monkeypatch.setattr(upkeep, "DEPARTED_IDLE_S", 0.1)
+    monkeypatch.setattr(upkeep, "OWN_MARGIN_S", 0.1)
     clock = ManualClock()
     q = MemoryQueue(clock)
     await q.create_groups([STREAM])
     for rid in ("left-1", "left-2"):
         await q.enqueue(STREAM, make_request(rid))
     assert len(await q.read("w1", [STREAM], 2, 0)) == 2  # the worker's predecessor under its name, killed
-    clock.advance(DEPARTED_IDLE_S)  # a supervisor restarts it seconds later
-    async with running(q, settings(reclaim_idle_s=600.0), hold=lambda req: req.id == "new") as r:
+    clock.advance(0.5)  # a supervisor restarts it at once; loading its models takes longer than that
+    async with running(q, settings(reclaim_idle_s=600.0), hold=lambda req: req.id == "new", load_s=0.8) as r:
         await q.enqueue(STREAM, make_request("new"))
         await until(lambda: "new" in r.engines.running)
         await r.worker.upkeep.take_departed("m")
         await until(lambda: state(q, "left-1") is Status.SUCCEEDED and state(q, "left-2") is Status.SUCCEEDED)
-        clock.advance(DEPARTED_IDLE_S)
+        clock.advance(1.0)
         await r.worker.upkeep.take_departed("m")  # what this process read itself is never taken again
         assert r.engines.computed.count("new") == 1 and list(await q.pending(STREAM, "w1", 10)) != []
         r.engines.finish("new")
