@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import types
 
 import fakeredis
 import pytest
@@ -38,6 +39,8 @@ def stats(worker: str) -> bytes:
 
 
 async def test_admission_reads_the_lane_and_reads_the_workers_figures_at_most_every_cache_period(q, monkeypatch):
+    now = [1_000.0]  # the process's monotonic clock, moved by hand: a loaded machine's pauses change nothing here
+    monkeypatch.setattr(queue_client, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     monkeypatch.setattr(queue_client, "STATS_CACHE_S", 0.05)
     monkeypatch.setattr(queue_client, "LANE_LENGTH_CACHE_S", 0.0)  # no store of its own to count on
     key = q.keys.lane_stats("echo")
@@ -48,7 +51,7 @@ async def test_admission_reads_the_lane_and_reads_the_workers_figures_at_most_ev
     await q.redis.xadd(q.keys.lane_stream("echo", "short"), {"m": b"x"})
     queued, found = await q.load("echo", "short")
     assert queued == 1 and [s.worker for s in found] == ["w1"]  # the length is read, the figures reused
-    await asyncio.sleep(0.06)
+    now[0] += 0.06
     _, found = await q.load("echo", "short")
     assert sorted(s.worker for s in found) == ["w1", "w2"]
 
@@ -56,6 +59,8 @@ async def test_admission_reads_the_lane_and_reads_the_workers_figures_at_most_ev
 async def test_right_after_its_own_store_a_process_counts_on_the_length_it_saw_plus_what_it_admitted(q, monkeypatch):
     """Under load a submit costs one round trip: the lane's length comes back with every store, and a submit
     right after counts on it (plus the requests this process admitted since) instead of reading it again."""
+    now = [1_000.0]  # the process's monotonic clock, moved by hand: a loaded machine's pauses change nothing here
+    monkeypatch.setattr(queue_client, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     monkeypatch.setattr(queue_client, "LANE_LENGTH_CACHE_S", 0.2)
     monkeypatch.setattr(queue_client, "ADMITTING_S", 0.2)  # d4 below, admitted and never stored, stops counting too
     await q.redis.hset(q.keys.lane_stats("echo"), "w1", stats("w1"))
@@ -81,7 +86,7 @@ async def test_right_after_its_own_store_a_process_counts_on_the_length_it_saw_p
     await q.redis.xadd(stream, {"m": b"another process"})
     d4, _ = await q.admit(ops._build(q, body, SPEC, "t"), SPEC)
     assert d4.queued == 7  # fresh: not seen yet
-    await asyncio.sleep(0.25)
+    now[0] += 0.25
     d5, _ = await q.admit(ops._build(q, body, SPEC, "t"), SPEC)
     assert d5.queued == 8  # stale: read again
 
