@@ -59,6 +59,9 @@ class Intake:
         # longest, as it always did (polling while the peer merely had little waiting sent it every interactive
         # arrival of a burst, more than it could start, and they expired: an outside probe)
         self.peer_room: dict[str, bool] = {}
+        # models with a blocking read in flight (up to `intake_block_ms`): one that began before the intake polled is
+        # served a hand-back first (it blocked before the peer), so the rebalance loop waits until it has returned
+        self.blocking: set[str] = set()
 
     def streams(self, model: str) -> list[str]:
         spec = self.settings.model(model)
@@ -93,7 +96,12 @@ class Intake:
                 continue
             try:
                 polling = self.peer_room.get(model, False) and self.loaded(model)
-                entries = await self.queue.read(self.consumer, streams, room, 0.0 if polling else block_s)
+                if not polling:
+                    self.blocking.add(model)
+                try:
+                    entries = await self.queue.read(self.consumer, streams, room, 0.0 if polling else block_s)
+                finally:
+                    self.blocking.discard(model)
                 await self.accept(model, entries)
                 backoff = BACKOFF_START_S
                 if polling and not entries:

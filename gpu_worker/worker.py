@@ -144,7 +144,8 @@ class Worker:
             asyncio.create_task(heartbeat_loop(self.announcer, self.name, self._heartbeat_info), name="heartbeat"),
             asyncio.create_task(stats_loop(self.announcer, self._lane_stats), name="stats"),
             asyncio.create_task(
-                rebalance_loop(self.engines, self.name, self.announcer.peer_stats, self.intake.peer_room),
+                rebalance_loop(self.engines, self.name, self.announcer.peer_stats, self.intake.peer_room,
+                               blocking=self.intake.blocking),
                 name="rebalance"),
         ]
         for task in [*intake, publisher, *background]:

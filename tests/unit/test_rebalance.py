@@ -140,7 +140,7 @@ def loaded(waiting: int, free: int) -> FakeLoop:
 
 
 async def run_checks(monkeypatch, loops: dict[str, list[FakeLoop]], figures: list[list[LaneStats]],
-                     clock: list[int]) -> dict[str, bool]:
+                     clock: list[int], blocking: set[str] | None = None) -> dict[str, bool]:
     """The loop for as many checks as `figures` holds (each check reads the next), on a clock set per check; a peer
     with idle rows counts from the second check that finds it (its intake polls from the first)."""
     monkeypatch.setattr(rebalance, "CHECK_S", 0.0)
@@ -156,7 +156,8 @@ async def run_checks(monkeypatch, loops: dict[str, list[FakeLoop]], figures: lis
             raise
 
     peer_room: dict[str, bool] = {}
-    task = asyncio.create_task(rebalance.rebalance_loop(loops, "me", read, peer_room, lambda: clock[0]))
+    task = asyncio.create_task(rebalance.rebalance_loop(loops, "me", read, peer_room, lambda: clock[0],
+                                                        blocking=blocking if blocking is not None else set()))
     await asyncio.wait_for(done.wait(), 5)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -171,6 +172,18 @@ async def test_the_loop_tells_a_loaded_engine_once_per_figures_taken_after_its_l
     peer_room = await run_checks(monkeypatch, {"m": [mine]}, [[idle], [idle], [idle], [later]], [NOW_MS])
     assert peer_room == {"m": True}  # its intake polls while it holds more than it can start
     assert mine.got == [Release(frozenset({"short"}), -4, 4), Release(frozenset({"short"}), -3, 4)]  # not twice on one
+
+
+async def test_nothing_goes_to_an_idle_peer_while_a_blocking_read_of_its_own_is_in_flight(monkeypatch):
+    # begun before its intake polled, that read would be served the hand-back first: it blocked before the peer
+    mine = loaded(waiting=20, free=0)
+    idle = stats("b", free=4, waiting={"short": 0}, at_ms=NOW_MS)
+    blocking = {"m"}
+    await run_checks(monkeypatch, {"m": [mine]}, [[idle], [idle], [idle]], [NOW_MS], blocking)
+    assert mine.got == []
+    blocking.clear()  # it returned; the intake polls from now on
+    await run_checks(monkeypatch, {"m": [mine]}, [[idle], [idle]], [NOW_MS])
+    assert mine.got == [Release(frozenset({"short"}), -4, 4)]
 
 
 async def test_no_peer_short_of_work_changes_nothing(monkeypatch):
@@ -221,10 +234,13 @@ class Engines(list):
 class RecordingQueue:
     def __init__(self) -> None:
         self.blocks: list[tuple[float, float]] = []  # (when, how long it would block)
+        self.blocking_seen: set[bool] = set()  # whether the intake said a blocking read was in flight, per read
+        self.intake: Intake | None = None
         self.three = asyncio.Event()
 
     async def read(self, consumer: str, streams: list[str], count: int, block_s: float) -> list:
         self.blocks.append((time.monotonic(), block_s))
+        self.blocking_seen.add("m" in self.intake.blocking)
         if len(self.blocks) >= 3:
             self.three.set()
         await asyncio.sleep(0)  # nothing there: a blocking read would wait here, this fake answers at once
@@ -239,6 +255,7 @@ async def test_the_intake_polls_only_while_it_holds_more_than_it_can_start_and_a
     queue = RecordingQueue()
     engines = Engines([CountingLoop(waiting, 4)])
     intake = Intake(settings, queue, "w1", {"m": engines}, {}, asyncio.Event(), lambda out: asyncio.sleep(0))
+    queue.intake = intake
     intake.peer_room["m"] = peer_room
     assert intake.loaded("m") is (waiting > 4)
     task = asyncio.create_task(intake.run("m"))
@@ -247,6 +264,7 @@ async def test_the_intake_polls_only_while_it_holds_more_than_it_can_start_and_a
     with pytest.raises(asyncio.CancelledError):
         await task
     assert {block for _, block in queue.blocks} == ({0.0} if polls else {0.02})
+    assert queue.blocking_seen == ({False} if polls else {True})  # what the rebalance loop waits on
     if polls:  # not a busy loop: a poll that found nothing waits before the next
         assert queue.blocks[2][0] - queue.blocks[0][0] >= 2 * intake_module.POLL_S * 0.9
 
