@@ -141,7 +141,8 @@ class Upkeep:
         now = time.time()
         letters = []
         for c in poison:
-            reason = f"delivered {c.deliveries} times without finishing (it crashed the workers that ran it)"
+            reason = (f"delivered {c.deliveries} times without finishing (each worker that held it died, or stopped "
+                      f"answering for longer than the reclaim time: a request that crashes its workers)")
             try:
                 req = decode_request(c)
             except (CodecError, KeyError):
