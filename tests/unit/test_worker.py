@@ -221,7 +221,7 @@ async def test_after_losing_redis_a_worker_judges_no_other_departed_until_every_
 
 async def test_a_restarted_worker_takes_back_its_predecessors_entries_at_once(monkeypatch):
     monkeypatch.setattr(upkeep, "DEPARTED_IDLE_S", 0.1)
-    monkeypatch.setattr(upkeep, "OWN_MARGIN_S", 0.1)
+    monkeypatch.setattr(upkeep, "OWN_MARGIN_S", 0.05)
     clock = ManualClock()
     q = MemoryQueue(clock)
     await q.create_groups([STREAM])
