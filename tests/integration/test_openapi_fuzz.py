@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,25 @@ EXAMPLES = int(os.environ.get("BATCHGATE_FUZZ_EXAMPLES", "200"))
 # text/plain, "Invalid HTTP request received.") before the application sees it: not the API's to document.
 FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "host", "connection", "expect", "upgrade"})
 CALLS: Counter[str] = Counter()
+
+
+def generator_fault(exc: BaseException) -> bool:
+    """Hypothesis's own strategy cache raised (a KeyError in `hypothesis/internal/cache.py`, HypothesisWorks/hypothesis
+    #4442, seen here once on the Redis Cluster pass while drawing a schemathesis case): the case generator failed,
+    not the API. Searched through exception groups, causes and contexts."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, KeyError) and any(f.filename.replace("\\", "/").endswith("hypothesis/internal/cache.py")
+                                           for f in traceback.extract_tb(e.__traceback__)):
+            return True
+        todo.extend(getattr(e, "exceptions", ()))
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return False
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +100,33 @@ def test_api_conforms_to_its_openapi_document(gateway: tuple[str, str]) -> None:
             CALLS[f"{case.method} {case.path} [{label}] -> {resp.status_code}"] += 1  # noqa: B023 - run() runs now
             assert resp.status_code < 500
 
+        for attempt in (1, 2):
+            try:
+                run()
+            except Unsatisfiable:  # no parameters or body to make invalid (e.g. GET /healthz in negative mode)
+                CALLS[f"{op.method.upper()} {op.path} [{label}] -> nothing to mutate"] += 1
+            except Exception as exc:
+                if attempt == 1 and generator_fault(exc):  # the cases again, from scratch; a failure of ours stays
+                    CALLS[f"{op.method.upper()} {op.path} [{label}] -> generator fault, run again"] += 1
+                    continue
+                raise
+            break
+
+
+def test_only_a_fault_of_hypothesiss_own_cache_runs_the_cases_again() -> None:
+    code = compile("def draw():\n    {}['key']\n", "/venv/site-packages/hypothesis/internal/cache.py", "exec")
+    scope: dict = {}
+    exec(code, scope)
+    try:
         try:
-            run()
-        except Unsatisfiable:  # no parameters or body to make invalid (e.g. GET /healthz in negative mode)
-            CALLS[f"{op.method.upper()} {op.path} [{label}] -> nothing to mutate"] += 1
+            scope["draw"]()
+        except KeyError:
+            raise RuntimeError("Failed")  # noqa: B904 - as hypothesis reports it: the KeyError is the context
+    except RuntimeError as wrapped:
+        fault: BaseException = wrapped
+    try:
+        scope["draw"]()
+    except KeyError as raw:
+        assert generator_fault(ExceptionGroup("inconsistent results", [fault])) and generator_fault(raw)
+    assert not generator_fault(AssertionError("assert 500 < 500"))  # the API's failure is never run again
+    assert not generator_fault(ExceptionGroup("checks", [KeyError("a key of ours")]))
