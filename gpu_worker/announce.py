@@ -210,9 +210,14 @@ async def wait_for_unique_name(announcer: Announcer, worker: str, instance: str,
             return False
 
 
+async def beat(announcer: Announcer, worker: str, info: Callable[[], dict[str, Any]]) -> None:
+    """One heartbeat: `info` and its time (the worker beats once before its first read, then on a loop)."""
+    await announcer.heartbeat(worker, {**info(), "at": time.time()})
+
+
 async def heartbeat_loop(announcer: Announcer, worker: str, info: Callable[[], dict[str, Any]]) -> None:
     while True:
-        await announcer.heartbeat(worker, {**info(), "at": time.time()})
+        await beat(announcer, worker, info)
         raise_if_cancelling()  # a cancellation swallowed inside the Redis call still stops the loop
         await asyncio.sleep(HEARTBEAT_S)
 

@@ -97,11 +97,12 @@ class Upkeep:
             owners = await self.queue.consumers(stream)
             others = [name for name, n in owners.items() if n and name != self.consumer] if judge_others else []
             gone = await self._departed(others) if others and self._departed is not None else set()
+            claims = [(g, DEPARTED_IDLE_S) for g in sorted(gone)]
             held = sum(1 for h in list(self.intake.held.values()) if h.stream == stream)
-            mine = owners.get(self.consumer, 0) > held  # it owns more than it holds: its predecessor's, or in flight
-            own_idle = time.monotonic() - self._reading_since + OWN_MARGIN_S
-            for owner, min_idle in [*((g, DEPARTED_IDLE_S) for g in sorted(gone)),
-                                    *([(self.consumer, max(DEPARTED_IDLE_S, own_idle))] if mine else [])]:
+            if owners.get(self.consumer, 0) > held:  # it owns more than it holds: its predecessor's, or in flight
+                claims.append((self.consumer, max(DEPARTED_IDLE_S, time.monotonic() - self._reading_since
+                                                  + OWN_MARGIN_S)))
+            for owner, min_idle in claims:
                 room = self.intake.room_for(model)
                 if room <= 0:
                     return

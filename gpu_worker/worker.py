@@ -25,6 +25,7 @@ import structlog
 from gpu_worker.announce import (
     Announcer,
     RedisAnnouncer,
+    beat,
     cancel_loop,
     heartbeat_loop,
     stats_loop,
@@ -131,7 +132,7 @@ class Worker:
             return
         if not await self._unique_name(stop):
             return
-        await self.announcer.heartbeat(self.name, {**self._heartbeat_info(), "at": time.time()})  # before any read
+        await beat(self.announcer, self.name, self._heartbeat_info)  # its liveness mark lands before any read
         self.upkeep.begin()
         for engines in self.engines.values():
             engines.start()

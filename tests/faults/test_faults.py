@@ -22,14 +22,19 @@ def running(c) -> int:
     return sum(1 for k in r.scan_iter(f"{c.prefix}:*:rec") if r.hget(k, "state") == b"running")
 
 
+async def kill9_mid_batch(c) -> float:
+    """Worker w-a running 4 or more of 8 long requests, killed (-9); returns when."""
+    a = await c.worker("w-a")
+    for _ in range(8):
+        await c.submit(LONG)
+    await until(lambda: running(c) >= 4)
+    a.signal(signal.SIGKILL)
+    return time.monotonic()
+
+
 async def test_kill9_mid_batch(tmp_path, model_cache, prefix):
     async with cluster(tmp_path, model_cache, prefix) as c:
-        a = await c.worker("w-a")
-        for _ in range(8):
-            await c.submit(LONG)
-        await until(lambda: running(c) >= 4)
-        a.signal(signal.SIGKILL)
-        t_fault = time.monotonic()
+        t_fault = await kill9_mid_batch(c)
         await c.worker("w-b")
         final = await c.ledger("1 kill -9 mid-batch", t_fault)
         assert len(final) == len(c.accepted) == 8
@@ -48,12 +53,7 @@ async def test_kill9_the_work_it_held_goes_on_within_seconds_not_after_the_recla
     # reclaim by idle time only after 10 minutes here: the ledger's bound (90 s) is met only if the departed-worker
     # path takes the entries (a restart under the worker's name, or a live peer once the liveness mark expired)
     async with cluster(tmp_path, model_cache, prefix, BATCHGATE_RECLAIM_IDLE_S="600") as c:
-        a = await c.worker("w-a")
-        for _ in range(8):
-            await c.submit(LONG)
-        await until(lambda: running(c) >= 4)
-        a.signal(signal.SIGKILL)
-        t_fault = time.monotonic()
+        t_fault = await kill9_mid_batch(c)
         await c.worker("w-a")  # a supervisor's restart under the same name
         final = await c.ledger("1b kill -9, restarted under its name", t_fault)
         assert len(final) == 8 and all(r["status"] == "succeeded" for r in final.values())
