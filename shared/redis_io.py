@@ -17,15 +17,25 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import AsyncCoreCommands
 from redis.crc import key_slot
-from redis.exceptions import AskError, ClusterDownError, MovedError, OutOfMemoryError, ReadOnlyError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 # Errors that mean "Redis cannot take this call right now" (as opposed to a bad command): not reachable, or full
 # (maxmemory with noeviction, as batchgate's Redis must run: OOM refuses writes until memory frees), or a replica
-# answering while a failover promotes it: a 503 with Retry-After for a caller, a retry for a worker.
+# answering while a failover promotes it, or a Redis Cluster failing over (CLUSTERDOWN and MASTERDOWN, TRYAGAIN, a
+# slot no node covers yet: what redis-py raises once its own retries of these are spent): a 503 with Retry-After
+# for a caller, a retry for a worker.
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError, OutOfMemoryError,
-               ReadOnlyError)
+               ReadOnlyError, ClusterDownError, TryAgainError, SlotNotCoveredError)
 
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
