@@ -257,7 +257,8 @@ async def cluster(tmp_path: Path, model_cache: Path, prefix: str, *, own: OwnRed
 
 LONG = {"input": {"input_ids": list(range(3, 300))}, "params": {"max_new_tokens": 256, "ignore_eos": True},
         "timeout_s": 600}  # generous: admission must not refuse any (the scenarios count what was accepted)
-SHORT = {"input": {"input_ids": [5, 6, 7]}, "params": {"max_new_tokens": 8, "ignore_eos": True}}
+# a generous deadline too: behind a dozen LONG on a loaded CI machine, admission refused one with the default 60 s
+SHORT = {"input": {"input_ids": [5, 6, 7]}, "params": {"max_new_tokens": 8, "ignore_eos": True}, "timeout_s": 600}
 
 
 async def until(predicate: Any, timeout: float = 30, every: float = 0.05) -> None:
