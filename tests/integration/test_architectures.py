@@ -235,6 +235,7 @@ SERVED_BUDGET_S = 240
 
 
 @pytest.mark.slow
+@pytest.mark.beside  # minutes of CPU and no Redis: `make test` runs it in the pass beside the default one
 @pytest.mark.timeout(2400, method="thread")  # per-architecture alarms below bound each one
 def test_every_causal_lm_is_served_exactly_or_refused() -> None:
     """Every causal LM architecture of the installed transformers that `generate` runs on CPU at tiny sizes:
