@@ -14,6 +14,7 @@ import torch
 from shared.codec import encode
 from shared.keys import Keys
 from shared.messages import StreamDelta
+from tests.redis_cluster import delete_prefix
 from tests.stack import make_settings, running_gateway, running_worker
 
 pytestmark = [pytest.mark.redis]
@@ -201,11 +202,14 @@ async def test_cancel_and_deadline_end_the_stream_with_a_terminal_event(redis_ur
         done = check_adds_up(events)
         assert 0 < done["output"]["completion_tokens"] < 256 and deltas(events), done
         # a request whose deadline passes while nothing computes it: the stream still ends
-        async with running_gateway(make_settings(redis_url, prefix + "-idle")) as idle:
-            short = {"input": {"prompt": "hi"}, "stream": True, "timeout_s": 1}
-            rid2 = (await idle.client.post("/v1/models/tiny-llama/requests", json=short)).json()["id"]
-            events = await events_of(idle.client, rid2)
-            assert events[-1]["event"] == "done" and events[-1]["data"]["status"] == "expired"
+        try:
+            async with running_gateway(make_settings(redis_url, prefix + "-idle")) as idle:
+                short = {"input": {"prompt": "hi"}, "stream": True, "timeout_s": 1}
+                rid2 = (await idle.client.post("/v1/models/tiny-llama/requests", json=short)).json()["id"]
+                events = await events_of(idle.client, rid2)
+                assert events[-1]["event"] == "done" and events[-1]["data"]["status"] == "expired"
+        finally:  # a prefix of this test's own, besides the fixture's: its keys go too
+            delete_prefix(redis_url, prefix + "-idle")
 
 
 async def test_a_request_that_did_not_stream_gets_its_output_as_one_delta(redis_url, prefix, loaded_models):
