@@ -51,9 +51,9 @@ up: setup
 # A long test that needs no Redis (marked `beside`: the sweep over every decoder architecture) runs in the cluster
 # pass instead of the default one, so the two passes end together (on CI the default pass ran 20 minutes longer).
 CLUSTER_MARKS := (redis or faults) and not standalone and not alone
-CLUSTER_PATHS := tests/integration tests/contract tests/faults
-CLUSTER_TESTS = BATCHGATE_TEST_REDIS=cluster $(BIN)/python -m pytest -q -m "$(CLUSTER_MARKS)" $(CLUSTER_PATHS)
-BESIDE_TESTS = BATCHGATE_TEST_REDIS=cluster $(BIN)/python -m pytest -q -m "($(CLUSTER_MARKS)) or beside" $(CLUSTER_PATHS)
+ON_CLUSTER = BATCHGATE_TEST_REDIS=cluster $(BIN)/python -m pytest -q tests/integration tests/contract tests/faults -m
+CLUSTER_TESTS = $(ON_CLUSTER) "$(CLUSTER_MARKS)"
+BESIDE_TESTS = $(ON_CLUSTER) "($(CLUSTER_MARKS)) or beside"
 CLUSTER_LOG := .cluster-tests.log
 
 test: setup
