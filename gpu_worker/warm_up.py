@@ -17,13 +17,16 @@ WARM_NEW_TOKENS = 3
 # rows of the timed batch: a line through its step and the one-row step is what each running row adds to a step
 # (a CPU's grows with the rows, a GPU's barely), which admission prices a burst's rows at from the first request
 WARM_ROWS = 8
+# times that batch is run, its fastest step kept: noise only adds time, and one slow sample of it (a busy machine)
+# would read as a step that is all cost per row, with no fixed part
+WARM_BATCHES = 3
 
 
 def timed_generations(engine: Any, vocab: int, longest: int,
                       clock: Callable[[], float] = time.perf_counter) -> CostPrior:
     """Short generations on `engine` (a `GenerationEngine`, idle): an untimed first, then a short and a longer
-    prompt timed (prefill, fastest decode step), then `WARM_ROWS` short ones side by side (the fastest step of that
-    many rows); `longest`: the longest sequence it may run."""
+    prompt timed (prefill, fastest decode step), then `WARM_ROWS` short ones side by side, `WARM_BATCHES` times (the
+    fastest step of that many rows); `longest`: the longest sequence it may run."""
     timed_generation(engine, vocab, WARM_PROMPTS[0], clock=clock)
     short = timed_generation(engine, vocab, WARM_PROMPTS[0], clock=clock)
     longer = min(WARM_PROMPTS[1], longest - WARM_NEW_TOKENS)
@@ -32,8 +35,9 @@ def timed_generations(engine: Any, vocab: int, longest: int,
     rows = min(WARM_ROWS, engine.max_rows)
     per_row = 0.0
     if rows > 1:
-        many = timed_generation(engine, vocab, WARM_PROMPTS[0], rows=rows, clock=clock)
-        per_row = max(0.0, (many[2] - one_row) / (rows - 1))
+        many = min(timed_generation(engine, vocab, WARM_PROMPTS[0], rows=rows, clock=clock)[2]
+                   for _ in range(WARM_BATCHES))
+        per_row = max(0.0, (many - one_row) / (rows - 1))
     engine.stats = EngineStats()  # what it served counts from here
     return CostPrior.through(short[:2], long[:2], step_s=max(0.0, one_row - per_row), step_per_row_s=per_row)
 
