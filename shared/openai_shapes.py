@@ -240,6 +240,10 @@ class MessageIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     function_call: Any | None = None
     refusal: str | None = None
     audio: Any | None = None
+    # what the SDK's own answer objects carry back when a caller appends `choices[0].message` to its history
+    # (OpenAI's `annotations`; `parsed` from `chat.completions.parse`): answers, not input, so read past
+    annotations: list[Any] | None = None
+    parsed: Any | None = None
 
 
 class ChatRequest(_Sampling, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -292,7 +292,7 @@ class EmbedParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
-MAX_MESSAGES = 256
+MAX_MESSAGES = 2048  # as OpenAI's chat completions take
 
 
 MAX_TOOLS = 128

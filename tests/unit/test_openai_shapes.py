@@ -12,6 +12,8 @@ import pytest
 from shared import openai_shapes as oa
 from shared.api_errors import Conflict, NotFound, TooManyRequests, Unprocessable
 from shared.config import BUILTIN_MODELS
+from shared.errors import ValidationError
+from shared.params import parse_generate_input
 from shared.submit import build_request
 
 
@@ -203,6 +205,34 @@ def test_chat_messages_become_native_messages_with_text_parts_joined():
                                              {"role": "assistant", "content": "ok"}]}
     assert tr.body["params"]["max_new_tokens"] == 7 and tr.aliases["params.max_new_tokens"] == "max_completion_tokens"
     assert oa.translate_chat(chat(max_tokens=5)).body["params"]["max_new_tokens"] == 5
+
+
+def test_an_answers_message_appended_to_the_history_as_the_sdk_sends_it_is_taken():
+    """`messages.append(resp.choices[0].message)`: the SDK sends the answer's own fields back, OpenAI's
+    `annotations` and, after `chat.completions.parse`, `parsed` and each call's `parsed_arguments`. They are read
+    past (a 400 `unknown field` broke the parse-then-call-tools loop), as vLLM reads past them."""
+    answer = {"role": "assistant", "content": '{"a": 1}', "refusal": None, "annotations": [], "parsed": {"a": 1},
+              "audio": None, "function_call": None,
+              "tool_calls": [{"id": "call_1", "type": "function",
+                              "function": {"name": "f", "arguments": '{"x": 2}', "parsed_arguments": {"x": 2}}}]}
+    tr = oa.translate_chat(chat(messages=[{"role": "user", "content": "q"}, answer,
+                                          {"role": "tool", "tool_call_id": "call_1", "content": "4"}]))
+    assert tr.body["input"]["messages"][1] == {
+        "role": "assistant", "content": '{"a": 1}',
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {"x": 2}}}]}
+    err = refused(oa.translate_chat, chat(messages=[{"role": "user", "content": "q", "annotation": []}]))
+    assert err.param == "messages[0].annotation"  # a typo is still refused
+
+
+def test_a_history_of_as_many_messages_as_openai_takes_is_taken():
+    """2,048 messages, OpenAI's own limit (a long agent loop met an undocumented 256); one more is a 400 naming
+    the field. The prompt's tokens are what bounds the cost."""
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": "m"} for i in range(2049)]
+    native = oa.translate_chat(chat(messages=many[:2048])).body["input"]
+    kw = dict(max_prompt_chars=100_000, max_input_tokens=100_000)
+    assert len(parse_generate_input(native, **kw)["messages"]) == 2048
+    with pytest.raises(ValidationError, match="at most 2048"):
+        parse_generate_input(oa.translate_chat(chat(messages=many)).body["input"], **kw)
 
 
 def test_chat_refusals():
