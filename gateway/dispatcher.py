@@ -395,11 +395,11 @@ class Dispatcher:
         new = replace(state, status="pending", attempts=attempt, last_status_code=code, last_error=reason,
                       next_attempt_ms=due)
         await self.store.record(new, due)
-        await self.records.set_callback_state(delivery.request_id, new)
+        await self.records.set_callback_state(delivery.request_id, new, self.now_ms())
 
     async def _finish(self, delivery: CallbackDelivery, state: CallbackState, dead: bool = False) -> None:
         await self.store.record(state, None, dead=dead)
-        await self.records.set_callback_state(delivery.request_id, state)
+        await self.records.set_callback_state(delivery.request_id, state, self.now_ms())
 
     async def _payload(self, delivery: CallbackDelivery) -> str:
         """The same JSON as GET /v1/requests/{id}, or ids only for tenants that asked for thin payloads."""

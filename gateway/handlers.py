@@ -88,7 +88,7 @@ async def replay_callback(svc: GatewayService, req: ApiRequest, request_id: str)
     states = {d.event: d for d in rec.deliveries}
     for d in rec.deliveries:  # every event's delivery that died or failed (a started one, a completed one)
         if d.status in REPLAYABLE and (fresh := await svc.callbacks.replay(d.delivery_id, now)) is not None:
-            await svc.store.set_callback_state(request_id, fresh)  # the record's latest delivery now
+            await svc.store.set_callback_state(request_id, fresh, now)  # the record's latest delivery now
             states[d.event] = latest = fresh
     if latest is None:
         raise Conflict(f"the callback is {rec.callback.status}; only dead or failed deliveries are replayed",

@@ -143,9 +143,14 @@ return out
 # KEYS[1] record; ARGV callback state, its event. Keeps the record's view of its webhooks current (if it still
 # exists): the latest delivery's state ('cb') and each event's ('cb:<event>': a started webhook that died stays
 # visible, and replayable, after the completed one was delivered).
+# KEYS record; ARGV state, event, keep_ms. Writes a delivery's state into its record and keeps the record at least
+# keep_ms longer (never shorter; a record without a TTL keeps none)
 CALLBACK_STATE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'cb', ARGV[1], 'cb:' .. ARGV[2], ARGV[1])
+local keep = tonumber(ARGV[3])
+local ttl = redis.call('PTTL', KEYS[1])
+if keep > 0 and ttl >= 0 and ttl < keep then redis.call('PEXPIRE', KEYS[1], keep) end
 return 1
 """
 
@@ -393,8 +398,20 @@ class RecordStore:
         await self.flush(found)
         return len(found)
 
-    async def set_callback_state(self, request_id: str, state: CallbackState) -> None:
-        await self._cb_state(keys=[self.keys.record(request_id)], args=[encode(state), state.event])
+    def callback_keep_ms(self, state: CallbackState, now_ms: int) -> int:
+        """How much longer a record must live for its delivery in `state`: one still to be attempted until its next
+        attempt, plus the result TTL; one that ended undelivered (dead, failed, disabled) the result TTL from now, so
+        its caller can still read the result and replay it. A delivered one adds nothing (the retry schedule, about
+        two hours by default, outlived the one-hour result: late attempts and dead letters found no record, sent
+        ids only, and could not be replayed)."""
+        if state.status == "delivered":
+            return 0
+        return max(0, (state.next_attempt_ms or now_ms) - now_ms) + self.result_ttl_ms
+
+    async def set_callback_state(self, request_id: str, state: CallbackState, now_ms: int) -> None:
+        """Write a delivery's state into its request's record, keeping the record as `callback_keep_ms` says."""
+        await self._cb_state(keys=[self.keys.record(request_id)],
+                             args=[encode(state), state.event, self.callback_keep_ms(state, now_ms)])
 
 
 def ungroup(groups: list[list[int]], replies: Sequence[Any], n: int) -> list[Any]:

@@ -319,6 +319,32 @@ async def test_slow_receiver_times_out_then_dead_letter_and_replay(redis_url, pr
         assert again.status_code == 409
 
 
+async def test_a_result_outlives_the_webhook_that_reports_it(redis_url, prefix):
+    """A record lives as long as a delivery of it is still to be attempted, and the result TTL after its last
+    attempt. By default results are kept an hour and the retry schedule runs about two: the late attempts found no
+    record and sent ids only, and a dead letter could be neither read nor replayed (410). Here: results kept 2 s,
+    the second attempt 2.5-5 s after the first."""
+    settings = settings_for(redis_url, prefix, result_ttl_s=2, callback_base_s=5.0, callback_cap_s=5.0,
+                            callback_max_attempts=2)
+    async with receiver(lambda rec, n: (500, {}, 0.0)) as rx, running_gateway(settings) as gw, dispatcher(settings):
+        rid = await submit(gw, rx.url)
+        await complete(gw, rid)
+        await wait_until(lambda: _cb_status(gw, rid, "pending"), timeout=10)
+        pttl = await gw.service.redis.pttl(Keys(prefix).record(rid))
+        assert pttl > 2000 + 2000  # until the next attempt (at least 2.5 s away), plus the result TTL
+        await wait_until(lambda: _cb_status(gw, rid, "dead"), timeout=15)
+        bodies = [json.loads(r.body) for r in rx.requests]
+        assert len(bodies) == 2 and [b["status"] for b in bodies] == ["succeeded"] * 2, bodies  # whole, not ids
+        assert bodies[1]["output"] == {"ok": True}
+        got = await gw.client.get(f"/v1/requests/{rid}")  # readable after the last attempt, for the result TTL
+        assert got.status_code == 200 and got.json()["callback"]["status"] == "dead"
+        assert 0 < await gw.service.redis.pttl(Keys(prefix).record(rid)) <= 2000  # then it goes, as results do
+        assert (await gw.client.post(f"/v1/requests/{rid}/callback:replay")).status_code == 202
+        await wait_until(lambda: _cb_attempts(gw, rid, 1), timeout=10)  # replayed, failed again: kept for the next
+        assert (await callback_of(gw, rid))["status"] == "pending"
+        assert await gw.service.redis.pttl(Keys(prefix).record(rid)) > 2000 + 2000
+
+
 SSRF_HOSTS = ["127.0.0.1", "localhost", "[::1]", "2130706433", "0177.0.0.1", "0x7f000001", "127.1",
               "[::ffff:127.0.0.1]", "internal.example"]
 OTHER_INSIDE = ["http://10.0.0.5/", "http://172.16.0.9/", "http://192.168.1.1/", "http://169.254.169.254/latest/",
