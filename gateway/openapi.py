@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from shared.config import Settings
+from shared.idempotency_keys import KEY_PATTERN, MAX_KEY_CHARS
 from shared.openai_responses import ResponseRequest
 from shared.openai_shapes import ChatRequest, CompletionRequest, EmbeddingRequest
 from shared.submit import EmbedSubmit, GenerateSubmit
@@ -141,7 +142,7 @@ def openai_paths() -> dict[str, Any]:
                       "schema": {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?$"},
                       "description": "the request's deadline in seconds from now (the body's timeout_s wins)"}
     idem_header = {"name": "Idempotency-Key", "in": "header", "required": False,
-                   "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[ -~]+$"}}
+                   "schema": {"type": "string", "minLength": 1, "maxLength": MAX_KEY_CHARS, "pattern": KEY_PATTERN}}
     stream = {"text/event-stream": {"schema": {
         "type": "string", "description": "with stream: true, chunks as `data: {json}` lines, then `data: [DONE]`"}}}
 
@@ -278,7 +279,7 @@ def document(settings: Settings) -> dict[str, Any]:
                   "schema": {"type": "number", "minimum": 0},
                   "description": "seconds to wait for the result (capped by the server)"}
     idem_header = {"name": "Idempotency-Key", "in": "header", "required": False,
-                   "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[ -~]+$"}}
+                   "schema": {"type": "string", "minLength": 1, "maxLength": MAX_KEY_CHARS, "pattern": KEY_PATTERN}}
     security = [{"bearer": []}, {"apiKey": []}]
     return {
         "openapi": "3.1.0",

@@ -7,6 +7,8 @@ from __future__ import annotations
 MAX_KEY_CHARS = 255
 KEY_RULE = (f"Idempotency-Key must be 1-{MAX_KEY_CHARS} printable ASCII characters, no comma (a header sent twice "
             "reaches a Lambda or a Cloud Function as one, its values joined by commas)")
+# the same rule as a JSON Schema pattern (the OpenAPI document's): printable ASCII, 0x20-0x7E, less the comma
+KEY_PATTERN = "^[ -+\\--~]+$"
 
 
 def valid_idempotency_key(key: str) -> bool:

@@ -232,9 +232,13 @@ async def submit_batch(q: QueueClient, body: Any, spec: ModelSpec, tenant: str,
     `Idempotency-Key` header) keys each item that carries none with `derived_key(key, index)`: the same call sent again
     answers with the same requests."""
     items = body.get("requests") if isinstance(body, dict) else None
-    if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
+    if not isinstance(items, list) or not items:
         raise Unprocessable("requests: a non-empty list of submit bodies (objects) is required",
                             extra={"field": "requests"})
+    if (i := next((i for i, item in enumerate(items) if not isinstance(item, dict)), None)) is not None:
+        got = "null" if items[i] is None else type(items[i]).__name__
+        raise Unprocessable(f"requests[{i}]: a submit body (an object) is required, not {got}",
+                            extra={"field": f"requests[{i}]"})
     if set(body) - {"requests"}:
         name = sorted(set(body) - {"requests"})[0]
         raise Unprocessable(f"{name}: unknown field (allowed: requests)", extra={"field": name})

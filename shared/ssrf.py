@@ -212,21 +212,34 @@ def _split(url: str) -> tuple[str, str, int, str]:
         raise RefusedURL(f"callback url does not parse: {exc}") from exc
     if parts.scheme not in ("http", "https"):
         raise RefusedURL("callback url must be http or https")
-    if not parts.hostname:
+    host = _host(parts.hostname)
+    if not host:
         raise RefusedURL("callback url needs a host")
     if parts.username or parts.password:
         raise RefusedURL("callback url must not carry credentials")
+    if port == 0:  # nothing listens there: every attempt would fail, for hours
+        raise RefusedURL("callback url port must be 1-65535")
     path = parts.path or "/"
     if parts.query:
         path += "?" + parts.query
-    return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80), path
+    return parts.scheme, host, port or (443 if parts.scheme == "https" else 80), path
+
+
+def _host(hostname: str | None) -> str:
+    """A URL's host as it is resolved and checked: lower case (`urlsplit`'s), without the root's trailing dot
+    (`example.com.` is `example.com`; `127.0.0.1.` resolves nowhere, as an IP literal it is that IP)."""
+    return (hostname or "").removesuffix(".")
 
 
 def normalized_url(url: str) -> str:
-    """A callback URL as it is stored and compared (a URL a receiver disabled with 410 stays disabled however its
-    scheme and host are spelled): scheme and host in lower case, the rest as given."""
+    """A callback URL as it is stored and compared (a URL a receiver disabled with 410 stays disabled however it
+    is spelled): scheme and host in lower case, the host without its trailing dot, no fragment (never sent: a
+    fragment made a disabled URL a new one); the path and query as given."""
     parts = urlsplit(url)
-    return urlunsplit((parts.scheme.lower(), parts.netloc.lower(), parts.path, parts.query, parts.fragment))
+    host = _host(parts.hostname)
+    host = f"[{host}]" if ":" in host else host
+    netloc = host if parts.port is None else f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme.lower(), netloc, parts.path, parts.query, ""))
 
 
 def check_url(url: str, allow: AllowList) -> None:

@@ -158,6 +158,13 @@ async def test_field_errors_say_what_is_allowed_where(redis_url, prefix):
             {"input": {"text": "a", "colour": "red"}}]})
         err = r.json()["results"][0]["error"]
         assert err["field"] == "requests[0].input.colour" and "idempotency_key" not in err["message"], err
+        # an item that is no body at all refuses the call (nothing stored), naming the item
+        for bad, got in ((None, "null"), ([], "list"), ("x", "str")):
+            r = await gw.client.post("/v1/models/minilm/requests:batch", json={"requests": [
+                {"input": {"text": "a"}}, bad]})
+            assert r.status_code == 422 and r.json()["error"]["field"] == "requests[1]", r.text
+            assert r.json()["error"]["message"] == f"requests[1]: a submit body (an object) is required, not {got}"
+        assert sum((await gw.service.backlog("minilm", ("short", "long"))).values()) == 0
 
 
 async def test_a_batch_call_retried_with_its_idempotency_key_creates_nothing_twice(redis_url, prefix):

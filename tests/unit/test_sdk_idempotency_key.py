@@ -54,3 +54,22 @@ async def test_ids_and_model_names_are_one_path_segment_each():
     assert seen == ["/v1/requests/x%3Fwait%3Dabc", "/v1/requests/req_a%2F..%2F..%2Fv1%2Fmodels",
                     "/v1/models/m%2F..%2Fx/requests"]
     await client.aclose()
+
+
+@pytest.mark.parametrize("key", [*BAD, "a", "k-1", "~ +-./:;", "x" * 255, "a,b", ",", "\x7f", "é"])
+def test_the_openapi_documents_pattern_is_the_rule_the_gateway_keeps(key):
+    """The documented schema (`KEY_PATTERN`, length 1-255) takes exactly the keys `valid_idempotency_key` takes: it
+    allowed commas, which the gateway refuses."""
+    import re
+
+    from gateway.openapi import document
+    from shared.config import Settings
+    from shared.idempotency_keys import KEY_PATTERN, MAX_KEY_CHARS, valid_idempotency_key
+
+    doc = document(Settings())
+    schemas = [p["schema"] for path in doc["paths"].values() for op in path.values() if isinstance(op, dict)
+               for p in op.get("parameters", []) if p.get("name") == "Idempotency-Key"]
+    assert schemas and all(s == {"type": "string", "minLength": 1, "maxLength": MAX_KEY_CHARS,
+                                 "pattern": KEY_PATTERN} for s in schemas)
+    by_schema = 1 <= len(key) <= MAX_KEY_CHARS and re.fullmatch(KEY_PATTERN.strip("^$"), key) is not None  # ECMA's $
+    assert by_schema == valid_idempotency_key(key)

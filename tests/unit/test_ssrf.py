@@ -13,6 +13,7 @@ INSIDE = [
     "http://[2002:a9fe:a9fe::]/",  # 6to4 wrapping the metadata address
     "http://[64:ff9b::a00:1]/", "http://[::ffff:0:a9fe:a9fe]/", "http://[::127.0.0.1]/", "http://[fec0::1]/",
     "http://internal.example/",  # resolves to a private address (stub below)
+    "http://127.0.0.1./", "http://localhost./", "http://internal.example./",  # the root's trailing dot
 ]
 STUB = {"internal.example": ["10.1.2.3"], "localhost": ["127.0.0.1", "::1"], "hooks.example.com": ["93.184.216.34"],
         "mixed.example": ["93.184.216.34", "10.0.0.1"]}
@@ -50,7 +51,7 @@ def test_one_private_address_among_public_ones_is_enough_to_refuse():
 @pytest.mark.parametrize("url", ["ftp://x.example/", "file:///etc/passwd", "gopher://x/", "http://", "not a url",
                                  "http://user:pw@hooks.example.com/", "http://hooks.example.com:99999/", "x" * 3000,
                                  "http://exa mple.com/", " http://hooks.example.com/", "https://h.example.com/a b",
-                                 "http://hooks.example.com/\n", ""])
+                                 "http://hooks.example.com/\n", "", "http://hooks.example.com:0/", "http://.:80/"])
 def test_plainly_invalid_urls_are_refused_at_submit(url):
     with pytest.raises(RefusedURL):
         check_url(url, AllowList())
@@ -69,6 +70,21 @@ def test_urls_are_stored_with_scheme_and_host_in_lower_case():
 
     assert normalized_url("HTTP://Hooks.Example.COM:8080/Path?Q=A") == "http://hooks.example.com:8080/Path?Q=A"
     assert normalized_url("https://hooks.example.com/x") == "https://hooks.example.com/x"
+
+
+def test_a_url_is_stored_as_it_is_sent_without_fragment_or_trailing_dot():
+    """Spellings of one destination are one URL: the fragment is never sent (`/gone#x` reached the URL a 410 had
+    disabled) and `example.com.` is `example.com`; IPv6 and explicit ports kept."""
+    from shared.ssrf import normalized_url
+
+    assert normalized_url("http://hooks.example.com/gone#x") == "http://hooks.example.com/gone"
+    assert normalized_url("http://Hooks.Example.com.:8080/a?b#c") == "http://hooks.example.com:8080/a?b"
+    assert normalized_url("http://[2001:DB8::1]:9/x") == "http://[2001:db8::1]:9/x"
+    assert normalized_url("https://hooks.example.com:443/") == "https://hooks.example.com:443/"
+    target = resolve_and_check("http://hooks.example.com./x", AllowList(), stub)
+    assert (target.host, target.ip) == ("hooks.example.com", "93.184.216.34")  # resolved as the name it is
+    loopback = AllowList.parse("127.0.0.0/8")
+    assert resolve_and_check("http://127.0.0.1.:18599/ok", loopback, stub).ip == "127.0.0.1"  # an IP, not a name
 
 
 def test_unresolvable_host_is_refused_at_delivery():
