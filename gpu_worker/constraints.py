@@ -12,10 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import structlog
 import torch
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from shared.structured_output import ResponseFormat, grammar_of, one_line, reason_of
+
+log = structlog.get_logger(__name__)
 
 # llguidance's limits, tighter than its defaults where they bound a step: a mask that would take more lexer work
 # than this fails its row (about 10 ms of it) instead of stalling every row's step
@@ -75,6 +78,7 @@ class Grammars:
         self._hf, self._vocab, self._eos = tokenizer, vocab, sorted(eos_ids)
         self._fast = isinstance(tokenizer, PreTrainedTokenizerFast)  # llguidance reads only Rust tokenizers
         self._tokenizer: LLTokenizer | None = None
+        self.unusable: str | None = None  # why llguidance cannot read this tokenizer (then no format is served)
 
     def _llg(self) -> LLTokenizer:
         if self._tokenizer is None:
@@ -89,6 +93,8 @@ class Grammars:
         if not self._fast:
             return ("response_format: this model's tokenizer is not a fast (Rust `tokenizers`) one, which structured "
                     "output needs")
+        if self.unusable is not None:
+            return f"response_format: this model's tokenizer cannot drive structured output: {self.unusable}"
         try:
             matcher = LLMatcher(self._llg(), grammar_of(fmt), log_level=0, limits=LIMITS)
         except BaseException as exc:  # the tokenizer or the grammar refused
@@ -98,9 +104,15 @@ class Grammars:
         return matcher
 
     def warm(self) -> None:
-        """Read the tokenizer now (at load; up to a second for a large vocabulary), not on a first request."""
-        if self._fast:
-            self._llg()
+        """Read the tokenizer now (at load; up to a second for a large vocabulary), not on a first request. One
+        llguidance cannot read (a WordPiece decoder, an EOS outside the vocabulary) leaves the model served without
+        structured output, said once here and in each refusal (it ended the worker in a traceback)."""
+        if self._fast and self.unusable is None:
+            try:
+                self._llg()
+            except BaseException as exc:  # ValueError, RuntimeError, a Rust panic (no Exception): see `reason_of`
+                self.unusable = reason_of(exc)
+                log.warning("structured output unavailable for this model's tokenizer", reason=self.unusable)
 
     @staticmethod
     def start(compiled: LLMatcher, output: Sequence[int]) -> Constraint:

@@ -221,11 +221,13 @@ def unloadable(spec: ModelSpec, path: Path, exc: BaseException) -> str:
     return f"model {spec.name}: transformers cannot load {path} as {what}: {reason}"
 
 
-def no_tokenizer(spec: ModelSpec, path: Path, exc: BaseException) -> str:
-    """One line for a model directory whose weights load but whose tokenizer does not (none there, most often)."""
+def no_tokenizer(spec: ModelSpec, path: Path, exc: BaseException | None) -> str:
+    """One line for a model directory whose weights load but whose tokenizer does not (none there, most often);
+    `exc` None: it loaded with no vocabulary."""
     files = [n for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
              if (path / n).is_file()]
-    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    reason = "they hold no vocabulary" if exc is None else (
+        (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300])
     found = f"its tokenizer files ({', '.join(files)}) do not load: {reason}" if files else (
         "it holds no tokenizer (tokenizer.json, or tokenizer_config.json with its vocabulary)")
     return (f"model {spec.name}: {path} has the model's weights, but {found}; put the tokenizer the model was "
@@ -261,6 +263,10 @@ def load(spec: ModelSpec, cache_dir: str | Path) -> LoadedModel:
         if isinstance(exc, OSError) and exc.errno not in _NOT_THERE:
             raise
         raise ConfigError(no_tokenizer(spec, path, exc)) from exc
+    if len(tokenizer) <= len(set(tokenizer.all_special_ids)):
+        # transformers builds an empty tokenizer of the model type's class where there are no files (GPT-2's,
+        # Qwen2's, BERT's): every word its unknown token, or no start for structured output
+        raise ConfigError(no_tokenizer(spec, path, None))
     model = model.to(device).eval()
     if spec.task is Task.GENERATE and spec.source.startswith("builtin:"):
         tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE

@@ -110,6 +110,34 @@ def test_a_directory_without_a_tokenizer_is_refused_saying_so(tmp_path: Path) ->
     assert "causal LM" not in text and "\n" not in text
 
 
+@pytest.mark.parametrize(("model_type", "task"), [("gpt2", Task.GENERATE), ("qwen2", Task.GENERATE),
+                                                   ("phi", Task.GENERATE), ("bert", Task.EMBED)])
+def test_a_directory_whose_tokenizer_loads_empty_is_refused_saying_so(tmp_path: Path, model_type: str,
+                                                                      task: Task) -> None:
+    """Where there are no tokenizer files, transformers builds an empty tokenizer of some model types' classes
+    instead of raising (GPT-2's and Qwen2's with one token, BERT's with its five special ones): a generation
+    worker died at start in a traceback, an embedding model answered every word as [UNK]. Now the same one line as
+    a directory whose tokenizer does not load; with a tokenizer_config.json alone, it names the file."""
+    from transformers import AutoModel
+
+    sizes = {"gpt2": dict(n_layer=1, n_embd=16, n_head=2), "bert": dict(intermediate_size=32),
+             "qwen2": dict(intermediate_size=32, num_key_value_heads=1), "phi": dict(intermediate_size=32)}[model_type]
+    if model_type != "gpt2":
+        sizes |= dict(num_hidden_layers=1, hidden_size=16, num_attention_heads=2)
+    config = AutoConfig.for_model(model_type, vocab_size=100, **sizes)
+    torch.manual_seed(0)
+    (AutoModel if task is Task.EMBED else AutoModelForCausalLM).from_config(config).save_pretrained(tmp_path / "m")
+    spec = ModelSpec(name="mine", task=task, source=str(tmp_path / "m"), device="cpu", dtype="float32")
+    with pytest.raises(ConfigError) as err:
+        load(spec, tmp_path / "cache")
+    text = str(err.value)
+    assert text.startswith(f"model mine: {tmp_path / 'm'} has the model's weights, but it holds no tokenizer"), text
+    assert "\n" not in text
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    with pytest.raises(ConfigError, match=r"its tokenizer files \(tokenizer_config.json\) do not load: they hold no"):
+        load(spec, tmp_path / "cache")
+
+
 def test_a_failing_disk_is_not_taken_for_a_bad_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An I/O error while reading the weights (EIO, a full disk) is the machine's, not the model file's: it is
     raised as it is (the worker exits 1 and is restarted), not turned into a ConfigError (exit 2: fix the

@@ -193,6 +193,20 @@ def test_a_tokenizer_llguidance_cannot_read_fails_the_request_alone(model):
     assert isinstance(runner.prepare(request("b", {}), time.time()), Job)  # the rest are served
 
 
+def test_a_fast_tokenizer_llguidance_refuses_at_warm_up_leaves_the_model_served_without_formats(model):
+    """llguidance refusing a fast tokenizer (a WordPiece decoder, an EOS past the vocabulary: here the latter)
+    ended the worker at start in a traceback; now the model is served, and a format is refused with the reason."""
+    runner = runner_for(model)
+    runner.grammars = Grammars(TOKENIZER, len(TOKENIZER), [len(TOKENIZER) + 7])
+    runner.grammars.warm()
+    assert runner.grammars.unusable and "out of range" in runner.grammars.unusable
+    out = runner.prepare(request("a", {"response_format": FORMATS["json_object"]}), time.time())
+    assert isinstance(out, Outcome) and out.result.error is not None and out.result.error.code == "invalid_input"
+    assert out.result.error.message.startswith("response_format: this model's tokenizer cannot drive structured "
+                                               "output: "), out.result.error.message
+    assert isinstance(runner.prepare(request("b", {}), time.time()), Job)  # the rest are served
+
+
 def test_a_grammar_llguidance_gives_up_on_fails_its_request_not_as_an_answer(model):
     """A pattern past llguidance's lexer limits passes the gateway's check (no tokenizer there) and fails at its
     first mask: the request fails with llguidance's reason, its batch-mates are unharmed."""
