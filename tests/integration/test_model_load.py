@@ -172,7 +172,10 @@ def test_the_warm_up_times_the_costs_that_stand_in_until_requests_are_measured(m
     runner = GenerateRunner(LoadedModel(spec=spec, path=None, model=model, tokenizer=tok, device=DEVICE,
                                         dtype=torch.float32), "w", max_rows=4, max_seq_len=max_seq_len)
     prior = runner.warm_up()
-    assert prior.step_s > 0 and prior.prefill_fixed_s + 64 * prior.prefill_per_token_s > 0, prior
+    # the one-row step and a prefill cost something (how a step splits into a fixed part and a part per row is
+    # timing, which a loaded machine skews: CI's other pass made the fixed part 0, the one-row step still 1-5 ms)
+    assert prior.step_s + prior.step_per_row_s > 0 and prior.prefill_fixed_s + 64 * prior.prefill_per_token_s > 0, \
+        prior
     assert runner.free_rows == 4 and not runner.busy and runner.engine_stats().decode_tokens == 0
     done = runner.start([runner.prepare(request("a"), time.time())], time.time())  # type: ignore[list-item]
     while runner.busy:
