@@ -56,14 +56,17 @@ def http_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
 
 
 def _without_stage(event: dict[str, Any]) -> dict[str, Any]:
-    """An HTTP API (v2) event of a named stage: its path begins with the stage (`/prod/v1/models`), which the
-    app's routes do not, and Mangum strips only a base path fixed at start-up. The `$default` stage (and a
-    Function URL) has none; a REST API (v1) event's path never holds it; a custom domain's path mapping has
-    already taken it off (the path then does not begin with it and is left alone)."""
+    """An HTTP API (v2) event of a named stage on its execute-api URL: its path begins with the stage
+    (`/prod/v1/models`), which the app's routes do not, and Mangum strips only a base path fixed at start-up. The
+    `$default` stage (and a Function URL) has none; a REST API (v1) event's path never holds it; nor does a custom
+    domain's (its API mapping takes the place of the stage): there a stage named `v1` left `/v1/models` as
+    `/models`, and every route answered 404."""
     ctx = event.get("requestContext") or {}
     http, prefix = ctx.get("http") or {}, f"/{ctx.get('stage') or '$default'}"
     path = str(http.get("path") or "")
-    if event.get("version") != "2.0" or prefix == "/$default" or not (path + "/").startswith(prefix + "/"):
+    custom_domain = ".execute-api." not in str(ctx.get("domainName") or ".execute-api.")
+    if (event.get("version") != "2.0" or prefix == "/$default" or custom_domain
+            or not (path + "/").startswith(prefix + "/")):
         return event
     rest = path[len(prefix):] or "/"
     return {**event, "rawPath": rest, "requestContext": {**ctx, "http": {**http, "path": rest}}}

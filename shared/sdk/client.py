@@ -284,6 +284,7 @@ class AsyncBatchgateClient(_Common):
     async def _request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
                        headers: dict[str, str] | None = None) -> Any:
         if self._direct is not None:
+            _json_body(json)  # what JSON cannot carry is refused as over HTTP (a bare TypeError came from Redis's side)
             return self._parse(*await self._direct.request(method, path, json, params or {}, headers or {}))
         try:
             r = await self._http.request(method, path, content=_json_body(json), params=params,

@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
+from urllib.parse import unquote
 
 from shared import operations as ops
 from shared.api_errors import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge, unavailable
@@ -110,7 +111,7 @@ class DirectTransport:
 def _route(method: str, path: str) -> tuple[str, str]:
     for verb, pattern, name in _ROUTES:
         if verb == method and (m := pattern.match(path)):
-            return name, m.group(1)
+            return name, unquote(m.group(1))  # the segment as the client quoted it (`_seg`), as a server reads it
     if any(p.match(path) for _, p, _ in _ROUTES):
         raise MethodNotAllowed(f"{method} is not allowed on {path}")
     raise NotFound(f"no route {method} {path}")

@@ -118,6 +118,27 @@ async def test_direct_to_redis_client(redis_url, prefix, loaded_models):
             AsyncBatchgateClient.direct(redis_url, tenant=bad, key_prefix=prefix)
 
 
+async def test_the_direct_client_refuses_what_the_http_client_refuses_in_the_same_words(redis_url, prefix):
+    """Direct mode promises the HTTP API's statuses and errors: a value JSON cannot carry (bytes raised a bare
+    TypeError, NaN got a 422 about its range) is the same `InvalidRequest` 400 before anything is stored; a model
+    name that needs quoting is named as the caller wrote it (`'a%20b'`)."""
+    settings = make_settings(redis_url, prefix)
+    async with running_gateway(settings) as gw, \
+            AsyncBatchgateClient(gw.base_url) as http, \
+            AsyncBatchgateClient.direct(redis_url, tenant="default", key_prefix=prefix) as direct:
+        for inp, params in (({"prompt": b"x"}, None), ({"prompt": "x"}, {"temperature": float("nan")})):
+            errors = []
+            for c in (http, direct):
+                with pytest.raises(InvalidRequest) as err:
+                    await c.submit("tiny-llama", inp, params=params)
+                errors.append((err.value.status, err.value.code, str(err.value)))
+            assert errors[0] == errors[1] and errors[0][:2] == (400, "invalid_request"), errors
+        for c in (http, direct):
+            with pytest.raises(NotFound, match="'a b'"):
+                await c.submit("a b", {"prompt": "x"})
+        assert sum((await gw.service.backlog("tiny-llama", ("short", "medium", "long"))).values()) == 0
+
+
 async def test_the_direct_client_reads_the_deployments_settings(redis_url, prefix, monkeypatch):
     """Direct mode serves the deployment's models, as its gateway does: the process environment's models file (and
     key prefix), unless `env` gives the settings instead."""

@@ -100,8 +100,9 @@ def apigw_v1(key: str, body: str = BODY, path: str = "/v1/models/minilm/requests
 
 def apigw_v2(key: str, body: str = BODY, path: str = "/v1/models/minilm/requests", method: str = "POST",
              domain: str = "abc123.execute-api.eu-west-1.amazonaws.com", stage: str = "$default") -> dict:
-    """An HTTP API's event; a named `stage` begins the path, as API Gateway sends it on its execute-api URL."""
-    if stage != "$default":
+    """An HTTP API's event; a named `stage` begins the path, as API Gateway sends it on its execute-api URL (a
+    custom domain's path holds no stage)."""
+    if stage != "$default" and ".execute-api." in domain:
         path = f"/{stage}{path}"
     return {
         "version": "2.0", "routeKey": "$default", "rawPath": path, "rawQueryString": "wait=20",
@@ -127,12 +128,16 @@ def alb(key: str, body: str = BODY, path: str = "/v1/models/minilm/requests", me
     }
 
 
-@pytest.mark.parametrize("shape", ["apigw_v1", "apigw_v2", "apigw_v2_stage", "function_url", "alb"])
+@pytest.mark.parametrize("shape", ["apigw_v1", "apigw_v2", "apigw_v2_stage", "apigw_v2_stage_v1",
+                                   "apigw_v2_custom_domain_v1", "function_url", "alb"])
 def test_lambda_http_events(stack_env, monkeypatch, shape):
     key = api_key(stack_env)  # (asyncio.run unsets the current loop: do it before the cold start)
     mod = load("gateway.lambda_handler", stack_env, monkeypatch)
     make = {"apigw_v1": apigw_v1, "apigw_v2": apigw_v2, "alb": alb,
             "apigw_v2_stage": lambda k, **kw: apigw_v2(k, stage="prod", **kw),  # was a 404: no route /prod/v1/...
+            "apigw_v2_stage_v1": lambda k, **kw: apigw_v2(k, stage="v1", **kw),  # /v1/v1/models/...
+            # a stage named as the API's own prefix behind a custom domain: the path is the app's (was /models...)
+            "apigw_v2_custom_domain_v1": lambda k, **kw: apigw_v2(k, stage="v1", domain="api.example.com", **kw),
             "function_url": lambda k, **kw: apigw_v2(k, domain="xyz.lambda-url.eu-west-1.on.aws", **kw)}[shape]
     resp = mod.http_handler(make(key), FakeContext(30_000))
     assert resp["statusCode"] == 200, resp
