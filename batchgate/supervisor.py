@@ -9,17 +9,21 @@ drain budget, `BATCHGATE_DRAIN_BUDGET_S`, 10 s under `up`), then the webhook dis
 The children run in their own sessions, so a terminal's Ctrl+C reaches `up` alone, and on Linux they
 die with `up` (PR_SET_PDEATHSIG) should it be killed outright. Exit status: 0 when every part stopped
 cleanly on request, 1 when a part failed or had to be killed. The embedded Redis keeps nothing: what was still
-queued in it when it stops is counted and said to be discarded.
+queued in it when it stops (requests, batches) is counted and said to be discarded; uploaded files, whose records
+it holds, go with it (a directory of their own, removed at the end, unless `BATCHGATE_FILES_DIR` or an S3 bucket
+is set).
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -97,9 +101,9 @@ def redis_problem(redis_url: str, timeout_s: float = 3.0) -> str | None:
     return None
 
 
-def queued_requests(redis_url: str, prefix: str) -> int | None:
-    """Accepted requests with no result yet (records queued, or running and handed back), or None when the Redis
-    cannot say."""
+def queued_requests(redis_url: str, prefix: str) -> tuple[int, int] | None:
+    """Accepted requests with no result yet (records queued, or running and handed back), and batches not finished,
+    or None when the Redis cannot say."""
     import redis
 
     from shared.redis_io import make_sync_redis
@@ -114,7 +118,7 @@ def queued_requests(redis_url: str, prefix: str) -> int | None:
                 for key in records[start:start + 1000]:
                     pipe.hget(key, "state")
                 count += sum(state in (b"queued", b"running") for state in pipe.execute())
-            return count
+            return count, int(client.zcard(Keys(prefix).batches_active()))
         finally:
             client.close()
     except (redis.RedisError, OSError):
@@ -247,11 +251,14 @@ def _port_or_free(preferred: int, host: str = "127.0.0.1") -> int:
 
 def run_stack(settings: Settings, environ: Mapping[str, str]) -> int:
     """Start the stack from `environ` (the caller's, with its command-line overrides) and supervise it."""
-    embedded = None
+    embedded, files_dir = None, None
     redis_url = redis_url_from(environ)
     if not redis_url:
         embedded = start_embedded_redis()
         redis_url = embedded.url
+        if not environ.get("BATCHGATE_FILES_DIR") and not environ.get("BATCHGATE_FILES_S3_BUCKET"):
+            # the files' records live in this Redis: their bytes would outlive it on disk, unreachable
+            files_dir = tempfile.mkdtemp(prefix="batchgate-up-files-")
     else:  # a Redis named: find out now, not from the parts' tracebacks and a stack that never gets ready
         problem = redis_problem(redis_url)
         if problem:
@@ -260,6 +267,8 @@ def run_stack(settings: Settings, environ: Mapping[str, str]) -> int:
     port = settings.port or free_port()
     env = {**environ, "BATCHGATE_REDIS_URL": redis_url, "BATCHGATE_HOST": settings.host,
            "BATCHGATE_PORT": str(port), "BATCHGATE_MODELS": ",".join(m.name for m in settings.models)}
+    if files_dir is not None:
+        env["BATCHGATE_FILES_DIR"] = files_dir
     # the documented metrics ports (9464 worker, 9465 dispatcher) unless set or taken
     env.setdefault("BATCHGATE_WORKER_METRICS_PORT", str(_port_or_free(settings.worker_metrics_port)))
     env.setdefault("BATCHGATE_DISPATCHER_METRICS_PORT", str(_port_or_free(settings.dispatcher_metrics_port)))
@@ -292,6 +301,8 @@ def run_stack(settings: Settings, environ: Mapping[str, str]) -> int:
             if not _embedded_ended_well(embedded.poll(), redis_url, settings.key_prefix, asked):
                 code = 1
             embedded.stop()  # last: everything that used it has stopped
+        if files_dir is not None:
+            shutil.rmtree(files_dir, ignore_errors=True)
         print("batchgate up: stopped", file=sys.stderr, flush=True)
     return code
 
@@ -304,12 +315,15 @@ def _embedded_ended_well(status: int | None, redis_url: str, prefix: str, asked:
         if asked:
             print(f"batchgate up: {ended('redis', status)}; what it held is lost", file=sys.stderr, flush=True)
         return False
-    queued = queued_requests(redis_url, prefix)
+    queued, batches = queued_requests(redis_url, prefix) or (0, 0)
+    keep = "with the embedded Redis (it keeps nothing; set REDIS_URL to a persistent Redis to keep them)"
     if queued:
         were = "requests were" if queued != 1 else "request was"
         print(f"batchgate up: {queued} accepted {were} still queued and {'are' if queued != 1 else 'is'} discarded "
-              "with the embedded Redis (it keeps nothing; set REDIS_URL to a persistent Redis to keep them)",
-              file=sys.stderr, flush=True)
+              + keep, file=sys.stderr, flush=True)
+    if batches:
+        print(f"batchgate up: {batches} {'batches' if batches != 1 else 'batch'} not finished "
+              f"{'are' if batches != 1 else 'is'} discarded " + keep, file=sys.stderr, flush=True)
     return True
 
 

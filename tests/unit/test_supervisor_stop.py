@@ -257,13 +257,15 @@ def test_up_exits_1_when_the_embedded_redis_died_before_a_ctrl_c(monkeypatch, tm
     assert "embedded Redis (redis-server) was killed by SIGKILL" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("states, says", [
-    (["queued", "running", "succeeded", "cancelled"], "2 accepted requests were still queued and are discarded"),
-    (["queued", "failed"], "1 accepted request was still queued and is discarded"),
-    (["succeeded"], None),
+@pytest.mark.parametrize("states, batches, says", [
+    (["queued", "running", "succeeded", "cancelled"], 0, ["2 accepted requests were still queued and are discarded"]),
+    (["queued", "failed"], 0, ["1 accepted request was still queued and is discarded"]),
+    (["succeeded"], 0, []),
+    (["queued"], 2, ["1 accepted request was still queued and is discarded", "2 batches not finished are discarded"]),
+    (["succeeded"], 1, ["1 batch not finished is discarded"]),  # a batch whose lines wait to be fed: none queued
 ])
 def test_stopping_with_the_embedded_redis_says_how_many_accepted_requests_it_discards(
-        states, says, monkeypatch, tmp_path: Path, capsys):
+        states, batches, says, monkeypatch, tmp_path: Path, capsys):
     import fakeredis
 
     from shared.keys import Keys
@@ -274,6 +276,9 @@ def test_stopping_with_the_embedded_redis_says_how_many_accepted_requests_it_dis
     for i, state in enumerate(states):
         client.hset(Keys("bg").record(f"req_{i}"), "state", state)
     client.hset(Keys("other").record("req_x"), "state", "queued")  # another prefix: not this stack's
+    for i in range(batches):
+        client.zadd(Keys("bg").batches_active(), {f"batch_{i}": i})
+    client.zadd(Keys("other").batches_active(), {"batch_x": 0})
 
     class CtrlC:
         stop_requested = False
@@ -291,11 +296,50 @@ def test_stopping_with_the_embedded_redis_says_how_many_accepted_requests_it_dis
     assert _run_with_embedded(monkeypatch, tmp_path, embedded, CtrlC()) == 0
     err = capsys.readouterr().err
     assert embedded.stopped
-    if says is None:
-        assert "discarded" not in err
+    lines = [raw for raw in err.splitlines() if "discarded" in raw]
+    assert len(lines) == len(says), err
+    for line, said in zip(lines, says, strict=True):
+        assert said in line and "with the embedded Redis" in line and "REDIS_URL" in line, line
+
+
+@pytest.mark.parametrize("environ", [{}, {"BATCHGATE_FILES_DIR": "mine"}, {"BATCHGATE_FILES_S3_BUCKET": "b"}])
+def test_uploaded_files_go_with_the_embedded_redis_that_holds_their_records(monkeypatch, tmp_path: Path, environ):
+    """Under `up` with its embedded Redis, uploaded files and batch outputs live in a directory of the stack's own,
+    removed when it stops: their records go with the Redis, and the bytes stayed on disk, unlisted and undeletable
+    (18 MB after one session). A files directory or bucket the user names is theirs, untouched."""
+    from batchgate import supervisor
+    from shared.config import Settings
+
+    seen: dict[str, str] = {}
+
+    class Running:
+        stop_requested = False
+
+        def wait_ready(self, *_: object) -> bool:
+            return True
+
+        def supervise(self) -> int:
+            (Path(seen["dir"]) / "file-x").write_bytes(b"uploaded")  # what the gateway writes meanwhile
+            return 0
+
+        def stop(self, drain_budget_s: float, shutdown_grace_s: float = 10.0) -> bool:
+            return True
+
+    def start(env, watched=None):
+        seen["dir"] = env.get("BATCHGATE_FILES_DIR", "")
+        return Running()
+
+    monkeypatch.setattr(supervisor, "_banner", lambda *a: None)
+    monkeypatch.setattr(supervisor, "start_embedded_redis", lambda: FakeEmbedded())
+    monkeypatch.setattr(supervisor, "queued_requests", lambda *a: (0, 0))
+    monkeypatch.setattr(supervisor.Stack, "start", staticmethod(start))
+    if environ:
+        monkeypatch.setattr(Running, "supervise", lambda self: 0)
+    assert supervisor.run_stack(Settings(port=1), {"BATCHGATE_STATE_DIR": str(tmp_path), **environ}) == 0
+    if environ:
+        assert seen["dir"] == environ.get("BATCHGATE_FILES_DIR", "")  # the user's, as given (or none: S3)
     else:
-        (line,) = [raw for raw in err.splitlines() if "discarded" in raw]
-        assert says in line and "with the embedded Redis" in line and "REDIS_URL" in line, line
+        assert Path(seen["dir"]).name.startswith("batchgate-up-files-") and not Path(seen["dir"]).exists()
 
 
 @pytest.mark.spawns
