@@ -240,6 +240,17 @@ def cmd_batches(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _warn_if_keyless(settings: Settings, store: Any, tenant: str) -> None:
+    """A line on stderr where a tenant's settings or secrets are set or shown but it has no API key: a tenant is
+    its keys, so a mistyped name was taken in silence. (The settings do apply to calls made as it without a key: a
+    gateway with auth off, as under `up`, the SDK's direct mode, Lambda direct and SQS invocations.)"""
+    if settings.auth == "api_key" and not await store.list_keys(tenant):
+        print(f"batchgate: tenant {tenant!r} has no API keys yet (a typo?): no caller with a key is this tenant "
+              f"(batchgate keys create --tenant {tenant}); what is set for it applies to calls made as it without "
+              "one (a gateway with auth off, the SDK's direct mode, Lambda direct and SQS invocations)",
+              file=sys.stderr)
+
+
 def cmd_webhooks(args: argparse.Namespace) -> int:
     """Show, rotate or retire a tenant's webhook signing secret; `thin on|off` prints no secret."""
     from shared.keys import Keys
@@ -276,6 +287,7 @@ def cmd_webhooks(args: argparse.Namespace) -> int:
                 await store.drop_old_webhook_secrets(args.tenant)
             secrets = await store.webhook_secrets(args.tenant)
             print("\n".join(f"{'signing' if i == 0 else 'also accepted'}: {s}" for i, s in enumerate(secrets)))
+            await _warn_if_keyless(settings, store, args.tenant)
         except DefaultSecretUnknown as exc:
             print(f"batchgate: {exc}", file=sys.stderr)
             return 1
@@ -392,9 +404,7 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         print(json.dumps({"tenant": cfg.name, "rate_per_s": _finite(cfg.rate_per_s), "burst": cfg.burst,
                           "max_backlog": cfg.max_backlog, "thin_callbacks": cfg.thin_callbacks,
                           "webhook_secrets": len(cfg.webhook_secrets)}, allow_nan=False))
-        if settings.auth == "api_key" and not await store.list_keys(args.tenant):  # a tenant is its keys: a typo?
-            print(f"batchgate: tenant {args.tenant!r} has no API keys yet (batchgate keys create --tenant "
-                  f"{args.tenant}); its settings apply once it has one", file=sys.stderr)
+        await _warn_if_keyless(settings, store, args.tenant)
         await redis.aclose()
 
     return _run_admin(settings, main)

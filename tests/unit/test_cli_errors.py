@@ -308,7 +308,20 @@ def test_tenants_set_for_a_tenant_without_keys_says_so(fake_redis, capsys):
     assert main(["tenants", "set", "ghost", "--rate", "2"]) == 0
     out, err = capsys.readouterr()
     assert '"rate_per_s": 2.0' in out and "tenant 'ghost' has no API keys yet" in err
+    assert "apply once it has one" not in err and "auth off" in err  # they apply without a key, where none is asked
     assert main(["keys", "create", "--tenant", "acme"]) == 0
     capsys.readouterr()
     assert main(["tenants", "set", "acme", "--rate", "2"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_webhook_secret_shown_for_a_tenant_without_keys_says_so(fake_redis, monkeypatch, capsys):
+    """`webhooks show --tenant <typo>` made a signing secret for a tenant no key is, and said nothing."""
+    monkeypatch.setenv("BATCHGATE_WEBHOOK_SECRET", "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
+    assert main(["webhooks", "show", "--tenant", "ghost"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("signing: whsec_") and "tenant 'ghost' has no API keys yet" in err
+    assert main(["keys", "create", "--tenant", "acme"]) == 0
+    capsys.readouterr()
+    assert main(["webhooks", "show", "--tenant", "acme"]) == 0
     assert capsys.readouterr().err == ""
