@@ -389,7 +389,10 @@ def batch_object(meta: BatchMeta, p: Progress) -> dict[str, Any]:
         "finalizing_at": t.get("finalizing_at"), "completed_at": t.get("completed_at"),
         "failed_at": t.get("failed_at"), "expired_at": t.get("expired_at"), "cancelling_at": t.get("cancelling_at"),
         "cancelled_at": t.get("cancelled_at"),
-        "request_counts": {"total": p.total, "completed": p.completed, "failed": p.failed},
+        # a batch cancelled while validated has no total until it ends (then the lines it answered): never less
+        # than the lines answered so far (its `failed` rose past a `total` of 0)
+        "request_counts": {"total": max(p.total, p.completed + p.failed), "completed": p.completed,
+                           "failed": p.failed},
         "metadata": meta.metadata, "model": p.model,
         "usage": {"input_tokens": p.input_tokens, "input_tokens_details": {"cached_tokens": 0},
                   "output_tokens": p.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},

@@ -200,6 +200,9 @@ def test_the_batch_object_has_openais_fields():
     assert batch.usage is not None and (batch.usage.input_tokens, batch.usage.output_tokens) == (30, 12)
     assert batch.usage.total_tokens == 42
     assert Batch.model_validate(batch_object(meta, Progress())).model is None  # not validated yet, or several
+    # cancelled while validated: no total yet while its lines are answered `batch_cancelled` (failed rose past 0)
+    cancelling = batch_object(meta, Progress(status="cancelling", total=0, completed=0, failed=19_892))
+    assert cancelling["request_counts"] == {"total": 19_892, "completed": 0, "failed": 19_892}
 
 
 WINDOW_END = 10_000.0
