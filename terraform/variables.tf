@@ -3,8 +3,9 @@ variable "name" {
   type        = string
   default     = "batchgate"
   validation {
-    condition     = can(regex("^[a-z][a-z0-9-]{1,30}$", var.name))
-    error_message = "name: 2-31 lower-case letters, digits or '-', starting with a letter."
+    # ElastiCache's replication group id, which it names, takes no "--" and no "-" at the end
+    condition     = can(regex("^[a-z][a-z0-9-]{1,30}$", var.name)) && !strcontains(var.name, "--") && !endswith(var.name, "-")
+    error_message = "name: 2-31 lower-case letters, digits or '-', starting with a letter, with no '--' and no '-' at the end."
   }
 }
 
@@ -132,6 +133,12 @@ variable "models_yaml" {
     condition     = var.models_yaml == "" || can(keys(yamldecode(var.models_yaml)))
     error_message = "models_yaml is YAML of a mapping, e.g. a top-level models: list (README: Configuration)."
   }
+  validation {
+    # the Lambdas take it inline, and AWS limits a function's environment to 4 KB in all (the Redis URL, bucket and
+    # the rest take the remainder): an apply would fail at the first Lambda
+    condition     = length(var.models_yaml) <= 3000
+    error_message = "models_yaml is at most 3,000 characters: the Lambdas take it in their environment, which AWS limits to 4 KB in all (leave its comments out)."
+  }
 }
 
 variable "drain_budget_s" {
@@ -196,8 +203,9 @@ variable "lambda_tenant" {
   type        = string
   default     = "default"
   validation {
-    condition     = can(regex("^[^[:space:][:cntrl:]:]+$", var.lambda_tenant))
-    error_message = "lambda_tenant is a tenant name: not empty, no spaces, control characters or ':'."
+    # the gateway's own rule (shared/tenants.py): the SQS Lambda failed at import on every message otherwise
+    condition     = can(regex("^[^\\p{C}\\p{Z}:]{1,128}$", var.lambda_tenant))
+    error_message = "lambda_tenant is a tenant name: 1-128 characters, no spaces, control characters or ':'."
   }
 }
 

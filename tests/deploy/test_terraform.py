@@ -232,11 +232,18 @@ def test_gateway_lambda_with_auth_and_the_models_inline(planned):
     ({"redis_url": "http://redis.example.internal:6379"}, "redis_url is a Redis URL"),
     ({"worker_min": 10, "worker_max": 8}, "worker_min is at least 0 and at most worker_max"),
     ({"worker_max": 0}, "worker_max is at least 1"),
+    # each of these planned, then failed at apply (ElastiCache's id, Lambda's 4 KB environment) or at every message
+    ({"name": "bg--x"}, "with no '--' and no '-' at the end"),
+    ({"name": "bgx-"}, "with no '--' and no '-' at the end"),
+    ({"models_yaml": "models:\n" + "# a comment that fills the environment\n" * 80}, "models_yaml is at most 3,000"),
+    ({"lambda_tenant": "t" * 129}, "lambda_tenant is a tenant name"),
+    ({"lambda_tenant": "a\u00a0b"}, "lambda_tenant is a tenant name"),  # a no-break space
 ])
 def test_bad_variables_are_refused_with_a_message(workdir, fake_aws, overrides, says):
     if overrides.get("subnet_ids", 0) is None:
         overrides = {"subnet_ids": fake_aws["subnet_ids"][:1]}
-    proc = plan(workdir, fake_aws, "bgbad", **{"redis_url": REDIS_URL, **overrides})
+    overrides = dict(overrides)
+    proc = plan(workdir, fake_aws, overrides.pop("name", "bgbad"), **{"redis_url": REDIS_URL, **overrides})
     assert proc.returncode != 0 and says in " ".join((proc.stderr + proc.stdout).split()), proc.stderr
 
 

@@ -319,6 +319,7 @@ def test_uploaded_files_go_with_the_embedded_redis_that_holds_their_records(monk
             return True
 
         def supervise(self) -> int:
+            assert seen["dir"] and Path(seen["dir"]).is_dir(), seen  # (never the working directory: "" is ".")
             (Path(seen["dir"]) / "file-x").write_bytes(b"uploaded")  # what the gateway writes meanwhile
             return 0
 
