@@ -166,6 +166,30 @@ def test_workers_drain_before_their_instance_goes(planned):
     assert syntax.returncode == 0, syntax.stderr
 
 
+def test_a_worker_whose_bootstrap_fails_stops_so_the_group_replaces_it(planned, tmp_path):
+    """An AMI whose python3 is older than 3.11 (Ubuntu 22.04's Deep Learning AMIs: 3.10), or any failing step, left an
+    instance InService with no worker (EC2 health checks), which the scaler counted as capacity. The bootstrap now
+    stops the instance, saying why; here its first lines run with such a python3 and a `shutdown` that records."""
+    script = base64.b64decode(planned["aws_launch_template.worker"]["user_data"]).decode()
+    head = script[:script.index("python3 -m venv")]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text("#!/bin/sh\n[ \"$1\" = -V ] && echo 'Python 3.10.12' && exit 0\nexit 1\n")
+    (bin_dir / "shutdown").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'shutdown'}\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    ran = subprocess.run(["bash", "-c", head + "echo went on\n"], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert ran.returncode != 0 and "went on" not in ran.stdout, ran
+    assert "batchgate needs Python 3.11+; this AMI's python3 is Python 3.10.12" in ran.stderr, ran.stderr
+    assert "bootstrap failed" in ran.stderr and (tmp_path / "shutdown").read_text().split() == ["-h", "now"]
+    (tmp_path / "shutdown").unlink()
+    (bin_dir / "python3").write_text("#!/bin/sh\nexit 0\n")  # a 3.11+: the bootstrap goes on
+    ok = subprocess.run(["bash", "-c", head + "echo went on\n"], capture_output=True, text=True, timeout=30,
+                        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert ok.returncode == 0 and ok.stdout == "went on\n" and not (tmp_path / "shutdown").exists(), ok
+
+
 def test_workers_run_the_batch_runner_keep_the_redis_url_private_and_take_operators_through_ssm(planned):
     script = base64.b64decode(planned["aws_launch_template.worker"]["user_data"]).decode()
     assert "ExecStart=/opt/batchgate/bin/batchgate batches" in script  # the Batch API's batches run somewhere
