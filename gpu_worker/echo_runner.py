@@ -156,7 +156,7 @@ class EchoRunner:
         fresh: list[_Row] = []
         for job in batch:
             if job.stream is not None and job.stream.sent >= job.new_tokens:
-                out.append(resumed_whole(job, t0, worker=self.worker, decode=decode_tokens))
+                out.append(self.resumed_whole(job))
                 continue
             try:
                 self.faults.check_tokens(job.inputs[0])
@@ -189,6 +189,9 @@ class EchoRunner:
         self.stats.decode_tokens += len(rows)
         self.stats.decode_s += now - t0
         return self._advance(rows, now)
+
+    def resumed_whole(self, job: Job, reason: FinishReason = FinishReason.LENGTH) -> Outcome:
+        return resumed_whole(job, self.clock(), worker=self.worker, decode=decode_tokens, reason=reason)
 
     def remove(self, ids: set[str], reason: FinishReason) -> list[Outcome]:
         now = self.clock()

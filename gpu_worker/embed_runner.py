@@ -65,6 +65,9 @@ class EmbedRunner:
     def remaining_tokens(self) -> dict[str, int]:
         return {}
 
+    def resumed_whole(self, job: Job, reason: FinishReason = FinishReason.LENGTH) -> Outcome:
+        raise ValueError(f"job {job.id} is not a streaming request: an encoder streams nothing")
+
     def remove(self, ids: set[str], reason: FinishReason) -> list[Outcome]:
         return []  # nothing runs between calls
 

@@ -182,7 +182,7 @@ class GenerateRunner:
         done = [job for job in batch if job.stream is not None and job.stream.sent >= job.new_tokens]
         if done:  # a streaming request run again after its caller was sent every token: only the result is left
             batch = [job for job in batch if job not in done]
-            return [self._resumed_whole(job) for job in done] + (self.start(batch, now) if batch else [])
+            return [self.resumed_whole(job) for job in done] + (self.start(batch, now) if batch else [])
         try:
             for job in batch:
                 self.faults.check_tokens(job.inputs[0])
@@ -245,8 +245,8 @@ class GenerateRunner:
                     job.stream.first = False
         return out
 
-    def _resumed_whole(self, job: Job) -> Outcome:
-        return resumed_whole(job, self.clock(), worker=self.worker, decode=self._decoder(job))
+    def resumed_whole(self, job: Job, reason: FinishReason = FinishReason.LENGTH) -> Outcome:
+        return resumed_whole(job, self.clock(), worker=self.worker, decode=self._decoder(job), reason=reason)
 
     def _outcomes(self, results: list[GenResult]) -> list[Outcome]:
         now = self.clock()

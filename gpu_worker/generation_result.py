@@ -64,11 +64,14 @@ def generation_result(job: Job, r: GenResult, now: float, *, worker: str, decode
                       reason=r.finish_reason, timings=timings, started=r.admitted_at)
 
 
-def resumed_whole(job: Job, now: float, *, worker: str, decode: Decode) -> Outcome:
-    """A streaming request run again after its caller was sent every token: only the result is left."""
+def resumed_whole(job: Job, now: float, *, worker: str, decode: Decode,
+                  reason: FinishReason = FinishReason.LENGTH) -> Outcome:
+    """A streaming request's result from what its caller was sent, with no row of its own now: run again after it
+    was sent every token (`length`), or (`deadline`) preempted and then expired while queued again (its output was
+    null, its stream's deltas then adding up to nothing)."""
     if job.stream is None:
         raise ValueError(f"job {job.id} is not a streaming request")
-    r = GenResult(id=job.id, token_ids=[], finish_reason=FinishReason.LENGTH,
+    r = GenResult(id=job.id, token_ids=[], finish_reason=reason,
                   prompt_tokens=len(job.inputs[0]) + len(job.stream.restart()), prefill_s=0.0, ttft_s=0.0,
                   decode_s=0.0, admitted_at=now, owner=job)
     return Outcome(job.req, generation_result(job, r, now, worker=worker, decode=decode))

@@ -122,10 +122,11 @@ class ModelLoop(ThreadedLoop):
         out: list[Emitted] = []
         if plan.evict:
             out.extend(self.runner.remove({job.id for job in plan.evict}, FinishReason.DEADLINE))
-        for job in plan.expired:
-            metrics.EXPIRED_BEFORE_COMPUTE.labels(self.name, job.lane).inc()
-            out.append(expired_outcome(job.req, self._worker, now, "while queued") if job.deadline <= now else
-                       expired_outcome(job.req, self._worker, now, "while queued", unreachable=job.deadline - now))
+        for job in plan.expired:  # (a preempted row was computed; a stream's caller keeps what it was sent)
+            metrics.EXPIRED_BEFORE_COMPUTE.labels(self.name, job.lane).inc(0 if job.attempts else 1)
+            kept = job.stream is not None and bool(job.stream.released)
+            out.append(self.runner.resumed_whole(job, FinishReason.DEADLINE) if kept else expired_outcome(
+                job.req, self._worker, now, "while queued", unreachable=max(0.0, job.deadline - now) or None))
         if plan.preempt:  # their partial work is dropped, not published; they wait again
             self.runner.remove({job.id for job in plan.preempt}, FinishReason.CANCELLED)
             self.scheduler.requeue(plan.preempt)

@@ -67,6 +67,10 @@ class Runner(Protocol):
         """Running rows leave now with what they have (the one way to end a row early)."""
         ...
 
+    def resumed_whole(self, job: Job, reason: FinishReason = FinishReason.LENGTH) -> Outcome:
+        """A streaming job with no row: its result from what its caller was sent (`generation_result`)."""
+        ...
+
     def hold_back(self, ids: frozenset[str]) -> None:
         """Exactly the running rows `ids` sit out the next steps, keeping their work (`gpu_worker.background_rows`
         decides which; an encoder keeps no rows between calls and ignores it)."""

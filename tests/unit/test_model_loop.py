@@ -413,3 +413,50 @@ def test_no_release_while_draining_nor_for_lanes_the_other_does_not_serve():
     loop._iterate()
     backs = [o for o in emitted if isinstance(o, HandBack)]
     assert len(backs) == 1 and sorted(r.id for r in backs[0].requests) == ["r1", "r2", "r3"]  # the drain's, once
+
+
+def test_a_preempted_stream_that_expires_while_queued_keeps_what_its_caller_was_sent():
+    """A batch-priority stream preempted for interactive work, then expired while queued again (its deadline could
+    no longer be met): it ended `expired` with no output, "not computed", counted as expired before compute, though
+    its caller had been sent tokens; now its output is those tokens, as a deadline reached mid-decode keeps them."""
+    import dataclasses
+
+    from gpu_worker.echo_runner import EchoRunner
+    from gpu_worker.outcomes import Delta
+    from shared.config import ModelSpec
+
+    clock = Clock()
+
+    def sleep(s: float) -> None:
+        clock.t += s
+
+    spec = ModelSpec(name="m", task=Task.GENERATE, source="", kind="echo", max_input_tokens=64, max_new_tokens=200,
+                     step_ms=10).validate()
+    runner = EchoRunner(spec, "w", max_rows=1, clock=clock, sleep=sleep)
+    sched = Scheduler([LanePolicy("short", 0.0)], BatchLimits(8, 10_000), deadline_aware=True,
+                      service=ServiceModel(decode_s_per_token=STEP_S))
+    emitted: list = []
+    loop = ModelLoop("m", runner, sched, mark_running=lambda rs: [True] * len(rs), emit=emitted.extend, clock=clock,
+                     worker="w", idle_wait_s=0.0)
+    before = REGISTRY.get_sample_value("batchgate_expired_before_compute_total", {"model": "m", "lane": "short"}) or 0
+    stream = dataclasses.replace(req(0, clock, new=100, timeout=1.2, priority=Priority.BATCH), stream=True,
+                                 input={"prompt": "abc"})
+    loop.submit(Add([stream], clock.t))
+    for _ in range(20):
+        loop._iterate()
+    loop.submit(Add([req(9, clock, new=30, timeout=0.45)], clock.t))  # out of slack behind 80 more tokens: preempts
+    run_until_idle(loop, runner)  # type: ignore[arg-type]
+    sent = [t for d in emitted if isinstance(d, Delta) and d.request.id == "r0" for t in d.delta.token_ids]
+    (end,) = [o for o in emitted if isinstance(o, Outcome) and o.request.id == "r0"]
+    assert finished(emitted) == ["r9"] and len(sent) >= 15
+    assert end.result.status is Status.EXPIRED and end.result.finish_reason is FinishReason.DEADLINE
+    assert end.result.output is not None and end.result.output["token_ids"] == sent  # what the caller was sent
+    assert end.result.output["text"] == decode_bytes(sent) and "partial output kept" in end.result.error.message
+    after = REGISTRY.get_sample_value("batchgate_expired_before_compute_total", {"model": "m", "lane": "short"}) or 0
+    assert after == before  # it was computed: not an expiry before compute
+
+
+def decode_bytes(ids: list[int]) -> str:
+    from gpu_worker.echo_runner import decode_tokens
+
+    return decode_tokens(ids)
