@@ -140,17 +140,19 @@ end
 return out
 """
 
-# KEYS[1] record; ARGV callback state, its event. Keeps the record's view of its webhooks current (if it still
-# exists): the latest delivery's state ('cb') and each event's ('cb:<event>': a started webhook that died stays
-# visible, and replayable, after the completed one was delivered).
-# KEYS record; ARGV state, event, keep_ms. Writes a delivery's state into its record and keeps the record at least
-# keep_ms longer (never shorter; a record without a TTL keeps none)
+# KEYS[1] record, KEYS[2] its delta stream (the same slot); ARGV callback state, its event, keep ms. Keeps the
+# record's view of its webhooks current (if it still exists): the latest delivery's state ('cb') and each event's
+# ('cb:<event>': a started webhook that died stays visible, and replayable, after the completed one was delivered);
+# and keeps the record, and a streaming request's deltas with it, at least `keep` ms longer (never shorter; a key
+# without a TTL keeps none).
 CALLBACK_STATE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'cb', ARGV[1], 'cb:' .. ARGV[2], ARGV[1])
 local keep = tonumber(ARGV[3])
-local ttl = redis.call('PTTL', KEYS[1])
-if keep > 0 and ttl >= 0 and ttl < keep then redis.call('PEXPIRE', KEYS[1], keep) end
+for _, key in ipairs(KEYS) do
+  local ttl = redis.call('PTTL', key)
+  if keep > 0 and ttl >= 0 and ttl < keep then redis.call('PEXPIRE', key, keep) end
+end
 return 1
 """
 
@@ -410,7 +412,7 @@ class RecordStore:
 
     async def set_callback_state(self, request_id: str, state: CallbackState, now_ms: int) -> None:
         """Write a delivery's state into its request's record, keeping the record as `callback_keep_ms` says."""
-        await self._cb_state(keys=[self.keys.record(request_id)],
+        await self._cb_state(keys=[self.keys.record(request_id), self.keys.events(request_id)],
                              args=[encode(state), state.event, self.callback_keep_ms(state, now_ms)])
 
 

@@ -328,10 +328,14 @@ async def test_a_result_outlives_the_webhook_that_reports_it(redis_url, prefix):
                             callback_max_attempts=2)
     async with receiver(lambda rec, n: (500, {}, 0.0)) as rx, running_gateway(settings) as gw, dispatcher(settings):
         rid = await submit(gw, rx.url)
+        events = Keys(prefix).events(rid)  # a streaming request's deltas live as long as its record
+        await gw.service.redis.xadd(events, {"d": b"x"})
+        await gw.service.redis.pexpire(events, 2500)
         await complete(gw, rid)
         await wait_until(lambda: _cb_status(gw, rid, "pending"), timeout=10)
         pttl = await gw.service.redis.pttl(Keys(prefix).record(rid))
         assert pttl > 2000 + 2000  # until the next attempt (at least 2.5 s away), plus the result TTL
+        assert await gw.service.redis.pttl(events) > 2000 + 2000  # a resumed stream still finds its deltas
         await wait_until(lambda: _cb_status(gw, rid, "dead"), timeout=15)
         bodies = [json.loads(r.body) for r in rx.requests]
         assert len(bodies) == 2 and [b["status"] for b in bodies] == ["succeeded"] * 2, bodies  # whole, not ids
