@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import BertConfig, BertModel, BertTokenizerFast
+from transformers import AutoTokenizer, BertConfig, BertModel
 
 from gpu_worker.embed_runner import EmbedRunner
 from gpu_worker.models import load, minilm_path
@@ -34,7 +34,10 @@ def st_directory(root: Path, pooling: dict[str, object] | None, *, dense: bool =
     """A tiny seeded BERT saved as a sentence-transformers model: Transformer (`sentence`: its
     sentence_bert_config.json), Pooling (`pooling`), Normalize. Its tokenizer is cased."""
     out = root / "model"
-    tok = BertTokenizerFast(vocab_file=str(minilm_path() / "vocab.txt"), do_lower_case=False)
+    # MiniLM's own vocabulary, cased (`BertTokenizerFast(vocab_file=...)` builds an empty one under transformers 5:
+    # every word [UNK], which the worker now refuses to load, and which these comparisons had compared)
+    tok = AutoTokenizer.from_pretrained(minilm_path(), do_lower_case=False)
+    assert len(tok) > 30_000 and tok("Hello world")["input_ids"] == [101, 100, 2088, 102]  # cased: "Hello" unknown
     cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=64, max_position_embeddings=128)
     torch.manual_seed(0)
