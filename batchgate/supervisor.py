@@ -101,7 +101,7 @@ def redis_problem(redis_url: str, timeout_s: float = 3.0) -> str | None:
     return None
 
 
-def queued_requests(redis_url: str, prefix: str) -> tuple[int, int] | None:
+def unfinished_work(redis_url: str, prefix: str) -> tuple[int, int] | None:
     """Accepted requests with no result yet (records queued, or running and handed back), and batches not finished,
     or None when the Redis cannot say."""
     import redis
@@ -315,15 +315,12 @@ def _embedded_ended_well(status: int | None, redis_url: str, prefix: str, asked:
         if asked:
             print(f"batchgate up: {ended('redis', status)}; what it held is lost", file=sys.stderr, flush=True)
         return False
-    queued, batches = queued_requests(redis_url, prefix) or (0, 0)
-    keep = "with the embedded Redis (it keeps nothing; set REDIS_URL to a persistent Redis to keep them)"
-    if queued:
-        were = "requests were" if queued != 1 else "request was"
-        print(f"batchgate up: {queued} accepted {were} still queued and {'are' if queued != 1 else 'is'} discarded "
-              + keep, file=sys.stderr, flush=True)
-    if batches:
-        print(f"batchgate up: {batches} {'batches' if batches != 1 else 'batch'} not finished "
-              f"{'are' if batches != 1 else 'is'} discarded " + keep, file=sys.stderr, flush=True)
+    queued, batches = unfinished_work(redis_url, prefix) or (0, 0)
+    for n, one, many in ((queued, "accepted request was still queued and is", "accepted requests were still queued "
+                          "and are"), (batches, "batch not finished is", "batches not finished are")):
+        if n:
+            print(f"batchgate up: {n} {one if n == 1 else many} discarded with the embedded Redis (it keeps "
+                  "nothing; set REDIS_URL to a persistent Redis to keep them)", file=sys.stderr, flush=True)
     return True
 
 

@@ -64,7 +64,8 @@ def _without_stage(event: dict[str, Any]) -> dict[str, Any]:
     ctx = event.get("requestContext") or {}
     http, prefix = ctx.get("http") or {}, f"/{ctx.get('stage') or '$default'}"
     path = str(http.get("path") or "")
-    custom_domain = ".execute-api." not in str(ctx.get("domainName") or ".execute-api.")
+    domain = str(ctx.get("domainName") or "")
+    custom_domain = bool(domain) and ".execute-api." not in domain
     if (event.get("version") != "2.0" or prefix == "/$default" or custom_domain
             or not (path + "/").startswith(prefix + "/")):
         return event

@@ -283,9 +283,9 @@ class AsyncBatchgateClient(_Common):
 
     async def _request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
                        headers: dict[str, str] | None = None) -> Any:
-        if self._direct is not None:
-            _json_body(json)  # what JSON cannot carry is refused as over HTTP (a bare TypeError came from Redis's side)
-            return self._parse(*await self._direct.request(method, path, json, params or {}, headers or {}))
+        if self._direct is not None:  # the body as HTTP would send it: what JSON cannot carry is refused the same way
+            return self._parse(*await self._direct.request(method, path, _json_body(json), params or {},
+                                                           headers or {}))
         try:
             r = await self._http.request(method, path, content=_json_body(json), params=params,
                                          headers={**(headers or self._headers()), **_json_type(json)})

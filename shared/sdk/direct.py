@@ -79,7 +79,7 @@ class DirectTransport:
                     raise Unavailable(f"event stream of {request_id} lost: {exc!r}") from exc
                 await asyncio.sleep(pause)
 
-    async def request(self, method: str, path: str, body: Any, params: dict[str, Any],
+    async def request(self, method: str, path: str, body: bytes | None, params: dict[str, Any],
                       headers: dict[str, str]) -> tuple[int, dict[str, str], Any]:
         try:
             answer = await self._call(method, path, body, params, headers)
@@ -90,7 +90,7 @@ class DirectTransport:
             return down.status, _lower(down.headers()), down.body()
         return answer.status, _lower(answer.headers), answer.body
 
-    async def _call(self, method: str, path: str, body: Any, params: dict[str, Any],
+    async def _call(self, method: str, path: str, body: bytes | None, params: dict[str, Any],
                     headers: dict[str, str]) -> ops.Answer:
         q, tenant = self._queue, self._tenant
         name, arg = _route(method, path)
@@ -100,11 +100,11 @@ class DirectTransport:
         if name == "cancel":
             return await ops.cancel(q, tenant, arg)
         spec = ops.model_spec(q, arg)
-        body = _as_sent(body, q.settings.max_body_bytes)
+        sent = _as_sent(body, q.settings.max_body_bytes)
         if name == "submit_batch":
-            return await ops.submit_batch(q, body, spec, tenant)
+            return await ops.submit_batch(q, sent, spec, tenant)
         key = headers.get("idempotency-key")
-        return await ops.submit(q, body, spec, tenant, wait=wait,
+        return await ops.submit(q, sent, spec, tenant, wait=wait,
                                 idempotency_key=ops.check_idempotency_key(key) if key is not None else None)
 
 
@@ -117,12 +117,12 @@ def _route(method: str, path: str) -> tuple[str, str]:
     raise NotFound(f"no route {method} {path}")
 
 
-def _as_sent(body: Any, max_bytes: int) -> Any:
-    """The body as the gateway would receive it: JSON (tuples become lists, keys strings), size-limited."""
-    raw = json.dumps(body).encode()
-    if len(raw) > max_bytes:
+def _as_sent(raw: bytes | None, max_bytes: int) -> Any:
+    """The body as the gateway would receive it, from the JSON the client made of it (tuples lists, keys strings),
+    size-limited."""
+    if raw is not None and len(raw) > max_bytes:
         raise PayloadTooLarge(f"body exceeds the limit of {max_bytes} bytes")
-    return json.loads(raw)
+    return None if raw is None else json.loads(raw)
 
 
 def _lower(headers: dict[str, str]) -> dict[str, str]:

@@ -421,7 +421,7 @@ def test_a_preempted_stream_that_expires_while_queued_keeps_what_its_caller_was_
     its caller had been sent tokens; now its output is those tokens, as a deadline reached mid-decode keeps them."""
     import dataclasses
 
-    from gpu_worker.echo_runner import EchoRunner
+    from gpu_worker.echo_runner import EchoRunner, decode_tokens
     from gpu_worker.outcomes import Delta
     from shared.config import ModelSpec
 
@@ -451,12 +451,7 @@ def test_a_preempted_stream_that_expires_while_queued_keeps_what_its_caller_was_
     assert finished(emitted) == ["r9"] and len(sent) >= 15
     assert end.result.status is Status.EXPIRED and end.result.finish_reason is FinishReason.DEADLINE
     assert end.result.output is not None and end.result.output["token_ids"] == sent  # what the caller was sent
-    assert end.result.output["text"] == decode_bytes(sent) and "partial output kept" in end.result.error.message
+    assert end.result.output["text"] == decode_tokens(sent) and "partial output kept" in end.result.error.message
     after = REGISTRY.get_sample_value("batchgate_expired_before_compute_total", {"model": "m", "lane": "short"}) or 0
     assert after == before  # it was computed: not an expiry before compute
 
-
-def decode_bytes(ids: list[int]) -> str:
-    from gpu_worker.echo_runner import decode_tokens
-
-    return decode_tokens(ids)

@@ -332,7 +332,7 @@ def test_uploaded_files_go_with_the_embedded_redis_that_holds_their_records(monk
 
     monkeypatch.setattr(supervisor, "_banner", lambda *a: None)
     monkeypatch.setattr(supervisor, "start_embedded_redis", lambda: FakeEmbedded())
-    monkeypatch.setattr(supervisor, "queued_requests", lambda *a: (0, 0))
+    monkeypatch.setattr(supervisor, "unfinished_work", lambda *a: (0, 0))
     monkeypatch.setattr(supervisor.Stack, "start", staticmethod(start))
     if environ:
         monkeypatch.setattr(Running, "supervise", lambda self: 0)
